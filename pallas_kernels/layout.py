@@ -1,0 +1,74 @@
+"""KV cache layouts shared by the model, the kernels and the cache tiers.
+
+Two layouts, one per place the KV lives:
+
+* **Layer-first device pool (L1)**, what attention reads::
+
+      kv_pool[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]
+
+  ``kv_pool[l, 0]`` is layer ``l``'s K, ``kv_pool[l, 1]`` its V; each is one
+  contiguous ``[num_pages, page_size, kv_heads, head_dim]`` block.  A token's
+  *slot* is ``page_id * page_size + offset_in_page``; viewing the pool as
+  ``[num_layers, 2, num_slots, kv_heads, head_dim]`` (a free reshape) indexes it
+  by slot.  The pool is updated in place: every jitted step donates it.
+
+* **Page-first staging / host / storage layout (L2, L3)**::
+
+      pages[n_pages, num_layers, 2, page_size, num_kv_heads, head_dim]
+
+  One page holds every layer's K and V for ``page_size`` tokens as one
+  contiguous block, so moving a page is one large copy and one storage object.
+
+Converting between them is a transpose of the leading axes; ``scatter_pages`` /
+``gather_pages`` do it while moving pages in or out of the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one model's KV cache; everything else is derived from it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(_numpy_dtype_name(self.dtype)).itemsize
+
+    def device_pool_shape(self, num_pages: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def page_first_shape(self, num_pages: int) -> tuple[int, ...]:
+        return (num_pages, self.num_layers, 2, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers (K and V): one transfer unit."""
+        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        return self.page_bytes // self.page_size
+
+
+def _numpy_dtype_name(dtype: str) -> str:
+    if dtype == "bfloat16":
+        import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+
+        return "bfloat16"
+    return dtype

@@ -1,0 +1,127 @@
+"""Pure-JAX references for every kernel in this package.
+
+They define the semantics; the Pallas kernels must match them exactly (transfer)
+or to float tolerance (attention).  Layouts are described in ``layout.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def scatter_pages_reference(pool: jax.Array, staging: jax.Array, page_ids: jax.Array) -> jax.Array:
+    """Write page-first ``staging[n, L, 2, S, H, D]`` into layer-first ``pool[L, 2, P, S, H, D]``.
+
+    ``page_ids[n]`` are the destination pages; out-of-range ids are dropped (used for
+    padding a batch of pages up to a bucket size).  Returns the updated pool; callers
+    donate ``pool`` so XLA updates it in place.
+    """
+    layer_first = jnp.transpose(staging, (1, 2, 0, 3, 4, 5)).astype(pool.dtype)
+    return pool.at[:, :, page_ids].set(layer_first, mode="drop")
+
+
+def gather_pages_reference(pool: jax.Array, page_ids: jax.Array) -> jax.Array:
+    """Read pages ``page_ids[n]`` of ``pool[L, 2, P, S, H, D]`` into page-first ``[n, L, 2, S, H, D]``."""
+    picked = jnp.take(pool, page_ids, axis=2, mode="clip")
+    return jnp.transpose(picked, (2, 0, 1, 3, 4, 5))
+
+
+def write_kv_reference(
+    kv_pool_layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> jax.Array:
+    """Write new tokens' K/V into one layer ``[2, P, S, H, D]`` at flat slots.
+
+    ``k, v: [T, H, D]``; ``slot_mapping[T]`` is page_id * page_size + offset; a slot
+    outside the pool (padding tokens use ``num_pages * page_size``) is dropped.
+    """
+    two, num_pages, page_size, heads, dim = kv_pool_layer.shape
+    flat = kv_pool_layer.reshape(two, num_pages * page_size, heads, dim)
+    new = jnp.stack([k, v]).astype(flat.dtype)
+    flat = flat.at[:, slot_mapping].set(new, mode="drop")
+    return flat.reshape(kv_pool_layer.shape)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_start: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    kv_block_tokens: int = 256,
+) -> jax.Array:
+    """Attention of a ragged batch of new tokens over their paged K/V.
+
+    Shapes (T = padded token count, B = padded batch size):
+      q:           [T, num_q_heads, head_dim]     new tokens of all sequences, packed
+      k_pages:     [num_pages, page_size, num_kv_heads, head_dim]  (this layer, already
+                   holding the new tokens' K)
+      v_pages:     same as k_pages
+      page_table:  int32 [B, max_pages_per_seq]   page ids of each sequence, in order
+      seq_lens:    int32 [B]   KV length of each sequence *including* its new tokens
+                   (0 for padding sequences)
+      query_start: int32 [B + 1]  sequence b owns tokens query_start[b]:query_start[b+1]
+    Token i of sequence b (q_len_b new tokens) sits at absolute position
+    seq_lens[b] - q_len_b + i and attends causally to KV positions 0..that position.
+    Tokens past query_start[B] are padding; their output is 0.
+    GQA: query head h reads KV head h // (num_q_heads // num_kv_heads).
+    soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
+
+    Implementation: flash-style online softmax over KV blocks, gathering each token's
+    pages through its sequence's page-table row, so memory stays O(T * block).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    batch, max_pages = page_table.shape
+    group = num_q_heads // num_kv_heads
+
+    token_idx = jnp.arange(num_tokens)
+    # Sequence of each token (padding tokens map to the last sequence, masked below).
+    seq_of_token = jnp.clip(jnp.searchsorted(query_start, token_idx, side="right") - 1, 0, batch - 1)
+    is_real = token_idx < query_start[batch]
+    q_lens = query_start[1:] - query_start[:-1]
+    pos = seq_lens[seq_of_token] - q_lens[seq_of_token] + (token_idx - query_start[seq_of_token])
+    kv_len = jnp.where(is_real, pos + 1, 0)  # KV positions this token may read
+
+    pages_per_block = max(1, min(max_pages, kv_block_tokens // page_size))
+    num_blocks = -(-max_pages // pages_per_block)
+    padded_table = jnp.pad(page_table, ((0, 0), (0, num_blocks * pages_per_block - max_pages)))
+    token_tables = padded_table[seq_of_token].reshape(num_tokens, num_blocks, pages_per_block)
+
+    qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    block_tokens = pages_per_block * page_size
+
+    def body(carry, block):
+        acc, row_max, row_sum = carry
+        pages = token_tables[:, block]  # [T, ppb]
+        k = k_pages[pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
+        v = v_pages[pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
+        scores = jnp.einsum("thgd,tkhd->thgk", qf, k.astype(jnp.float32)) * sm_scale
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        kv_pos = block * block_tokens + jnp.arange(block_tokens)
+        visible = kv_pos[None, :] < kv_len[:, None]  # [T, K]
+        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+        new_max = jnp.maximum(row_max, scores.max(axis=-1))
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        probs = jnp.where(visible[:, None, None, :], jnp.exp(scores - safe_max[..., None]), 0.0)
+        correction = jnp.where(jnp.isfinite(row_max), jnp.exp(row_max - safe_max), 0.0)
+        row_sum = row_sum * correction + probs.sum(axis=-1)
+        # Unwritten (e.g. NaN-poisoned) slots are masked: zero their values so 0 * NaN
+        # cannot leak into the sum.
+        v_safe = jnp.where(visible[:, :, None, None], v.astype(jnp.float32), 0.0)
+        acc = acc * correction[..., None] + jnp.einsum("thgk,tkhd->thgd", probs, v_safe)
+        return (acc, new_max, row_sum), None
+
+    init = (
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+        jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+    )
+    (acc, _, row_sum), _ = jax.lax.scan(body, init, jnp.arange(num_blocks))
+    out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

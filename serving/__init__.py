@@ -1,0 +1,1 @@
+"""Faces of the engine: gRPC, OpenAI-compatible HTTP, metrics, CLI glue."""

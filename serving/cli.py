@@ -1,0 +1,33 @@
+"""The ``strata-jax`` console script: the engine's commands plus ``serve``."""
+
+from __future__ import annotations
+
+import sys
+
+from strata_jax.cli import build_parser, dispatch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    subparsers = next(a for a in parser._subparsers._group_actions if a.dest == "command")  # noqa: SLF001
+    serve = subparsers.add_parser("serve", help="start the gRPC and OpenAI-compatible HTTP servers")
+    try:
+        from serving.server_cli import add_serve_arguments
+    except ModuleNotFoundError as exc:
+        if exc.name != "serving.server_cli":
+            raise
+        add_serve_arguments = None
+    if add_serve_arguments is not None:
+        add_serve_arguments(serve)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "serve":
+        if add_serve_arguments is None:
+            raise SystemExit("`serve` is not implemented in this build")
+        from serving.server_cli import run_serve
+
+        return run_serve(args)
+    return dispatch(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

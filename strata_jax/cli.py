@@ -1,0 +1,46 @@
+"""Command line of the engine: ``strata-jax generate`` and ``strata-jax bench NAME``.
+
+The console script lives in ``serving.cli`` (which adds ``serve``) so that this
+package never imports ``serving``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from strata_jax.bench import BENCHMARKS, run_benchmark
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strata-jax",
+        description="Long-context LLM serving in JAX with hierarchical KV caching (GPU HBM / CPU DRAM / storage).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt (greedy by default)")
+    from strata_jax.generate_cli import add_generate_arguments
+
+    add_generate_arguments(gen)
+
+    bench = sub.add_parser("bench", help="run a benchmark; `strata-jax bench NAME --help` lists its flags")
+    bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags of that benchmark")
+    return parser
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        from strata_jax.generate_cli import run_generate
+
+        return run_generate(args)
+    if args.command == "bench":
+        return run_benchmark(args.name, args.bench_args)
+    raise SystemExit(f"unknown command {args.command!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return dispatch(args)
