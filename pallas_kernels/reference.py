@@ -28,18 +28,20 @@ def gather_pages_reference(pool: jax.Array, page_ids: jax.Array) -> jax.Array:
 
 
 def write_kv_reference(
-    kv_pool_layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+    kv_pool: jax.Array, layer: int, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 ) -> jax.Array:
-    """Write new tokens' K/V into one layer ``[2, P, S, H, D]`` at flat slots.
+    """Write new tokens' K/V of one layer into the full pool ``[L, 2, P, S, H, D]``.
 
     ``k, v: [T, H, D]``; ``slot_mapping[T]`` is page_id * page_size + offset; a slot
     outside the pool (padding tokens use ``num_pages * page_size``) is dropped.
+    ``layer`` is a static Python int.  The scatter targets the whole (donated) pool
+    rather than a sliced layer so XLA updates it in place instead of copying a layer.
     """
-    two, num_pages, page_size, heads, dim = kv_pool_layer.shape
-    flat = kv_pool_layer.reshape(two, num_pages * page_size, heads, dim)
-    new = jnp.stack([k, v]).astype(flat.dtype)
-    flat = flat.at[:, slot_mapping].set(new, mode="drop")
-    return flat.reshape(kv_pool_layer.shape)
+    num_layers, two, num_pages, page_size, heads, dim = kv_pool.shape
+    flat = kv_pool.reshape(num_layers, two, num_pages * page_size, heads, dim)
+    new = jnp.stack([k, v], axis=1).astype(flat.dtype)  # [T, 2, H, D]
+    flat = flat.at[layer, :, slot_mapping].set(new, mode="drop")
+    return flat.reshape(kv_pool.shape)
 
 
 def ragged_paged_attention_reference(
