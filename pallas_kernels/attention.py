@@ -1,0 +1,241 @@
+"""Ragged paged attention for one layer, as a Pallas kernel (Triton lowering).
+
+Semantics are those of ``pallas_kernels.reference.ragged_paged_attention_reference``
+(same arguments; read its docstring for shapes): a packed, ragged batch of new
+tokens (prefill/extend chunks and one-token decodes mixed) attends causally to its
+sequence's K/V, read through the page table, with GQA and optional soft-cap.
+
+Kernel design (one program per ``(sequence b, row block r, kv head h)``):
+
+* A *row* is one (new token, query head of the GQA group) pair.  Rows of sequence
+  ``b`` are numbered ``t * group + g``; a program takes ``block_rows`` of them, so
+  the K/V it reads serve every query head of the group at once (decode reads each
+  KV byte once per sequence and KV head).
+* KV is walked in blocks of ``block_kv`` token positions; each position's slot is
+  ``page_table[b, pos // page_size] * page_size + pos % page_size`` and K/V rows are
+  gathered from the pool viewed as ``[num_pages * page_size, kv_heads, head_dim]``,
+  so any page size from 1 to 64 (or more) works with the same tiles.  The loop stops
+  at the last position the block's last row may see (causal), so short sequences in
+  a long batch cost nothing extra.
+* Online softmax in float32; masked scores are set to a large negative number and
+  masked V rows to zero, so NaN-poisoned (never written) slots cannot leak.
+* Rows past a sequence's end store into a trash row (``num_tokens``) that is sliced
+  away; padding tokens (past ``query_start[B]``) come out as zeros.
+
+Triton needs power-of-two tiles: ``head_dim`` must be a power of two >= 16 for the
+compiled path (``attention_supported``); interpret mode accepts any shape.
+Imports only jax and numpy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+_NEG = -1e30
+
+
+class AttentionShapeError(ValueError):
+    """Inputs of ragged paged attention are inconsistent."""
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def attention_supported(head_dim: int) -> bool:
+    """Whether the compiled (Triton) kernel handles this head_dim (power of two, >= 16)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start) -> None:
+    if q.ndim != 3:
+        raise AttentionShapeError(f"q must be [T, num_q_heads, head_dim], got {q.shape}")
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise AttentionShapeError(
+            f"k_pages/v_pages must both be [P, S, H_kv, D], got {k_pages.shape} and {v_pages.shape}"
+        )
+    if k_pages.shape[3] != q.shape[2]:
+        raise AttentionShapeError(f"head_dim of q ({q.shape[2]}) != head_dim of K/V ({k_pages.shape[3]})")
+    if q.shape[1] % k_pages.shape[2] != 0:
+        raise AttentionShapeError(
+            f"num_q_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k_pages.shape[2]})"
+        )
+    if page_table.ndim != 2:
+        raise AttentionShapeError(f"page_table must be [B, max_pages], got {page_table.shape}")
+    batch = page_table.shape[0]
+    if seq_lens.shape != (batch,):
+        raise AttentionShapeError(f"seq_lens must be [B={batch}], got {seq_lens.shape}")
+    if query_start.shape != (batch + 1,):
+        raise AttentionShapeError(f"query_start must be [B+1={batch + 1}], got {query_start.shape}")
+
+
+def _attention_kernel(
+    qstart_ref,
+    seqlen_ref,
+    table_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *,
+    group: int,
+    block_rows: int,
+    block_kv: int,
+    page_size: int,
+    num_pages: int,
+    max_pages: int,
+    num_tokens: int,
+    sm_scale: float,
+    soft_cap: float | None,
+):
+    b, rb, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_start = qstart_ref[b]
+    q_len = qstart_ref[b + 1] - q_start
+    n_rows = q_len * group
+    row0 = rb * block_rows
+
+    @pl.when(row0 < n_rows)
+    def _compute():
+        seq_len = seqlen_ref[b]
+        rows = row0 + jnp.arange(block_rows, dtype=jnp.int32)
+        row_ok = rows < n_rows
+        tok_local = rows // group
+        head_in_group = rows - tok_local * group
+        tok = jnp.minimum(q_start + tok_local, num_tokens - 1)
+        q = q_ref[tok, h, head_in_group, :]  # [BR, D]
+        pos = seq_len - q_len + tok_local  # absolute position of each row's token
+        last_tok = (jnp.minimum(row0 + block_rows, n_rows) - 1) // group
+        kv_end = jnp.minimum(seq_len - q_len + last_tok + 1, seq_len)
+        n_blocks = (kv_end + block_kv - 1) // block_kv
+        head_dim = q.shape[-1]
+
+        def body(kb, carry):
+            acc, row_max, row_sum = carry
+            kv_pos = kb * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+            page_idx = jnp.minimum(kv_pos // page_size, max_pages - 1)
+            page = jnp.clip(table_ref[b, page_idx], 0, num_pages - 1)
+            slot = page * page_size + kv_pos % page_size
+            k = k_ref[slot, h, :]  # [BK, D]
+            v = v_ref[slot, h, :]
+            scores = jax.lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            ) * sm_scale
+            if soft_cap is not None:
+                scores = soft_cap * jnp.tanh(scores / soft_cap)
+            visible = kv_pos[None, :] <= pos[:, None]
+            scores = jnp.where(visible, scores, _NEG)
+            new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
+            probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
+            correction = jnp.exp(row_max - new_max)
+            row_sum = row_sum * correction + jnp.sum(probs, axis=1)
+            v = jnp.where((kv_pos < kv_end)[:, None], v, jnp.zeros_like(v))
+            if v.dtype == jnp.float32:
+                pv = jax.lax.dot_general(probs, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            else:
+                pv = jax.lax.dot_general(
+                    probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                )
+            acc = acc * correction[:, None] + pv
+            return acc, new_max, row_sum
+
+        init = (
+            jnp.zeros((block_rows, head_dim), jnp.float32),
+            jnp.full((block_rows,), _NEG, jnp.float32),
+            jnp.zeros((block_rows,), jnp.float32),
+        )
+        acc, _, row_sum = jax.lax.fori_loop(0, n_blocks, body, init)
+        out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
+        dest = jnp.where(row_ok, q_start + tok_local, num_tokens)  # trash row for overhang
+        o_ref[dest, h, head_in_group, :] = out.astype(o_ref.dtype)
+
+
+def ragged_paged_attention_pallas(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_start: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    max_q_len: int | None = None,
+    block_rows: int | None = None,
+    block_kv: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Pallas ragged paged attention; same contract as the reference.
+
+    Extra static knobs: ``max_q_len`` bounds the new tokens of any one sequence
+    (default: all T tokens; pass 1 for a decode-only batch to shrink the grid; a
+    sequence with more new tokens than this is an error the kernel cannot see, its
+    extra rows are not computed), ``block_rows`` rows (token x group head) per
+    program (power of two, default from ``max_q_len``), ``block_kv`` KV positions per
+    inner step (power of two >= 16).
+    """
+    _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    batch, max_pages = page_table.shape
+    group = num_q_heads // num_kv_heads
+    max_q = num_tokens if max_q_len is None else int(max_q_len)
+    if not 1 <= max_q <= max(1, num_tokens):
+        raise AttentionShapeError(f"max_q_len must be in [1, {num_tokens}], got {max_q_len}")
+    if block_rows is None:
+        block_rows = min(64, max(16, _next_pow2(max_q * group)))
+    for name, value in (("block_rows", block_rows), ("block_kv", block_kv)):
+        if value < 1 or value & (value - 1):
+            raise AttentionShapeError(f"{name} must be a power of two, got {value}")
+    if not interpret and not attention_supported(head_dim):
+        raise AttentionShapeError(
+            f"the compiled kernel needs a power-of-two head_dim >= 16, got {head_dim}; use the reference"
+        )
+    if num_tokens == 0 or batch == 0:
+        return jnp.zeros_like(q)
+
+    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    k_slots = k_pages.reshape(num_pages * page_size, num_kv_heads, head_dim)
+    v_slots = v_pages.reshape(num_pages * page_size, num_kv_heads, head_dim).astype(k_slots.dtype)
+    row_blocks = -(-(max_q * group) // block_rows)
+    kernel = functools.partial(
+        _attention_kernel,
+        group=group,
+        block_rows=block_rows,
+        block_kv=block_kv,
+        page_size=page_size,
+        num_pages=num_pages,
+        max_pages=max_pages,
+        num_tokens=num_tokens,
+        sm_scale=float(sm_scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, row_blocks, num_kv_heads),
+        in_specs=[pl.no_block_spec] * 6,
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((num_tokens + 1, num_kv_heads, group, head_dim), q.dtype),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="strata_ragged_paged_attention",
+    )(
+        query_start.astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        q4,
+        k_slots,
+        v_slots,
+    )
+    out = out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+    is_real = jnp.arange(num_tokens) < query_start[batch]
+    return jnp.where(is_real[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+__all__ = ["AttentionShapeError", "attention_supported", "ragged_paged_attention_pallas"]
