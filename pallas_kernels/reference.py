@@ -73,13 +73,18 @@ def ragged_paged_attention_reference(
     GQA: query head h reads KV head h // (num_q_heads // num_kv_heads).
     soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
 
-    Implementation: flash-style online softmax over KV blocks, gathering each token's
-    pages through its sequence's page-table row, so memory stays O(T * block).
+    Flash-style online softmax over KV blocks of ``kv_block_tokens``; the loop runs
+    only over the blocks the longest sequence needs (dynamic trip count), so a short
+    batch costs little even with a wide page table.  Two gather strategies, chosen
+    statically: when T == B (a decode batch) each token gathers its own sequence's
+    block; otherwise each sequence's block is gathered once and every token scores
+    against every sequence's block with a mask (matmul-friendly for few sequences).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     batch, max_pages = page_table.shape
     group = num_q_heads // num_kv_heads
+    per_token = num_tokens == batch
 
     token_idx = jnp.arange(num_tokens)
     # Sequence of each token (padding tokens map to the last sequence, masked below).
@@ -90,40 +95,55 @@ def ragged_paged_attention_reference(
     kv_len = jnp.where(is_real, pos + 1, 0)  # KV positions this token may read
 
     pages_per_block = max(1, min(max_pages, kv_block_tokens // page_size))
-    num_blocks = -(-max_pages // pages_per_block)
-    padded_table = jnp.pad(page_table, ((0, 0), (0, num_blocks * pages_per_block - max_pages)))
-    token_tables = padded_table[seq_of_token].reshape(num_tokens, num_blocks, pages_per_block)
+    max_blocks = -(-max_pages // pages_per_block)
+    table = jnp.pad(page_table, ((0, 0), (0, max_blocks * pages_per_block - max_pages)))
+    table = table.reshape(batch, max_blocks, pages_per_block)
+    block_tokens = pages_per_block * page_size
+    num_blocks = jnp.minimum(-(-jnp.max(kv_len) // block_tokens), max_blocks)
 
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    block_tokens = pages_per_block * page_size
+    same_seq = seq_of_token[:, None] == jnp.arange(batch)[None, :]  # [T, B]
 
-    def body(carry, block):
+    def body(block, carry):
         acc, row_max, row_sum = carry
-        pages = token_tables[:, block]  # [T, ppb]
-        k = k_pages[pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
-        v = v_pages[pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
-        scores = jnp.einsum("thgd,tkhd->thgk", qf, k.astype(jnp.float32)) * sm_scale
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        pages = jax.lax.dynamic_index_in_dim(table, block, axis=1, keepdims=False)  # [B, ppb]
         kv_pos = block * block_tokens + jnp.arange(block_tokens)
         visible = kv_pos[None, :] < kv_len[:, None]  # [T, K]
+        if per_token:
+            tok_pages = pages[seq_of_token]
+            k = k_pages[tok_pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
+            v = v_pages[tok_pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
+            scores = jnp.einsum("thgd,tkhd->thgk", qf, k.astype(jnp.float32))
+            v_safe = jnp.where(visible[:, :, None, None], v.astype(jnp.float32), 0.0)
+        else:
+            k = k_pages[pages].reshape(batch, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+            v = v_pages[pages].reshape(batch, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+            all_scores = jnp.einsum("thgd,bkhd->thgbk", qf, k)
+            scores = jnp.sum(jnp.where(same_seq[:, None, None, :, None], all_scores, 0.0), axis=3)
+        scores = scores * sm_scale
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
         new_max = jnp.maximum(row_max, scores.max(axis=-1))
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
         probs = jnp.where(visible[:, None, None, :], jnp.exp(scores - safe_max[..., None]), 0.0)
         correction = jnp.where(jnp.isfinite(row_max), jnp.exp(row_max - safe_max), 0.0)
         row_sum = row_sum * correction + probs.sum(axis=-1)
-        # Unwritten (e.g. NaN-poisoned) slots are masked: zero their values so 0 * NaN
-        # cannot leak into the sum.
-        v_safe = jnp.where(visible[:, :, None, None], v.astype(jnp.float32), 0.0)
-        acc = acc * correction[..., None] + jnp.einsum("thgk,tkhd->thgd", probs, v_safe)
-        return (acc, new_max, row_sum), None
+        if per_token:
+            pv = jnp.einsum("thgk,tkhd->thgd", probs, v_safe)
+        else:
+            # Unwritten (e.g. NaN-poisoned) slots must not leak through 0 * NaN.
+            v = jnp.where(jnp.isfinite(v), v, 0.0)
+            masked = jnp.where(same_seq[:, None, None, :, None], probs[:, :, :, None, :], 0.0)
+            pv = jnp.einsum("thgbk,bkhd->thgd", masked, v)
+        acc = acc * correction[..., None] + pv
+        return acc, new_max, row_sum
 
     init = (
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
         jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
     )
-    (acc, _, row_sum), _ = jax.lax.scan(body, init, jnp.arange(num_blocks))
+    acc, _, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
     out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
