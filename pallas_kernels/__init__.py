@@ -1,8 +1,22 @@
 """Pallas kernels, their pure-JAX references, and per-platform dispatch.
 
 Imports only jax and numpy.  Layouts: see ``pallas_kernels.layout``.
+Public entry points (``scatter_pages``, ``gather_pages``, ``ragged_paged_attention``)
+pick their implementation per platform in ``pallas_kernels.dispatch``: CPU ->
+reference, CUDA/ROCm -> Pallas Triton; override with ``backend=`` /
+``KernelConfig`` or ``$STRATA_KERNEL_BACKEND`` (``reference|pallas|interpret|auto``).
 """
 
+from pallas_kernels.dispatch import (
+    BACKENDS,
+    KernelConfig,
+    UnknownBackendError,
+    gather_pages,
+    platform_name,
+    ragged_paged_attention,
+    resolve_backend,
+    scatter_pages,
+)
 from pallas_kernels.layout import KVLayout
 from pallas_kernels.reference import (
     gather_pages_reference,
@@ -11,18 +25,20 @@ from pallas_kernels.reference import (
     write_kv_reference,
 )
 
-# Until the dispatch module lands, the public entry points are the references.
-ragged_paged_attention = ragged_paged_attention_reference
-scatter_pages = scatter_pages_reference
-gather_pages = gather_pages_reference
+# write_kv has no Pallas kernel: one small XLA scatter on every platform.
 write_kv = write_kv_reference
 
 __all__ = [
+    "BACKENDS",
     "KVLayout",
+    "KernelConfig",
+    "UnknownBackendError",
     "gather_pages",
     "gather_pages_reference",
+    "platform_name",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
+    "resolve_backend",
     "scatter_pages",
     "scatter_pages_reference",
     "write_kv",

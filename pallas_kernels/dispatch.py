@@ -1,0 +1,188 @@
+"""The one place that picks a kernel implementation per platform.
+
+Backends, by name:
+
+* ``"reference"``: pure-JAX (XLA) reference; the default on CPU (and TPU).
+* ``"pallas"``: compiled Pallas kernels, Triton lowering; the default on CUDA and ROCm.
+* ``"interpret"``: the same Pallas kernels in interpret mode (any platform; for tests).
+* ``"auto"``: choose by platform as above.
+
+Selection order: an explicit ``backend=`` argument (or ``KernelConfig.backend``)
+other than ``"auto"`` wins; else the ``STRATA_KERNEL_BACKEND`` environment variable
+if set; else the platform default.  The choice is made in Python when a function
+is traced, so inside ``jax.jit`` it is fixed at compile time.
+
+``"auto"`` falls back to the reference for shapes the compiled kernel cannot tile
+(attention with a head_dim that is not a power of two >= 16); an explicit
+``"pallas"`` raises instead.
+
+``write_kv`` has no Pallas kernel: it is one small XLA scatter on every platform.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import jax
+
+from pallas_kernels.attention import attention_supported, ragged_paged_attention_pallas
+from pallas_kernels.reference import (
+    gather_pages_reference,
+    ragged_paged_attention_reference,
+    scatter_pages_reference,
+)
+from pallas_kernels.transfer import gather_pages_pallas, scatter_pages_pallas
+
+ENV_VAR = "STRATA_KERNEL_BACKEND"
+BACKENDS = ("auto", "reference", "pallas", "interpret")
+_PALLAS_PLATFORMS = ("cuda", "rocm")
+
+
+class UnknownBackendError(ValueError):
+    """A kernel backend name that is not one of ``BACKENDS``."""
+
+
+def _validate(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise UnknownBackendError(f"{source}: unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernel implementation to use (``"auto"``: by platform, env may override)."""
+
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _validate(self.backend, "KernelConfig.backend")
+
+
+def platform_name() -> str:
+    """``"cpu"``, ``"cuda"``, ``"rocm"`` or ``"tpu"`` for JAX's default backend."""
+    platform = jax.default_backend()
+    if platform == "gpu":
+        version = str(getattr(jax.devices()[0].client, "platform_version", "")).lower()
+        return "rocm" if "rocm" in version or "hip" in version else "cuda"
+    return platform
+
+
+def default_backend_for(platform: str) -> str:
+    return "pallas" if platform in _PALLAS_PLATFORMS else "reference"
+
+
+def resolve_backend(backend: str | KernelConfig | None = None, platform: str | None = None) -> str:
+    """The concrete backend (``reference``, ``pallas`` or ``interpret``) to use now."""
+    if isinstance(backend, KernelConfig):
+        backend = backend.backend
+    if backend is not None and _validate(backend, "backend argument") != "auto":
+        return backend
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env and _validate(env, f"${ENV_VAR}") != "auto":
+        return env
+    return default_backend_for(platform or platform_name())
+
+
+_IMPLEMENTATIONS: Mapping[str, Mapping[str, Callable]] = MappingProxyType(
+    {
+        "scatter_pages": MappingProxyType(
+            {
+                "reference": scatter_pages_reference,
+                "pallas": scatter_pages_pallas,
+                "interpret": functools.partial(scatter_pages_pallas, interpret=True),
+            }
+        ),
+        "gather_pages": MappingProxyType(
+            {
+                "reference": gather_pages_reference,
+                "pallas": gather_pages_pallas,
+                "interpret": functools.partial(gather_pages_pallas, interpret=True),
+            }
+        ),
+        "ragged_paged_attention": MappingProxyType(
+            {
+                "reference": ragged_paged_attention_reference,
+                "pallas": ragged_paged_attention_pallas,
+                "interpret": functools.partial(ragged_paged_attention_pallas, interpret=True),
+            }
+        ),
+    }
+)
+
+
+def operations() -> tuple[str, ...]:
+    return tuple(_IMPLEMENTATIONS)
+
+
+def get_implementation(op: str, backend: str | KernelConfig | None = None) -> Callable:
+    """The function implementing ``op`` for the resolved backend."""
+    if op not in _IMPLEMENTATIONS:
+        raise KeyError(f"unknown kernel op {op!r}; choose one of {', '.join(_IMPLEMENTATIONS)}")
+    return _IMPLEMENTATIONS[op][resolve_backend(backend)]
+
+
+def scatter_pages(
+    pool: jax.Array, staging: jax.Array, page_ids: jax.Array, *, backend: str | KernelConfig | None = None
+) -> jax.Array:
+    """Write page-first ``staging[n, L, 2, S, H, D]`` into ``pool[L, 2, P, S, H, D]`` at ``page_ids``.
+
+    Out-of-range ids are dropped.  Donate ``pool`` (``jax.jit(..., donate_argnums=...)``)
+    so the update is in place.  See ``pallas_kernels.reference.scatter_pages_reference``.
+    """
+    return get_implementation("scatter_pages", backend)(pool, staging, page_ids)
+
+
+def gather_pages(pool: jax.Array, page_ids: jax.Array, *, backend: str | KernelConfig | None = None) -> jax.Array:
+    """Read ``pool[L, 2, P, S, H, D]`` pages ``page_ids[n]`` into page-first ``[n, L, 2, S, H, D]``."""
+    return get_implementation("gather_pages", backend)(pool, page_ids)
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_start: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    max_q_len: int | None = None,
+    backend: str | KernelConfig | None = None,
+) -> jax.Array:
+    """Ragged paged attention of one layer (contract: ``ragged_paged_attention_reference``).
+
+    ``max_q_len`` (static, optional) bounds the new tokens of any one sequence; the
+    Pallas kernel uses it to shrink its grid (pass 1 for decode-only batches), the
+    reference ignores it.
+    """
+    name = resolve_backend(backend)
+    explicit = backend is not None and (backend.backend if isinstance(backend, KernelConfig) else backend) != "auto"
+    if name == "pallas" and not attention_supported(q.shape[-1]) and not explicit:
+        name = "reference"
+    impl = _IMPLEMENTATIONS["ragged_paged_attention"][name]
+    if name == "reference":
+        return impl(q, k_pages, v_pages, page_table, seq_lens, query_start, sm_scale=sm_scale, soft_cap=soft_cap)
+    return impl(
+        q, k_pages, v_pages, page_table, seq_lens, query_start, sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len
+    )
+
+
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "KernelConfig",
+    "UnknownBackendError",
+    "default_backend_for",
+    "gather_pages",
+    "get_implementation",
+    "operations",
+    "platform_name",
+    "ragged_paged_attention",
+    "resolve_backend",
+    "scatter_pages",
+]
