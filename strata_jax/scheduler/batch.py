@@ -1,0 +1,200 @@
+"""``BatchBuilder``: the room, device-memory and load accounting of one prefill batch.
+
+Policies decide *which* requests to try, in what order; the builder decides
+whether one fits (token budget, batch size, device capacity) and what it costs
+to load.  Loads are accounted over the union of the batch's cached prefixes:
+two requests on the same document load it once (the second is a bundle hit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strata_jax.scheduler.cache_view import PrefixMatchLike
+from strata_jax.scheduler.cost_model import CostModel, ExtendItem
+from strata_jax.scheduler.plan import PrefillItem
+from strata_jax.scheduler.request import ScheduledRequest
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A request this round could admit, with the part of its match it would use.
+
+    ``start`` is where computing begins: the cached prefix taken (page-aligned,
+    and short of the whole sequence so the step has a token to sample from) or,
+    for a continuing chunked prefill, the tokens already computed.
+    ``device``/``host``/``storage`` split ``[0, start)`` by tier.
+    """
+
+    request: ScheduledRequest
+    start: int
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+    match: PrefixMatchLike | None = None
+
+    @property
+    def loads(self) -> bool:
+        return self.host + self.storage > 0
+
+    @classmethod
+    def from_match(cls, request: ScheduledRequest, match: PrefixMatchLike, page_size: int) -> Candidate:
+        n = len(request.prefill_tokens)
+        cached = match.device_tokens + match.host_tokens + match.storage_tokens
+        # Keep at least one token to compute; stay on a page boundary.
+        start = min(cached, ((n - 1) // page_size) * page_size)
+        start = max(0, start)
+        device = min(match.device_tokens, start)
+        host = min(match.host_tokens, start - device)
+        storage = start - device - host
+        return cls(request, start, device, host, storage, match)
+
+    @classmethod
+    def continuing(cls, request: ScheduledRequest) -> Candidate:
+        return cls(request, request.prefill_done)
+
+
+def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
+    """Length of the common prefix of ``a[:limit]`` and ``b[:limit]`` (C-speed slice compares)."""
+    hi = min(limit, len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    lo = 0  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class _Cost:
+    """What admitting a candidate adds to the batch."""
+
+    end: int
+    load_host: int
+    load_storage: int
+    lock_tokens: int  # device tokens of its prefix newly pinned (no longer evictable)
+    need_tokens: int  # device tokens to allocate (loaded pages + computed pages)
+
+
+@dataclass
+class BatchBuilder:
+    """Accumulates one prefill batch under its limits.
+
+    ``device_capacity``: device tokens this batch may take (free + evictable,
+    minus what the decode batch needs).  Every device need is counted in whole
+    pages.  Locking a device-resident prefix counts against capacity too
+    (conservatively: it may already be locked by a running request).
+    """
+
+    token_budget: int
+    max_size: int
+    device_capacity: int
+    page_size: int
+    cost: CostModel
+    loading_bound_ratio: float | None = None
+    items: list[PrefillItem] = field(default_factory=list)
+    load_host: int = 0
+    load_storage: int = 0
+    used_tokens: int = 0  # device capacity used (need + locks)
+    need_tokens: int = 0  # device tokens to allocate
+    _prefixes: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
+
+    # -- queries -----------------------------------------------------------
+    @property
+    def budget_left(self) -> int:
+        return self.token_budget - sum(item.new_tokens for item in self.items)
+
+    def has_room(self) -> bool:
+        return (
+            len(self.items) < self.max_size
+            and self.budget_left > 0
+            and self.device_capacity - self.used_tokens > 0
+        )
+
+    def extend_items(self) -> list[ExtendItem]:
+        return [(item.new_tokens, item.start) for item in self.items]
+
+    def would_be_loading_bound(self, cand: Candidate) -> bool:
+        """Would the batch with ``cand`` added (its chunk as it would be cut now) be loading-bound?"""
+        c = self._cost(cand, self.budget_left)
+        items = self.extend_items() + [(c.end - cand.start, cand.start)]
+        return self.cost.would_be_loading_bound(
+            self.load_host + c.load_host, self.load_storage + c.load_storage, items, self.loading_bound_ratio
+        )
+
+    def is_bundle_hit(self, cand: Candidate) -> bool:
+        """``cand`` loads something, and all of it is already being loaded for the batch."""
+        if not cand.loads or not self.items:
+            return False
+        return self._shared_prefix(cand) >= cand.start
+
+    # -- admission ---------------------------------------------------------
+    def try_add(self, cand: Candidate, *, bundled: bool = False, set_aside: bool = False) -> PrefillItem | None:
+        """Admit ``cand`` (chunked to the budget and device capacity) or return None if it cannot fit."""
+        if len(self.items) >= self.max_size or self.budget_left <= 0:
+            return None
+        remaining = len(cand.request.prefill_tokens) - cand.start
+        c = self._cost(cand, min(remaining, self.budget_left))
+        spare = self.device_capacity - self.used_tokens
+        if c.need_tokens + c.lock_tokens > spare:
+            # Shrink the chunk to the pages left after the load and the locks.
+            fixed = self._cost(cand, 0)
+            pages_left = (spare - fixed.need_tokens - fixed.lock_tokens) // self.page_size
+            slack = -cand.start % self.page_size  # room left in a partly filled last page
+            n = min(remaining, self.budget_left, pages_left * self.page_size + slack) if pages_left >= 0 else 0
+            if n <= 0:
+                return None
+            c = self._cost(cand, n)
+        item = PrefillItem(
+            request=cand.request,
+            start=cand.start,
+            end=c.end,
+            device_hit_tokens=cand.device if cand.match is not None else 0,
+            load_host_tokens=cand.host,
+            load_storage_tokens=cand.storage,
+            match=cand.match,
+            bundled=bundled,
+            set_aside=set_aside,
+        )
+        self.items.append(item)
+        self.load_host += c.load_host
+        self.load_storage += c.load_storage
+        self.used_tokens += c.need_tokens + c.lock_tokens
+        self.need_tokens += c.need_tokens
+        if cand.match is not None and cand.start > 0:
+            self._prefixes.append((cand.request.namespace, cand.request.prefill_tokens, cand.start))
+        return item
+
+    # -- internals ---------------------------------------------------------
+    def _shared_prefix(self, cand: Candidate) -> int:
+        """Longest prefix of ``cand``'s cached part that another batch member already covers (page-aligned)."""
+        if cand.match is None or cand.start == 0:
+            return 0
+        best = 0
+        ns, toks = cand.request.namespace, cand.request.prefill_tokens
+        for other_ns, other_toks, other_start in self._prefixes:
+            if other_ns == ns:
+                best = max(best, common_prefix_len(toks, other_toks, min(cand.start, other_start)))
+        return (best // self.page_size) * self.page_size
+
+    def _pages(self, lo: int, hi: int) -> int:
+        """Device tokens (whole pages) to hold positions [lo, hi) when [0, lo) is already held."""
+        ps = self.page_size
+        return max(0, (-(-hi // ps) - -(-lo // ps)) * ps)
+
+    def _cost(self, cand: Candidate, new_tokens: int) -> _Cost:
+        end = cand.start + new_tokens
+        compute = self._pages(cand.start, end)
+        if cand.match is None:  # continuing chunk: prefix already held by the request
+            return _Cost(end, 0, 0, 0, compute)
+        shared = self._shared_prefix(cand)
+        lo = max(shared, cand.device)  # [lo, start) is this candidate's own load
+        host_end = cand.device + cand.host
+        load_host = max(0, min(cand.start, host_end) - lo)
+        load_storage = max(0, cand.start - max(lo, host_end))
+        lock = max(0, cand.device - shared)
+        return _Cost(end, load_host, load_storage, lock, load_host + load_storage + compute)

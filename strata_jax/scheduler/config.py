@@ -1,0 +1,79 @@
+"""``SchedulerConfig``: every knob of the control plane, validated once.
+
+The defaults give reasonable throughput without tuning; each Strata stage can be
+switched off on its own for ablation (``enable_*`` flags).  The ``fifo`` policy
+ignores the stage flags (it is the no-stage baseline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SchedulerConfigError(ValueError):
+    """A ``SchedulerConfig`` field is out of range (raised at construction)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Control-plane configuration.
+
+    policy: scheduler policy by name, ``"strata"`` (default) or ``"fifo"``
+        (see ``strata_jax.scheduler.policy.available_policies()``).
+    max_batch_tokens: new (computed) tokens per prefill step; a prompt longer than
+        what is left of this budget is chunked over several steps.
+    max_prefill_batch_size: requests in one prefill (extend) batch.
+    max_decode_batch_size: requests in one decode batch (more decodes rotate).
+    max_waiting: bound of the waiting queue (waiting + deferred requests, retracted
+        ones excluded); ``submit`` beyond it raises ``OverloadedError``.
+    enable_delay_hit: Strata stage 1, defer a request that matches another
+        earlier request's not-yet-computed (transient) prefix.
+    delay_hit_threshold: transient tokens a match must exceed to be deferred.
+    enable_balanced_batch: Strata stage 2, Algorithm 1 (set aside loading-bound
+        requests, pull bundle hits, in-order backfill).  Off: in-order filling.
+    loading_bound_ratio: None (default) compares estimated load time with
+        estimated compute time from the online ``CostModel``; a float fixes the
+        predicate to ``load_tokens / computed_tokens > ratio`` (Strata's profiled
+        constant, about 100 on H200).
+    enable_bubble_filling: Strata stage 3, run the decode batch before a prefill
+        batch whose KV load has not landed and outlasts a decode step.
+    """
+
+    policy: str = "strata"
+    max_batch_tokens: int = 8192
+    max_prefill_batch_size: int = 64
+    max_decode_batch_size: int = 256
+    max_waiting: int = 4096
+    enable_delay_hit: bool = True
+    delay_hit_threshold: int = 100
+    enable_balanced_batch: bool = True
+    loading_bound_ratio: float | None = None
+    enable_bubble_filling: bool = True
+
+    def __post_init__(self) -> None:
+        from strata_jax.scheduler.policy import available_policies  # no cycle at import time
+
+        if self.policy not in available_policies():
+            raise SchedulerConfigError(
+                f"unknown scheduler policy {self.policy!r}; choose one of {', '.join(available_policies())}"
+            )
+        for name in ("max_batch_tokens", "max_prefill_batch_size", "max_decode_batch_size", "max_waiting"):
+            _positive_int(name, getattr(self, name))
+        _non_negative_int("delay_hit_threshold", self.delay_hit_threshold)
+        if self.loading_bound_ratio is not None:
+            r = self.loading_bound_ratio
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0 or r != r or r == float("inf"):
+                raise SchedulerConfigError(f"loading_bound_ratio must be a positive finite number or None, got {r!r}")
+        for name in ("enable_delay_hit", "enable_balanced_batch", "enable_bubble_filling"):
+            if not isinstance(getattr(self, name), bool):
+                raise SchedulerConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SchedulerConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _non_negative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SchedulerConfigError(f"{name} must be a non-negative integer, got {value!r}")

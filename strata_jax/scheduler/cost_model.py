@@ -1,0 +1,230 @@
+"""``CostModel``: pure-Python estimates of load, extend and decode time.
+
+* Loads: ``bytes_per_token`` over a link bandwidth (host->device; storage->host
+  for L3), each an exponential moving average of measured loads, starting from
+  a documented prior.
+* Extend (prefill) time of a batch: ``a + b*N + c*A`` with ``N`` the new tokens
+  and ``A = sum(n_i * (context_i + n_i/2))`` the attended (query x key) pairs,
+  so attention over a long cached context makes each new token dearer.
+* Decode step time: ``d0 + d1*B + d2*C`` with ``B`` requests and ``C`` total
+  context tokens read.
+
+Both time models are fitted online by least squares over the most recent
+``window`` measurements, regularised toward the prior (the prior acts as
+``prior_weight`` pseudo-measurements), with coefficients kept non-negative.
+Before any measurement the prior is used as is.
+
+Priors are those of an 8B Llama-class model on an H200-class GPU with a PCIe 5
+host link; the engine should pass ``bytes_per_token`` of its model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+ExtendItem = tuple[int, int]  # (new tokens computed, context tokens already cached before them)
+
+
+@dataclass(frozen=True)
+class CostPrior:
+    """Starting point of the cost model (all seconds / bytes per second)."""
+
+    bytes_per_token: int = 131072  # 32 layers x K,V x 8 kv heads x 128 dims x bf16
+    link_bytes_per_s: float = 25e9  # host -> device, effective
+    storage_bytes_per_s: float = 4e9  # storage -> host, effective
+    extend_coeffs: tuple[float, float, float] = (4e-3, 3e-5, 1e-9)  # a, b, c
+    decode_coeffs: tuple[float, float, float] = (8e-3, 5e-5, 3e-8)  # d0, d1, d2
+    window: int = 64
+    prior_weight: float = 0.1
+    bandwidth_ema: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_token <= 0 or self.link_bytes_per_s <= 0 or self.storage_bytes_per_s <= 0:
+            raise ValueError("bytes_per_token and bandwidths must be positive")
+        if any(c < 0 for c in self.extend_coeffs + self.decode_coeffs):
+            raise ValueError("time model coefficients must be non-negative")
+        if self.window < 1 or self.prior_weight <= 0 or not 0 < self.bandwidth_ema <= 1:
+            raise ValueError("window >= 1, prior_weight > 0 and 0 < bandwidth_ema <= 1 are required")
+
+
+class _OnlineLinearModel:
+    """y ~ theta . x (3 features, theta >= 0), ridge toward a prior, sliding window."""
+
+    def __init__(self, prior: tuple[float, float, float], window: int, prior_weight: float) -> None:
+        self._prior = prior
+        self._theta = prior
+        self._weight = prior_weight
+        self._samples: deque[tuple[tuple[float, float, float], float]] = deque(maxlen=window)
+
+    @property
+    def coeffs(self) -> tuple[float, float, float]:
+        return self._theta
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def predict(self, x: tuple[float, float, float]) -> float:
+        return sum(t * xi for t, xi in zip(self._theta, x))
+
+    def observe(self, x: tuple[float, float, float], y: float) -> None:
+        if not (y >= 0.0 and y != float("inf")):
+            return  # a bogus timing never poisons the model
+        self._samples.append((x, y))
+        self._theta = self._fit()
+
+    def _fit(self) -> tuple[float, float, float]:
+        # Scale each feature so the prior regulariser is comparable across features.
+        scale = [max(1e-12, max(abs(x[j]) for x, _ in self._samples)) for j in range(3)]
+        y_scale = max(1e-12, max(y for _, y in self._samples))
+        prior = [self._prior[j] * scale[j] / y_scale for j in range(3)]
+        # Pseudo-observations of the prior: weight * (theta_j - prior_j)^2 per feature.
+        ata = [[0.0] * 3 for _ in range(3)]
+        aty = [0.0] * 3
+        for x, y in self._samples:
+            xs = [x[j] / scale[j] for j in range(3)]
+            ys = y / y_scale
+            for i in range(3):
+                aty[i] += xs[i] * ys
+                for j in range(3):
+                    ata[i][j] += xs[i] * xs[j]
+        for j in range(3):
+            ata[j][j] += self._weight
+            aty[j] += self._weight * prior[j]
+        # Non-negative: re-solve with negative coefficients pinned to zero.
+        active = [True, True, True]
+        for _ in range(3):
+            sol = _solve_subset(ata, aty, active)
+            negative = [j for j in range(3) if active[j] and sol[j] < 0]
+            if not negative:
+                break
+            for j in negative:
+                active[j] = False
+        else:
+            sol = _solve_subset(ata, aty, active)
+        return tuple(max(0.0, sol[j]) * y_scale / scale[j] for j in range(3))  # type: ignore[return-value]
+
+
+def _solve_subset(a: list[list[float]], b: list[float], active: list[bool]) -> list[float]:
+    """Solve the normal equations restricted to the active features (others 0)."""
+    idx = [j for j in range(3) if active[j]]
+    n = len(idx)
+    m = [[a[i][j] for j in idx] + [b[i]] for i in idx]
+    for col in range(n):  # Gaussian elimination with partial pivoting (positive definite)
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        if abs(m[col][col]) < 1e-300:
+            continue
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for k in range(col, n + 1):
+                    m[r][k] -= f * m[col][k]
+    out = [0.0, 0.0, 0.0]
+    for row, j in enumerate(idx):
+        out[j] = m[row][n] / m[row][row] if abs(m[row][row]) >= 1e-300 else 0.0
+    return out
+
+
+def _extend_features(items: Iterable[ExtendItem]) -> tuple[float, float, float]:
+    new = 0.0
+    attended = 0.0
+    for n, ctx in items:
+        new += n
+        attended += n * (ctx + n / 2.0)
+    return (1.0 if new > 0 else 0.0, new, attended)
+
+
+class CostModel:
+    """Online estimates of what a step costs; see the module doc for the models."""
+
+    def __init__(self, prior: CostPrior | None = None) -> None:
+        self.prior = prior or CostPrior()
+        self.bytes_per_token = self.prior.bytes_per_token
+        self.link_bytes_per_s = self.prior.link_bytes_per_s
+        self.storage_bytes_per_s = self.prior.storage_bytes_per_s
+        self._extend = _OnlineLinearModel(self.prior.extend_coeffs, self.prior.window, self.prior.prior_weight)
+        self._decode = _OnlineLinearModel(self.prior.decode_coeffs, self.prior.window, self.prior.prior_weight)
+
+    # -- estimates ---------------------------------------------------------
+    def load_seconds(self, host_tokens: int, storage_tokens: int = 0) -> float:
+        """Time to bring ``host_tokens`` L2->L1 plus ``storage_tokens`` L3->L2->L1."""
+        b = self.bytes_per_token
+        return (host_tokens + storage_tokens) * b / self.link_bytes_per_s + storage_tokens * b / self.storage_bytes_per_s
+
+    def extend_seconds(self, new_tokens: int, context_tokens: int = 0) -> float:
+        """One request computing ``new_tokens`` on top of ``context_tokens`` cached ones."""
+        return self.batch_extend_seconds(((new_tokens, context_tokens),))
+
+    def batch_extend_seconds(self, items: Iterable[ExtendItem]) -> float:
+        return self._extend.predict(_extend_features(items))
+
+    def decode_seconds(self, batch: int, context_tokens: int) -> float:
+        """One decode step of ``batch`` requests reading ``context_tokens`` KV tokens in all."""
+        if batch <= 0:
+            return 0.0
+        return self._decode.predict((1.0, float(batch), float(context_tokens)))
+
+    def would_be_loading_bound(
+        self,
+        load_host_tokens: int,
+        load_storage_tokens: int,
+        extend_items: Sequence[ExtendItem],
+        ratio: float | None = None,
+    ) -> bool:
+        """Is a batch loading ``load_*`` tokens and computing ``extend_items`` bound by its load?
+
+        ``ratio`` None: estimated load time > estimated compute time.  A float:
+        ``loaded tokens / computed tokens > ratio`` (Strata's profiled constant).
+        """
+        load = load_host_tokens + load_storage_tokens
+        if load <= 0:
+            return False
+        if ratio is not None:
+            computed = sum(n for n, _ in extend_items)
+            return computed <= 0 or load / computed > ratio
+        return self.load_seconds(load_host_tokens, load_storage_tokens) > self.batch_extend_seconds(extend_items)
+
+    def derived_loading_bound_ratio(self, context_tokens: int = 0) -> float:
+        """The token ratio at which load time equals compute time (for reports).
+
+        Per computed token on top of ``context_tokens``: compute seconds / load seconds per token.
+        """
+        a, b, c = self._extend.coeffs
+        per_token_compute = b + c * context_tokens
+        per_token_load = self.bytes_per_token / self.link_bytes_per_s
+        return per_token_compute / per_token_load
+
+    # -- measurements ------------------------------------------------------
+    def observe_load(self, tokens: int, seconds: float, tier: str = "host") -> None:
+        """Record a measured load of ``tokens`` from ``tier`` ("host": L2->L1, "storage": L3->L2)."""
+        if tokens <= 0 or not seconds > 0:
+            return
+        bw = tokens * self.bytes_per_token / seconds
+        alpha = self.prior.bandwidth_ema
+        if tier == "host":
+            self.link_bytes_per_s = (1 - alpha) * self.link_bytes_per_s + alpha * bw
+        elif tier == "storage":
+            self.storage_bytes_per_s = (1 - alpha) * self.storage_bytes_per_s + alpha * bw
+        else:
+            raise ValueError(f"tier must be 'host' or 'storage', got {tier!r}")
+
+    def observe_extend(self, items: Sequence[ExtendItem], seconds: float) -> None:
+        """Record a measured extend step over ``items`` (new tokens, context) per request."""
+        x = _extend_features(items)
+        if x[1] > 0:
+            self._extend.observe(x, seconds)
+
+    def observe_decode(self, batch: int, context_tokens: int, seconds: float) -> None:
+        if batch > 0:
+            self._decode.observe((1.0, float(batch), float(context_tokens)), seconds)
+
+    @property
+    def extend_coeffs(self) -> tuple[float, float, float]:
+        return self._extend.coeffs
+
+    @property
+    def decode_coeffs(self) -> tuple[float, float, float]:
+        return self._decode.coeffs

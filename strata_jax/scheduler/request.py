@@ -1,0 +1,78 @@
+"""The scheduler's record of one request and its life cycle.
+
+``waiting -> (deferred <-> waiting) -> prefilling (chunks) -> decoding -> finished``;
+any live state can go to ``aborted``; ``decoding -> waiting`` is a retraction
+(the engine backs the KV up to L2 first, the request re-prefills from the cache).
+Only the ``Scheduler`` mutates a record; the engine reads it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    DEFERRED = "deferred"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+    @property
+    def queued(self) -> bool:
+        """In the waiting queue (not yet holding device KV)."""
+        return self in (RequestStatus.WAITING, RequestStatus.DEFERRED)
+
+    @property
+    def live(self) -> bool:
+        return self not in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+
+@dataclass(eq=False)
+class ScheduledRequest:
+    """One request as the scheduler sees it.
+
+    ``arrival`` is a strictly increasing submission number (the queue order).
+    ``prefill_tokens`` is what a prefill must cover: the prompt, or prompt +
+    outputs so far after a retraction.  ``prefill_done`` counts tokens of it whose KV is on the device for
+    this request (cached prefix taken + chunks computed); it is reset to 0 when
+    the request is retracted.  ``inflight_end`` is the end of the chunk dispatched
+    and not yet reported done (None when nothing of this request is running
+    in a prefill).  ``cached_tokens`` is what its first prefill chunk took from
+    each tier (device/host/storage), for ``RequestOutput.cached_tokens``.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    namespace: str
+    arrival: int
+    prefill_tokens: tuple[int, ...] = ()
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    prefill_done: int = 0
+    inflight_end: int | None = None
+    decode_inflight: bool = False
+    cached_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    deferrals: int = 0
+    retractions: int = 0
+    first_scheduled_round: int | None = None
+    last_decode_round: int = -1
+
+    def __post_init__(self) -> None:
+        if not self.prefill_tokens:
+            self.prefill_tokens = self.prompt_token_ids
+
+    @property
+    def remaining_prefill(self) -> int:
+        return len(self.prefill_tokens) - self.prefill_done
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens whose KV the request holds or will hold (prompt + outputs so far)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)

@@ -1,0 +1,306 @@
+"""``Scheduler``: request life cycle and one plan per engine step.
+
+The engine calls, per step (DESIGN §4):
+
+    plan = scheduler.schedule(cache_view)      # pure decision, no side effects on the cache
+    ... engine executes the plan (see ``strata_jax.scheduler.plan``) ...
+    scheduler.on_prefill_done(rid, token)       # per prefill item (token on its last chunk)
+    scheduler.on_decode_done(rid, token)        # per decode request
+    scheduler.finish(rid)                       # when the engine's stop rules say so
+
+A round: (1) pick the decode batch (rotating when there are more decodes than
+``max_decode_batch_size``) and retract the newest decodes if even eviction
+cannot make room for their next token; (2) continue chunked prefills;
+(3) walk the queue with the delay-hit rule and form the prefill batch with the
+policy's procedure; (4) order decode before prefill when bubble filling says so.
+
+Starvation freedom: the queue head is always tried first and nothing overtakes
+a head that does not fit; a request is deferred only behind a live request that
+arrived earlier (so deferral chains end), and set-aside or non-fitting requests
+keep their queue position.
+"""
+
+from __future__ import annotations
+
+from strata_jax.api import InvalidRequestError, OverloadedError
+from strata_jax.scheduler.batch import BatchBuilder, Candidate
+from strata_jax.scheduler.cache_view import CacheView
+from strata_jax.scheduler.config import SchedulerConfig
+from strata_jax.scheduler.cost_model import CostModel
+from strata_jax.scheduler.errors import SchedulerStateError, UnknownRequestError
+from strata_jax.scheduler.plan import AbortResult, PrefillItem, SchedulerStats, StepPlan
+from strata_jax.scheduler.policy import FORMERS, resolve_stages
+from strata_jax.scheduler.queue import RoundQueue
+from strata_jax.scheduler.request import RequestStatus, ScheduledRequest
+
+_S = RequestStatus
+
+
+class Scheduler:
+    """Continuous-batching control plane with the Strata stages (pure Python)."""
+
+    def __init__(self, config: SchedulerConfig | None = None, cost_model: CostModel | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self.stages = resolve_stages(self.config)
+        self.cost = cost_model or CostModel()
+        self._requests: dict[str, ScheduledRequest] = {}  # live requests
+        self._queue: list[str] = []  # waiting + deferred, in scheduling order
+        self._aborted_in_flight: set[str] = set()
+        self._arrivals = 0
+        self._round = 0
+        self._c = dict(
+            finished=0, aborted=0, deferrals=0, deferred_rounds=0, set_asides=0, bundle_hits=0,
+            retractions=0, decode_first_rounds=0, recomputed_prompt_tokens=0,
+        )  # fmt: skip
+        self._hits = {"device": 0, "host": 0, "storage": 0}
+
+    # -- intake ------------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...], *, namespace: str = "") -> ScheduledRequest:
+        """Queue a request. Raises ``OverloadedError`` when ``max_waiting`` requests already wait."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt must contain at least one token")
+        if request_id in self._requests or request_id in self._aborted_in_flight:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if len(self._queue) >= self.config.max_waiting:
+            raise OverloadedError(
+                f"server overloaded: {len(self._queue)} requests already waiting "
+                f"(max_waiting={self.config.max_waiting}); retry later"
+            )
+        req = ScheduledRequest(request_id, tuple(prompt_token_ids), namespace, self._arrivals)
+        self._arrivals += 1
+        self._requests[request_id] = req
+        self._queue.append(request_id)
+        return req
+
+    # -- the round ---------------------------------------------------------
+    def schedule(self, cache: CacheView) -> StepPlan:
+        """Decide this step's decode batch, prefill batch, loads, evictions and order."""
+        self._round += 1
+        cfg, ps = self.config, cache.page_size
+        capacity = cache.free_device_tokens() + cache.evictable_device_tokens()
+
+        # 1. decode batch; retract the newest decodes if their next tokens cannot fit.
+        ready = [r for r in self._requests.values() if r.status is _S.DECODING and not r.decode_inflight]
+        ready.sort(key=lambda r: (r.last_decode_round, r.arrival))
+        decodes = ready[: cfg.max_decode_batch_size]
+        decode_need = sum(_decode_page(r, ps) for r in decodes)
+        retracted: list[ScheduledRequest] = []
+        while decodes and decode_need > capacity:
+            victim = max(decodes, key=lambda r: r.arrival)
+            decodes.remove(victim)
+            decode_need -= _decode_page(victim, ps)
+            self._retract(victim)
+            retracted.append(victim)
+
+        # 2. prefill batch: continuing chunks first, then the queue under the policy.
+        batch = BatchBuilder(
+            token_budget=cfg.max_batch_tokens,
+            max_size=cfg.max_prefill_batch_size,
+            device_capacity=max(0, capacity - decode_need),
+            page_size=ps,
+            cost=self.cost,
+            loading_bound_ratio=cfg.loading_bound_ratio,
+        )
+        for req in sorted(self._requests.values(), key=lambda r: r.arrival):
+            if req.status is _S.PREFILLING and req.inflight_end is None and req.remaining_prefill > 0:
+                batch.try_add(Candidate.continuing(req))
+        skip = {r.request_id for r in retracted}  # their KV is still on the device this step
+        queue = RoundQueue([rid for rid in self._queue if rid not in skip], lambda rid: self._classify(rid, cache))
+        formed = FORMERS[self.stages.balanced_batch](queue, batch)
+        self._queue = [rid for rid in self._queue if rid in skip] + queue.new_order()
+
+        # 3. bookkeeping for what was decided.
+        for rid in queue.deferred:
+            req = self._requests[rid]
+            if req.status is _S.WAITING:
+                req.deferrals += 1
+                self._c["deferrals"] += 1
+            req.status = _S.DEFERRED
+            self._c["deferred_rounds"] += 1
+        for rid in queue.classified - set(queue.deferred):
+            if self._requests[rid].status is _S.DEFERRED:
+                self._requests[rid].status = _S.WAITING  # nothing to wait for any more
+        for item in batch.items:
+            self._dispatch_prefill(item)
+        for req in decodes:
+            req.decode_inflight = True
+            req.last_decode_round = self._round
+        self._c["set_asides"] += len(formed.set_aside)
+        self._c["bundle_hits"] += formed.bundle_hits
+
+        # 4. bubble filling: decode first while the prefill batch's load is still in the air.
+        est_load = self.cost.load_seconds(batch.load_host, batch.load_storage)
+        est_prefill = self.cost.batch_extend_seconds(batch.extend_items()) if batch.items else 0.0
+        est_decode = self.cost.decode_seconds(len(decodes), sum(r.seq_len for r in decodes))
+        unlanded = batch.load_host + batch.load_storage > 0 or any(cache.load_pending(i.request_id) for i in batch.items)
+        decode_first = bool(
+            self.stages.bubble_filling and decodes and batch.items and unlanded and est_load > est_decode
+        )
+        self._c["decode_first_rounds"] += decode_first
+        free = cache.free_device_tokens()
+        return StepPlan(
+            round=self._round,
+            prefill=tuple(batch.items),
+            decode=tuple(decodes),
+            decode_first=decode_first,
+            evict_device_tokens=max(0, batch.need_tokens + decode_need - free),
+            retract=tuple(retracted),
+            deferred=tuple(queue.deferred),
+            set_aside=tuple(formed.set_aside),
+            est_load_s=est_load,
+            est_prefill_s=est_prefill,
+            est_decode_s=est_decode,
+        )
+
+    def _classify(self, rid: str, cache: CacheView) -> Candidate | None:
+        """This round's candidate for a queued request, or None if the delay-hit rule defers it."""
+        req = self._requests[rid]
+        match = cache.match(req)
+        if self.stages.delay_hit and match.transient_tokens > self.config.delay_hit_threshold:
+            if any(self._blocks(owner, req) for owner in match.transient_owners):
+                return None
+        return Candidate.from_match(req, match, cache.page_size)
+
+    def _blocks(self, owner_id: str, req: ScheduledRequest) -> bool:
+        """Is ``owner_id`` a live, earlier request still computing the prefix ``req`` would reuse?"""
+        owner = self._requests.get(owner_id)
+        return (
+            owner is not None
+            and owner is not req
+            and owner.arrival < req.arrival
+            and owner.status in (_S.WAITING, _S.DEFERRED, _S.PREFILLING)
+        )
+
+    def _dispatch_prefill(self, item: PrefillItem) -> None:
+        req = item.request
+        if item.is_first_chunk:
+            req.status = _S.PREFILLING
+            req.prefill_done = item.start
+            if req.first_scheduled_round is None:
+                req.first_scheduled_round = self._round
+                hit = {"device": item.device_hit_tokens, "host": item.load_host_tokens, "storage": item.load_storage_tokens}
+                req.cached_tokens = hit
+                for tier, n in hit.items():
+                    self._hits[tier] += n
+        req.inflight_end = item.end
+        prompt_part = max(0, min(item.end, len(req.prompt_token_ids)) - item.start)
+        self._c["recomputed_prompt_tokens"] += prompt_part
+
+    def _retract(self, req: ScheduledRequest) -> None:
+        req.status = _S.WAITING
+        req.prefill_tokens = req.prompt_token_ids + tuple(req.output_token_ids)
+        req.prefill_done = 0
+        req.retractions += 1
+        self._c["retractions"] += 1
+        self._queue.insert(0, req.request_id)
+
+    # -- results -----------------------------------------------------------
+    def on_prefill_done(self, request_id: str, token_id: int | None = None) -> RequestStatus:
+        """The dispatched chunk of ``request_id`` is computed.
+
+        On the last chunk the engine passes the sampled token and the request
+        becomes ``decoding``; otherwise it stays ``prefilling``.  Returns the new
+        status (``aborted`` if it was aborted while in flight: release it now).
+        """
+        if request_id in self._aborted_in_flight:
+            self._aborted_in_flight.discard(request_id)
+            return _S.ABORTED
+        req = self._live(request_id)
+        if req.status is not _S.PREFILLING or req.inflight_end is None:
+            raise SchedulerStateError(f"request {request_id!r} has no prefill chunk in flight")
+        req.prefill_done, req.inflight_end = req.inflight_end, None
+        if req.remaining_prefill > 0:
+            return req.status
+        if token_id is None:
+            raise SchedulerStateError(f"the last prefill chunk of {request_id!r} must report its sampled token")
+        req.output_token_ids.append(token_id)
+        req.status = _S.DECODING
+        return req.status
+
+    def on_decode_done(self, request_id: str, token_id: int) -> RequestStatus:
+        """A decode step produced ``token_id`` for ``request_id``."""
+        if request_id in self._aborted_in_flight:
+            self._aborted_in_flight.discard(request_id)
+            return _S.ABORTED
+        req = self._live(request_id)
+        if not req.decode_inflight:
+            raise SchedulerStateError(f"request {request_id!r} has no decode in flight")
+        req.decode_inflight = False
+        req.output_token_ids.append(token_id)
+        return req.status
+
+    def finish(self, request_id: str) -> ScheduledRequest:
+        """The engine's stop rules ended ``request_id``; forget it (its KV goes to the tree)."""
+        req = self._live(request_id)
+        if req.status is not _S.DECODING or req.decode_inflight:
+            raise SchedulerStateError(f"request {request_id!r} cannot finish while {req.status.value} / in flight")
+        req.status = _S.FINISHED
+        del self._requests[request_id]
+        self._c["finished"] += 1
+        return req
+
+    def abort(self, request_id: str) -> AbortResult | None:
+        """Abort in any state; returns what the engine must release, None if unknown or already done."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        previous = req.status
+        if previous.queued:
+            self._queue.remove(request_id)
+        in_flight = req.inflight_end is not None or req.decode_inflight
+        if in_flight:
+            self._aborted_in_flight.add(request_id)
+        req.status = _S.ABORTED
+        self._c["aborted"] += 1
+        return AbortResult(
+            request=req,
+            previous_status=previous,
+            holds_device_kv=previous in (_S.PREFILLING, _S.DECODING),
+            owns_transient_nodes=previous in (_S.WAITING, _S.DEFERRED, _S.PREFILLING),
+            in_flight=in_flight,
+        )
+
+    # -- views -------------------------------------------------------------
+    def get(self, request_id: str) -> ScheduledRequest | None:
+        return self._requests.get(request_id)
+
+    def _live(self, request_id: str) -> ScheduledRequest:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(f"no live request {request_id!r}")
+        return req
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._requests) - len(self._queue)
+
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    def queue_order(self) -> tuple[str, ...]:
+        """The waiting queue, head first (deferred requests lead)."""
+        return tuple(self._queue)
+
+    def stats(self) -> SchedulerStats:
+        by = {s: 0 for s in _S}
+        for r in self._requests.values():
+            by[r.status] += 1
+        return SchedulerStats(
+            waiting=by[_S.WAITING],
+            deferred=by[_S.DEFERRED],
+            prefilling=by[_S.PREFILLING],
+            decoding=by[_S.DECODING],
+            rounds=self._round,
+            submitted=self._arrivals,
+            hit_tokens=dict(self._hits),
+            **self._c,
+        )
+
+
+def _decode_page(req: ScheduledRequest, page_size: int) -> int:
+    """Device tokens a decode step must allocate: a new page when the next KV slot starts one."""
+    return page_size if (req.seq_len - 1) % page_size == 0 else 0

@@ -1,0 +1,80 @@
+"""``FakeCache``: an in-memory ``CacheView`` for tests and quick simulations.
+
+It remembers ready prefixes per tier and transient (not yet computed) prefixes
+per owner, as whole token sequences, and answers ``match`` with page-aligned
+longest common prefixes, the way the HiRadixTree would.  Capacity numbers are
+plain attributes the test sets.  Pure Python; no engine needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strata_jax.scheduler.batch import common_prefix_len
+from strata_jax.scheduler.cache_view import StaticMatch
+from strata_jax.scheduler.request import ScheduledRequest
+
+TIERS = ("device", "host", "storage")
+
+
+@dataclass
+class FakeCache:
+    page_size: int = 1
+    free_tokens: int = 1 << 30
+    evictable_tokens: int = 0
+    ready: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (ns, tokens, tier)
+    transient: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # owner -> (ns, tokens)
+    pending: set[str] = field(default_factory=set)
+    match_calls: int = 0
+
+    # -- CacheView ---------------------------------------------------------
+    def match(self, request: ScheduledRequest) -> StaticMatch:
+        self.match_calls += 1
+        ns, toks = request.namespace, request.prefill_tokens
+        reach = {}
+        for i, tier in enumerate(TIERS):  # prefix length reachable using tiers up to this one
+            reach[tier] = self._align(
+                max((common_prefix_len(toks, t, len(toks)) for n, t, tr in self.ready if n == ns and TIERS.index(tr) <= i), default=0)
+            )
+        d = reach["device"]
+        h = max(d, reach["host"])
+        s = max(h, reach["storage"])
+        owners, t_len = set(), s
+        for owner, (n, t) in self.transient.items():
+            if owner == request.request_id or n != ns:
+                continue
+            lcp = self._align(common_prefix_len(toks, t, len(toks)))
+            if lcp > s:
+                owners.add(owner)
+                t_len = max(t_len, lcp)
+        return StaticMatch(d, h - d, s - h, t_len - s, frozenset(owners))
+
+    def load_pending(self, request_id: str) -> bool:
+        return request_id in self.pending
+
+    def free_device_tokens(self) -> int:
+        return self.free_tokens
+
+    def evictable_device_tokens(self) -> int:
+        return self.evictable_tokens
+
+    # -- what the engine/tree would do -------------------------------------
+    def add_ready(self, tokens: list[int] | tuple[int, ...], tier: str = "device", namespace: str = "") -> None:
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}")
+        self.ready.append((namespace, tuple(tokens), tier))
+
+    def add_transient(self, owner: str, tokens: list[int] | tuple[int, ...], namespace: str = "") -> None:
+        """``owner``'s not-yet-computed prompt (in_queue / in_flight nodes)."""
+        self.transient[owner] = (namespace, tuple(tokens))
+
+    def complete(self, request: ScheduledRequest) -> None:
+        """``request``'s prefill landed: its transient prefix becomes ready on the device."""
+        self.transient.pop(request.request_id, None)
+        self.add_ready(request.prefill_tokens, "device", request.namespace)
+
+    def drop(self, request_id: str) -> None:
+        self.transient.pop(request_id, None)
+
+    def _align(self, n: int) -> int:
+        return (n // self.page_size) * self.page_size
