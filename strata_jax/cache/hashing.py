@@ -1,0 +1,34 @@
+"""Content keys of KV pages: a SHA-256 chain seeded by the tenant namespace.
+
+``hash(page i) = SHA256(hash(page i-1) || little-endian int64 token ids of page i)``
+with ``hash(page -1) = namespace_seed(namespace)``.  Two tenants therefore never
+share a key, and a key names a page *and its whole prefix* (equal keys mean equal
+KV).  Pure Python (hashlib); no jax.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+_SEED_TAG = b"strata-jax/kv-chain/v1\x00"
+
+
+def namespace_seed(namespace: str) -> bytes:
+    """The chain's starting value for ``namespace`` (32 bytes)."""
+    return hashlib.sha256(_SEED_TAG + namespace.encode("utf-8")).digest()
+
+
+def page_hash(prev: bytes, page_tokens: Sequence[int]) -> bytes:
+    """Key of one page given the key of the page before it (or the seed)."""
+    return hashlib.sha256(prev + struct.pack(f"<{len(page_tokens)}q", *page_tokens)).digest()
+
+
+def chain_hashes(prev: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """Keys of every *full* page of ``tokens`` continuing the chain from ``prev``."""
+    out: list[bytes] = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        prev = page_hash(prev, tokens[start : start + page_size])
+        out.append(prev)
+    return out
