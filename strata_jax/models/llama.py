@@ -1,0 +1,168 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) in Flax NNX over a paged KV pool.
+
+One forward serves a ragged batch: tokens of all sequences are packed into one
+``[T]`` axis; ``AttentionMetadata`` says which sequence owns which tokens, where each
+token's K/V goes (``slot_mapping``) and which pages each sequence reads
+(``page_table``).  The KV pool is layer-first (see ``pallas_kernels.layout``) and is
+threaded through the layers functionally so a jitted caller can donate it.
+
+Parameter names mirror Hugging Face's (``model.layers.0.self_attn.q_proj``...), with
+linear kernels stored ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from strata_jax.models.config import ModelConfig
+from strata_jax.models.rope import apply_rope, inverse_frequencies
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step batch layout (a pytree of int32 arrays; shapes fixed by the bucket).
+
+    slot_mapping: [T]     flat pool slot of each new token (padding: num_slots, dropped)
+    page_table:   [B, W]  page ids of each sequence in order
+    seq_lens:     [B]     KV length of each sequence after this step (0 = padding)
+    query_start:  [B + 1] token offsets of each sequence's new tokens
+    """
+
+    slot_mapping: jax.Array
+    page_table: jax.Array
+    seq_lens: jax.Array
+    query_start: jax.Array
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
+        self.kernel = nnx.Param((jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32) * std).astype(dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype, rngs=rngs, std=std)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        inv_freq: jax.Array,
+        kv_pool: jax.Array,
+        layer: int,
+        meta: AttentionMetadata,
+    ) -> tuple[jax.Array, jax.Array]:
+        tokens = x.shape[0]
+        q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        kv_pool = pallas_kernels.write_kv(kv_pool, layer, k, v, meta.slot_mapping)
+        out = pallas_kernels.ragged_paged_attention(
+            q,
+            kv_pool[layer, 0],
+            kv_pool[layer, 1],
+            meta.page_table,
+            meta.seq_lens,
+            meta.query_start,
+            sm_scale=self.head_dim**-0.5,
+        )
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)), kv_pool
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(h, i, bias=False, dtype=dtype, rngs=rngs, std=std)
+        self.up_proj = Linear(h, i, bias=False, dtype=dtype, rngs=rngs, std=std)
+        self.down_proj = Linear(i, h, bias=False, dtype=dtype, rngs=rngs, std=std)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype, rngs, std)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype, rngs, std)
+
+    def __call__(self, x, positions, inv_freq, kv_pool, layer, meta):
+        attn_out, kv_pool = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_pool, layer, meta)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv_pool
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
+        self.weight = nnx.Param((jax.random.normal(rngs.params(), (vocab, dim), jnp.float32) * std).astype(dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class DecoderModel(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, rngs, std)
+        self.layers = nnx.List([DecoderLayer(config, dtype, rngs, std) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """The whole decoder plus LM head; ``__call__`` returns final hidden states and the pool."""
+
+    def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs, init_std: float = 0.02):
+        self.config = config
+        self.model = DecoderModel(config, dtype, rngs, init_std)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, rngs=rngs, std=init_std)
+        )
+
+    def __call__(
+        self, input_ids: jax.Array, positions: jax.Array, kv_pool: jax.Array, meta: AttentionMetadata
+    ) -> tuple[jax.Array, jax.Array]:
+        x = self.model.embed_tokens(input_ids)
+        inv_freq = jnp.asarray(inverse_frequencies(self.config))  # a trace-time constant
+        for layer_idx, layer in enumerate(self.model.layers):
+            x, kv_pool = layer(x, positions, inv_freq, kv_pool, layer_idx, meta)
+        return self.model.norm(x), kv_pool
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            return (hidden @ self.model.embed_tokens.weight[...].T).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)

@@ -1,0 +1,68 @@
+"""One entry point to get a servable model: ``load_model("tiny" | HF folder | orbax checkpoint)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from strata_jax.models.config import ModelConfig, ModelConfigError
+from strata_jax.models.llama import LlamaForCausalLM
+from strata_jax.models.weights import CONFIG_FILE, load_hf_weights, random_model, restore_checkpoint
+from strata_jax.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+TINY_SEED = 20260501
+
+
+def tiny_config() -> ModelConfig:
+    """The embedded default: a ~11M-parameter Llama-architecture model over bytes."""
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=16384,
+        tie_word_embeddings=True,
+        bos_token_id=ByteTokenizer.BOS,
+        eos_token_ids=(ByteTokenizer.EOS,),
+    )
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer | None  # None when the folder has no tokenizer.json (token ids only)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.config.eos_token_ids)
+        if self.tokenizer is not None:
+            ids.update(self.tokenizer.eos_token_ids)
+        return tuple(sorted(ids))
+
+
+def load_model(spec: str, *, dtype: jnp.dtype = jnp.float32, show_progress: bool = True) -> LoadedModel:
+    """``"tiny"``: embedded random model; a folder with config.json: HF checkpoint;
+    a folder with strata_model_config.json: orbax checkpoint saved by ``save_checkpoint``."""
+    if spec == "tiny":
+        config = tiny_config()
+        return LoadedModel("tiny", config, random_model(config, dtype=dtype, seed=TINY_SEED), ByteTokenizer())
+    folder = Path(spec)
+    if not folder.is_dir():
+        raise ModelConfigError(f"model {spec!r} is neither 'tiny' nor an existing directory")
+    tokenizer = HFTokenizer(folder) if (folder / "tokenizer.json").is_file() else None
+    if (folder / CONFIG_FILE).is_file():
+        model = restore_checkpoint(folder, dtype=dtype)
+        return LoadedModel(folder.name, model.config, model, tokenizer or ByteTokenizer())
+    config = ModelConfig.from_pretrained(folder)
+    model = load_hf_weights(folder, config, dtype=dtype, show_progress=show_progress)
+    return LoadedModel(folder.name, config, model, tokenizer)

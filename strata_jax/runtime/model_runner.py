@@ -1,0 +1,193 @@
+"""ModelRunner: the device side.  Jitted ``extend``/``decode`` steps over ragged batches.
+
+The runner owns the layer-first KV pool (``pallas_kernels.layout``) and donates it to
+every step, so it is updated in place.  It never makes policy decisions: callers hand
+it sequences with the pages they may write (``SeqInput``) and get next tokens back.
+
+Shapes are bucketed (tokens, batch size) and compiled once at warm-up; the page
+table width is fixed by the maximum context, so no step after warm-up compiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from pallas_kernels.layout import KVLayout
+from strata_jax.models.llama import AttentionMetadata, LlamaForCausalLM
+from strata_jax.runtime.buckets import pick_bucket, power_of_two_buckets
+from strata_jax.runtime.sampling import sample_tokens
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    page_size: int = 16
+    num_device_pages: int = 512
+    max_batch_tokens: int = 512  # extend token budget per step (longer prompts are chunked)
+    max_batch_size: int = 16  # sequences per step
+    max_context_tokens: int = 4096
+    kv_dtype: str = "float32"
+    min_token_bucket: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "num_device_pages", "max_batch_tokens", "max_batch_size", "max_context_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RunnerConfig.{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_context_tokens // self.page_size)
+
+
+@dataclass
+class SeqInput:
+    """One sequence's work in a step.
+
+    token_ids: the new tokens to run (extend: a chunk of the prompt; decode: one token)
+    start_pos: how many tokens of this sequence are already in the pool
+    page_ids:  device pages holding positions 0 .. start_pos + len(token_ids) - 1, in order
+    The caller owns ``page_ids`` and guarantees no other sequence writes them.
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    page_ids: list[int]
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    rng_key: tuple[int, int] = (0, 0)
+
+
+@dataclass
+class StepResult:
+    next_tokens: np.ndarray  # [len(seqs)] sampled from each sequence's last position
+    logits: np.ndarray | None = None  # [num_logit_rows, V] when requested
+
+
+@dataclass
+class _Compiled:
+    fn: object
+    shapes: set = field(default_factory=set)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, config: RunnerConfig, *, mesh: jax.sharding.Mesh | None = None):
+        self.model_config = model.config
+        self.config = config
+        self.layout = KVLayout(
+            num_layers=model.config.num_layers,
+            num_kv_heads=model.config.num_kv_heads,
+            head_dim=model.config.head_dim,
+            page_size=config.page_size,
+            dtype=config.kv_dtype,
+        )
+        self.graphdef, self.state = nnx.split(model)
+        self.kv_pool = jnp.zeros(self.layout.device_pool_shape(config.num_device_pages), jnp.dtype(config.kv_dtype))
+        self.token_buckets = power_of_two_buckets(
+            min(config.min_token_bucket, config.max_batch_tokens), config.max_batch_tokens
+        )
+        self.batch_buckets = power_of_two_buckets(1, config.max_batch_size)
+        self._step = jax.jit(partial(_forward_step, self.graphdef), donate_argnums=(1,), static_argnames=("all_logits",))
+        self.num_slots = config.num_device_pages * config.page_size
+
+    # ---- compile accounting -------------------------------------------------------
+    @property
+    def compile_count(self) -> int:
+        """Number of distinct programs compiled so far (jit cache entries)."""
+        return self._step._cache_size()  # noqa: SLF001
+
+    def warmup(self, *, show_progress: bool = True) -> int:
+        """Compile every (token bucket, batch bucket) pair a step can hit; returns compiles."""
+        shapes = [(b, b) for b in self.batch_buckets]  # decode: one token per sequence
+        shapes += [(t, b) for t in self.token_buckets for b in self.batch_buckets if b <= t and t > b]
+        for tokens, batch in tqdm(shapes, desc="compiling steps", disable=not show_progress):
+            self._run_padded(self._empty_inputs(tokens, batch), all_logits=False)
+        return self.compile_count
+
+    # ---- steps ----------------------------------------------------------------------
+    def step(self, seqs: list[SeqInput], *, all_logits: bool = False) -> StepResult:
+        """Run one ragged batch (any mix of extends and decodes) and sample a token per sequence."""
+        if not seqs:
+            raise ValueError("empty batch")
+        inputs = self._pack(seqs)
+        next_tokens, logits = self._run_padded(inputs, all_logits=all_logits)
+        total = sum(len(s.token_ids) for s in seqs)
+        result = StepResult(next_tokens=np.asarray(next_tokens)[: len(seqs)])
+        if all_logits:
+            result.logits = np.asarray(logits)[:total]
+        return result
+
+    def _run_padded(self, inputs: dict, *, all_logits: bool):
+        next_tokens, logits, self.kv_pool = self._step(self.state, self.kv_pool, inputs, all_logits=all_logits)
+        return next_tokens, logits
+
+    def _empty_inputs(self, tokens: int, batch: int) -> dict:
+        width = self.config.max_pages_per_seq
+        return {
+            "input_ids": np.zeros(tokens, np.int32),
+            "positions": np.zeros(tokens, np.int32),
+            "meta": AttentionMetadata(
+                slot_mapping=np.full(tokens, self.num_slots, np.int32),
+                page_table=np.zeros((batch, width), np.int32),
+                seq_lens=np.zeros(batch, np.int32),
+                query_start=np.zeros(batch + 1, np.int32),
+            ),
+            "last_index": np.zeros(batch, np.int32),
+            "temperature": np.zeros(batch, np.float32),
+            "top_k": np.zeros(batch, np.int32),
+            "top_p": np.ones(batch, np.float32),
+            "rng_keys": np.zeros((batch, 2), np.uint32),
+        }
+
+    def _pack(self, seqs: list[SeqInput]) -> dict:
+        total = sum(len(s.token_ids) for s in seqs)
+        if total > self.config.max_batch_tokens:
+            raise ValueError(f"batch of {total} tokens exceeds max_batch_tokens={self.config.max_batch_tokens}")
+        if len(seqs) > self.config.max_batch_size:
+            raise ValueError(f"batch of {len(seqs)} sequences exceeds max_batch_size={self.config.max_batch_size}")
+        batch = pick_bucket(self.batch_buckets, len(seqs))
+        tokens = batch if total == len(seqs) else pick_bucket(self.token_buckets, max(total, batch + 1))
+        x = self._empty_inputs(tokens, batch)
+        meta = x["meta"]
+        page_size = self.config.page_size
+        offset = 0
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            end_pos = s.start_pos + n
+            if n == 0:
+                raise ValueError("a sequence in the batch has no new tokens")
+            if end_pos > self.config.max_context_tokens:
+                raise ValueError(f"sequence reaches {end_pos} tokens, beyond max_context_tokens={self.config.max_context_tokens}")
+            if len(s.page_ids) * page_size < end_pos:
+                raise ValueError(f"sequence {i} has {len(s.page_ids)} pages for {end_pos} tokens")
+            pos = np.arange(s.start_pos, end_pos, dtype=np.int32)
+            pages = np.asarray(s.page_ids, np.int32)
+            x["input_ids"][offset : offset + n] = s.token_ids
+            x["positions"][offset : offset + n] = pos
+            meta.slot_mapping[offset : offset + n] = pages[pos // page_size] * page_size + pos % page_size
+            meta.page_table[i, : len(pages)] = pages
+            meta.seq_lens[i] = end_pos
+            meta.query_start[i + 1] = offset + n
+            x["last_index"][i] = offset + n - 1
+            x["temperature"][i] = s.temperature
+            x["top_k"][i] = s.top_k
+            x["top_p"][i] = s.top_p
+            x["rng_keys"][i] = s.rng_key
+            offset += n
+        meta.query_start[len(seqs) + 1 :] = offset
+        return x
+
+
+def _forward_step(graphdef, state, kv_pool, inputs: dict, *, all_logits: bool):
+    model = nnx.merge(graphdef, state)
+    hidden, kv_pool = model(inputs["input_ids"], inputs["positions"], kv_pool, inputs["meta"])
+    last_logits = model.logits(hidden[inputs["last_index"]])
+    next_tokens = sample_tokens(last_logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["rng_keys"])
+    logits = model.logits(hidden) if all_logits else None
+    return next_tokens, logits, kv_pool

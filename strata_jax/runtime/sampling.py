@@ -1,0 +1,34 @@
+"""Token sampling on device: greedy, temperature, top-k, top-p, per-request PRNG keys."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sample_tokens(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array
+) -> jax.Array:
+    """Pick one token per row of ``logits[B, V]`` (float32).
+
+    temperature[B] == 0 selects argmax; top_k[B] == 0 and top_p[B] == 1 disable
+    those filters; keys[B, 2] (uint32 raw PRNG keys) make sampling reproducible per
+    request.  Ties in greedy decoding resolve to the lowest id (as ``argmax``).
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)
+    probs_sorted = jax.nn.softmax(sorted_logits, axis=-1)
+    cumulative = jnp.cumsum(probs_sorted, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (always at least one token)
+    keep_sorted = (cumulative - probs_sorted) < top_p[:, None]
+    cutoff_index = jnp.maximum(jnp.sum(keep_sorted, axis=-1) - 1, 0)
+    p_threshold = jnp.take_along_axis(sorted_logits, cutoff_index[:, None], axis=-1)
+    threshold = jnp.maximum(kth, p_threshold)
+    filtered = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(jax.random.wrap_key_data(key), (vocab,)))(keys)
+    sampled = jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
