@@ -1,0 +1,157 @@
+"""Ragged paged attention: Pallas (interpret mode) == pure-JAX reference == brute force.
+
+Inputs are fresh random ragged batches: sequences extending by several tokens on
+a cached prefix, one-token decodes, pure prefills, padding sequences and padding
+tokens, shuffled page tables.  Every KV slot nobody wrote, every page-table entry
+past a sequence's pages and every padding query is NaN/garbage-poisoned, so a
+kernel that reads memory it should not turns the output into NaN and fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import dispatch
+from pallas_kernels.attention import AttentionShapeError, ragged_paged_attention_pallas
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+
+def make_batch(rng, *, page_size, q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, pad_tokens, dtype):
+    """Random ragged batch; returns (args tuple, NumPy copies for the brute force)."""
+    q_lens, ctx_lens = np.asarray(q_lens), np.asarray(ctx_lens)
+    seq_lens = ctx_lens + q_lens
+    batch = len(q_lens)
+    pages_needed = -(-seq_lens // page_size)
+    num_pages = int(pages_needed.sum()) + 3
+    max_pages = int(pages_needed.max(initial=0)) + 2
+    perm = rng.permutation(num_pages)
+    table = rng.integers(-(10**6), 10**6, size=(batch, max_pages)).astype(np.int32)  # garbage past the end
+    k_pages = np.full((num_pages, page_size, num_kv_heads, head_dim), np.nan, np.float32)
+    v_pages = k_pages.copy()
+    used = 0
+    for b in range(batch):
+        table[b, : pages_needed[b]] = perm[used : used + pages_needed[b]]
+        used += pages_needed[b]
+        for t in range(seq_lens[b]):
+            page, off = table[b, t // page_size], t % page_size
+            k_pages[page, off] = rng.standard_normal((num_kv_heads, head_dim))
+            v_pages[page, off] = rng.standard_normal((num_kv_heads, head_dim))
+    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_tokens = int(query_start[-1]) + pad_tokens
+    q = np.full((num_tokens, num_q_heads, head_dim), np.nan, np.float32)
+    q[: query_start[-1]] = rng.standard_normal((int(query_start[-1]), num_q_heads, head_dim))
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    args = (cast(q), cast(k_pages), cast(v_pages), jnp.asarray(table), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(query_start))
+    # Brute force reads the *cast* values so bf16 rounding of inputs is shared.
+    host = tuple(np.asarray(a, np.float32) for a in args[:3]) + (table, seq_lens, query_start)
+    return args, host
+
+
+def brute_force(q, k_pages, v_pages, table, seq_lens, query_start, sm_scale, soft_cap):
+    """Dense per-token softmax attention in float64 NumPy."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = np.zeros((num_tokens, num_q_heads, head_dim))
+    for b in range(len(seq_lens)):
+        q_len = query_start[b + 1] - query_start[b]
+        for i in range(q_len):
+            t = query_start[b] + i
+            pos = seq_lens[b] - q_len + i
+            slots = [(table[b, p // page_size], p % page_size) for p in range(pos + 1)]
+            k = np.stack([k_pages[pg, off] for pg, off in slots]).astype(np.float64)  # [K, Hkv, D]
+            v = np.stack([v_pages[pg, off] for pg, off in slots]).astype(np.float64)
+            for h in range(num_q_heads):
+                s = k[:, h // group] @ q[t, h].astype(np.float64) * sm_scale
+                if soft_cap is not None:
+                    s = soft_cap * np.tanh(s / soft_cap)
+                p = np.exp(s - s.max())
+                out[t, h] = (p / p.sum()) @ v[:, h // group]
+    return out
+
+
+def _tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype == jnp.bfloat16 else dict(atol=2e-5, rtol=2e-5)
+
+
+MIXED = dict(q_lens=(5, 1, 3, 1, 0, 17), ctx_lens=(7, 20, 0, 33, 0, 40))  # extend, decode, prefill, pad seq
+
+
+@pytest.mark.parametrize("page_size", (1, 8, 16, 64))
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("soft_cap", (None, 5.0))
+def test_interpret_equals_reference_and_brute_force(page_size, dtype, soft_cap):
+    rng = np.random.default_rng(page_size * 31 + (soft_cap is None))
+    args, host = make_batch(
+        rng, page_size=page_size, num_q_heads=8, num_kv_heads=2, head_dim=16, pad_tokens=3, dtype=dtype, **MIXED
+    )
+    scale = 1 / math.sqrt(16)
+    got = ragged_paged_attention_pallas(*args, sm_scale=scale, soft_cap=soft_cap, interpret=True)
+    ref = ragged_paged_attention_reference(*args, sm_scale=scale, soft_cap=soft_cap)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    got32, ref32 = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    assert not np.isnan(got32).any()
+    np.testing.assert_allclose(got32, ref32, **_tol(dtype))
+    n_real = int(host[5][-1])
+    np.testing.assert_array_equal(got32[n_real:], 0.0)  # padding tokens
+    want = brute_force(*host, scale, soft_cap)
+    np.testing.assert_allclose(got32, want, **_tol(dtype))
+    np.testing.assert_allclose(ref32, want, **_tol(dtype))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    page_size=st.sampled_from([1, 2, 8, 16, 64]),
+    heads=st.sampled_from([(4, 4), (8, 2), (4, 1), (6, 3)]),
+    batch=st.integers(1, 5),
+    decode_only=st.booleans(),
+)
+def test_random_ragged_batches(seed, page_size, heads, batch, decode_only):
+    rng = np.random.default_rng(seed)
+    q_lens = np.ones(batch, int) if decode_only else rng.integers(0, 9, size=batch)
+    ctx_lens = rng.integers(0, 70, size=batch)
+    args, host = make_batch(
+        rng, page_size=page_size, q_lens=q_lens, ctx_lens=ctx_lens, num_q_heads=heads[0],
+        num_kv_heads=heads[1], head_dim=16, pad_tokens=int(rng.integers(0, 4)), dtype=jnp.float32,
+    )  # fmt: skip
+    if args[0].shape[0] == 0:
+        return
+    max_q = 1 if decode_only else None
+    got = ragged_paged_attention_pallas(*args, sm_scale=0.3, max_q_len=max_q, block_kv=16, interpret=True)
+    ref = ragged_paged_attention_reference(*args, sm_scale=0.3)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(got), brute_force(*host, 0.3, None), atol=2e-5, rtol=2e-5)
+
+
+def test_dispatch_interpret_and_reference_agree():
+    rng = np.random.default_rng(9)
+    args, _ = make_batch(
+        rng, page_size=4, q_lens=(3, 1), ctx_lens=(9, 4), num_q_heads=4, num_kv_heads=2, head_dim=16,
+        pad_tokens=1, dtype=jnp.float32,
+    )  # fmt: skip
+    a = dispatch.ragged_paged_attention(*args, sm_scale=0.2, backend="interpret")
+    b = dispatch.ragged_paged_attention(*args, sm_scale=0.2, backend="reference")
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+
+
+def test_bad_inputs_raise_typed_errors():
+    rng = np.random.default_rng(1)
+    args, _ = make_batch(
+        rng, page_size=4, q_lens=(2,), ctx_lens=(3,), num_q_heads=6, num_kv_heads=2, head_dim=16,
+        pad_tokens=0, dtype=jnp.float32,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    with pytest.raises(AttentionShapeError):  # 6 q heads over 4 kv heads
+        ragged_paged_attention_pallas(q, jnp.concatenate([k, k], 2), jnp.concatenate([v, v], 2), table, seq_lens, qs,
+                                      sm_scale=1.0, interpret=True)  # fmt: skip
+    with pytest.raises(AttentionShapeError):
+        ragged_paged_attention_pallas(q, k, v, table, seq_lens[:0], qs, sm_scale=1.0, interpret=True)
+    with pytest.raises(AttentionShapeError):  # compiled path needs a power-of-two head_dim
+        ragged_paged_attention_pallas(q[..., :12], k[..., :12], v[..., :12], table, seq_lens, qs, sm_scale=1.0)
