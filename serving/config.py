@@ -1,0 +1,60 @@
+"""``ServerConfig``: everything the serving faces need to know, fixed at start-up."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` only accepts connections from this machine."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of the gRPC and HTTP servers (not of the engine).
+
+    ``port``/``grpc_port`` 0 pick a free port (tests).  A server bound off loopback
+    must have an ``api_key``; clients then send ``Authorization: Bearer <key>``
+    (HTTP and gRPC metadata alike).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50051
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the engine's model_name
+    max_body_bytes: int = 8 << 20  # HTTP bodies and gRPC messages
+    max_batch_prompts: int = 64  # prompts in one /v1/completions request
+    default_chat_max_tokens: int = 256  # chat requests without max_tokens
+    grace_s: float = 10.0  # SIGTERM: time to finish in-flight work
+    profile_dir: str | None = None  # default dir for StartProfile / admin route
+    profile_on_start: bool = False  # trace from warm-up to shutdown into profile_dir
+    enable_http: bool = True
+    enable_grpc: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("port", "grpc_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.max_batch_prompts < 1 or self.default_chat_max_tokens < 1:
+            raise ValueError("max_batch_prompts and default_chat_max_tokens must be positive")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+        if self.profile_on_start and not self.profile_dir:
+            raise ValueError("profile_on_start needs a profile_dir (--profile-dir)")
+        if not is_loopback(self.host) and self.api_key is None:
+            raise ValueError(f"binding to {self.host!r} (off loopback) needs an api_key (--api-key)")

@@ -1,0 +1,240 @@
+"""The one seam between the faces (gRPC, HTTP) and the engine.
+
+``Frontend`` owns the engine's lifecycle as the faces see it
+(warming -> ready -> draining -> stopped), validates what the faces pass in,
+records request metrics and guarantees that a stream which is closed, cancelled
+or errored early aborts its engine request (so its pages and tree locks are
+released).  Both faces call ``Frontend.stream``; neither talks to the engine's
+request API directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Protocol, Sequence
+
+from strata_jax.api import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    OverloadedError,
+    SamplingParams,
+    StreamChunk,
+)
+
+from serving.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+
+TIERS = ("device", "host", "storage")
+MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256
+
+
+class EngineLike(Protocol):
+    """What the faces use of ``strata_jax.engine.Engine``."""
+
+    model_name: str
+    max_context_tokens: int
+    vocab_size: int
+    tokenizer: Any
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, **kw: Any) -> AsyncIterator[StreamChunk]: ...
+    def abort(self, request_id: str) -> bool: ...
+    def cache_stats(self) -> dict: ...
+    def flush_cache(self, tier: str = "all") -> None: ...
+    def start_profile(self, log_dir: str) -> None: ...
+    def stop_profile(self) -> str: ...
+    def shutdown(self, grace_s: float = 10.0) -> None: ...
+
+
+class State(enum.Enum):
+    WARMING = "warming"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+def check_prompt(prompt: object, vocab_size: int) -> str | list[int]:
+    """Reject prompts the engine must never see: wrong types, empty, ids out of range."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        return prompt
+    if isinstance(prompt, Sequence):
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty (no token ids)")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InvalidRequestError(f"prompt token {i} is not an integer: {t!r}")
+            if not 0 <= t < vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token {i} = {t} is outside the vocabulary [0, {vocab_size})"
+                )
+        return ids
+    raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def check_request_id(request_id: str | None) -> str:
+    """A caller-supplied id (printable, bounded) or a fresh one."""
+    if not request_id:
+        return uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidRequestError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters")
+    return request_id
+
+
+class Frontend:
+    """Engine lifecycle + request streaming with guaranteed abort, shared by both faces."""
+
+    def __init__(self, metrics: ServingMetrics, served_model_name: str | None = None) -> None:
+        self.metrics = metrics
+        self._engine: EngineLike | None = None
+        self._state = State.WARMING
+        self._served_name = served_model_name
+        self._in_flight: set[str] = set()
+        self.failure: str | None = None
+
+    # ---- lifecycle ------------------------------------------------------
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def ready(self) -> bool:
+        return self._state is State.READY
+
+    @property
+    def engine_or_none(self) -> EngineLike | None:
+        return self._engine
+
+    def attach(self, engine: EngineLike) -> None:
+        """Hand over a warmed-up engine; requests are served from now on."""
+        self._engine = engine
+        if self._state is State.WARMING:
+            self._state = State.READY
+
+    def fail(self, reason: str) -> None:
+        """The engine could not be built; every request gets UNAVAILABLE with ``reason``."""
+        self.failure = reason
+        self._state = State.FAILED
+
+    def begin_drain(self) -> None:
+        """Stop accepting requests (SIGTERM); in-flight ones carry on."""
+        if self._state in (State.READY, State.WARMING):
+            self._state = State.DRAINING
+
+    def mark_stopped(self) -> None:
+        self._state = State.STOPPED
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def model_name(self) -> str:
+        if self._served_name:
+            return self._served_name
+        return self._engine.model_name if self._engine is not None else "unknown"
+
+    def engine(self) -> EngineLike:
+        """The engine, or ``EngineUnavailableError`` while warming up / shutting down."""
+        if self._state is State.READY and self._engine is not None:
+            return self._engine
+        if self._state is State.WARMING:
+            raise EngineUnavailableError("the engine is warming up; retry shortly")
+        if self._state is State.FAILED:
+            raise EngineUnavailableError(f"the engine failed to start: {self.failure}")
+        raise EngineUnavailableError("the server is shutting down")
+
+    def check_model(self, name: object) -> None:
+        """Raise ``LookupError`` unless ``name`` is the served model."""
+        if name != self.model_name:
+            raise LookupError(f"model {name!r} does not exist; this server serves {self.model_name!r}")
+
+    # ---- requests -------------------------------------------------------
+    async def stream(
+        self,
+        prompt: object,
+        params: SamplingParams,
+        *,
+        api: str,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """Stream one request's chunks; closing this generator early aborts the request.
+
+        Errors from admission (``InvalidRequestError``, ``OverloadedError``,
+        ``EngineUnavailableError``) surface on the first ``__anext__``.
+        """
+        status = "error"
+        t0 = time.perf_counter()
+        rid: str | None = None
+        engine_stream: AsyncIterator[StreamChunk] | None = None
+        finished = False
+        self.metrics.in_flight.inc()
+        try:
+            engine = self.engine()
+            checked = check_prompt(prompt, engine.vocab_size)
+            if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_CHARS:
+                raise InvalidRequestError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters")
+            rid = check_request_id(request_id)
+            if rid in self._in_flight:
+                rid = None
+                raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
+            self._in_flight.add(rid)
+            engine_stream = engine.stream(checked, params, cache_salt=cache_salt or None, request_id=rid)
+            last = None
+            async for chunk in engine_stream:
+                now = time.perf_counter()
+                if last is None:
+                    self.metrics.ttft.observe(now - t0)
+                elif chunk.token_ids:
+                    gap = (now - last) / len(chunk.token_ids)
+                    for _ in chunk.token_ids:
+                        self.metrics.inter_token.observe(gap)
+                if chunk.token_ids:
+                    last = now
+                    self.metrics.completion_tokens.inc(len(chunk.token_ids))
+                if chunk.finished:
+                    finished = True
+                    status = chunk.finish_reason or "stop"
+                    self.metrics.prompt_tokens.inc(chunk.prompt_tokens)
+                    for tier in TIERS:
+                        self.metrics.cached_prompt_tokens.labels(tier).inc(chunk.cached_tokens.get(tier, 0))
+                yield chunk
+                if finished:
+                    break
+        except InvalidRequestError:
+            status = "invalid"
+            raise
+        except OverloadedError:
+            status = "overloaded"
+            raise
+        except EngineUnavailableError:
+            status = "unavailable"
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "cancelled"
+            raise
+        finally:
+            if engine_stream is not None:
+                try:
+                    await engine_stream.aclose()  # the engine aborts unfinished requests here
+                except Exception:
+                    log.exception("closing the engine stream of %s failed", rid)
+            if rid is not None:
+                if not finished and self._engine is not None:
+                    try:
+                        self._engine.abort(rid)  # belt and braces: idempotent
+                    except Exception:
+                        log.exception("abort(%s) failed", rid)
+                self._in_flight.discard(rid)
+            self.metrics.in_flight.dec()
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+            self.metrics.requests.labels(api, status).inc()

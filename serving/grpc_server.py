@@ -1,0 +1,317 @@
+"""The gRPC face: ``strata.v1.Strata`` plus ``grpc.health.v1`` and reflection.
+
+Error mapping (``map_error``):
+
+=========================  ====================
+``InvalidRequestError``    ``INVALID_ARGUMENT``
+``OverloadedError``        ``RESOURCE_EXHAUSTED``
+``EngineUnavailableError`` ``UNAVAILABLE``
+``RequestAbortedError``    ``ABORTED``
+anything else              ``INTERNAL`` (logged)
+=========================  ====================
+
+A client cancelling its ``Generate`` stream cancels the handler task; the
+``Frontend`` stream's ``finally`` aborts the engine request, freeing its pages.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import AsyncIterator, Awaitable, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from strata_jax.api import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    OverloadedError,
+    RequestAbortedError,
+    SamplingParams,
+    StreamChunk,
+)
+
+from serving.config import ServerConfig
+from serving.frontend import TIERS, Frontend
+from serving.protos import strata_pb2, strata_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = strata_pb2.DESCRIPTOR.services_by_name["Strata"].full_name
+_PUBLIC_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def map_error(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """gRPC status code and message for an error raised while serving a call."""
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, OverloadedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or "the server is overloaded; retry later"
+    if isinstance(exc, EngineUnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, RequestAbortedError):
+        return grpc.StatusCode.ABORTED, str(exc) or "the request was aborted"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+def params_from_proto(msg: strata_pb2.SamplingParams) -> SamplingParams:
+    """``SamplingParams`` from the proto; unset optional fields keep their defaults."""
+    kwargs: dict = {}
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty"):
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    if msg.stop:
+        kwargs["stop"] = tuple(msg.stop)
+    if msg.stop_token_ids:
+        kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
+    kwargs["ignore_eos"] = msg.ignore_eos
+    return SamplingParams(**kwargs)
+
+
+def _tiers(counts: dict[str, int]) -> strata_pb2.TierCounts:
+    return strata_pb2.TierCounts(**{t: int(counts.get(t, 0)) for t in TIERS})
+
+
+def chunk_to_proto(chunk: StreamChunk) -> strata_pb2.GenerateResponse:
+    """One ``StreamChunk`` as a ``GenerateResponse`` (usage on the final one)."""
+    msg = strata_pb2.GenerateResponse(
+        request_id=chunk.request_id,
+        token_ids=chunk.token_ids,
+        text=chunk.text,
+        finished=chunk.finished,
+        cached_tokens=_tiers(chunk.cached_tokens),
+    )
+    if chunk.finished:
+        msg.finish_reason = chunk.finish_reason or "stop"
+        msg.usage.CopyFrom(
+            strata_pb2.Usage(
+                prompt_tokens=chunk.prompt_tokens,
+                completion_tokens=chunk.completion_tokens,
+                cached_tokens=sum(int(chunk.cached_tokens.get(t, 0)) for t in TIERS),
+                cached_tokens_per_tier=_tiers(chunk.cached_tokens),
+            )
+        )
+    return msg
+
+
+class StrataServicer(strata_pb2_grpc.StrataServicer):
+    """``strata.v1.Strata`` on top of a ``Frontend``."""
+
+    def __init__(self, frontend: Frontend, config: ServerConfig) -> None:
+        self._frontend = frontend
+        self._config = config
+
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        code, message = map_error(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            log.error("gRPC call failed", exc_info=exc)
+        await context.abort(code, message)
+
+    async def Generate(  # noqa: N802 (gRPC naming)
+        self, request: strata_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[strata_pb2.GenerateResponse]:
+        kind = request.WhichOneof("prompt")
+        stream = None
+        try:
+            if kind is None:
+                raise InvalidRequestError("prompt is empty: set `text` or `token_ids`")
+            prompt = request.text if kind == "text" else list(request.token_ids.ids)
+            params = params_from_proto(request.params)
+            stream = self._frontend.stream(
+                prompt, params, api="grpc", cache_salt=request.cache_salt or None, request_id=request.request_id or None
+            )
+            first = await stream.__anext__()  # admission errors surface here
+        except StopAsyncIteration:
+            return
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            if stream is not None:
+                await stream.aclose()
+            await self._fail(context, exc)
+            return
+        try:
+            yield chunk_to_proto(first)
+            if first.finished:
+                return
+            async for chunk in stream:
+                yield chunk_to_proto(chunk)
+        except (RequestAbortedError, EngineUnavailableError) as exc:
+            await self._fail(context, exc)
+        finally:
+            await stream.aclose()  # aborts the engine request if it did not finish
+
+    async def GetCacheStats(self, request, context):  # noqa: N802
+        try:
+            stats = self._frontend.engine().cache_stats()
+            return strata_pb2.GetCacheStatsResponse(json=json.dumps(stats, default=str))
+        except Exception as exc:  # noqa: BLE001
+            await self._fail(context, exc)
+
+    async def FlushCache(self, request, context):  # noqa: N802
+        tier = request.tier or "all"
+        try:
+            if tier not in ("all", "device", "host", "storage"):
+                raise InvalidRequestError(f"tier must be one of all, device, host, storage; got {tier!r}")
+            self._frontend.engine().flush_cache(tier)
+            return strata_pb2.FlushCacheResponse()
+        except Exception as exc:  # noqa: BLE001
+            await self._fail(context, exc)
+
+    async def StartProfile(self, request, context):  # noqa: N802
+        try:
+            log_dir = request.log_dir or self._config.profile_dir
+            if not log_dir:
+                raise InvalidRequestError("no log_dir given and the server has no --profile-dir")
+            self._frontend.engine().start_profile(log_dir)
+            return strata_pb2.StartProfileResponse(log_dir=log_dir)
+        except RuntimeError as exc:  # e.g. a trace is already running
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:  # noqa: BLE001
+            await self._fail(context, exc)
+
+    async def StopProfile(self, request, context):  # noqa: N802
+        try:
+            trace_dir = self._frontend.engine().stop_profile()
+            return strata_pb2.StopProfileResponse(trace_dir=str(trace_dir))
+        except RuntimeError as exc:  # e.g. no trace running
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:  # noqa: BLE001
+            await self._fail(context, exc)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without ``authorization: Bearer <key>`` (health/reflection exempt)."""
+
+    def __init__(self, api_key: str) -> None:
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if details.method.startswith(_PUBLIC_METHOD_PREFIXES):
+            return await continuation(details)
+        sent = dict(details.invocation_metadata or ()).get("authorization", "")
+        sent = sent.encode() if isinstance(sent, str) else sent
+        if hmac.compare_digest(sent, self._expected):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+
+        async def deny_unary(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+            yield  # pragma: no cover - makes this an async generator
+
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                deny_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.unary_unary_rpc_method_handler(deny_unary, handler.request_deserializer, handler.response_serializer)
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
+    """Turns undecodable requests (e.g. invalid UTF-8 in a string field) into ``INVALID_ARGUMENT``.
+
+    Without it grpc answers ``UNKNOWN`` with a Python exception name.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        decode = handler.request_deserializer
+
+        def safe_decode(data: bytes) -> object:
+            try:
+                return decode(data)
+            except DecodeError as exc:
+                return _Undecodable(str(exc))
+
+        async def reject(context: grpc.aio.ServicerContext, bad: _Undecodable) -> None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {bad.reason}")
+
+        if handler.unary_stream:
+            inner_stream = handler.unary_stream
+
+            async def guarded_stream(request, context):
+                if isinstance(request, _Undecodable):
+                    await reject(context, request)
+                    return
+                async for item in inner_stream(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(guarded_stream, safe_decode, handler.response_serializer)
+        if handler.unary_unary:
+            inner_unary = handler.unary_unary
+
+            async def guarded_unary(request, context):
+                if isinstance(request, _Undecodable):
+                    await reject(context, request)
+                    return None
+                return await inner_unary(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(guarded_unary, safe_decode, handler.response_serializer)
+        return handler
+
+
+class GrpcFace:
+    """The gRPC server: Strata service, health (NOT_SERVING until the engine is ready), reflection."""
+
+    def __init__(self, frontend: Frontend, config: ServerConfig) -> None:
+        interceptors: list[grpc.aio.ServerInterceptor] = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        interceptors.append(DecodeGuardInterceptor())
+        self.server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", config.max_body_bytes),
+                ("grpc.max_send_message_length", config.max_body_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        strata_pb2_grpc.add_StrataServicer_to_server(StrataServicer(frontend, config), self.server)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server,
+        )
+        address = f"{config.host}:{config.grpc_port}"
+        if ":" in config.host:  # IPv6 literal
+            address = f"[{config.host}]:{config.grpc_port}"
+        self.port = self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind the gRPC port {address}")
+
+    async def start(self) -> None:
+        await self.set_serving(False)
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        """Refuse new calls, let in-flight ones finish for up to ``grace_s``."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)

@@ -1,0 +1,433 @@
+"""The OpenAI-compatible HTTP face (FastAPI).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
+``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` and the admin
+routes ``GET /admin/cache_stats``, ``POST /admin/flush_cache``,
+``POST /admin/profile/start``, ``POST /admin/profile/stop``.
+
+Bodies are read by hand (size-capped, UTF-8 checked, JSON parsed, then validated
+strictly) so every malformed request gets a 4xx in OpenAI's error envelope.
+Status codes: 400 bad request, 401 wrong API key, 404 unknown model, 413 body
+too large, 429 queue full, 503 warming up / shutting down, 500 bug.
+
+A streaming response waits for the engine's first chunk before sending headers,
+so admission errors (400/429/503) keep their status codes; after that a client
+disconnect closes the SSE generator, which aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from strata_jax.api import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    OverloadedError,
+    RequestAbortedError,
+    SamplingParams,
+    StreamChunk,
+)
+
+from serving import openai_protocol as oai
+from serving.config import ServerConfig
+from serving.frontend import TIERS, Frontend
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+DISCONNECT_POLL_S = 0.25
+
+
+class HTTPError(Exception):
+    """An error that becomes an OpenAI-style JSON error response."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(oai.error_body(self.message, self.type, self.code), self.status, headers=headers)
+
+
+def map_error(exc: BaseException) -> HTTPError:
+    """HTTP status for an error raised while serving a request."""
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return HTTPError(400, str(exc), "invalid_request_error")
+    if isinstance(exc, LookupError):
+        return HTTPError(404, str(exc).strip("'\""), "invalid_request_error", "model_not_found")
+    if isinstance(exc, OverloadedError):
+        return HTTPError(429, str(exc) or "the server is overloaded; retry later", "rate_limit_error", "overloaded")
+    if isinstance(exc, EngineUnavailableError):
+        return HTTPError(503, str(exc), "service_unavailable", "unavailable")
+    if isinstance(exc, RequestAbortedError):
+        return HTTPError(503, str(exc) or "the request was aborted", "service_unavailable", "aborted")
+    log.error("request failed", exc_info=exc)
+    return HTTPError(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+
+def _check_strings(value: Any) -> None:
+    """Reject strings that cannot be encoded as UTF-8 (lone surrogates from ``\\ud800`` escapes)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise HTTPError(400, f"invalid UTF-8 in a string: {exc.reason}", "invalid_request_error") from None
+    elif isinstance(value, list):
+        for v in value:
+            _check_strings(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k)
+            _check_strings(v)
+
+
+async def read_body(request: Request, model: type[M], limit: int, *, allow_empty: bool = False) -> M:
+    """Read, decode and validate a JSON body into ``model`` (4xx ``HTTPError`` on any problem)."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise HTTPError(413, f"request body exceeds {limit} bytes", "invalid_request_error", "body_too_large")
+    raw = bytearray()
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:
+            raise HTTPError(413, f"request body exceeds {limit} bytes", "invalid_request_error", "body_too_large")
+    if not raw.strip() and allow_empty:
+        raw = bytearray(b"{}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise HTTPError(400, f"request body is not valid UTF-8 (byte {exc.start})", "invalid_request_error") from None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise HTTPError(400, f"request body is not valid JSON: {exc}", "invalid_request_error") from None
+    if not isinstance(data, dict):
+        raise HTTPError(400, "request body must be a JSON object", "invalid_request_error")
+    _check_strings(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise HTTPError(400, oai.describe_validation_error(exc), "invalid_request_error") from None
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it (and so aborting its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise HTTPError(499, "client disconnected", "client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+class AbortingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that always closes its generator (so an early disconnect aborts the request)."""
+
+    async def __call__(self, scope, receive, send) -> None:  # type: ignore[override]
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Totals:
+    """Accumulates the chunks of one request."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.finish_reason = "abort"
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached: dict[str, int] = {t: 0 for t in TIERS}
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.text.append(chunk.text)
+        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = chunk.completion_tokens or self.completion_tokens
+        if chunk.cached_tokens:
+            self.cached = dict(chunk.cached_tokens)
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason or "stop"
+
+    def usage(self) -> dict:
+        return oai.usage(self.prompt_tokens, self.completion_tokens, self.cached)
+
+
+async def _collect(stream: AsyncIterator[StreamChunk]) -> _Totals:
+    totals = _Totals()
+    try:
+        async for chunk in stream:
+            totals.add(chunk)
+    finally:
+        await stream.aclose()
+    return totals
+
+
+async def _collect_all(streams: list[AsyncIterator[StreamChunk]]) -> list[_Totals]:
+    """Run all streams; on the first failure cancel (abort) the rest and re-raise it."""
+    tasks = [asyncio.ensure_future(_collect(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _first(stream: AsyncIterator[StreamChunk]) -> StreamChunk | None:
+    """The first chunk (admission errors surface here); ``None`` if the stream is empty."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+    except BaseException:
+        await stream.aclose()
+        raise
+
+
+def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
+    """The FastAPI application serving ``frontend``."""
+    app = FastAPI(title="strata-jax", docs_url=None, redoc_url=None, openapi_url=None)
+    limit = config.max_body_bytes
+
+    async def require_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        sent = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(sent, f"Bearer {config.api_key}".encode()):
+            raise HTTPError(401, "missing or wrong API key", "authentication_error", "invalid_api_key")
+
+    auth = [Depends(require_key)]
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return map_error(exc).response()
+
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return HTTPError(400, str(exc), "invalid_request_error").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return HTTPError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+
+    def engine_and_model(name: str):
+        try:
+            engine = frontend.engine()
+            frontend.check_model(name)
+        except Exception as exc:  # noqa: BLE001
+            raise map_error(exc) from None
+        return engine
+
+    # ---- OpenAI routes -------------------------------------------------
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        try:
+            req = await read_body(request, oai.CompletionRequest, limit)
+            engine_and_model(req.model)
+            req.check_unsupported()
+            prompts = req.prompts()
+            if len(prompts) > config.max_batch_prompts:
+                raise InvalidRequestError(f"at most {config.max_batch_prompts} prompts per request, got {len(prompts)}")
+            params = req.sampling_params(16 if req.max_tokens is None else req.max_tokens)
+            rid = oai.new_id("cmpl")
+            if req.stream:
+                if len(prompts) != 1:
+                    raise InvalidRequestError("streaming supports exactly one prompt")
+                return await _stream_completion(request, req, prompts[0], params, rid)
+            streams = [
+                frontend.stream(
+                    p, params, api="http", cache_salt=req.cache_salt,
+                    request_id=req.request_id if len(prompts) == 1 else None,
+                )
+                for p in prompts
+            ]
+            results = await until_disconnect(request, _collect_all(streams))
+        except Exception as exc:  # noqa: BLE001
+            return map_error(exc).response()
+        choices = [
+            {"index": i, "text": "".join(r.text), "finish_reason": r.finish_reason, "logprobs": None}
+            for i, r in enumerate(results)
+        ]
+        total = oai.usage(
+            sum(r.prompt_tokens for r in results),
+            sum(r.completion_tokens for r in results),
+            {t: sum(r.cached.get(t, 0) for r in results) for t in TIERS},
+        )
+        return JSONResponse(oai.completion_response(rid, frontend.model_name, choices, total))
+
+    async def _stream_completion(
+        request: Request, req: oai.CompletionRequest, prompt: Any, params: SamplingParams, rid: str
+    ) -> Response:
+        stream = frontend.stream(prompt, params, api="http", cache_salt=req.cache_salt, request_id=req.request_id)
+        first = await _first(stream)
+        model, created = frontend.model_name, int(time.time())
+
+        async def events() -> AsyncIterator[str]:
+            totals = _Totals()
+            try:
+                chunk = first
+                while chunk is not None:
+                    totals.add(chunk)
+                    reason = (chunk.finish_reason or "stop") if chunk.finished else None
+                    yield _sse(oai.completion_chunk(rid, model, chunk.text, reason, created))
+                    if chunk.finished:
+                        break
+                    chunk = await anext(stream, None)
+                if req.include_usage:
+                    yield _sse(oai.usage_chunk(rid, model, "text_completion", created, totals.usage()))
+                yield "data: [DONE]\n\n"
+            except (RequestAbortedError, EngineUnavailableError) as exc:
+                yield _sse(oai.error_body(str(exc) or "aborted", "service_unavailable"))
+            finally:
+                await stream.aclose()
+
+        return AbortingStreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        try:
+            req = await read_body(request, oai.ChatCompletionRequest, limit)
+            engine = engine_and_model(req.model)
+            req.check_unsupported()
+            try:
+                prompt = engine.tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True)
+            except Exception as exc:  # noqa: BLE001 - template errors are the caller's
+                raise InvalidRequestError(f"cannot apply the chat template: {exc}") from None
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            if max_tokens is None:
+                room = engine.max_context_tokens - len(engine.tokenizer.encode(prompt))
+                max_tokens = max(1, min(config.default_chat_max_tokens, room))
+            params = req.sampling_params(max_tokens)
+            rid = oai.new_id("chatcmpl")
+            stream = frontend.stream(prompt, params, api="http", cache_salt=req.cache_salt, request_id=req.request_id)
+            if req.stream:
+                return await _stream_chat(req, stream, rid)
+            (result,) = await until_disconnect(request, _collect_all([stream]))
+        except Exception as exc:  # noqa: BLE001
+            return map_error(exc).response()
+        return JSONResponse(
+            oai.chat_response(rid, frontend.model_name, "".join(result.text), result.finish_reason, result.usage())
+        )
+
+    async def _stream_chat(req: oai.ChatCompletionRequest, stream: AsyncIterator[StreamChunk], rid: str) -> Response:
+        first = await _first(stream)
+        model, created = frontend.model_name, int(time.time())
+
+        async def events() -> AsyncIterator[str]:
+            totals = _Totals()
+            try:
+                yield _sse(oai.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created))
+                chunk = first
+                while chunk is not None:
+                    totals.add(chunk)
+                    if chunk.text:
+                        yield _sse(oai.chat_chunk(rid, model, {"content": chunk.text}, None, created))
+                    if chunk.finished:
+                        yield _sse(oai.chat_chunk(rid, model, {}, chunk.finish_reason or "stop", created))
+                        break
+                    chunk = await anext(stream, None)
+                if req.include_usage:
+                    yield _sse(oai.usage_chunk(rid, model, "chat.completion.chunk", created, totals.usage()))
+                yield "data: [DONE]\n\n"
+            except (RequestAbortedError, EngineUnavailableError) as exc:
+                yield _sse(oai.error_body(str(exc) or "aborted", "service_unavailable"))
+            finally:
+                await stream.aclose()
+
+        return AbortingStreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> JSONResponse:
+        engine = frontend.engine_or_none
+        entry = {"id": frontend.model_name, "object": "model", "created": 0, "owned_by": "strata-jax"}
+        if engine is not None:
+            entry["max_model_len"] = engine.max_context_tokens
+        return JSONResponse({"object": "list", "data": [entry] if engine is not None else []})
+
+    # ---- operations ----------------------------------------------------
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = frontend.state.value
+        return JSONResponse({"status": status}, 200 if frontend.ready else 503)
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics() -> Response:
+        body = await asyncio.to_thread(frontend.metrics.render)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/cache_stats", dependencies=auth)
+    async def cache_stats() -> JSONResponse:
+        try:
+            stats = frontend.engine().cache_stats()
+        except Exception as exc:  # noqa: BLE001
+            return map_error(exc).response()
+        return JSONResponse(json.loads(json.dumps(stats, default=str)))
+
+    @app.post("/admin/flush_cache", dependencies=auth)
+    async def flush_cache(request: Request) -> JSONResponse:
+        try:
+            req = await read_body(request, oai.AdminFlushRequest, limit, allow_empty=True)
+            await asyncio.to_thread(frontend.engine().flush_cache, req.tier)
+        except Exception as exc:  # noqa: BLE001
+            return map_error(exc).response()
+        return JSONResponse({"flushed": req.tier})
+
+    @app.post("/admin/profile/start", dependencies=auth)
+    async def profile_start(request: Request) -> JSONResponse:
+        try:
+            req = await read_body(request, oai.AdminProfileRequest, limit, allow_empty=True)
+            log_dir = req.log_dir or config.profile_dir
+            if not log_dir:
+                raise InvalidRequestError("no log_dir given and the server has no --profile-dir")
+            await asyncio.to_thread(frontend.engine().start_profile, log_dir)
+        except RuntimeError as exc:  # a trace is already running
+            return HTTPError(409, str(exc), "invalid_request_error", "profile_state").response()
+        except Exception as exc:  # noqa: BLE001
+            return map_error(exc).response()
+        return JSONResponse({"log_dir": log_dir})
+
+    @app.post("/admin/profile/stop", dependencies=auth)
+    async def profile_stop() -> JSONResponse:
+        try:
+            trace_dir = await asyncio.to_thread(frontend.engine().stop_profile)
+        except RuntimeError as exc:  # no trace running
+            return HTTPError(409, str(exc), "invalid_request_error", "profile_state").response()
+        except Exception as exc:  # noqa: BLE001
+            return map_error(exc).response()
+        return JSONResponse({"trace_dir": str(trace_dir)})
+
+    return app

@@ -1,0 +1,134 @@
+"""Prometheus metrics of the serving faces and of the engine's cache.
+
+Request-level metrics (counts, TTFT, inter-token latency, tokens) are recorded by
+``serving.frontend`` as requests flow.  Engine/cache metrics (queue depth, pool
+occupancy, hit tokens and evictions per tier, transfer bytes and bandwidth,
+compiles) are read from ``engine.cache_stats()`` at scrape time by
+``EngineStatsCollector``, so they can never drift from the engine's own numbers.
+Everything lives in one ``CollectorRegistry`` owned by the server (no globals).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+PREFIX = "strata"
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Keys of cache_stats() whose numbers only ever grow (exported as counters).
+_CUMULATIVE = re.compile(r"(hit_tokens|evictions|bytes|compiles|loads|backups|prefetches|total_tokens)")
+_TIERS = frozenset({"device", "host", "storage"})
+
+
+class ServingMetrics:
+    """Request-level metrics, registered in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            f"{PREFIX}_requests", "Finished requests by face and outcome", ["api", "status"], registry=registry
+        )
+        self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "Requests being served", registry=registry)
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=registry
+        )
+        self.inter_token = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Time between streamed tokens",
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_request_latency_seconds", "End-to-end request latency", buckets=_E2E_BUCKETS, registry=registry
+        )
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens processed", registry=registry)
+        self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "Tokens generated", registry=registry)
+        self.cached_prompt_tokens = Counter(
+            f"{PREFIX}_request_cached_tokens", "Prompt tokens served from the cache, by tier", ["tier"], registry=registry
+        )
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+def _sanitize(name: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name).strip("_") or "value"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def flatten_stats(stats: Mapping[str, object], prefix: str = "") -> Iterable[tuple[str, str | None, float]]:
+    """Yield ``(metric_name, tier_or_None, value)`` for every number in ``stats``.
+
+    A dict keyed by tier names (``{"device": .., "host": .., "storage": ..}``)
+    becomes one metric with a ``tier`` label; other nesting joins keys with ``_``.
+    """
+    for key, value in stats.items():
+        name = f"{prefix}_{_sanitize(str(key))}" if prefix else _sanitize(str(key))
+        if _is_number(value):
+            yield name, None, float(value)
+        elif isinstance(value, Mapping):
+            if value and set(map(str, value)) <= _TIERS and all(_is_number(v) for v in value.values()):
+                for tier, v in value.items():
+                    yield name, str(tier), float(v)
+            else:
+                yield from flatten_stats(value, name)
+
+
+class EngineStatsCollector(Collector):
+    """Exports ``engine.cache_stats()`` at scrape time.
+
+    ``get_engine`` returns the engine or ``None`` while it warms up (then nothing
+    is exported).  Cumulative keys become counters, the rest gauges; names are
+    ``strata_engine_<path>`` with a ``tier`` label for per-tier dicts.
+    """
+
+    def __init__(self, get_engine: Callable[[], object | None]) -> None:
+        self._get_engine = get_engine
+
+    def collect(self) -> Iterable[Metric]:
+        engine = self._get_engine()
+        if engine is None:
+            return
+        try:
+            stats = engine.cache_stats()
+        except Exception:  # a scrape must never take the server down
+            log.exception("cache_stats() failed during a metrics scrape")
+            return
+        families: dict[str, Metric] = {}
+        for name, tier, value in flatten_stats(stats):
+            full = f"{PREFIX}_engine_{name}"
+            cumulative = bool(_CUMULATIVE.search(name)) and not name.endswith(("per_s", "gbps", "bandwidth"))
+            if cumulative and full.endswith("_total"):
+                full = full[: -len("_total")]
+            family = families.get(full)
+            if family is None:
+                labels = ["tier"] if tier is not None else []
+                doc = f"engine cache_stats {name}"
+                family = (CounterMetricFamily if cumulative else GaugeMetricFamily)(full, doc, labels=labels)
+                families[full] = family
+            try:
+                family.add_metric([tier] if tier is not None else [], value)
+            except ValueError:  # same name both with and without a tier label: skip the odd one
+                continue
+        yield from families.values()
+
+
+def build_metrics(get_engine: Callable[[], object | None]) -> ServingMetrics:
+    """A fresh registry holding the request metrics and the engine collector."""
+    registry = CollectorRegistry()
+    metrics = ServingMetrics(registry)
+    registry.register(EngineStatsCollector(get_engine))
+    return metrics

@@ -1,0 +1,255 @@
+"""OpenAI API request shapes (validated strictly) and response builders.
+
+Requests are parsed with pydantic in strict mode, so wrong JSON types (a string
+for ``max_tokens``, a number for ``prompt``) are rejected with a message naming
+the field.  Fields of the OpenAI API that this server does not implement are
+accepted only with their neutral value (e.g. ``n=1``, ``logprobs=null``,
+``presence_penalty=0``) and rejected otherwise, so nothing is silently ignored.
+Extensions: ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``cache_salt``,
+``stop_token_ids``, ``request_id``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from strata_jax.api import InvalidRequestError, SamplingParams
+
+from serving.frontend import TIERS
+
+TokenIds = list[int]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _CommonRequest(_Strict):
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+    def check_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise InvalidRequestError(f"only n=1 is supported, got n={self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise InvalidRequestError(f"{name} is not supported (use repetition_penalty); got {value}")
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported")
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """``SamplingParams`` for this request (raises ``InvalidRequestError``)."""
+        kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+        kwargs["temperature"] = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
+        if self.top_p is not None:
+            kwargs["top_p"] = self.top_p
+        if self.top_k is not None:
+            kwargs["top_k"] = self.top_k
+        if self.seed is not None:
+            kwargs["seed"] = self.seed
+        if self.repetition_penalty is not None:
+            kwargs["repetition_penalty"] = self.repetition_penalty
+        if self.stop is not None:
+            kwargs["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if self.stop_token_ids:
+            kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
+        kwargs["ignore_eos"] = bool(self.ignore_eos)
+        return SamplingParams(**kwargs)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_CommonRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = 16
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list (a single string or id list becomes a list of one)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt is empty")
+        if isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise InvalidRequestError("echo is not supported")
+        if self.logprobs is not None:
+            raise InvalidRequestError("logprobs is not supported")
+        if self.best_of not in (None, 1):
+            raise InvalidRequestError("best_of is not supported")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_CommonRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if not self.messages:
+            raise InvalidRequestError("messages must not be empty")
+        if self.logprobs or self.top_logprobs:
+            raise InvalidRequestError("logprobs is not supported")
+        if self.tools:
+            raise InvalidRequestError("tools are not supported")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise InvalidRequestError("only response_format type 'text' is supported")
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class AdminFlushRequest(_Strict):
+    tier: Literal["all", "device", "host", "storage"] = "all"
+
+
+class AdminProfileRequest(_Strict):
+    log_dir: str | None = None
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """One readable line per problem: ``field.path: message``."""
+    parts = []
+    for e in err.errors()[:5]:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if not str(x).startswith(("str", "list[", "int", "function")))
+        parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+    extra = len(err.errors()) - len(parts)
+    return "; ".join(parts) + (f" (and {extra} more)" if extra > 0 else "")
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error envelope."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: dict[str, int]) -> dict:
+    """``usage`` with OpenAI's ``prompt_tokens_details.cached_tokens`` and per-tier counts."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(int(cached.get(t, 0)) for t in TIERS)},
+        "cached_tokens_per_tier": {t: int(cached.get(t, 0)) for t in TIERS},
+    }
+
+
+def completion_response(rid: str, model: str, choices: list[dict], usage_: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
+
+
+def completion_chunk(rid: str, model: str, text: str, finish_reason: str | None, created: int) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+    }
+
+
+def chat_response(rid: str, model: str, text: str, finish_reason: str, usage_: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": usage_,
+    }
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish_reason: str | None, created: int) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+    }
+
+
+def usage_chunk(rid: str, model: str, object_: str, created: int, usage_: dict) -> dict:
+    return {"id": rid, "object": object_, "created": created, "model": model, "choices": [], "usage": usage_}

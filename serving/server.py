@@ -1,0 +1,195 @@
+"""Runs both faces on one asyncio loop and owns the process lifecycle.
+
+Start-up: bind HTTP and gRPC first (health says NOT_SERVING / 503, requests get
+UNAVAILABLE), build and warm the engine on a worker thread, then flip to SERVING.
+
+Shutdown (``stop`` / SIGTERM / SIGINT):
+  1. stop accepting: requests get UNAVAILABLE/503, health NOT_SERVING, listening sockets close;
+  2. ``engine.shutdown(grace_s)`` finishes or aborts in-flight work and flushes write-backs;
+  3. the servers stop once their streams are done (at most ``grace_s`` later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from typing import Callable
+
+import uvicorn
+
+from serving.config import ServerConfig
+from serving.frontend import EngineLike, Frontend
+from serving.grpc_server import GrpcFace
+from serving.http_server import create_app
+from serving.metrics import build_metrics
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[], EngineLike]
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn without its own signal handling (``StrataServer`` handles signals)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class StrataServer:
+    """Both faces over one engine.  ``await serve()`` runs until ``request_stop()``."""
+
+    def __init__(self, config: ServerConfig, engine_factory: EngineFactory) -> None:
+        self.config = config
+        self._engine_factory = engine_factory
+        self.frontend = Frontend(build_metrics(lambda: self.frontend.engine_or_none), config.served_model_name)
+        self.http_port: int | None = None
+        self.grpc_port: int | None = None
+        self.bound = threading.Event()  # ports are known
+        self.ready = threading.Event()  # the engine is warm (or failed)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self.exit_code = 0
+
+    def request_stop(self) -> None:
+        """Thread-safe: begin the graceful shutdown."""
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT begin the graceful shutdown (main thread only)."""
+        assert self._loop is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, self._stop.set)  # type: ignore[union-attr]
+
+    async def serve(self, *, handle_signals: bool = False) -> int:
+        """Serve until stopped; returns the process exit code."""
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        if handle_signals:
+            self.install_signal_handlers()
+        cfg = self.config
+        grpc_face = GrpcFace(self.frontend, cfg) if cfg.enable_grpc else None
+        http_server = sock = None
+        if cfg.enable_http:
+            sock = _bind(cfg.host, cfg.port)
+            self.http_port = sock.getsockname()[1]
+            app = create_app(self.frontend, cfg)
+            http_server = _UvicornServer(
+                uvicorn.Config(
+                    app,
+                    log_level="warning",
+                    access_log=False,
+                    timeout_graceful_shutdown=max(1, int(cfg.grace_s) + 1),
+                    timeout_keep_alive=30,
+                    lifespan="off",
+                )
+            )
+        if grpc_face is not None:
+            self.grpc_port = grpc_face.port
+            await grpc_face.start()
+        http_task = asyncio.create_task(http_server.serve(sockets=[sock])) if http_server else None
+        self.bound.set()
+        log.info("serving HTTP on %s:%s, gRPC on %s:%s", cfg.host, self.http_port, cfg.host, self.grpc_port)
+
+        warm = asyncio.create_task(asyncio.to_thread(self._engine_factory))
+        stop_wait = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({warm, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        engine = None
+        if warm.done():
+            try:
+                engine = warm.result()
+            except Exception as exc:  # noqa: BLE001
+                log.exception("the engine failed to start")
+                self.frontend.fail(f"{type(exc).__name__}: {exc}")
+                self.exit_code = 1
+                self._stop.set()
+            else:
+                self.frontend.attach(engine)
+                if cfg.profile_on_start:
+                    await asyncio.to_thread(engine.start_profile, cfg.profile_dir)
+                if grpc_face is not None:
+                    await grpc_face.set_serving(True)
+                log.info("engine ready: %s", self.frontend.model_name)
+        self.ready.set()
+        await self._stop.wait()
+
+        # ---- graceful shutdown ----
+        log.info("shutting down (grace %.1fs)", cfg.grace_s)
+        self.frontend.begin_drain()
+        if http_server is not None:
+            http_server.should_exit = True  # closes the listening socket, lets open streams finish
+        grpc_stop = asyncio.create_task(grpc_face.stop(cfg.grace_s + 1.0)) if grpc_face is not None else None
+        if engine is None and not warm.done():
+            engine = await warm  # cannot interrupt a warm-up; wait for it, then shut it down
+        if engine is not None:
+            try:
+                if cfg.profile_on_start and self.frontend.failure is None:
+                    await asyncio.to_thread(engine.stop_profile)
+                await asyncio.to_thread(engine.shutdown, cfg.grace_s)
+            except Exception:  # noqa: BLE001
+                log.exception("engine shutdown failed")
+                self.exit_code = 1
+        self.frontend.mark_stopped()
+        if grpc_stop is not None:
+            await grpc_stop
+        if http_task is not None:
+            await http_task
+        stop_wait.cancel()
+        return self.exit_code
+
+
+class ThreadedServer:
+    """A ``StrataServer`` on a background thread with its own loop (tests, embedding)."""
+
+    def __init__(self, config: ServerConfig, engine_factory: EngineFactory) -> None:
+        self.server = StrataServer(config, engine_factory)
+        self._thread = threading.Thread(target=self._run, name="strata-server", daemon=True)
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.server.serve())
+        except BaseException as exc:  # noqa: BLE001
+            self.error = exc
+            log.exception("server thread crashed")
+            self.server.bound.set()
+            self.server.ready.set()
+
+    def start(self, timeout: float = 600.0) -> "ThreadedServer":
+        self._thread.start()
+        if not self.server.ready.wait(timeout):
+            raise TimeoutError("the server did not become ready")
+        if self.error is not None:
+            raise RuntimeError("the server failed to start") from self.error
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.server.request_stop()
+        self._thread.join(timeout)
+
+    @property
+    def frontend(self) -> Frontend:
+        return self.server.frontend
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.server.config.host}:{self.server.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.server.config.host}:{self.server.grpc_port}"

@@ -1,0 +1,153 @@
+"""``strata-jax serve``: flags and entry point (wired in by ``serving.cli``).
+
+Server flags map to ``ServerConfig``; engine flags are generated from the fields
+of ``strata_jax.engine.EngineConfig`` (``--page-size``, ``--policy``, ...), so
+new cache/scheduler knobs appear here without edits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+import typing
+from typing import Any
+
+from serving.config import ServerConfig
+from serving.server import StrataServer
+
+log = logging.getLogger("strata_jax.serve")
+
+_ENGINE_FLAG_PREFIX = "engine_"
+
+
+def _engine_config_fields() -> list[dataclasses.Field]:
+    try:
+        from strata_jax.engine import EngineConfig
+    except ImportError:
+        return []
+    if not dataclasses.is_dataclass(EngineConfig):
+        return []
+    return [f for f in dataclasses.fields(EngineConfig) if f.init and f.name != "model"]
+
+
+def _scalar_type(field: dataclasses.Field, default: Any) -> type | None:
+    if isinstance(default, bool):
+        return bool
+    if isinstance(default, (int, float, str)):
+        return type(default)
+    hint = field.type if not isinstance(field.type, str) else None
+    if hint is None:  # postponed annotations: read the string
+        text = str(field.type).replace(" ", "")
+        for name, typ in (("int", int), ("float", float), ("str", str), ("bool", bool)):
+            if text in (name, f"{name}|None", f"None|{name}", f"Optional[{name}]"):
+                return typ
+        return None
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return args[0] if args[0] in (int, float, str, bool) else None
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``strata-jax serve``."""
+    d = ServerConfig()
+    srv = parser.add_argument_group("server")
+    srv.add_argument("--model", default="tiny", help="'tiny' (built-in test model) or a Hugging Face model folder")
+    srv.add_argument("--served-model-name", default=None, help="model name clients must send (default: the engine's)")
+    srv.add_argument("--host", default=d.host, help="address to bind; anything off loopback needs --api-key")
+    srv.add_argument("--port", type=int, default=d.port, help="HTTP (OpenAI-compatible) port; 0 picks a free one")
+    srv.add_argument("--grpc-port", type=int, default=d.grpc_port, help="gRPC port; 0 picks a free one")
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("STRATA_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on HTTP and gRPC (default: $STRATA_API_KEY)",
+    )
+    srv.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest HTTP body / gRPC message")
+    srv.add_argument(
+        "--default-chat-max-tokens",
+        type=int,
+        default=d.default_chat_max_tokens,
+        help="max_tokens for chat requests that do not set it",
+    )
+    srv.add_argument("--grace-s", type=float, default=d.grace_s, help="SIGTERM: seconds to finish in-flight work")
+    srv.add_argument("--profile-dir", default=None, help="where jax.profiler traces go (StartProfile / admin route)")
+    srv.add_argument(
+        "--profile-on-start",
+        action="store_true",
+        help="trace from warm-up until shutdown into --profile-dir",
+    )
+    srv.add_argument("--no-http", action="store_true", help="do not start the HTTP server")
+    srv.add_argument("--no-grpc", action="store_true", help="do not start the gRPC server")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+
+    fields = _engine_config_fields()
+    if fields:
+        eng = parser.add_argument_group("engine (strata_jax.engine.EngineConfig fields)")
+        for f in fields:
+            default = f.default if f.default is not dataclasses.MISSING else None
+            typ = _scalar_type(f, default)
+            if typ is None:
+                continue
+            eng.add_argument(
+                f"--{f.name.replace('_', '-')}",
+                dest=_ENGINE_FLAG_PREFIX + f.name,
+                type=_bool if typ is bool else typ,
+                default=None,
+                metavar=typ.__name__.upper(),
+                help=f"EngineConfig.{f.name} (default: {default!r})",
+            )
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig fields set on the command line."""
+    return {
+        k[len(_ENGINE_FLAG_PREFIX):]: v
+        for k, v in vars(args).items()
+        if k.startswith(_ENGINE_FLAG_PREFIX) and v is not None
+    }
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        api_key=args.api_key or None,
+        served_model_name=args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        default_chat_max_tokens=args.default_chat_max_tokens,
+        grace_s=args.grace_s,
+        profile_dir=args.profile_dir,
+        profile_on_start=args.profile_on_start,
+        enable_http=not args.no_http,
+        enable_grpc=not args.no_grpc,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Start both servers; returns 0 after a clean SIGTERM/SIGINT shutdown."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = server_config(args)
+    except ValueError as exc:
+        print(f"strata-jax serve: {exc}", file=sys.stderr)
+        return 2
+    overrides = engine_overrides(args)
+
+    def build_engine():
+        from strata_jax.engine import Engine, EngineConfig
+
+        return Engine(EngineConfig(model=args.model, **overrides))
+
+    server = StrataServer(config, build_engine)
+    return asyncio.run(server.serve(handle_signals=True))

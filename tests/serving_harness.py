@@ -1,0 +1,92 @@
+"""Helpers of the serving tests: build an engine (real if available), run a server, check leaks."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+from serving.config import ServerConfig
+from serving.server import ThreadedServer
+
+
+def real_engine_available() -> bool:
+    if os.environ.get("STRATA_SERVING_FAKE"):
+        return False
+    try:
+        from strata_jax.engine import Engine, EngineConfig  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def engine_factory(**overrides: Any) -> Callable[[], Any]:
+    """A factory of the real tiny engine (fake one if the engine is not there yet).
+
+    ``overrides`` use the fake's names (max_waiting, max_running, max_context_tokens);
+    they are translated for the real ``EngineConfig``.
+    """
+    if real_engine_available():
+        from strata_jax.engine import Engine, EngineConfig
+
+        def build():
+            return Engine(EngineConfig(model="tiny", **_real_overrides(EngineConfig, overrides)))
+
+        return build
+    from serving_fake_engine import FakeEngine, FakeEngineConfig
+
+    return lambda: FakeEngine(FakeEngineConfig(**overrides))
+
+
+_REAL_NAMES = {
+    "max_waiting": ("max_waiting", "max_queue", "max_waiting_requests", "max_queued_requests"),
+    "max_running": ("max_running", "max_running_requests", "max_batch_size"),
+    "max_context_tokens": ("max_context_tokens", "max_context_len", "max_model_len"),
+    "step_s": (),
+}
+
+
+def _real_overrides(config_cls: type, overrides: dict[str, Any]) -> dict[str, Any]:
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    out = {}
+    for key, value in overrides.items():
+        for candidate in _REAL_NAMES.get(key, (key,)):
+            if candidate in names:
+                out[candidate] = value
+                break
+    return out
+
+
+def start_server(**engine_overrides: Any) -> ThreadedServer:
+    config = ServerConfig(port=0, grpc_port=0, max_body_bytes=1 << 20, grace_s=5.0)
+    return ThreadedServer(config, engine_factory(**engine_overrides)).start()
+
+
+def pool_baseline(engine: Any) -> tuple[int, int]:
+    """(used device pages that no request holds, locked nodes) right now."""
+    stats = engine.cache_stats()
+    return stats["device_pool"]["used_pages"], stats["locked_nodes"]
+
+
+def wait_idle(engine: Any, timeout: float = 30.0) -> dict:
+    """Wait until no request is waiting or running and no tree node is locked; return the stats."""
+    deadline = time.monotonic() + timeout
+    stats = engine.cache_stats()
+    while time.monotonic() < deadline:
+        stats = engine.cache_stats()
+        if not stats.get("waiting") and not stats.get("running") and not stats.get("locked_nodes"):
+            return stats
+        time.sleep(0.05)
+    return stats
+
+
+def assert_no_leaks(engine: Any, baseline_used: int) -> None:
+    """No request-held pages (after a flush only the cache's own pages may stay) and no locked nodes."""
+    stats = wait_idle(engine)
+    assert stats.get("locked_nodes", 0) == 0, stats
+    assert stats.get("running", 0) == 0 and stats.get("waiting", 0) == 0, stats
+    engine.flush_cache("device")
+    after = engine.cache_stats()
+    assert after["device_pool"]["used_pages"] <= baseline_used, after

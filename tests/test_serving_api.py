@@ -1,0 +1,312 @@
+"""End-to-end tests of the serving faces with real clients (openai, grpc, httpx) on loopback."""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import math
+import os
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serving.grpc_client import StrataClient
+from serving.protos import strata_pb2
+from serving_harness import assert_no_leaks, start_server, wait_idle
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server()
+    engine = srv.frontend.engine()
+    wait_idle(engine)
+    engine.flush_cache("all")
+    srv.baseline_used = engine.cache_stats()["device_pool"]["used_pages"]
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def oai(server):
+    client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    yield client
+    client.close()
+
+
+@pytest.fixture()
+def grpc_client(server):
+    with StrataClient(server.grpc_target) as client:
+        yield client
+
+
+def _model(server) -> str:
+    return server.frontend.model_name
+
+
+# ---- happy paths --------------------------------------------------------
+def test_openai_completions_non_stream_and_stream(server, oai):
+    out = oai.completions.create(model=_model(server), prompt="Hello there", max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    assert out.usage.prompt_tokens > 0 and 0 < out.usage.completion_tokens <= 5
+    assert out.usage.prompt_tokens_details is None or out.usage.prompt_tokens_details.cached_tokens >= 0
+
+    pieces, reasons = [], []
+    stream = oai.completions.create(
+        model=_model(server), prompt="Hello there", max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            pieces.append(c.text)
+            reasons.append(c.finish_reason)
+    assert "".join(pieces) == out.choices[0].text  # greedy: same text streamed or not
+    assert reasons[-1] in ("length", "stop")
+    assert usage is not None and usage.completion_tokens == out.usage.completion_tokens
+
+    ids = oai.completions.create(model=_model(server), prompt=[5, 6, 7, 8], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 4
+
+
+def test_openai_chat_non_stream_and_stream(server, oai):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    out = oai.chat.completions.create(model=_model(server), messages=messages, max_tokens=6, temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert isinstance(out.choices[0].message.content, str)
+    assert out.usage.completion_tokens <= 6
+    text, finish = [], None
+    for chunk in oai.chat.completions.create(
+        model=_model(server), messages=messages, max_tokens=6, temperature=0, stream=True
+    ):
+        for c in chunk.choices:
+            text.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(text) == out.choices[0].message.content
+    assert finish in ("length", "stop")
+
+
+def test_models_health_metrics(server, oai):
+    assert [m.id for m in oai.models.list().data] == [_model(server)]
+    assert httpx.get(server.http_url + "/health").status_code == 200
+    body = httpx.get(server.http_url + "/metrics").text
+    for name in (
+        "strata_requests_total",
+        "strata_time_to_first_token_seconds_bucket",
+        "strata_inter_token_latency_seconds_bucket",
+        "strata_engine_waiting",
+        "strata_engine_hit_tokens",
+        "strata_engine_evictions",
+        "strata_engine_compiles",
+    ):
+        assert name in body, name
+
+
+def test_grpc_generate_health_and_admin(server, grpc_client):
+    assert grpc_client.health() == "SERVING"
+    assert grpc_client.health("strata.v1.Strata") == "SERVING"
+    msgs = list(grpc_client.generate("Hello there", max_tokens=5, temperature=0.0))
+    assert msgs[-1].finished and msgs[-1].finish_reason in ("length", "stop")
+    assert msgs[-1].usage.completion_tokens == sum(len(m.token_ids) for m in msgs)
+    assert msgs[-1].usage.prompt_tokens > 0
+    # the same prompt again: served partly from the cache (the per-tier counts add up)
+    again = list(grpc_client.generate("Hello there", max_tokens=5, temperature=0.0))
+    u = again[-1].usage
+    assert u.cached_tokens == u.cached_tokens_per_tier.device + u.cached_tokens_per_tier.host + u.cached_tokens_per_tier.storage
+    text_ids = list(grpc_client.generate([5, 6, 7], max_tokens=2))
+    assert text_ids[-1].usage.prompt_tokens == 3
+    stats = grpc_client.cache_stats()
+    assert "device_pool" in stats
+    grpc_client.flush_cache("all")
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_client.flush_cache("bogus")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_grpc_reflection_lists_services(server):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(server.grpc_target) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in reply.list_services_response.service}
+    assert {"strata.v1.Strata", "grpc.health.v1.Health"} <= names
+
+
+# ---- bad input ----------------------------------------------------------
+def _bad_http_requests(model: str, context: int) -> list[tuple[str, object, int]]:
+    """(path, body (bytes or JSON-able), expected status)."""
+    huge = "x " * (context * 2)
+    c = "/v1/completions"
+    ch = "/v1/chat/completions"
+    return [
+        (c, {"model": model, "prompt": ""}, 400),
+        (c, {"model": model, "prompt": []}, 400),
+        (c, {"model": model, "prompt": huge, "max_tokens": 1}, 400),
+        (c, {"model": model, "prompt": [1, 2, 10**9]}, 400),
+        (c, {"model": model, "prompt": [1, -5]}, 400),
+        (c, {"model": model, "prompt": "hi", "max_tokens": -1}, 400),
+        (c, {"model": model, "prompt": "hi", "max_tokens": 10**12}, 400),
+        (c, {"model": model, "prompt": "hi", "temperature": -1}, 400),
+        (c, b'{"model": "%s", "prompt": "hi", "temperature": 1e999}' % model.encode(), 400),
+        (c, b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % model.encode(), 400),
+        (c, {"model": model, "prompt": "hi", "top_p": 7}, 400),
+        (c, {"model": model, "prompt": "hi", "top_k": -3}, 400),
+        (c, {"model": model, "prompt": "hi", "max_tokens": "5"}, 400),
+        (c, {"model": model, "prompt": 42}, 400),
+        (c, {"model": model, "prompt": "hi", "stop": 3}, 400),
+        (c, {"model": model, "prompt": "hi", "seed": -1}, 400),
+        (c, {"model": model, "prompt": "hi", "n": 3}, 400),
+        (c, {"model": model}, 400),
+        (c, ["not", "an", "object"], 400),
+        (c, b"{not json", 400),
+        (c, b'{"model": "' + model.encode() + b'", "prompt": "\xff\xfe bad utf8"}', 400),
+        (c, b'{"model": "' + model.encode() + b'", "prompt": "\\ud800"}', 400),
+        (c, {"model": "no-such-model", "prompt": "hi"}, 404),
+        (c, {"model": model, "prompt": "y" * (2 << 20)}, 413),
+        (ch, {"model": model, "messages": []}, 400),
+        (ch, {"model": model, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
+        (ch, {"model": model, "messages": "hi"}, 400),
+        (ch, {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
+        (ch, {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404),
+        ("/admin/flush_cache", {"tier": "L9"}, 400),
+    ]
+
+
+def test_bad_http_input_gets_clear_errors_and_server_survives(server, oai):
+    model, engine = _model(server), server.frontend.engine()
+    with httpx.Client(base_url=server.http_url, timeout=60) as http:
+        for path, body, status in _bad_http_requests(model, engine.max_context_tokens):
+            if isinstance(body, bytes):
+                r = http.post(path, content=body, headers={"content-type": "application/json"})
+            else:
+                r = http.post(path, json=body)
+            assert r.status_code == status, (path, str(body)[:80], r.status_code, r.text[:300])
+            err = r.json()["error"]
+            assert err["message"] and isinstance(err["message"], str), r.text
+        # streaming requests with bad input get the status code too (before any SSE byte)
+        r = http.post("/v1/completions", json={"model": model, "prompt": "", "stream": True})
+        assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+    # the official client surfaces them as typed errors
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=model, prompt="hi", temperature=-5)
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    # still serving, pool accounting at baseline
+    assert oai.completions.create(model=model, prompt="still alive?", max_tokens=3).usage.completion_tokens > 0
+    assert_no_leaks(engine, server.baseline_used)
+
+
+def test_bad_grpc_input_gets_status_codes(server, grpc_client):
+    engine = server.frontend.engine()
+    cases = [
+        (strata_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+        (strata_pb2.GenerateRequest(text=""), grpc.StatusCode.INVALID_ARGUMENT),
+        (strata_pb2.GenerateRequest(token_ids=strata_pb2.TokenIds(ids=[])), grpc.StatusCode.INVALID_ARGUMENT),
+        (strata_pb2.GenerateRequest(token_ids=strata_pb2.TokenIds(ids=[1, 4_000_000_000])), grpc.StatusCode.INVALID_ARGUMENT),
+        (strata_pb2.GenerateRequest(text="x " * (engine.max_context_tokens * 2)), grpc.StatusCode.INVALID_ARGUMENT),
+        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(temperature=math.nan)), grpc.StatusCode.INVALID_ARGUMENT),
+        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(temperature=-2)), grpc.StatusCode.INVALID_ARGUMENT),
+        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT),
+        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(max_tokens=4_000_000_000)), grpc.StatusCode.INVALID_ARGUMENT),
+        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(top_p=float("inf"))), grpc.StatusCode.INVALID_ARGUMENT),
+        (strata_pb2.GenerateRequest(text="hi", request_id="bad\nid"), grpc.StatusCode.INVALID_ARGUMENT),
+        (strata_pb2.GenerateRequest(text="z" * (2 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED),  # > max message
+    ]
+    for request, code in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            list(grpc_client.stub.Generate(request, timeout=60))
+        assert err.value.code() == code, (str(request)[:80], err.value.code(), err.value.details())
+        assert err.value.details()
+    # invalid UTF-8 in a proto string field (raw bytes: field 1 = b'\xff\xfe')
+    raw = grpc_client.channel.unary_stream("/strata.v1.Strata/Generate")
+    with pytest.raises(grpc.RpcError) as err:
+        list(raw(b"\x0a\x02\xff\xfe", timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.value.details()
+    assert grpc_client.complete("still here", max_tokens=2)[1].finished
+    assert_no_leaks(engine, server.baseline_used)
+
+
+# ---- cancellation -------------------------------------------------------
+def _cancelled(server, api: str) -> float:
+    value = server.frontend.metrics.registry.get_sample_value("strata_requests_total", {"api": api, "status": "cancelled"})
+    return value or 0.0
+
+
+def test_http_disconnect_mid_stream_frees_pages(server):
+    engine, model = server.frontend.engine(), _model(server)
+    long = engine.max_context_tokens - 64
+    before = _cancelled(server, "http")
+    for path, body in (
+        ("/v1/completions", {"model": model, "prompt": "tell me a long story", "max_tokens": long, "stream": True, "ignore_eos": True}),
+        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "story"}], "max_tokens": long, "stream": True, "ignore_eos": True}),
+    ):
+        for _ in range(3):
+            with httpx.Client(base_url=server.http_url, timeout=60) as http:
+                with http.stream("POST", path, json=body) as r:
+                    assert r.status_code == 200
+                    got = 0
+                    for line in r.iter_lines():
+                        got += line.startswith("data:")
+                        if got >= 3:
+                            break  # leave mid-stream: the connection is closed
+        assert_no_leaks(engine, server.baseline_used)
+    assert _cancelled(server, "http") - before == 6  # aborted, not run to the end
+
+
+def test_grpc_cancel_mid_stream_frees_pages(server, grpc_client):
+    engine = server.frontend.engine()
+    before = _cancelled(server, "grpc")
+    for _ in range(3):
+        call = grpc_client.generate("tell me a long story", max_tokens=engine.max_context_tokens - 64, ignore_eos=True)
+        for i, _msg in enumerate(call):
+            if i == 2:
+                call.cancel()
+                break
+        assert call.code() == grpc.StatusCode.CANCELLED
+    assert_no_leaks(engine, server.baseline_used)
+    assert _cancelled(server, "grpc") - before == 3
+
+
+# ---- profiling ----------------------------------------------------------
+def _trace_names(trace_dir: str) -> str:
+    """All bytes of the trace files under ``trace_dir`` (xplane.pb holds span names as strings)."""
+    blobs = []
+    for path in glob.glob(os.path.join(trace_dir, "**", "*"), recursive=True):
+        if path.endswith(".xplane.pb"):
+            blobs.append(open(path, "rb").read().decode("latin-1"))
+        elif path.endswith(".trace.json.gz"):
+            blobs.append(gzip.open(path).read().decode("utf-8", "replace"))
+    assert blobs, f"no trace files under {trace_dir}"
+    return "\n".join(blobs)
+
+
+def test_profile_via_admin_route_and_grpc(server, grpc_client, tmp_path):
+    model = _model(server)
+    with httpx.Client(base_url=server.http_url, timeout=120) as http:
+        r = http.post("/admin/profile/start", json={"log_dir": str(tmp_path / "http")})
+        assert r.status_code == 200, r.text
+        for _ in range(2):
+            assert http.post("/v1/completions", json={"model": model, "prompt": "profile me", "max_tokens": 8}).status_code == 200
+        r = http.post("/admin/profile/stop")
+        assert r.status_code == 200, r.text
+        names = _trace_names(r.json()["trace_dir"] or str(tmp_path / "http"))
+    for span in ("schedule", "extend", "decode"):
+        assert span in names, span
+
+    grpc_client.start_profile(str(tmp_path / "grpc"))
+    grpc_client.complete("profile me too", max_tokens=8)
+    trace_dir = grpc_client.stop_profile()
+    names = _trace_names(trace_dir or str(tmp_path / "grpc"))
+    for span in ("schedule", "extend", "decode"):
+        assert span in names, span
+    with pytest.raises(grpc.RpcError) as err:
+        grpc_client.stop_profile()  # not running
+    assert err.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INTERNAL)
