@@ -120,7 +120,8 @@ class BatchBuilder:
 
     def would_be_loading_bound(self, cand: Candidate) -> bool:
         """Would the batch with ``cand`` added (its chunk as it would be cut now) be loading-bound?"""
-        c = self._cost(cand, self.budget_left)
+        remaining = len(cand.request.prefill_tokens) - cand.start
+        c = self._cost(cand, min(remaining, self.budget_left))
         items = self.extend_items() + [(c.end - cand.start, cand.start)]
         return self.cost.would_be_loading_bound(
             self.load_host + c.load_host, self.load_storage + c.load_storage, items, self.loading_bound_ratio

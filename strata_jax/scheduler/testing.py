@@ -78,3 +78,31 @@ class FakeCache:
 
     def _align(self, n: int) -> int:
         return (n // self.page_size) * self.page_size
+
+
+def execute(plan, scheduler, cache: FakeCache, max_new_tokens: dict[str, int] | int = 1, token: int = 0) -> list[str]:
+    """Play the engine for one ``StepPlan`` instantly; returns the ids that finished.
+
+    Retracted requests' KV goes to the host tier, completed prefills become
+    device hits, and a request finishes once it has ``max_new_tokens`` outputs.
+    """
+    finished = []
+
+    def limit(rid: str) -> int:
+        return max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[rid]
+
+    for req in plan.retract:
+        cache.add_ready(req.prefill_tokens, "host", req.namespace)
+    for item in plan.prefill:
+        req = item.request
+        status = scheduler.on_prefill_done(req.request_id, token if item.is_last_chunk else None)
+        if item.is_last_chunk and status.value == "decoding":
+            cache.complete(req)
+            if req.num_output_tokens >= limit(req.request_id):
+                scheduler.finish(req.request_id)
+                finished.append(req.request_id)
+    for req in plan.decode:
+        if scheduler.on_decode_done(req.request_id, token).value == "decoding" and req.num_output_tokens >= limit(req.request_id):
+            scheduler.finish(req.request_id)
+            finished.append(req.request_id)
+    return finished

@@ -1,0 +1,238 @@
+"""The Strata stages on hand-built queues (no jax): delay-hit deferral, Algorithm 1, bubble filling, fifo."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata_jax.scheduler import CostModel, CostPrior, RequestStatus, Scheduler, SchedulerConfig
+from strata_jax.scheduler.testing import FakeCache, execute
+
+
+def doc(seed: int, n: int) -> list[int]:
+    """A document of ``n`` tokens, disjoint from other seeds' documents."""
+    return [seed * 100_000 + i for i in range(n)]
+
+
+def q(seed: int, n: int = 20) -> list[int]:
+    return [9_000_000 + seed * 1000 + i for i in range(n)]
+
+
+def submit_uncached(sched: Scheduler, cache: FakeCache, rid: str, tokens: list[int]):
+    """Submit a request and insert its uncomputed prompt as transient nodes, as the engine does."""
+    req = sched.submit(rid, tokens)
+    cache.add_transient(rid, tokens)
+    return req
+
+
+# ---------------------------------------------------------------- delay hit
+
+
+def test_second_request_on_same_new_document_is_deferred_then_hits() -> None:
+    sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=4096)), FakeCache()
+    a = submit_uncached(sched, cache, "a", doc(1, 1000) + q(1))
+    b = submit_uncached(sched, cache, "b", doc(1, 1000) + q(2))
+
+    p1 = sched.schedule(cache)
+    assert p1.prefill_ids == ("a",)
+    assert p1.deferred == ("b",)
+    assert b.status is RequestStatus.DEFERRED
+    assert sched.queue_order() == ("b",)
+    assert sched.stats().deferrals == 1
+
+    execute(p1, sched, cache, max_new_tokens=4)  # a's prefill lands: the document is now a device hit
+    p2 = sched.schedule(cache)
+    assert p2.prefill_ids == ("b",)
+    (item,) = p2.prefill
+    assert (item.start, item.device_hit_tokens, item.end) == (1000, 1000, 1020)
+    assert b.cached_tokens == {"device": 1000, "host": 0, "storage": 0}
+    assert p2.decode_ids == ("a",)
+    assert a.status is RequestStatus.DECODING
+    assert sched.stats().deferrals == 1  # one deferral episode
+
+
+@pytest.mark.parametrize("config", [SchedulerConfig(policy="fifo"), SchedulerConfig(enable_delay_hit=False)])
+def test_without_delay_hit_both_recompute_the_document(config: SchedulerConfig) -> None:
+    sched, cache = Scheduler(config), FakeCache()
+    submit_uncached(sched, cache, "a", doc(1, 1000) + q(1))
+    submit_uncached(sched, cache, "b", doc(1, 1000) + q(2))
+    p1 = sched.schedule(cache)
+    assert p1.prefill_ids == ("a", "b") and p1.deferred == ()
+    assert [i.start for i in p1.prefill] == [0, 0]
+    assert sched.stats().recomputed_prompt_tokens == 2040
+
+
+def test_delay_hit_recomputes_fewer_tokens_than_fifo() -> None:
+    recomputed = {}
+    for policy in ("strata", "fifo"):
+        sched, cache = Scheduler(SchedulerConfig(policy=policy)), FakeCache()
+        for i in range(4):
+            submit_uncached(sched, cache, f"r{i}", doc(1, 800) + q(i))
+        for _ in range(10):
+            execute(sched.schedule(cache), sched, cache, max_new_tokens=2)
+        assert not sched.has_work()
+        recomputed[policy] = sched.stats().recomputed_prompt_tokens
+    assert recomputed["strata"] == 800 + 4 * 20
+    assert recomputed["fifo"] == 4 * 820
+
+
+def test_short_transient_overlap_is_not_deferred() -> None:
+    sched, cache = Scheduler(SchedulerConfig(delay_hit_threshold=100)), FakeCache()
+    submit_uncached(sched, cache, "a", doc(1, 100) + q(1))  # only 100 shared tokens: not > threshold
+    submit_uncached(sched, cache, "b", doc(1, 100) + q(2))
+    assert sched.schedule(cache).prefill_ids == ("a", "b")
+
+
+def test_deferral_waits_for_a_chunked_owner_and_only_behind_earlier_requests() -> None:
+    # a's document takes 3 chunks; b waits for all of them, then hits the whole document.
+    sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=500)), FakeCache()
+    submit_uncached(sched, cache, "a", doc(1, 1200) + q(1))
+    submit_uncached(sched, cache, "b", doc(1, 1200) + q(2))
+    seen = []
+    for _ in range(4):
+        plan = sched.schedule(cache)
+        seen.append((plan.prefill_ids, plan.deferred))
+        execute(plan, sched, cache, max_new_tokens=8)
+    # a is never deferred on b (b arrived later); b stays deferred (not walked while a's
+    # continuing chunks fill the budget) until a's prefill completes.
+    assert [ids for ids, _ in seen[:3]] == [("a",)] * 3
+    assert seen[0][1] == ("b",)
+    assert seen[3][0] == ("b",)
+    assert sched.get("b").cached_tokens["device"] == 1200
+
+
+def test_owner_abort_releases_the_deferred_request() -> None:
+    sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=300)), FakeCache()
+    submit_uncached(sched, cache, "a", doc(1, 1000) + q(1))
+    submit_uncached(sched, cache, "b", doc(1, 1000) + q(2))
+    plan = sched.schedule(cache)
+    assert plan.deferred == ("b",)
+    result = sched.abort("a")
+    assert result.owns_transient_nodes and result.holds_device_kv and result.in_flight
+    assert sched.on_prefill_done("a") is RequestStatus.ABORTED
+    cache.drop("a")  # the engine removes a's transient nodes
+    plan = sched.schedule(cache)
+    assert plan.prefill_ids == ("b",) and plan.deferred == ()
+
+
+# ---------------------------------------------------------------- Algorithm 1
+
+
+def algorithm1_queue(sched: Scheduler, cache: FakeCache) -> None:
+    """h: head, loads D0 (400 host) for 50 new; r1 and r6 load 800 and 2000 for little compute;
+    r2, r3, r5 compute only; b shares h's load (a bundle hit) and sits at the back."""
+    cache.add_ready(doc(0, 400), "host")
+    cache.add_ready(doc(1, 800), "host")
+    cache.add_ready(doc(2, 2000), "host")
+    sched.submit("h", doc(0, 400) + q(0, 50))
+    sched.submit("r1", doc(1, 800) + q(1, 20))
+    sched.submit("r2", q(2, 300))
+    sched.submit("r3", q(3, 200))
+    sched.submit("r5", q(5, 100))
+    sched.submit("r6", doc(2, 2000) + q(6, 50))
+    sched.submit("b", doc(0, 400) + q(7, 30))
+
+
+def test_algorithm1_head_first_bundle_hits_set_aside_and_backfill() -> None:
+    sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=700, loading_bound_ratio=2.0)), FakeCache()
+    algorithm1_queue(sched, cache)
+    plan = sched.schedule(cache)
+    # head first (though loading-bound itself), its bundle hit right after it, compute-bound
+    # requests in order, then the set-aside requests in order while room is left.
+    assert plan.prefill_ids == ("h", "b", "r2", "r3", "r5", "r1")
+    by_id = {i.request_id: i for i in plan.prefill}
+    assert by_id["b"].bundled and not by_id["r2"].bundled
+    assert by_id["r1"].set_aside and not by_id["r2"].set_aside
+    assert plan.set_aside == ("r1", "r6")
+    assert sum(i.new_tokens for i in plan.prefill) == 700
+    assert [i.request_id for i in plan.loads] == ["h", "b", "r1"]
+    assert plan.est_load_s == pytest.approx(sched.cost.load_seconds(400 + 800))  # b shares h's load
+    # r6 did not fit: it keeps its place and heads the next batch.
+    assert sched.queue_order() == ("r6",)
+    execute(plan, sched, cache, max_new_tokens=5)
+    assert sched.schedule(cache).prefill_ids == ("r6",)
+    stats = sched.stats()
+    assert (stats.set_asides, stats.bundle_hits) == (2, 1)
+
+
+def test_fifo_takes_the_same_queue_in_order() -> None:
+    sched, cache = Scheduler(SchedulerConfig(policy="fifo", max_batch_tokens=700, loading_bound_ratio=2.0)), FakeCache()
+    algorithm1_queue(sched, cache)
+    plan = sched.schedule(cache)
+    assert plan.prefill_ids == ("h", "r1", "r2", "r3", "r5", "r6")
+    assert plan.prefill[-1].new_tokens == 30 and not plan.prefill[-1].is_last_chunk  # chunked to the budget
+    assert plan.set_aside == () and not any(i.bundled for i in plan.prefill)
+    assert sched.queue_order() == ("b",)
+
+
+def test_balanced_batch_off_fills_in_order_but_still_defers() -> None:
+    cfg = SchedulerConfig(max_batch_tokens=700, loading_bound_ratio=2.0, enable_balanced_batch=False)
+    sched, cache = Scheduler(cfg), FakeCache()
+    algorithm1_queue(sched, cache)
+    assert sched.schedule(cache).prefill_ids == ("h", "r1", "r2", "r3", "r5", "r6")
+
+
+def test_loading_bound_predicate_from_the_cost_model() -> None:
+    # No fixed ratio: load time (bytes / bandwidth) is compared with fitted compute time.
+    slow_link = CostModel(CostPrior(link_bytes_per_s=1e9))  # 800 tokens x 128 KiB = 0.1 s
+    fast_link = CostModel(CostPrior(link_bytes_per_s=1e12))
+    orders = {}
+    for name, cost in (("slow", slow_link), ("fast", fast_link)):
+        sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=2000), cost), FakeCache()
+        cache.add_ready(doc(1, 800), "host")
+        sched.submit("h", q(0, 100))
+        sched.submit("loader", doc(1, 800) + q(1, 10))
+        sched.submit("compute", q(2, 200))
+        orders[name] = sched.schedule(cache).prefill_ids
+    assert orders["slow"] == ("h", "compute", "loader")
+    assert orders["fast"] == ("h", "loader", "compute")
+
+
+# ---------------------------------------------------------------- bubble filling
+
+
+def decoding_request(sched: Scheduler, cache: FakeCache, rid: str = "d") -> None:
+    sched.submit(rid, q(50, 16))
+    execute(sched.schedule(cache), sched, cache, max_new_tokens=100)
+    assert sched.get(rid).status is RequestStatus.DECODING
+
+
+@pytest.mark.parametrize(
+    ("config", "decode_first"),
+    [
+        (SchedulerConfig(), True),
+        (SchedulerConfig(enable_bubble_filling=False), False),
+        (SchedulerConfig(policy="fifo"), False),
+    ],
+)
+def test_loading_bound_prefill_runs_the_decode_batch_first(config: SchedulerConfig, decode_first: bool) -> None:
+    sched, cache = Scheduler(config), FakeCache()
+    decoding_request(sched, cache)
+    cache.add_ready(doc(1, 4000), "host")  # 4000 x 128 KiB over 25 GB/s ~ 21 ms > one decode step
+    sched.submit("p", doc(1, 4000) + q(1, 10))
+    plan = sched.schedule(cache)
+    assert plan.prefill_ids == ("p",) and plan.decode_ids == ("d",)
+    assert plan.est_load_s > plan.est_decode_s
+    assert plan.decode_first is decode_first
+
+
+def test_prefill_first_when_its_kv_is_on_the_device_or_the_load_is_short() -> None:
+    sched, cache = Scheduler(), FakeCache()
+    decoding_request(sched, cache)
+    cache.add_ready(doc(1, 4000), "device")
+    cache.add_ready(doc(2, 32), "host")  # ~0.2 ms of load: shorter than a decode step
+    sched.submit("p", doc(1, 4000) + q(1, 10))
+    sched.submit("s", doc(2, 32) + q(2, 10))
+    plan = sched.schedule(cache)
+    assert plan.prefill_ids == ("p", "s")
+    assert not plan.decode_first
+
+
+def test_pending_prefetch_counts_as_unlanded_load() -> None:
+    sched, cache = Scheduler(), FakeCache()
+    decoding_request(sched, cache)
+    cache.add_ready(doc(1, 4000), "storage")
+    sched.submit("p", doc(1, 4000) + q(1, 10))
+    cache.pending.add("p")
+    plan = sched.schedule(cache)
+    assert plan.prefill[0].load_storage_tokens == 4000
+    assert plan.decode_first
