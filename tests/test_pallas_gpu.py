@@ -1,0 +1,65 @@
+"""Compiled Pallas kernels on a real GPU (CUDA or ROCm) against the references.
+
+Skipped without a GPU; ``scripts/gpu_check.sh`` runs them with STRATA_TEST_GPU=1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_pallas_attention import make_batch
+
+from pallas_kernels import dispatch
+from pallas_kernels.attention import ragged_paged_attention_pallas
+from pallas_kernels.reference import gather_pages_reference, ragged_paged_attention_reference, scatter_pages_reference
+from pallas_kernels.transfer import gather_pages_pallas, scatter_pages_pallas
+
+pytestmark = pytest.mark.gpu
+
+
+def test_gpu_platform_dispatches_to_pallas(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert dispatch.platform_name() in ("cuda", "rocm")
+    assert dispatch.resolve_backend() == "pallas"
+
+
+@pytest.mark.parametrize("page_size", (1, 8, 16, 64))
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
+def test_transfer_compiled_equals_reference(page_size, dtype):
+    rng = np.random.default_rng(page_size)
+    layers, pages, n = 8, 97, 31
+    pool = jnp.full((layers, 2, pages, page_size, 8, 128), jnp.nan, dtype)
+    staging = jnp.asarray(rng.standard_normal((n, layers, 2, page_size, 8, 128)), dtype)
+    ids = jnp.asarray(rng.choice(pages, n, replace=False).astype(np.int32))
+    want = scatter_pages_reference(pool, staging, ids)
+    got = jax.jit(scatter_pages_pallas)(pool, staging, ids)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    back = jax.jit(gather_pages_pallas)(want, ids)
+    np.testing.assert_array_equal(np.asarray(back, np.float32), np.asarray(gather_pages_reference(want, ids), np.float32))
+
+
+def test_compiled_scatter_is_in_place():
+    pool = jnp.zeros((32, 2, 512, 16, 8, 128), jnp.bfloat16)
+    before = pool.unsafe_buffer_pointer()
+    staging = jnp.ones((4, 32, 2, 16, 8, 128), jnp.bfloat16)
+    out = jax.jit(scatter_pages_pallas, donate_argnums=0)(pool, staging, jnp.arange(4, dtype=jnp.int32))
+    assert out.unsafe_buffer_pointer() == before
+
+
+@pytest.mark.parametrize("page_size", (1, 8, 16, 64))
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("soft_cap", (None, 30.0))
+def test_attention_compiled_equals_reference(page_size, dtype, soft_cap):
+    rng = np.random.default_rng(page_size + 1)
+    args, _ = make_batch(
+        rng, page_size=page_size, q_lens=(37, 1, 1, 12, 0, 1), ctx_lens=(100, 300, 5, 0, 0, 1000),
+        num_q_heads=32, num_kv_heads=8, head_dim=128, pad_tokens=5, dtype=dtype,
+    )  # fmt: skip
+    got = ragged_paged_attention_pallas(*args, sm_scale=128**-0.5, soft_cap=soft_cap)
+    want = ragged_paged_attention_reference(*args, sm_scale=128**-0.5, soft_cap=soft_cap)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-4
+    got32 = np.asarray(got, np.float32)
+    assert not np.isnan(got32).any()
+    np.testing.assert_allclose(got32, np.asarray(want, np.float32), atol=tol, rtol=tol)
