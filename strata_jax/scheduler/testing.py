@@ -73,6 +73,15 @@ class FakeCache:
         self.transient.pop(request.request_id, None)
         self.add_ready(request.prefill_tokens, "device", request.namespace)
 
+    def back_up(self, request: ScheduledRequest) -> None:
+        """``request`` was retracted: its KV moves to the host (device copies of its prefix dropped)."""
+        toks = request.prefill_tokens
+        self.ready = [
+            (n, t, "host" if tr == "device" and n == request.namespace and toks[: len(t)] == t else tr)
+            for n, t, tr in self.ready
+        ]
+        self.add_ready(toks, "host", request.namespace)
+
     def drop(self, request_id: str) -> None:
         self.transient.pop(request_id, None)
 
@@ -92,7 +101,7 @@ def execute(plan, scheduler, cache: FakeCache, max_new_tokens: dict[str, int] | 
         return max_new_tokens if isinstance(max_new_tokens, int) else max_new_tokens[rid]
 
     for req in plan.retract:
-        cache.add_ready(req.prefill_tokens, "host", req.namespace)
+        cache.back_up(req)
     for item in plan.prefill:
         req = item.request
         status = scheduler.on_prefill_done(req.request_id, token if item.is_last_chunk else None)
