@@ -37,7 +37,7 @@ class CostPrior:
     extend_coeffs: tuple[float, float, float] = (4e-3, 3e-5, 1e-9)  # a, b, c
     decode_coeffs: tuple[float, float, float] = (8e-3, 5e-5, 3e-8)  # d0, d1, d2
     window: int = 64
-    prior_weight: float = 0.1
+    prior_weight: float = 0.01
     bandwidth_ema: float = 0.3
 
     def __post_init__(self) -> None:
