@@ -1,0 +1,85 @@
+"""``strata-jax generate``: one prompt in, a completion out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from strata_jax.api import InvalidRequestError, SamplingParams
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="'tiny' (embedded random default) or a local Hugging Face folder")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
+    source.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    parser.add_argument("--max-tokens", type=int, default=32, help="number of tokens to generate (default 32)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed for reproducible output")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="weights/KV dtype (default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--json", action="store_true", help='print only {"token_ids": [...], "text": "..."} on stdout')
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise InvalidRequestError(f"--prompt-ids must be comma-separated integers, got {text!r}") from exc
+    if not ids:
+        raise InvalidRequestError("--prompt-ids is empty")
+    return ids
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from strata_jax.models.loader import load_model
+    from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig
+    from strata_jax.runtime.simple_generate import generate_one
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
+        prompt: str | list[int] = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else args.prompt
+    except InvalidRequestError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    loaded = load_model(args.model, dtype=jnp.dtype(dtype), show_progress=not args.json)
+    if isinstance(prompt, str):
+        if loaded.tokenizer is None:
+            print(f"error: {args.model} has no tokenizer.json; pass --prompt-ids", file=sys.stderr)
+            return 2
+        prompt = loaded.tokenizer.encode(prompt)
+    context = min(loaded.config.max_context_tokens, 8192)
+    runner = ModelRunner(
+        loaded.model,
+        RunnerConfig(page_size=16, num_device_pages=-(-context // 16), max_context_tokens=context, max_batch_size=1, kv_dtype=dtype),
+    )
+    start = time.perf_counter()
+    try:
+        token_ids = generate_one(runner, list(prompt), params, loaded.eos_token_ids)
+    except InvalidRequestError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - start
+    text = loaded.tokenizer.decode(token_ids) if loaded.tokenizer is not None else ""
+    if args.json:
+        print(json.dumps({"token_ids": token_ids, "text": text}))
+    else:
+        print(text)
+        print(f"[{len(token_ids)} tokens in {elapsed:.2f} s incl. compilation]", file=sys.stderr)
+    return 0
