@@ -126,6 +126,7 @@ class PrefixMatch:
     ``device_page_ids`` are the L1 page ids of the ``device_tokens`` prefix (valid
     until the next eviction unless ``last_node`` is locked).  ``last_node`` is the
     deepest node with data (device or host) on the path: the handle to ``lock``.
+    ``storage_keys`` are the L3 keys of the ``storage_tokens`` pages (controller).
     """
 
     namespace: str
@@ -136,6 +137,7 @@ class PrefixMatch:
     transient_owners: tuple[Hashable, ...]
     device_page_ids: tuple[int, ...]
     last_node: TreeNode
+    storage_keys: tuple[bytes, ...] = ()
 
     @property
     def cached_tokens(self) -> int:
@@ -268,12 +270,22 @@ class HiRadixTree:
         node.parent = None
 
     # ------------------------------------------------------------------ match
-    def match_prefix(self, tokens: Sequence[int], namespace: str = "") -> PrefixMatch:
+    def match_prefix(
+        self,
+        tokens: Sequence[int],
+        namespace: str = "",
+        *,
+        requester: Hashable | None = None,
+        touch: bool = True,
+    ) -> PrefixMatch:
         """Longest cached (or transient) page-aligned prefix of ``tokens`` in ``namespace``.
 
         One walk; splits the last matched node when the match ends inside it (so
-        ``last_node`` covers exactly the matched data).  Touches the path for LRU
-        and counts a hit on every node with data.  ``storage_tokens`` is 0 here.
+        ``last_node`` covers exactly the matched data).  With ``touch`` the path is
+        marked used for LRU and every node with data counts a hit (pass
+        ``touch=False`` for read-only planning queries).  The transient part stops
+        at the first node owned by ``requester`` (a request never waits for
+        itself).  ``storage_tokens`` is 0 here.
         """
         root = self.root(namespace)
         key = self._key(tokens)
@@ -296,14 +308,15 @@ class HiRadixTree:
                 pos += m
             path.append(child)
             children = child.children
-        now = self._tick()
+        now = self._tick() if touch else 0
         device = host = transient = 0
         owners: list[Hashable] = []
         device_pages: list[int] = []
         last = root
         phase = 0  # 0 device, 1 host, 2 transient
         for node in path:
-            node.last_access = now
+            if touch:
+                node.last_access = now
             ntok = len(node.key)
             if phase == 0 and node.device is not None:
                 device += ntok
@@ -312,6 +325,8 @@ class HiRadixTree:
                 phase = 1
                 host += ntok
             elif node.is_transient:
+                if requester is not None and node.owner == requester:
+                    break
                 phase = 2
                 transient += ntok
                 if node.owner not in owners:
@@ -319,7 +334,8 @@ class HiRadixTree:
                 continue
             else:  # pragma: no cover - excluded by the invariants
                 raise AssertionError(f"tree invariant broken on the match path at {node!r}")
-            node.hit_count += 1
+            if touch:
+                node.hit_count += 1
             last = node
         return PrefixMatch(
             namespace=namespace,

@@ -1,0 +1,136 @@
+"""``CacheConfig``: sizes and policies of the three KV tiers (frozen, validated).
+
+Every default, and why:
+
+* ``page_size = 16`` tokens: small enough that prefixes are reused at fine
+  granularity, large enough that one page is a sizeable transfer (page-first, all
+  layers: ~2 MiB per page for an 8B model in bf16).
+* ``device_pages``/``device_tokens``: L1 size; one of them must be set (the engine
+  derives it from free HBM); ``device_tokens`` is rounded down to whole pages.
+* ``hicache_ratio = 2.0``: L2 holds twice as many pages as L1 (SGLang HiCache's
+  default); ``host_bytes`` (needs ``page_bytes``) overrides it.
+* ``tiers = "L1+L2"``: host DRAM is always there; L3 is opt-in.
+* ``write_policy = "write_through"``: back up to L2 on insert (cheap on an idle
+  link, and device eviction then never waits for a copy);
+  ``write_through_threshold = 2`` for ``write_through_selective``.
+* ``prefetch_policy = "best_effort"``: never delay a request for storage;
+  ``timeout`` waits ``prefetch_timeout_base_s + pages * prefetch_timeout_per_page_s``
+  (defaults 1.0 s and 2 ms/page = ~0.125 s per 1K tokens at page 16).
+* ``prefetch_min_tokens = 256``: shorter storage hits are recomputed, not fetched.
+* ``storage_backend = "file"`` in ``storage_dir`` (default
+  ``$XDG_CACHE_HOME/strata-jax/kv`` or ``~/.cache/strata-jax/kv``),
+  ``storage_capacity_bytes = 64 GiB``; ``storage_url`` for ``redis``.
+* ``initial_bandwidth_bytes_per_s = 16e9`` (PCIe 4 x16 in practice) until the
+  first measured load; ``bandwidth_ema = 0.2`` weight of each new measurement.
+* ``io_threads = 2`` worker threads for storage reads and writes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+TIERS = ("L1", "L1+L2", "L1+L2+L3")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+class CacheConfigError(ValueError):
+    """An invalid cache setting (the message names the field)."""
+
+
+def default_storage_dir() -> str:
+    """``$XDG_CACHE_HOME/strata-jax/kv``, else ``~/.cache/strata-jax/kv``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return os.path.join(base, "strata-jax", "kv")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    device_pages: int | None = None
+    device_tokens: int | None = None
+    hicache_ratio: float = 2.0
+    host_bytes: int | None = None
+    tiers: str = "L1+L2"
+    write_policy: str = "write_through"
+    write_through_threshold: int = 2
+    prefetch_policy: str = "best_effort"
+    prefetch_timeout_base_s: float = 1.0
+    prefetch_timeout_per_page_s: float = 0.002
+    prefetch_min_tokens: int = 256
+    storage_backend: str = "file"
+    storage_dir: str | None = None
+    storage_capacity_bytes: int = 64 << 30
+    storage_url: str = "redis://127.0.0.1:6379/0"
+    storage_fsync: bool = False
+    initial_bandwidth_bytes_per_s: float = 16e9
+    bandwidth_ema: float = 0.2
+    io_threads: int = 2
+
+    def __post_init__(self) -> None:
+        def bad(field: str, why: str) -> CacheConfigError:
+            return CacheConfigError(f"CacheConfig.{field}: {why} (got {getattr(self, field)!r})")
+
+        if not isinstance(self.page_size, int) or self.page_size <= 0:
+            raise bad("page_size", "must be a positive int")
+        if self.device_pages is None and self.device_tokens is None:
+            raise CacheConfigError("CacheConfig: set device_pages or device_tokens (the L1 size)")
+        if self.device_pages is not None and (not isinstance(self.device_pages, int) or self.device_pages <= 0):
+            raise bad("device_pages", "must be a positive int")
+        if self.device_tokens is not None and (
+            not isinstance(self.device_tokens, int) or self.device_tokens < self.page_size
+        ):
+            raise bad("device_tokens", "must be an int of at least one page")
+        if self.tiers not in TIERS:
+            raise bad("tiers", f"must be one of {TIERS}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise bad("write_policy", f"must be one of {WRITE_POLICIES}")
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise bad("prefetch_policy", f"must be one of {PREFETCH_POLICIES}")
+        if not self.hicache_ratio > 0:
+            raise bad("hicache_ratio", "must be > 0")
+        if self.host_bytes is not None and self.host_bytes <= 0:
+            raise bad("host_bytes", "must be > 0")
+        if not isinstance(self.write_through_threshold, int) or self.write_through_threshold < 1:
+            raise bad("write_through_threshold", "must be an int >= 1")
+        for f in ("prefetch_timeout_base_s", "prefetch_timeout_per_page_s", "prefetch_min_tokens"):
+            if getattr(self, f) < 0:
+                raise bad(f, "must be >= 0")
+        if self.storage_capacity_bytes <= 0:
+            raise bad("storage_capacity_bytes", "must be > 0")
+        if not 0 < self.bandwidth_ema <= 1:
+            raise bad("bandwidth_ema", "must be in (0, 1]")
+        if self.initial_bandwidth_bytes_per_s <= 0:
+            raise bad("initial_bandwidth_bytes_per_s", "must be > 0")
+        if not isinstance(self.io_threads, int) or self.io_threads < 1:
+            raise bad("io_threads", "must be an int >= 1")
+
+    @property
+    def num_device_pages(self) -> int:
+        if self.device_pages is not None:
+            return self.device_pages
+        return self.device_tokens // self.page_size  # type: ignore[operator]
+
+    def num_host_pages(self, page_bytes: int | None = None) -> int:
+        """L2 pages: ``host_bytes // page_bytes`` if both known, else ratio x L1; 0 without L2."""
+        if not self.has_host:
+            return 0
+        if self.host_bytes is not None:
+            if page_bytes is None:
+                raise CacheConfigError("CacheConfig.host_bytes needs the KV layout's page_bytes")
+            return self.host_bytes // page_bytes
+        return int(self.num_device_pages * self.hicache_ratio)
+
+    @property
+    def has_host(self) -> bool:
+        return self.tiers != "L1"
+
+    @property
+    def has_storage(self) -> bool:
+        return self.tiers == "L1+L2+L3"
+
+    @property
+    def resolved_storage_dir(self) -> str:
+        return self.storage_dir or default_storage_dir()

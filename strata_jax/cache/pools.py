@@ -1,0 +1,140 @@
+"""KV pools: the layer-first device pool (L1, a jax array) and the page-first host pool (L2, numpy).
+
+Layouts are the ``pallas_kernels.layout`` contract.  The pools hold data only;
+which page belongs to whom is the allocators' and the tree's business.
+
+* ``DevicePool.kv`` is updated in place: every writer (the runner's jitted step,
+  ``load_pages``) *donates* it and stores the result back with ``replace``.
+  Reads (``gather_pages``) are ordered before later writes by JAX's data flow, so
+  a device page may be freed as soon as a gather out of it is dispatched.
+* ``HostPool.data`` is plain numpy ``[num_pages, L, 2, page_size, H, D]`` (pinned
+  host memory on GPU is future work, see docs/cache.md); one page is one
+  contiguous block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pallas_kernels.layout import KVLayout
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= ``max(n, minimum)``: staging shapes come from a fixed set."""
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+def _is_run(pages: Sequence[int]) -> bool:
+    return len(pages) > 0 and pages[-1] - pages[0] == len(pages) - 1 and all(
+        pages[i + 1] == pages[i] + 1 for i in range(len(pages) - 1)
+    )
+
+
+class HostPool:
+    """Page-first L2 pool in host memory."""
+
+    def __init__(self, layout: KVLayout, num_pages: int) -> None:
+        from pallas_kernels.layout import _numpy_dtype_name
+
+        self.layout = layout
+        self.num_pages = num_pages
+        self.data = np.zeros(layout.page_first_shape(num_pages), dtype=_numpy_dtype_name(layout.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def read(self, pages: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
+        """Pages as ``[n, L, 2, S, H, D]``: a view for a contiguous run (no copy), else a gather.
+
+        A returned view aliases the pool: keep the pages owned until done with it.
+        With ``out`` (at least ``len(pages)`` rows) the pages are copied into
+        ``out[:n]`` and ``out`` is returned.
+        """
+        n = len(pages)
+        if out is not None:
+            if _is_run(pages):
+                out[:n] = self.data[pages[0] : pages[0] + n]
+            else:
+                np.take(self.data, np.asarray(pages, dtype=np.int64), axis=0, out=out[:n])
+            return out
+        if _is_run(pages):
+            return self.data[pages[0] : pages[0] + n]
+        return np.take(self.data, np.asarray(pages, dtype=np.int64), axis=0)
+
+    def write(self, pages: Sequence[int], values: np.ndarray) -> None:
+        """Store ``values[:len(pages)]`` (page-first) into ``pages``."""
+        n = len(pages)
+        if _is_run(pages):
+            self.data[pages[0] : pages[0] + n] = values[:n]
+        else:
+            self.data[np.asarray(pages, dtype=np.int64)] = values[:n]
+
+
+class DevicePool:
+    """Layer-first L1 pool ``kv[L, 2, num_pages, S, H, D]`` with donated page transfers."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, device=None) -> None:  # noqa: ANN001
+        import jax
+        import jax.numpy as jnp
+
+        import pallas_kernels
+
+        self.layout = layout
+        self.num_pages = num_pages
+        self._device = device
+        kv = jnp.zeros(layout.device_pool_shape(num_pages), dtype=layout.dtype)
+        self.kv = jax.device_put(kv, device) if device is not None else kv
+
+        # Looked up at trace time, so the kernels' dispatch (Pallas or reference) is used.
+        def _scatter(pool, staging, ids):  # noqa: ANN001, ANN202
+            return pallas_kernels.scatter_pages(pool, staging, ids)
+
+        def _gather(pool, ids):  # noqa: ANN001, ANN202
+            return pallas_kernels.gather_pages(pool, ids)
+
+        self._scatter = jax.jit(_scatter, donate_argnums=0)
+        self._gather = jax.jit(_gather)
+
+    def replace(self, kv) -> None:  # noqa: ANN001
+        """Store the pool returned by a step that donated ``self.kv``."""
+        self.kv = kv
+
+    def _ids(self, page_ids: Sequence[int], size: int) -> np.ndarray:
+        ids = np.full((size,), self.num_pages, dtype=np.int32)  # out of range: dropped by scatter
+        ids[: len(page_ids)] = page_ids
+        return ids
+
+    def load_pages(self, staging: np.ndarray, page_ids: Sequence[int]):  # noqa: ANN201
+        """One ``device_put`` of page-first ``staging`` (rows beyond ``len(page_ids)`` are padding), then scatter.
+
+        ``staging`` must have a bucketed row count (``bucket(len(page_ids))``) and
+        must not be modified afterwards (the copy may still be reading it).
+        Returns the device staging array: ready means the link transfer landed.
+        """
+        import jax
+
+        dev_staging = jax.device_put(staging, self._device) if self._device is not None else jax.device_put(staging)
+        ids = self._ids(page_ids, staging.shape[0])
+        self.kv = self._scatter(self.kv, dev_staging, ids)
+        return dev_staging
+
+    def gather_pages(self, page_ids: Sequence[int]):  # noqa: ANN201
+        """Dispatch a gather of ``page_ids`` into a page-first device array (bucketed rows; extra rows junk).
+
+        Starts the device->host copy asynchronously; ``np.asarray(result)[:n]`` waits for it.
+        """
+        size = bucket(len(page_ids))
+        ids = np.full((size,), 0, dtype=np.int32)
+        ids[: len(page_ids)] = page_ids
+        out = self._gather(self.kv, ids)
+        try:
+            out.copy_to_host_async()
+        except Exception:  # pragma: no cover - optional on some backends
+            pass
+        return out
