@@ -323,6 +323,8 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             req = await read_body(request, oai.ChatCompletionRequest, limit)
             engine = engine_and_model(req.model)
             req.check_unsupported()
+            if getattr(engine, "tokenizer", None) is None:
+                raise InvalidRequestError("this model has no tokenizer; use /v1/completions with token ids")
             try:
                 prompt = engine.tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True)
             except Exception as exc:  # noqa: BLE001 - template errors are the caller's

@@ -22,16 +22,64 @@ from serving.server import StrataServer
 log = logging.getLogger("strata_jax.serve")
 
 _ENGINE_FLAG_PREFIX = "engine_"
+_NEST = "__"  # argparse dest separator for nested fields (scheduler.policy -> engine_scheduler__policy)
 
 
-def _engine_config_fields() -> list[dataclasses.Field]:
+def _engine_config_class() -> type | None:
     try:
         from strata_jax.engine import EngineConfig
     except ImportError:
-        return []
-    if not dataclasses.is_dataclass(EngineConfig):
-        return []
-    return [f for f in dataclasses.fields(EngineConfig) if f.init and f.name != "model"]
+        return None
+    return EngineConfig if dataclasses.is_dataclass(EngineConfig) else None
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        try:
+            return f.default_factory()  # type: ignore[misc]
+        except Exception:  # noqa: BLE001
+            return None
+    return None
+
+
+def engine_flag_fields(config_cls: type) -> list[tuple[str, dataclasses.Field, Any]]:
+    """``(path, field, default)`` for every scalar field of ``config_cls``, one level of nesting deep.
+
+    A field holding a dataclass (e.g. ``scheduler: SchedulerConfig``) contributes its own
+    fields as ``scheduler.policy`` etc.; the flag is named after the inner field
+    (``--policy``) unless that name is taken.
+    """
+    out: list[tuple[str, dataclasses.Field, Any]] = []
+    for f in dataclasses.fields(config_cls):
+        if not f.init or f.name == "model":
+            continue
+        default = _field_default(f)
+        if dataclasses.is_dataclass(default) and not isinstance(default, type):
+            for inner in dataclasses.fields(default):
+                if inner.init:
+                    out.append((f"{f.name}.{inner.name}", inner, getattr(default, inner.name)))
+        else:
+            out.append((f.name, f, default))
+    return out
+
+
+def build_engine_config(config_cls: type, model: str, overrides: dict[str, Any]) -> Any:
+    """``config_cls(model=model, ...)`` with ``overrides`` keyed by field path (``a`` or ``a.b``)."""
+    top: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for path, value in overrides.items():
+        outer, _, inner = path.partition(".")
+        if inner:
+            nested.setdefault(outer, {})[inner] = value
+        else:
+            top[outer] = value
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    for outer, values in nested.items():
+        base = top.get(outer) or _field_default(fields[outer])
+        top[outer] = dataclasses.replace(base, **values)
+    return config_cls(model=model, **top)
 
 
 def _scalar_type(field: dataclasses.Field, default: Any) -> type | None:
@@ -90,28 +138,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--no-grpc", action="store_true", help="do not start the gRPC server")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
-    fields = _engine_config_fields()
-    if fields:
-        eng = parser.add_argument_group("engine (strata_jax.engine.EngineConfig fields)")
-        for f in fields:
-            default = f.default if f.default is not dataclasses.MISSING else None
-            typ = _scalar_type(f, default)
-            if typ is None:
-                continue
-            eng.add_argument(
-                f"--{f.name.replace('_', '-')}",
-                dest=_ENGINE_FLAG_PREFIX + f.name,
-                type=_bool if typ is bool else typ,
-                default=None,
-                metavar=typ.__name__.upper(),
-                help=f"EngineConfig.{f.name} (default: {default!r})",
-            )
+    config_cls = _engine_config_class()
+    if config_cls is None:
+        return
+    eng = parser.add_argument_group("engine (strata_jax.engine.EngineConfig fields)")
+    taken = {opt for action in parser._actions for opt in action.option_strings}  # noqa: SLF001
+    for path, f, default in engine_flag_fields(config_cls):
+        typ = _scalar_type(f, default)
+        if typ is None:
+            continue
+        flag = f"--{f.name.replace('_', '-')}"
+        if flag in taken:
+            flag = f"--{path.replace('.', '-').replace('_', '-')}"
+        if flag in taken:
+            continue
+        taken.add(flag)
+        eng.add_argument(
+            flag,
+            dest=_ENGINE_FLAG_PREFIX + path.replace(".", _NEST),
+            type=_bool if typ is bool else typ,
+            default=None,
+            metavar=typ.__name__.upper(),
+            help=f"EngineConfig.{path} (default: {default!r})",
+        )
 
 
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig fields set on the command line."""
     return {
-        k[len(_ENGINE_FLAG_PREFIX):]: v
+        k[len(_ENGINE_FLAG_PREFIX):].replace(_NEST, "."): v
         for k, v in vars(args).items()
         if k.startswith(_ENGINE_FLAG_PREFIX) and v is not None
     }
@@ -143,11 +198,15 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"strata-jax serve: {exc}", file=sys.stderr)
         return 2
     overrides = engine_overrides(args)
-
-    def build_engine():
+    try:
         from strata_jax.engine import Engine, EngineConfig
-
-        return Engine(EngineConfig(model=args.model, **overrides))
-
-    server = StrataServer(config, build_engine)
+    except ImportError as exc:
+        print(f"strata-jax serve: the engine is not available: {exc}", file=sys.stderr)
+        return 2
+    try:  # bad engine flags fail here, before any port is bound
+        engine_config = build_engine_config(EngineConfig, args.model, overrides)
+    except (ValueError, TypeError) as exc:
+        print(f"strata-jax serve: bad engine configuration: {exc}", file=sys.stderr)
+        return 2
+    server = StrataServer(config, lambda: Engine(engine_config))
     return asyncio.run(server.serve(handle_signals=True))

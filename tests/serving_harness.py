@@ -23,38 +23,39 @@ def real_engine_available() -> bool:
 def engine_factory(**overrides: Any) -> Callable[[], Any]:
     """A factory of the real tiny engine (fake one if the engine is not there yet).
 
-    ``overrides`` use the fake's names (max_waiting, max_running, max_context_tokens);
-    they are translated for the real ``EngineConfig``.
+    ``overrides`` use the fake's names (max_waiting, max_running, max_context_tokens,
+    step_s); they are translated to the real ``EngineConfig``'s field paths.
     """
     if real_engine_available():
         from strata_jax.engine import Engine, EngineConfig
 
-        def build():
-            return Engine(EngineConfig(model="tiny", **_real_overrides(EngineConfig, overrides)))
+        from serving.server_cli import build_engine_config
 
-        return build
+        config = build_engine_config(EngineConfig, "tiny", _real_overrides(EngineConfig, overrides))
+        return lambda: Engine(config)
     from serving_fake_engine import FakeEngine, FakeEngineConfig
 
     return lambda: FakeEngine(FakeEngineConfig(**overrides))
 
 
 _REAL_NAMES = {
-    "max_waiting": ("max_waiting", "max_queue", "max_waiting_requests", "max_queued_requests"),
-    "max_running": ("max_running", "max_running_requests", "max_batch_size"),
-    "max_context_tokens": ("max_context_tokens", "max_context_len", "max_model_len"),
+    "max_waiting": ("max_waiting",),
+    "max_running": ("max_decode_batch_size", "max_running", "max_batch_size"),
+    "max_context_tokens": ("max_context_tokens",),
     "step_s": (),
 }
 
 
 def _real_overrides(config_cls: type, overrides: dict[str, Any]) -> dict[str, Any]:
-    import dataclasses
+    from serving.server_cli import engine_flag_fields
 
-    names = {f.name for f in dataclasses.fields(config_cls)}
+    paths = [path for path, _f, _d in engine_flag_fields(config_cls)]
     out = {}
     for key, value in overrides.items():
         for candidate in _REAL_NAMES.get(key, (key,)):
-            if candidate in names:
-                out[candidate] = value
+            match = [p for p in paths if p == candidate or p.endswith("." + candidate)]
+            if match:
+                out[match[0]] = value
                 break
     return out
 

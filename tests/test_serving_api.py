@@ -128,6 +128,24 @@ def test_grpc_generate_health_and_admin(server, grpc_client):
     with pytest.raises(grpc.RpcError) as err:
         grpc_client.flush_cache("bogus")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # a request id already in flight is refused
+    call = grpc_client.generate("long one", max_tokens=server.frontend.engine().max_context_tokens - 64,
+                                ignore_eos=True, request_id="dup-1")
+    next(iter(call))
+    with pytest.raises(grpc.RpcError) as err:
+        list(grpc_client.generate("again", max_tokens=2, request_id="dup-1"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "in flight" in err.value.details()
+    call.cancel()
+
+
+def test_http_admin_routes(server):
+    with httpx.Client(base_url=server.http_url, timeout=60) as http:
+        stats = http.get("/admin/cache_stats").json()
+        assert {"device_pool", "locked_nodes"} <= set(stats)
+        assert http.post("/admin/flush_cache", json={"tier": "device"}).json() == {"flushed": "device"}
+        assert http.post("/admin/flush_cache").json() == {"flushed": "all"}  # empty body: all tiers
+        r = http.post("/admin/profile/start", json={})
+        assert r.status_code == 400 and "profile-dir" in r.json()["error"]["message"]
 
 
 def test_grpc_reflection_lists_services(server):
@@ -191,6 +209,15 @@ def test_bad_http_input_gets_clear_errors_and_server_survives(server, oai):
             assert r.status_code == status, (path, str(body)[:80], r.status_code, r.text[:300])
             err = r.json()["error"]
             assert err["message"] and isinstance(err["message"], str), r.text
+        # an oversized body without Content-Length (chunked) is cut off at the limit too
+        def chunks():
+            yield b'{"model": "' + model.encode() + b'", "prompt": "'
+            for _ in range(40):
+                yield b"z" * 65536
+            yield b'"}'
+
+        r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
         # streaming requests with bad input get the status code too (before any SSE byte)
         r = http.post("/v1/completions", json={"model": model, "prompt": "", "stream": True})
         assert r.status_code == 400 and "empty" in r.json()["error"]["message"]

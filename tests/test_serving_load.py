@@ -1,6 +1,6 @@
 """Overload (queue full -> 429 / RESOURCE_EXHAUSTED, nothing accepted lost) and a bounded load test.
 
-The load test runs 32 concurrent streaming HTTP clients for ``STRATA_LOAD_SECONDS``
+The load test runs 32 concurrent streaming clients (24 HTTP/SSE, 8 gRPC) for ``STRATA_LOAD_SECONDS``
 (default 10; the figure reported in docs/serving.md uses 30) and prints requests/s
 and TTFT percentiles; ``STRATA_LOAD_REPORT=path.json`` also writes them to a file.
 """
@@ -79,8 +79,39 @@ def test_overload_rejects_promptly_and_loses_nothing_accepted():
         srv.stop()
 
 
+SHARED = "You are a helpful assistant. Answer the question briefly. " * 2
+
+
+async def _grpc_client(target: str, i: int, stop_at: float, ttfts: list[float], errors: list[str], done: list[int]) -> None:
+    from serving.protos import strata_pb2, strata_pb2_grpc
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = strata_pb2_grpc.StrataStub(channel)
+        n = 0
+        while time.monotonic() < stop_at:
+            request = strata_pb2.GenerateRequest(
+                text=f"{SHARED} Question {i}-{n}: what is {i} * {n}?",
+                params=strata_pb2.SamplingParams(max_tokens=16, temperature=0.0),
+            )
+            n += 1
+            t0 = time.perf_counter()
+            first, last = None, None
+            try:
+                async for msg in stub.Generate(request, timeout=120):
+                    first = first if first is not None else time.perf_counter() - t0
+                    last = msg
+            except grpc.aio.AioRpcError as exc:
+                errors.append(f"grpc {exc.code().name}: {exc.details()}")
+                continue
+            if last is None or not last.finished:
+                errors.append("grpc stream ended without a final message")
+                continue
+            ttfts.append(first or 0.0)
+            done.append(1)
+
+
 async def _client(url: str, model: str, i: int, stop_at: float, ttfts: list[float], errors: list[str], done: list[int]) -> None:
-    shared = "You are a helpful assistant. Answer the question briefly. " * 2
+    shared = SHARED
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         n = 0
         while time.monotonic() < stop_at:
@@ -133,7 +164,14 @@ def test_load_32_streaming_clients():
         async def main() -> float:
             t0 = time.monotonic()
             stop_at = t0 + seconds
-            await asyncio.gather(*(_client(srv.http_url, model, i, stop_at, ttfts, errors, done) for i in range(clients)))
+            await asyncio.gather(
+                *(
+                    _grpc_client(srv.grpc_target, i, stop_at, ttfts, errors, done)
+                    if i % 4 == 3  # a quarter of the clients use gRPC, the rest SSE
+                    else _client(srv.http_url, model, i, stop_at, ttfts, errors, done)
+                    for i in range(clients)
+                )
+            )
             return time.monotonic() - t0
 
         elapsed = asyncio.run(main())
