@@ -139,7 +139,7 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
                 return
             async for chunk in stream:
                 yield chunk_to_proto(chunk)
-        except (RequestAbortedError, EngineUnavailableError) as exc:
+        except Exception as exc:  # noqa: BLE001 - mid-stream: aborted, shutting down, or a bug
             await self._fail(context, exc)
         finally:
             await stream.aclose()  # aborts the engine request if it did not finish

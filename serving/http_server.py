@@ -293,7 +293,7 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         request: Request, req: oai.CompletionRequest, prompt: Any, params: SamplingParams, rid: str
     ) -> Response:
         stream = frontend.stream(prompt, params, api="http", cache_salt=req.cache_salt, request_id=req.request_id)
-        first = await _first(stream)
+        first = await until_disconnect(request, _first(stream))
         model, created = frontend.model_name, int(time.time())
 
         async def events() -> AsyncIterator[str]:
@@ -310,8 +310,9 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
                 if req.include_usage:
                     yield _sse(oai.usage_chunk(rid, model, "text_completion", created, totals.usage()))
                 yield "data: [DONE]\n\n"
-            except (RequestAbortedError, EngineUnavailableError) as exc:
-                yield _sse(oai.error_body(str(exc) or "aborted", "service_unavailable"))
+            except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
+                err = map_error(exc)
+                yield _sse(oai.error_body(err.message, err.type, err.code))
             finally:
                 await stream.aclose()
 
@@ -337,7 +338,7 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             rid = oai.new_id("chatcmpl")
             stream = frontend.stream(prompt, params, api="http", cache_salt=req.cache_salt, request_id=req.request_id)
             if req.stream:
-                return await _stream_chat(req, stream, rid)
+                return await _stream_chat(request, req, stream, rid)
             (result,) = await until_disconnect(request, _collect_all([stream]))
         except Exception as exc:  # noqa: BLE001
             return map_error(exc).response()
@@ -345,8 +346,10 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             oai.chat_response(rid, frontend.model_name, "".join(result.text), result.finish_reason, result.usage())
         )
 
-    async def _stream_chat(req: oai.ChatCompletionRequest, stream: AsyncIterator[StreamChunk], rid: str) -> Response:
-        first = await _first(stream)
+    async def _stream_chat(
+        request: Request, req: oai.ChatCompletionRequest, stream: AsyncIterator[StreamChunk], rid: str
+    ) -> Response:
+        first = await until_disconnect(request, _first(stream))
         model, created = frontend.model_name, int(time.time())
 
         async def events() -> AsyncIterator[str]:
@@ -365,8 +368,9 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
                 if req.include_usage:
                     yield _sse(oai.usage_chunk(rid, model, "chat.completion.chunk", created, totals.usage()))
                 yield "data: [DONE]\n\n"
-            except (RequestAbortedError, EngineUnavailableError) as exc:
-                yield _sse(oai.error_body(str(exc) or "aborted", "service_unavailable"))
+            except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
+                err = map_error(exc)
+                yield _sse(oai.error_body(err.message, err.type, err.code))
             finally:
                 await stream.aclose()
 
