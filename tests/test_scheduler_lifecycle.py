@@ -233,3 +233,12 @@ def test_a_plan_never_overcommits_device_memory(free, evictable, prompts, policy
     assert computed + loaded_or_locked <= free + evictable
     assert plan.evict_device_tokens <= evictable
     assert sum(item.new_tokens for item in plan.prefill) <= 2048
+
+
+def test_one_round_matches_at_most_max_lookahead_queued_requests() -> None:
+    sched, cache = Scheduler(SchedulerConfig(max_lookahead=2, max_prefill_batch_size=1)), FakeCache()
+    for i in range(5):
+        sched.submit(f"r{i}", toks(i, 10))
+    assert sched.schedule(cache).prefill_ids == ("r0",)
+    assert cache.match_calls <= 2
+    assert sched.queue_order() == ("r1", "r2", "r3", "r4")

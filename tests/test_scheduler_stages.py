@@ -92,26 +92,26 @@ def test_deferral_waits_for_a_chunked_owner_and_only_behind_earlier_requests() -
         plan = sched.schedule(cache)
         seen.append((plan.prefill_ids, plan.deferred))
         execute(plan, sched, cache, max_new_tokens=8)
-    # a is never deferred on b (b arrived later); b stays deferred (not walked while a's
-    # continuing chunks fill the budget) until a's prefill completes.
+    # a is never deferred on b (b arrived later); b is not batched (deferred, or not even
+    # reached while a's chunks fill the budget) until a's prefill completes.
     assert [ids for ids, _ in seen[:3]] == [("a",)] * 3
-    assert seen[0][1] == ("b",)
     assert seen[3][0] == ("b",)
     assert sched.get("b").cached_tokens["device"] == 1200
 
 
 def test_owner_abort_releases_the_deferred_request() -> None:
-    sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=300)), FakeCache()
+    sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=2000)), FakeCache()
     submit_uncached(sched, cache, "a", doc(1, 1000) + q(1))
     submit_uncached(sched, cache, "b", doc(1, 1000) + q(2))
     plan = sched.schedule(cache)
     assert plan.deferred == ("b",)
     result = sched.abort("a")
     assert result.owns_transient_nodes and result.holds_device_kv and result.in_flight
-    assert sched.on_prefill_done("a") is RequestStatus.ABORTED
+    assert sched.on_prefill_done("a", 1) is RequestStatus.ABORTED
     cache.drop("a")  # the engine removes a's transient nodes
     plan = sched.schedule(cache)
     assert plan.prefill_ids == ("b",) and plan.deferred == ()
+    assert plan.prefill[0].start == 0  # nothing to hit: b computes the document itself
 
 
 # ---------------------------------------------------------------- Algorithm 1

@@ -54,6 +54,21 @@ class Candidate:
         return cls(request, request.prefill_done)
 
 
+def shared_pages(a: list[int], b: list[int], limit: int) -> int:
+    """Number of leading equal page keys of ``a`` and ``b``, at most ``limit`` (binary search)."""
+    hi = min(limit, len(a), len(b))
+    if hi == 0 or a[hi - 1] == b[hi - 1]:
+        return hi
+    lo = 0  # invariant: first lo keys equal, key hi-1 differs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def common_prefix_len(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
     """Length of the common prefix of ``a[:limit]`` and ``b[:limit]`` (C-speed slice compares)."""
     hi = min(limit, len(a), len(b))
@@ -101,12 +116,13 @@ class BatchBuilder:
     load_storage: int = 0
     used_tokens: int = 0  # device capacity used (need + locks)
     need_tokens: int = 0  # device tokens to allocate
-    _prefixes: list[tuple[str, tuple[int, ...], int]] = field(default_factory=list)
+    _prefixes: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
+    _computed: int = 0
 
     # -- queries -----------------------------------------------------------
     @property
     def budget_left(self) -> int:
-        return self.token_budget - sum(item.new_tokens for item in self.items)
+        return self.token_budget - self._computed
 
     def has_room(self) -> bool:
         return (
@@ -127,11 +143,19 @@ class BatchBuilder:
             self.load_host + c.load_host, self.load_storage + c.load_storage, items, self.loading_bound_ratio
         )
 
-    def is_bundle_hit(self, cand: Candidate) -> bool:
-        """``cand`` loads something, and all of it is already being loaded for the batch."""
+    def is_bundle_hit(self, cand: Candidate, by: PrefillItem | None = None) -> bool:
+        """``cand`` loads something, and all of it is already being loaded for the batch.
+
+        With ``by``, only that member's prefix is compared (a prefix is covered by
+        the union of the members' prefixes iff one member's prefix covers it).
+        """
         if not cand.loads or not self.items:
             return False
-        return self._shared_prefix(cand) >= cand.start
+        if by is None:
+            return self._shared_prefix(cand) >= cand.start
+        if by.load_tokens == 0 or by.start < cand.start:
+            return False
+        return self._shared(cand.request, by.request, cand.start) >= cand.start
 
     # -- admission ---------------------------------------------------------
     def try_add(self, cand: Candidate, *, bundled: bool = False, set_aside: bool = False) -> PrefillItem | None:
@@ -167,7 +191,8 @@ class BatchBuilder:
         self.used_tokens += c.need_tokens + c.lock_tokens
         self.need_tokens += c.need_tokens
         if cand.match is not None and cand.start > 0:
-            self._prefixes.append((cand.request.namespace, cand.request.prefill_tokens, cand.start))
+            self._prefixes.append((cand.request, cand.start))
+        self._computed += item.new_tokens
         return item
 
     # -- internals ---------------------------------------------------------
@@ -176,11 +201,16 @@ class BatchBuilder:
         if cand.match is None or cand.start == 0:
             return 0
         best = 0
-        ns, toks = cand.request.namespace, cand.request.prefill_tokens
-        for other_ns, other_toks, other_start in self._prefixes:
-            if other_ns == ns:
-                best = max(best, common_prefix_len(toks, other_toks, min(cand.start, other_start)))
-        return (best // self.page_size) * self.page_size
+        for other, other_start in self._prefixes:
+            best = max(best, self._shared(cand.request, other, min(cand.start, other_start)))
+        return best
+
+    def _shared(self, a: ScheduledRequest, b: ScheduledRequest, limit: int) -> int:
+        """Tokens (whole pages) of common prefix of ``a`` and ``b`` in one namespace, at most ``limit``."""
+        if a.namespace != b.namespace:
+            return 0
+        ps = self.page_size
+        return shared_pages(a.page_keys(ps), b.page_keys(ps), limit // ps) * ps
 
     def _pages(self, lo: int, hi: int) -> int:
         """Device tokens (whole pages) to hold positions [lo, hi) when [0, lo) is already held."""

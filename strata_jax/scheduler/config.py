@@ -37,6 +37,9 @@ class SchedulerConfig:
         constant, about 100 on H200).
     enable_bubble_filling: Strata stage 3, run the decode batch before a prefill
         batch whose KV load has not landed and outlasts a decode step.
+    max_lookahead: queued requests examined (prefix-matched) per round, from the
+        head; bounds the cost of one round under a long queue (bundle hits
+        further back are found once they move up).
     """
 
     policy: str = "strata"
@@ -49,6 +52,7 @@ class SchedulerConfig:
     enable_balanced_batch: bool = True
     loading_bound_ratio: float | None = None
     enable_bubble_filling: bool = True
+    max_lookahead: int = 1024
 
     def __post_init__(self) -> None:
         from strata_jax.scheduler.policy import available_policies  # no cycle at import time
@@ -57,7 +61,7 @@ class SchedulerConfig:
             raise SchedulerConfigError(
                 f"unknown scheduler policy {self.policy!r}; choose one of {', '.join(available_policies())}"
             )
-        for name in ("max_batch_tokens", "max_prefill_batch_size", "max_decode_batch_size", "max_waiting"):
+        for name in ("max_batch_tokens", "max_prefill_batch_size", "max_decode_batch_size", "max_waiting", "max_lookahead"):
             _positive_int(name, getattr(self, name))
         _non_negative_int("delay_hit_threshold", self.delay_hit_threshold)
         if self.loading_bound_ratio is not None:

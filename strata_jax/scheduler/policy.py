@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from strata_jax.scheduler.batch import BatchBuilder, Candidate
+from strata_jax.scheduler.plan import PrefillItem
 from strata_jax.scheduler.queue import RoundQueue
 
 if TYPE_CHECKING:
@@ -88,10 +89,11 @@ def form_balanced(queue: RoundQueue, batch: BatchBuilder) -> FormResult:
     head = queue.pop_head()
     if head is None:
         return result
-    if batch.try_add(head) is None:
+    item = batch.try_add(head)
+    if item is None:
         return result  # the head waits for room; nobody overtakes it (no starvation)
     queue.admit(head)
-    result.bundle_hits += _pull_bundle(queue, batch)
+    result.bundle_hits += _pull_bundle(queue, batch, item)
     set_aside: list[Candidate] = []
     while batch.has_room():
         cand = queue.pop_head()
@@ -100,9 +102,9 @@ def form_balanced(queue: RoundQueue, batch: BatchBuilder) -> FormResult:
         if batch.would_be_loading_bound(cand):
             set_aside.append(cand)
             result.set_aside.append(cand.request.request_id)
-        elif batch.try_add(cand) is not None:
+        elif (item := batch.try_add(cand)) is not None:
             queue.admit(cand)
-            result.bundle_hits += _pull_bundle(queue, batch)
+            result.bundle_hits += _pull_bundle(queue, batch, item)
         # else: it does not fit on the device now; it keeps its place in the queue
     for cand in set_aside:
         if not batch.has_room():
@@ -112,13 +114,19 @@ def form_balanced(queue: RoundQueue, batch: BatchBuilder) -> FormResult:
     return result
 
 
-def _pull_bundle(queue: RoundQueue, batch: BatchBuilder) -> int:
-    """Move every queued request whose whole load the batch already performs into the batch."""
+def _pull_bundle(queue: RoundQueue, batch: BatchBuilder, added: PrefillItem) -> int:
+    """Move every queued request whose whole load the batch already performs into the batch.
+
+    Only a member that loads can create bundle hits, and the requests pulled add
+    no load themselves, so one scan against the member just ``added`` suffices.
+    """
+    if added.load_tokens == 0:
+        return 0
     pulled = 0
     for cand in list(queue.rest()):
         if not batch.has_room():
             break
-        if batch.is_bundle_hit(cand) and batch.try_add(cand, bundled=True) is not None:
+        if batch.is_bundle_hit(cand, by=added) and batch.try_add(cand, bundled=True) is not None:
             queue.admit(cand)
             pulled += 1
     return pulled

@@ -17,11 +17,16 @@ class RoundQueue:
     """Cursor over the waiting queue for one scheduling round.
 
     ``classify(request_id)`` returns the request's ``Candidate`` or None when the
-    delay-hit rule defers it this round; it is called at most once per request.
+    delay-hit rule defers it this round; it is called at most once per request,
+    and only for the first ``lookahead`` queued requests (bounding the matches
+    one round costs; the rest keep their order for later rounds).
     """
 
-    def __init__(self, order: list[str], classify: Callable[[str], Candidate | None]) -> None:
-        self._order = order
+    def __init__(self, order: list[str], classify: Callable[[str], Candidate | None], lookahead: int | None = None) -> None:
+        # Only the first ``lookahead`` queued requests are examined this round.
+        limit = len(order) if lookahead is None else lookahead
+        self._order = order[:limit]
+        self._tail = order[limit:]
         self._classify = classify
         self._cache: dict[str, Candidate | None] = {}
         self._cursor = 0
@@ -67,4 +72,4 @@ class RoundQueue:
     def new_order(self) -> list[str]:
         deferred = set(self.deferred)
         rest = [rid for rid in self._order if rid not in self.admitted and rid not in deferred]
-        return [rid for rid in self._order if rid in deferred] + rest
+        return [rid for rid in self._order if rid in deferred] + rest + self._tail

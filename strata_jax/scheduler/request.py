@@ -59,6 +59,7 @@ class ScheduledRequest:
     retractions: int = 0
     first_scheduled_round: int | None = None
     last_decode_round: int = -1
+    _page_keys: tuple[int, int, list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prefill_tokens:
@@ -76,3 +77,23 @@ class ScheduledRequest:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def page_keys(self, page_size: int) -> list[int]:
+        """Chained hashes of the full pages of ``prefill_tokens``: key i stands for tokens[: (i+1)*page_size].
+
+        Two requests share their first k pages iff their first k keys are equal
+        (up to 64-bit hash collisions, which could only skew the scheduler's
+        accounting, never data: the tree decides what is reused).  Cached.
+        """
+        n = len(self.prefill_tokens)
+        if self._page_keys is not None and self._page_keys[:2] == (page_size, n):
+            return self._page_keys[2]
+        keys: list[int] = []
+        h = hash(self.namespace)
+        toks = self.prefill_tokens
+        for start in range(0, n - page_size + 1, page_size):
+            h = hash((h, toks[start : start + page_size]))
+            keys.append(h)
+        self._page_keys = (page_size, n, keys)
+        return keys
+

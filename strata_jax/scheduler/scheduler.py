@@ -37,7 +37,11 @@ _S = RequestStatus
 
 
 class Scheduler:
-    """Continuous-batching control plane with the Strata stages (pure Python)."""
+    """Continuous-batching control plane with the Strata stages (pure Python).
+
+    Not thread-safe: call it from the engine loop only (an abort arriving from
+    another thread is queued by the engine and applied between steps).
+    """
 
     def __init__(self, config: SchedulerConfig | None = None, cost_model: CostModel | None = None) -> None:
         self.config = config or SchedulerConfig()
@@ -77,7 +81,8 @@ class Scheduler:
         """Decide this step's decode batch, prefill batch, loads, evictions and order."""
         self._round += 1
         cfg, ps = self.config, cache.page_size
-        capacity = cache.free_device_tokens() + cache.evictable_device_tokens()
+        free = cache.free_device_tokens()
+        capacity = free + cache.evictable_device_tokens()
 
         # 1. decode batch; retract the newest decodes if their next tokens cannot fit.
         ready = [r for r in self._requests.values() if r.status is _S.DECODING and not r.decode_inflight]
@@ -105,7 +110,9 @@ class Scheduler:
             if req.status is _S.PREFILLING and req.inflight_end is None and req.remaining_prefill > 0:
                 batch.try_add(Candidate.continuing(req))
         skip = {r.request_id for r in retracted}  # their KV is still on the device this step
-        queue = RoundQueue([rid for rid in self._queue if rid not in skip], lambda rid: self._classify(rid, cache))
+        queue = RoundQueue(
+            [rid for rid in self._queue if rid not in skip], lambda rid: self._classify(rid, cache), cfg.max_lookahead
+        )
         formed = FORMERS[self.stages.balanced_batch](queue, batch)
         self._queue = [rid for rid in self._queue if rid in skip] + queue.new_order()
 
@@ -137,7 +144,6 @@ class Scheduler:
             self.stages.bubble_filling and decodes and batch.items and unlanded and est_load > est_decode
         )
         self._c["decode_first_rounds"] += decode_first
-        free = cache.free_device_tokens()
         return StepPlan(
             round=self._round,
             prefill=tuple(batch.items),
