@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import glob
 import gzip
-import json
 import math
 import os
-import threading
-import time
 
 import grpc
 import httpx
 import openai
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.grpc_client import StrataClient
 from serving.protos import strata_pb2
