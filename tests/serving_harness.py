@@ -40,7 +40,7 @@ def engine_factory(**overrides: Any) -> Callable[[], Any]:
 
 _REAL_NAMES = {
     "max_waiting": ("max_waiting",),
-    "max_running": ("max_decode_batch_size", "max_running", "max_batch_size"),
+    "max_running": ("max_batch_size", "max_decode_batch_size", "max_running"),
     "max_context_tokens": ("max_context_tokens",),
     "step_s": (),
 }
@@ -50,7 +50,7 @@ def _real_overrides(config_cls: type, overrides: dict[str, Any]) -> dict[str, An
     from serving.server_cli import engine_flag_fields
 
     paths = [path for path, _f, _d in engine_flag_fields(config_cls)]
-    out = {}
+    out: dict[str, Any] = {"show_progress": False} if "show_progress" in paths else {}
     for key, value in overrides.items():
         for candidate in _REAL_NAMES.get(key, (key,)):
             match = [p for p in paths if p == candidate or p.endswith("." + candidate)]
