@@ -20,6 +20,13 @@ def real_engine_available() -> bool:
     return True
 
 
+def fake_engine_factory(**overrides: Any) -> Callable[[], Any]:
+    """The contract fake (for tests of the faces alone: auth, warm-up)."""
+    from serving_fake_engine import FakeEngine, FakeEngineConfig
+
+    return lambda: FakeEngine(FakeEngineConfig(**overrides))
+
+
 def engine_factory(**overrides: Any) -> Callable[[], Any]:
     """A factory of the real tiny engine (fake one if the engine is not there yet).
 
@@ -51,6 +58,10 @@ def _real_overrides(config_cls: type, overrides: dict[str, Any]) -> dict[str, An
 
     paths = [path for path, _f, _d in engine_flag_fields(config_cls)]
     out: dict[str, Any] = {"show_progress": False} if "show_progress" in paths else {}
+    if "compilation_cache_dir" in paths:  # warm-ups after the first one hit the XLA cache
+        import tempfile
+
+        out["compilation_cache_dir"] = os.path.join(tempfile.gettempdir(), "strata_serving_tests_xla_cache")
     for key, value in overrides.items():
         for candidate in _REAL_NAMES.get(key, (key,)):
             match = [p for p in paths if p == candidate or p.endswith("." + candidate)]

@@ -19,7 +19,7 @@ from serving.grpc_client import StrataClient
 from serving.metrics import build_metrics, flatten_stats
 from serving.server import ThreadedServer
 from serving.server_cli import add_serve_arguments, server_config
-from serving_harness import engine_factory, real_engine_available
+from serving_harness import fake_engine_factory, real_engine_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,7 +80,7 @@ def test_flatten_stats_labels_tiers():
 
 def test_api_key_required_on_both_faces():
     cfg = ServerConfig(port=0, grpc_port=0, api_key="s3cret", grace_s=2.0)
-    srv = ThreadedServer(cfg, engine_factory()).start()
+    srv = ThreadedServer(cfg, fake_engine_factory()).start()  # the faces alone: no need to warm the real engine
     try:
         model = srv.frontend.model_name
         body = {"model": model, "prompt": "hi", "max_tokens": 2}
@@ -103,7 +103,7 @@ def test_api_key_required_on_both_faces():
 
 def test_unavailable_while_warming_up():
     gate = threading.Event()
-    build = engine_factory()
+    build = fake_engine_factory()
 
     def slow_build():
         gate.wait(60)
