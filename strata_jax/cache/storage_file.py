@@ -80,16 +80,19 @@ class FileStorage(StorageBackend):
             pass
 
     def batch_exists(self, keys: Sequence[bytes]) -> int:
+        # Always asks the file system: another instance may have written or
+        # evicted an object since this one indexed it.
         n = 0
         with self._lock:
             for key in keys:
+                try:
+                    size = os.stat(self._path(key)).st_size
+                except OSError:
+                    self._forget(key)
+                    break
                 if key in self._index:
                     self._index.move_to_end(key)
                 else:
-                    try:
-                        size = os.stat(self._path(key)).st_size
-                    except OSError:
-                        break
                     self._index[key] = size
                     self._bytes += size
                 n += 1

@@ -1,0 +1,439 @@
+"""Cache controller: bit-exact tier round trips, write/prefetch policies, slot safety, bandwidth."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.layout import KVLayout
+from strata_jax.cache.config import CacheConfig, CacheConfigError
+from strata_jax.cache.controller import CacheController, CacheError, CacheFullError
+from strata_jax.cache.pools import bucket
+from strata_jax.cache.storage import MemoryStorage
+from strata_jax.cache.storage_file import FileStorage
+
+PAGE_SIZES = [1, 2, 4, 16]
+
+
+def _controller(ps: int, tmp_path, *, device_pages=24, policy="write_through", prefetch="wait_complete", **kw):
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=ps)
+    cfg = CacheConfig(
+        page_size=ps,
+        device_pages=device_pages,
+        tiers="L1+L2+L3",
+        write_policy=policy,
+        prefetch_policy=prefetch,
+        prefetch_min_tokens=0,
+        storage_backend="file",
+        storage_dir=str(tmp_path / "kv"),
+        **kw,
+    )
+    return CacheController(cfg, layout), layout
+
+
+def _write_device(ctl: CacheController, layout: KVLayout, pages: list[int], data: np.ndarray) -> None:
+    staging = np.zeros(layout.page_first_shape(bucket(len(pages))), np.float32)
+    staging[: len(pages)] = data
+    ctl.device_pool.load_pages(staging, pages)
+
+
+def _read_device(ctl: CacheController, pages: list[int]) -> np.ndarray:
+    return np.asarray(ctl.device_pool.gather_pages(pages))[: len(pages)]
+
+
+@pytest.mark.parametrize("ps", PAGE_SIZES)
+def test_round_trip_device_host_storage_host_device_bit_exact(ps: int, tmp_path_factory) -> None:
+    ctl, layout = _controller(ps, tmp_path_factory.mktemp(f"rt{ps}"))
+
+    @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        npages=st.integers(1, 7),
+        churn=st.lists(st.integers(1, 5), max_size=4),
+        seed=st.integers(0, 2**31 - 1),
+    )
+    def run(npages: int, churn: list[int], seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        held = [ctl.alloc_device(k) for k in churn]  # scatter the free list
+        for i in rng.permutation(len(held)):
+            if i % 2:
+                ctl.free_device(held[i])
+        pages = ctl.alloc_device(npages)
+        for i, h in enumerate(held):
+            if i % 2 == 0:
+                ctl.free_device(h)
+        tokens = rng.integers(0, 50_000, size=npages * ps + int(rng.integers(0, ps))).tolist()
+        data = rng.standard_normal(layout.page_first_shape(npages)).astype(np.float32)
+        _write_device(ctl, layout, pages, data)
+        ctl.insert(tokens, "t", pages)  # write_through: L1 -> L2 -> L3
+        ctl.drain()
+        node = ctl.tree.match_prefix(tokens, "t", touch=False).last_node
+        host = [p for n in _path(node) for p in n.host]
+        assert np.array_equal(ctl.host_pool.read(host), data), "L1 -> L2 copy differs"
+        ctl.flush()  # drop L1 and L2: only L3 is left
+        ctl.check()
+        m = ctl.match_prefix(tokens, "t")
+        assert (m.device_tokens, m.host_tokens, m.storage_tokens) == (0, 0, npages * ps)
+        ctl.lock(m.last_node)
+        pf = ctl.prefetch(tokens, "t", m, "req")
+        assert ctl.finish_prefetch(pf) == npages * ps  # wait_complete
+        ctl.unlock(m.last_node)
+        m = ctl.match_prefix(tokens, "t")
+        assert m.host_tokens == npages * ps
+        ctl.lock(m.last_node)
+        ctl.wait(ctl.load(m, "req"))
+        got = _read_device(ctl, ctl.tree.device_pages_of(m.last_node))
+        ctl.unlock(m.last_node)
+        assert np.array_equal(got, data), "device -> host -> storage -> host -> device changed the KV"
+        ctl.check()
+        ctl.flush()
+        ctl.storage.clear()
+
+    run()
+    ctl.close()
+
+
+def _path(node):
+    out = []
+    while node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out[::-1]
+
+
+def test_bfloat16_round_trip_through_host(tmp_path) -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="bfloat16")
+    cfg = CacheConfig(page_size=4, device_pages=8, write_policy="write_back")
+    ctl = CacheController(cfg, layout)
+    rng = np.random.default_rng(1)
+    data = rng.standard_normal(layout.page_first_shape(3)).astype(ctl.host_pool.data.dtype)
+    pages = ctl.alloc_device(3)
+    staging = np.zeros(layout.page_first_shape(4), data.dtype)
+    staging[:3] = data
+    ctl.device_pool.load_pages(staging, pages)
+    tokens = list(range(12))
+    ctl.insert(tokens, "", pages)
+    assert ctl.evict_device(3) == 3  # write_back: backed up on eviction
+    m = ctl.match_prefix(tokens)
+    assert (m.device_tokens, m.host_tokens) == (0, 12)
+    ctl.lock(m.last_node)
+    ctl.wait(ctl.load(m))
+    got = np.asarray(ctl.device_pool.gather_pages(ctl.tree.device_pages_of(m.last_node)))[:3]
+    assert got.tobytes() == data.tobytes()
+    ctl.unlock(m.last_node)
+    ctl.check()
+    ctl.close()
+
+
+def test_corrupt_truncated_and_foreign_objects_are_misses(tmp_path) -> None:
+    ctl, layout = _controller(2, tmp_path)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 1000, size=12).tolist()  # 6 pages
+    data = rng.standard_normal(layout.page_first_shape(6)).astype(np.float32)
+    pages = ctl.alloc_device(6)
+    _write_device(ctl, layout, pages, data)
+    ctl.insert(tokens, "", pages)
+    ctl.drain()
+    ctl.flush()
+    store: FileStorage = ctl.storage
+    keys = ctl.match_prefix(tokens).storage_keys
+    assert len(keys) == 6
+    # page 3 corrupt (one bit), page 4 truncated, page 5 replaced by another key's object
+    p3, p4, p5 = (store._path(k) for k in keys[3:6])
+    blob = bytearray(open(p3, "rb").read())
+    blob[-1] ^= 1
+    open(p3, "wb").write(bytes(blob))
+    open(p4, "wb").write(open(p4, "rb").read()[:-5])
+    open(p5, "wb").write(open(store._path(keys[0]), "rb").read())
+    got = store.batch_get(list(keys))
+    assert all(g is not None for g in got[:3]) and got[3:] == [None, None, None]
+    assert store.stats().corrupt == 3
+    assert store.batch_exists(list(keys)) == 3  # bad objects were removed
+    m = ctl.match_prefix(tokens)
+    assert m.storage_tokens == 6
+    ctl.lock(m.last_node)
+    assert ctl.finish_prefetch(ctl.prefetch(tokens, "", m)) == 6
+    ctl.unlock(m.last_node)
+    ctl.check()
+    ctl.close()
+
+
+def test_prefetch_stops_at_a_corrupt_object(tmp_path) -> None:
+    ctl, layout = _controller(2, tmp_path)
+    tokens = list(range(16))
+    pages = ctl.alloc_device(8)
+    _write_device(ctl, layout, pages, np.ones(layout.page_first_shape(8), np.float32))
+    ctl.insert(tokens, "", pages)
+    ctl.drain()
+    ctl.flush()
+    m = ctl.match_prefix(tokens)
+    path = ctl.storage._path(m.storage_keys[5])
+    open(path, "wb").write(b"garbage")
+    ctl.lock(m.last_node)
+    assert ctl.finish_prefetch(ctl.prefetch(tokens, "", m)) == 10  # pages 0..4 landed
+    ctl.unlock(m.last_node)
+    assert ctl.match_prefix(tokens).host_tokens == 10
+    ctl.check()
+    ctl.close()
+
+
+def test_crash_between_temp_write_and_rename_leaves_no_object(tmp_path, monkeypatch) -> None:
+    import strata_jax.cache.storage_file as sf
+
+    store = FileStorage(str(tmp_path / "kv"), 1 << 20)
+    key = b"k" * 32
+
+    def crash(src, dst):  # noqa: ANN001, ANN202
+        raise OSError("simulated crash before rename")
+
+    monkeypatch.setattr(sf.os, "replace", crash)
+    with pytest.raises(OSError):
+        store.batch_set([key], [b"payload"])
+    monkeypatch.undo()
+    assert store.batch_exists([key]) == 0
+    assert store.batch_get([key]) == [None]
+    # a temp file left by a process killed mid-write is invisible and cleaned at start
+    open(tmp_path / "kv" / "tmp" / "dead.tmp", "wb").write(b"half an object")
+    again = FileStorage(str(tmp_path / "kv"), 1 << 20)
+    assert again.batch_exists([key]) == 0
+    assert list((tmp_path / "kv" / "tmp").iterdir()) == []
+    assert again.stats().objects == 0
+
+
+def test_file_storage_lru_capacity_and_sharing(tmp_path) -> None:
+    from strata_jax.cache.storage import HEADER
+
+    size = HEADER.size + 100
+    store = FileStorage(str(tmp_path / "kv"), 3 * size)
+    keys = [bytes([i]) * 32 for i in range(4)]
+    store.batch_set(keys[:3], [b"x" * 100] * 3)
+    assert store.batch_exists(keys[:1]) == 1  # touch key 0: key 1 is now LRU
+    store.batch_set(keys[3:], [b"y" * 100])
+    assert store.stats().evictions == 1
+    assert store.batch_exists([keys[1]]) == 0
+    assert store.batch_exists([keys[0], keys[2], keys[3]]) == 3
+    other = FileStorage(str(tmp_path / "kv"), 3 * size)  # a second instance sees the objects
+    assert other.batch_get([keys[3]]) == [b"y" * 100]
+    assert store.delete([keys[0]]) == 1
+    store.clear()
+    assert store.stats().objects == 0 and other.batch_exists([keys[3]]) == 0
+
+
+def test_storage_keys_are_namespaced(tmp_path) -> None:
+    ctl, layout = _controller(4, tmp_path)
+    tokens = list(range(16))
+    ctl.insert(tokens, "a", ctl.alloc_device(4))
+    ctl.drain()
+    ctl.flush()
+    assert ctl.match_prefix(tokens, "a").storage_tokens == 16
+    assert ctl.match_prefix(tokens, "b").storage_tokens == 0
+    ctl.close()
+
+
+def _bookkeeping(policy: str, tiers: str = "L1+L2", device_pages: int = 8, **kw) -> CacheController:
+    cfg = CacheConfig(page_size=1, device_pages=device_pages, tiers=tiers, write_policy=policy, storage_backend="memory", **kw)
+    return CacheController(cfg)
+
+
+def test_write_policies() -> None:
+    wt = _bookkeeping("write_through")
+    wt.insert([1, 2, 3], "", wt.alloc_device(3))
+    assert wt.tree.host_pages == 3
+    sel = _bookkeeping("write_through_selective", write_through_threshold=2)
+    sel.insert([1, 2, 3], "", sel.alloc_device(3))
+    assert sel.tree.host_pages == 0
+    sel.match_prefix([1, 2, 3])
+    assert sel.tree.host_pages == 0
+    sel.match_prefix([1, 2, 3])  # second hit
+    assert sel.tree.host_pages == 3
+    wb = _bookkeeping("write_back", device_pages=4)
+    wb.insert([1, 2, 3], "", wb.alloc_device(3))
+    assert wb.tree.host_pages == 0
+    held = wb.alloc_device(4)  # evicts: backs up on eviction
+    assert wb.tree.host_pages == 3
+    wb.check(device_held=held)
+    assert wb.match_prefix([1, 2, 3]).host_tokens == 3
+    # write_through_selective without the threshold: eviction drops the data
+    sel2 = _bookkeeping("write_through_selective", device_pages=4, write_through_threshold=5)
+    sel2.insert([1, 2, 3], "", sel2.alloc_device(3))
+    sel2.alloc_device(4)
+    assert sel2.match_prefix([1, 2, 3]).cached_tokens == 0
+    for c in (wt, sel):
+        c.check()
+
+
+def test_locked_prefix_survives_pressure_and_full_cache_raises() -> None:
+    ctl = _bookkeeping("write_through", tiers="L1", device_pages=6)
+    ctl.insert([1, 2, 3, 4], "", ctl.alloc_device(4))
+    m = ctl.match_prefix([1, 2, 3, 4])
+    ctl.lock(m.last_node)
+    with pytest.raises(CacheFullError):
+        ctl.alloc_device(3)
+    assert ctl.match_prefix([1, 2, 3, 4]).device_tokens == 4
+    ctl.unlock(m.last_node)
+    assert len(ctl.alloc_device(6)) == 6
+    assert ctl.match_prefix([1, 2, 3, 4]).device_tokens == 0
+
+
+def test_load_requires_lock() -> None:
+    ctl = _bookkeeping("write_through")
+    ctl.insert([1, 2], "", ctl.alloc_device(2))
+    ctl.evict_device(2)
+    m = ctl.match_prefix([1, 2])
+    with pytest.raises(CacheError):
+        ctl.load(m)
+
+
+class SlowStorage(MemoryStorage):
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.gate = threading.Event()
+
+    def batch_get(self, keys):  # noqa: ANN001, ANN201
+        time.sleep(self.delay * len(keys))
+        return super().batch_get(keys)
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_prefetch_stop_policies(policy: str) -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, page_size=1)
+    store = SlowStorage(0.002)
+    cfg = CacheConfig(
+        page_size=1,
+        device_pages=256,
+        tiers="L1+L2+L3",
+        prefetch_policy=policy,
+        prefetch_min_tokens=0,
+        prefetch_timeout_base_s=0.02,
+        prefetch_timeout_per_page_s=0.0,
+    )
+    ctl = CacheController(cfg, layout, storage=store)
+    tokens = list(range(200))
+    ctl.insert(tokens, "", ctl.alloc_device(200))
+    ctl.drain()
+    ctl.flush()
+    m = ctl.match_prefix(tokens)
+    assert m.storage_tokens == 200
+    ctl.lock(m.last_node)
+    t0 = time.perf_counter()
+    pf = ctl.prefetch(tokens, "", m, "r")
+    assert ctl.load_pending("r")
+    landed = ctl.finish_prefetch(pf)
+    elapsed = time.perf_counter() - t0
+    ctl.unlock(m.last_node)
+    if policy == "wait_complete":
+        assert landed == 200
+    elif policy == "timeout":
+        assert 0 < landed < 200 and elapsed < 0.3
+    else:
+        assert landed < 200
+    assert ctl.match_prefix(tokens).host_tokens == landed
+    assert not ctl.load_pending("r")
+    ctl.check()
+    ctl.close()
+
+
+def test_prefetch_min_tokens_and_abort_cancels() -> None:
+    cfg = CacheConfig(page_size=1, device_pages=64, tiers="L1+L2+L3", storage_backend="memory", prefetch_min_tokens=10)
+    ctl = CacheController(cfg)
+    ctl.insert(list(range(8)), "", ctl.alloc_device(8))
+    ctl.flush()
+    m = ctl.match_prefix(list(range(8)))
+    assert m.storage_tokens == 8
+    assert ctl.prefetch(list(range(8)), "", m, "r") is None  # shorter than prefetch_min_tokens
+    ctl.check()
+
+
+def test_poll_is_ready_and_bandwidth_estimate() -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4)
+    ctl = CacheController(CacheConfig(page_size=4, device_pages=64), layout)
+    tokens = list(range(128))
+    ctl.insert(tokens, "", ctl.alloc_device(32))
+    ctl.drain()
+    ctl.evict_device(32)
+    m = ctl.match_prefix(tokens)
+    ctl.lock(m.last_node)
+    h = ctl.load(m, "r")
+    while not ctl.is_ready(h):
+        time.sleep(0.0005)
+    assert not ctl.load_pending("r")
+    ctl.poll()
+    assert h.done
+    assert ctl.link_bandwidth > 0 and ctl._bandwidth_samples == 1
+    ctl.unlock(m.last_node)
+    ctl.check()
+
+
+def test_config_validation() -> None:
+    with pytest.raises(CacheConfigError):
+        CacheConfig()
+    with pytest.raises(CacheConfigError):
+        CacheConfig(device_pages=4, tiers="L2")
+    with pytest.raises(CacheConfigError):
+        CacheConfig(device_pages=4, write_policy="sometimes")
+    with pytest.raises(CacheConfigError):
+        CacheConfig(device_pages=4, host_bytes=100).num_host_pages()
+    assert CacheConfig(device_tokens=100, page_size=16).num_device_pages == 6
+    assert CacheConfig(device_pages=10).num_host_pages() == 20
+    assert CacheConfig(device_pages=10, tiers="L1").num_host_pages() == 0
+
+
+class FakeRedis:
+    """Just enough of redis-py for the backend (no server here)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def pipeline(self, transaction: bool = False):  # noqa: ANN201
+        outer = self
+
+        class Pipe:
+            def __init__(self) -> None:
+                self.ops = []
+
+            def exists(self, k):  # noqa: ANN001, ANN202
+                self.ops.append(lambda: int(k in outer.data))
+
+            def set(self, k, v, nx=False):  # noqa: ANN001, ANN202
+                def op():  # noqa: ANN202
+                    if nx and k in outer.data:
+                        return None
+                    outer.data[k] = v
+                    return True
+
+                self.ops.append(op)
+
+            def execute(self):  # noqa: ANN202
+                return [op() for op in self.ops]
+
+        return Pipe()
+
+    def mget(self, names):  # noqa: ANN001, ANN201
+        return [self.data.get(n) for n in names]
+
+    def delete(self, *names):  # noqa: ANN002, ANN201
+        return sum(self.data.pop(n, None) is not None for n in names)
+
+    def scan_iter(self, match: str):  # noqa: ANN201
+        prefix = match.rstrip("*")
+        return [k for k in list(self.data) if k.startswith(prefix)]
+
+
+def test_redis_backend_contract() -> None:
+    from strata_jax.cache.storage_redis import RedisStorage
+
+    client = FakeRedis()
+    store = RedisStorage(client)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    assert store.batch_set(keys, [b"a", b"b", b"c"]) == 3
+    assert store.batch_exists(keys + [b"z" * 32]) == 3
+    client.data[store._k(keys[1])] = client.data[store._k(keys[0])]  # foreign object
+    assert store.batch_get(keys) == [b"a", None, b"c"]
+    assert store.stats().corrupt == 1 and store.batch_exists(keys) == 1
+    store.clear()
+    assert store.batch_exists(keys) == 0
