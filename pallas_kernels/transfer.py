@@ -193,22 +193,29 @@ def _update_page_layer(pool: jax.Array, chunk: jax.Array, layer: jax.Array, page
     return jax.lax.dynamic_update_slice(pool, chunk[None, :, None].astype(pool.dtype), start)
 
 
-def scatter_pages_naive(pool: jax.Array, host_pages: np.ndarray, page_ids: np.ndarray) -> jax.Array:
+def scatter_pages_naive(
+    pool: jax.Array, host_pages: np.ndarray, page_ids: np.ndarray, host_ids: np.ndarray | None = None
+) -> jax.Array:
     """Fragmented baseline: for every page and layer, ``device_put`` one ``[2, S, H, D]`` chunk
-    of the host page and update the (donated) pool with it.
+    of the host page and update the (donated) pool with it (``n * L`` transfers + dispatches).
 
-    ``host_pages[n, L, 2, S, H, D]`` (NumPy, page-first) and ``page_ids[n]`` (NumPy, in
-    ``[0, P)``).  ``pool`` is consumed; use the returned array.  Ids outside the pool are
-    dropped, like the kernels.
+    ``host_pages[N, L, 2, S, H, D]`` is page-first NumPy (a staging buffer, or the whole
+    host pool when ``host_ids[n]`` names which of its pages to move); ``page_ids[n]``
+    are destination pages.  ``pool`` is consumed; use the returned array.  Ids
+    outside the pool are dropped, like the kernels.
     """
-    _check_shapes(pool.shape, host_pages.shape, len(page_ids))
+    n = len(page_ids)
+    src = np.arange(n) if host_ids is None else np.asarray(host_ids)
+    if len(src) != n:
+        raise TransferShapeError(f"{len(src)} host page ids but {n} destination page ids")
+    _check_shapes(pool.shape, (n, *host_pages.shape[1:]), n)
     layers, num_pages = pool.shape[0], pool.shape[2]
     device = next(iter(pool.devices()))
-    for i, page in enumerate(np.asarray(page_ids).tolist()):
+    for src_page, page in zip(src.tolist(), np.asarray(page_ids).tolist()):
         if not 0 <= page < num_pages:
             continue
         for layer in range(layers):
-            chunk = jax.device_put(host_pages[i, layer], device)
+            chunk = jax.device_put(host_pages[src_page, layer], device)
             pool = _update_page_layer(pool, chunk, np.int32(layer), np.int32(page))
     return pool
 
@@ -224,6 +231,30 @@ def gather_pages_naive(pool: jax.Array, page_ids: np.ndarray) -> np.ndarray:
     return out
 
 
+def gather_host_pages(host_pool: np.ndarray, host_ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Host side of a coalesced load: copy pages ``host_ids`` of a page-first NumPy pool into
+    one contiguous staging buffer ``out[n, ...]`` (allocated if not given).
+
+    Runs of consecutive ids are copied as one slice; every page is one contiguous block
+    in page-first layout, so even scattered pages are large copies (``np.take`` is ~4x
+    slower here, it copies item by item).
+    """
+    ids = np.asarray(host_ids, dtype=np.int64)
+    if out is None:
+        out = np.empty((len(ids), *host_pool.shape[1:]), host_pool.dtype)
+    if out.shape != (len(ids), *host_pool.shape[1:]):
+        raise TransferShapeError(f"staging buffer shape {out.shape} != {(len(ids), *host_pool.shape[1:])}")
+    if len(ids) and (ids.min() < 0 or ids.max() >= host_pool.shape[0]):
+        raise TransferShapeError(f"host page ids must be in [0, {host_pool.shape[0]})")
+    run_start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            first = int(ids[run_start])
+            np.copyto(out[run_start:i], host_pool[first : first + i - run_start])
+            run_start = i
+    return out
+
+
 def transfer_bytes(pool_shape: tuple[int, ...], n_pages: int, itemsize: int) -> int:
     """Bytes moved by transferring ``n_pages`` pages of a pool of ``pool_shape``."""
     layers, two, _, page_size, heads, dim = pool_shape
@@ -233,6 +264,7 @@ def transfer_bytes(pool_shape: tuple[int, ...], n_pages: int, itemsize: int) -> 
 __all__ = [
     "TransferShapeError",
     "chunk_block",
+    "gather_host_pages",
     "gather_pages_naive",
     "gather_pages_pallas",
     "scatter_pages_naive",

@@ -1,0 +1,309 @@
+"""``strata-jax bench transfer``: host->device KV page loading, naive vs coalesced.
+
+For each page size (same total bytes moved), N pages scattered over a page-first
+host pool are loaded into scattered pages of the layer-first device pool by
+
+(a) **naive**: one ``device_put`` + one in-place update per page per layer
+    (``pallas_kernels.transfer.scatter_pages_naive``), the fragmented path;
+(b) **coalesced**: host gather of the pages into one contiguous page-first staging
+    buffer (``gather_host_pages``: one copy per run of consecutive pages), one
+    ``device_put``, one scatter kernel (dispatch backend) into the donated pool; the time split gather / transfer / scatter is reported;
+(c) **contiguous**: one ``device_put`` of a contiguous host array of the same
+    bytes: the machine's host->device limit in this run;
+
+plus ``memcpy_gbps``: a plain NumPy copy of the same bytes.  Methods and page
+sizes are interleaved repeat by repeat and the median is kept, so the ratios compare runs
+under the same machine load (page sizes are interleaved too).  A second experiment scatters the same pages into a
+donated pool 4x larger (and, for contrast, a non-donated one): with donation the
+time must not grow.
+
+Targets (issue 3) are evaluated and reported under ``targets``; the exit status
+is 0 whether or not they are met (``--strict`` makes a miss exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+DESCRIPTION = "host->device KV page transfer: naive per-page/per-layer vs coalesced staging + scatter kernel"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=32, help="model layers (default: 32, Llama-3.1-8B)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default: 8)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim (default: 128)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="KV dtype")
+    parser.add_argument(
+        "--page-sizes", default="1,4,16,64", help="comma-separated page sizes in tokens (default: 1,4,16,64)"
+    )
+    parser.add_argument(
+        "--total-mb", type=float, default=64.0, help="MiB moved per measurement, same for every page size (default: 64)"
+    )
+    parser.add_argument(
+        "--host-pool-factor", type=int, default=3, help="host pool holds this many times the pages moved (default: 3)"
+    )
+    parser.add_argument(
+        "--device-pool-factor", type=int, default=2, help="device pool holds this many times the pages moved (default: 2)"
+    )
+    parser.add_argument("--repeats", type=int, default=11, help="timed repeats per method (median kept; default: 11)")
+    parser.add_argument(
+        "--backend", default="auto", choices=["auto", "reference", "pallas", "interpret"],
+        help="scatter implementation for the coalesced path (default: auto = per platform)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pool-growth", type=int, default=4, help="pool growth factor of the in-place check (default: 4; 0 skips it)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed for page placement")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+class _PageSizeCase:
+    """One page size: its host pool, device pool, page placement and the four timed methods."""
+
+    def __init__(self, args, page_size: int, total_bytes: int, rng) -> None:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from pallas_kernels import dispatch
+        from pallas_kernels.layout import KVLayout
+        from pallas_kernels.transfer import gather_host_pages, scatter_pages_naive
+
+        self.page_size = page_size
+        self.layout = KVLayout(args.layers, args.kv_heads, args.head_dim, page_size, args.dtype)
+        self.n = n = max(1, total_bytes // self.layout.page_bytes)
+        self.nbytes = n * self.layout.page_bytes
+        self.layers = args.layers
+        np_dtype = jnp.dtype(args.dtype)
+        host_pages = n * max(1, args.host_pool_factor)
+        device_pages = n * max(1, args.device_pool_factor)
+        host_pool = rng.standard_normal(self.layout.page_first_shape(host_pages), dtype=np.float32).astype(np_dtype)
+        src = np.sort(rng.choice(host_pages, n, replace=False))  # scattered host pages, in sequence order
+        dst = rng.choice(device_pages, n, replace=False).astype(np.int32)  # scattered device pages
+        dst_dev = jnp.asarray(dst)
+        device = jax.devices()[0]
+        self.backend = backend = dispatch.resolve_backend(args.backend)
+        scatter = jax.jit(lambda p, s, i: dispatch.scatter_pages(p, s, i, backend=backend), donate_argnums=0)
+        state = {"pool": jnp.zeros(self.layout.device_pool_shape(device_pages), np_dtype)}
+        staging = np.empty(self.layout.page_first_shape(n), np_dtype)
+        contiguous = host_pool[:n].copy()
+        copy_dst = np.empty_like(contiguous)
+        self.split: dict[str, list[float]] = {"gather": [], "transfer": [], "scatter": []}
+
+        def coalesced() -> None:
+            t0 = time.perf_counter()
+            gather_host_pages(host_pool, src, out=staging)
+            t1 = time.perf_counter()
+            staged = jax.device_put(staging, device)
+            staged.block_until_ready()
+            t2 = time.perf_counter()
+            state["pool"] = scatter(state["pool"], staged, dst_dev)
+            state["pool"].block_until_ready()
+            t3 = time.perf_counter()
+            self.split["gather"].append(t1 - t0)
+            self.split["transfer"].append(t2 - t1)
+            self.split["scatter"].append(t3 - t2)
+
+        def naive() -> None:
+            state["pool"] = scatter_pages_naive(state["pool"], host_pool, dst, host_ids=src)
+            state["pool"].block_until_ready()
+
+        def contiguous_put() -> None:
+            jax.device_put(contiguous, device).block_until_ready()
+
+        def memcpy() -> None:
+            np.copyto(copy_dst, contiguous)
+
+        def verify() -> None:
+            """What was timed is right: the loads wrote the host pages where they belong."""
+            want = np.transpose(host_pool[src], (1, 2, 0, 3, 4, 5))
+            got = np.asarray(state["pool"][:, :, dst])
+            if not np.array_equal(got.astype(np.float32), want.astype(np.float32)):
+                raise RuntimeError(f"page size {page_size}: transferred pages do not match the host pages")
+
+        self.methods = {"naive": naive, "coalesced": coalesced, "contiguous": contiguous_put, "memcpy": memcpy}
+        self.samples: dict[str, list[float]] = {name: [] for name in self.methods}
+        self.verify = verify
+
+    def warm_up(self) -> None:
+        for fn in self.methods.values():  # compile, fault pages in
+            fn()
+        for values in self.split.values():
+            values.clear()
+
+    def time_once(self) -> None:
+        for name, fn in self.methods.items():
+            self.samples[name].append(_median_time(fn, 1))
+
+    def result(self) -> dict:
+        med = {name: statistics.median(values) for name, values in self.samples.items()}
+        return {
+            "pages": int(self.n),
+            "bytes": int(self.nbytes),
+            "page_bytes": int(self.layout.page_bytes),
+            "chunk_bytes": int(self.layout.page_bytes // (2 * self.layers)),
+            "naive_calls": int(self.n * self.layers),
+            "naive_gbps": _gbps(self.nbytes, med["naive"]),
+            "coalesced_gbps": _gbps(self.nbytes, med["coalesced"]),
+            "contiguous_gbps": _gbps(self.nbytes, med["contiguous"]),
+            "memcpy_gbps": _gbps(self.nbytes, med["memcpy"]),
+            "split_ms": {key: 1e3 * statistics.median(values) for key, values in self.split.items()},
+            # Best of the repeats: less sensitive to other processes on a shared machine.
+            "best_gbps": {name: _gbps(self.nbytes, min(values)) for name, values in self.samples.items()},
+            "scatter_backend": self.backend,
+        }
+
+
+def _measure_pool_growth(args, page_size: int, total_bytes: int, rng) -> dict:
+    """Scatter the same pages into a pool of P and of growth*P pages, donated and not."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import dispatch
+    from pallas_kernels.layout import KVLayout
+
+    layout = KVLayout(args.layers, args.kv_heads, args.head_dim, page_size, args.dtype)
+    n = max(1, total_bytes // layout.page_bytes)
+    np_dtype = jnp.dtype(args.dtype)
+    backend = dispatch.resolve_backend(args.backend)
+    fn = lambda p, s, i: dispatch.scatter_pages(p, s, i, backend=backend)  # noqa: E731
+    donated, copied = jax.jit(fn, donate_argnums=0), jax.jit(fn)
+    staged = jnp.asarray(rng.standard_normal(layout.page_first_shape(n), dtype=np.float32).astype(np_dtype))
+    result = {"page_size": page_size, "pages_moved": int(n), "growth": args.pool_growth}
+    sizes = {"small": 2 * n, "large": 2 * n * args.pool_growth}
+    ids = {k: jnp.asarray(rng.choice(p, n, replace=False).astype(np.int32)) for k, p in sizes.items()}
+    pools = {k: jnp.zeros(layout.device_pool_shape(p), np_dtype) for k, p in sizes.items()}
+
+    def run_donated(key: str) -> None:
+        pools[key] = donated(pools[key], staged, ids[key])
+        pools[key].block_until_ready()
+
+    def run_copied(key: str) -> None:
+        copied(pools[key], staged, ids[key]).block_until_ready()
+
+    samples: dict[str, list[float]] = {}
+    for key in sizes:  # warm-up (compile)
+        run_donated(key), run_copied(key)
+    for _ in range(max(7, args.repeats)):  # interleaved small/large
+        for key in sizes:
+            for mode, fn in (("donated", run_donated), ("copied", run_copied)):
+                samples.setdefault(f"{key}_{mode}_ms", []).append(1e3 * _median_time(lambda: fn(key), 1))
+    for key, pages in sizes.items():
+        result[f"{key}_pool_pages"] = pages
+    result.update({name: statistics.median(values) for name, values in samples.items()})
+    del pools
+    result["donated_ratio"] = result["large_donated_ms"] / result["small_donated_ms"]
+    result["copied_ratio"] = result["large_copied_ms"] / result["small_copied_ms"]
+    return result
+
+
+def _targets(report: dict) -> dict:
+    sizes = report["page_sizes"]
+    coalesced = [row["coalesced_gbps"] for row in sizes.values()]
+    on_gpu = report["platform"] in ("cuda", "rocm")
+    limit = 0.75 if on_gpu else 0.40
+    out = {
+        f"coalesced_ge_{int(limit * 100)}pct_contiguous_every_page_size": all(
+            row["coalesced_gbps"] >= limit * row["contiguous_gbps"] for row in sizes.values()
+        ),
+        "coalesced_flat_max_over_min_le_1.5": max(coalesced) / min(coalesced) <= 1.5,
+        "coalesced_over_min_max": max(coalesced) / min(coalesced),
+    }
+    if "1" in sizes:
+        out["coalesced_over_naive_at_page_1"] = sizes["1"]["coalesced_gbps"] / sizes["1"]["naive_gbps"]
+        out["coalesced_ge_5x_naive_at_page_1"] = out["coalesced_over_naive_at_page_1"] >= 5.0
+    out["naive_wins_at_page_sizes"] = [k for k, row in sizes.items() if row["naive_gbps"] > row["coalesced_gbps"]]
+    if "pool_growth" in report:
+        out["donated_scatter_flat_le_1.15"] = report["pool_growth"]["donated_ratio"] <= 1.15
+    return out
+
+
+def _table(report: dict) -> str:
+    lines = [
+        f"platform={report['platform']} memcpy={report['memcpy_gbps']:.2f} GB/s  "
+        f"({report['config']['layers']}L x {report['config']['kv_heads']}H x {report['config']['head_dim']}D "
+        f"{report['config']['dtype']}, {report['config']['total_mb']:.0f} MiB per load)",
+        f"{'page':>5} {'pages':>6} {'naive':>8} {'coalesced':>10} {'contig':>8} {'b/c':>6} {'b/a':>7}"
+        f"   split ms gather/transfer/scatter",
+    ]
+    for size, row in report["page_sizes"].items():
+        split = row["split_ms"]
+        lines.append(
+            f"{size:>5} {row['pages']:>6} {row['naive_gbps']:>8.2f} {row['coalesced_gbps']:>10.2f} "
+            f"{row['contiguous_gbps']:>8.2f} {row['coalesced_gbps'] / row['contiguous_gbps']:>6.2f} "
+            f"{row['coalesced_gbps'] / row['naive_gbps']:>7.2f}   "
+            f"{split['gather']:.2f}/{split['transfer']:.2f}/{split['scatter']:.2f}"
+        )
+    if "pool_growth" in report:
+        g = report["pool_growth"]
+        lines.append(
+            f"pool x{g['growth']}: donated scatter {g['small_donated_ms']:.2f} -> {g['large_donated_ms']:.2f} ms "
+            f"(x{g['donated_ratio']:.2f}); not donated {g['small_copied_ms']:.2f} -> {g['large_copied_ms']:.2f} ms "
+            f"(x{g['copied_ratio']:.2f})"
+        )
+    lines.append("targets: " + json.dumps(report["targets"]))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from pallas_kernels.dispatch import platform_name
+
+    try:
+        page_sizes = [int(x) for x in args.page_sizes.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--page-sizes must be comma-separated integers, got {args.page_sizes!r}") from None
+    if not page_sizes or min(page_sizes) <= 0:
+        raise SystemExit("--page-sizes needs at least one positive page size")
+    if args.total_mb <= 0 or args.repeats <= 0:
+        raise SystemExit("--total-mb and --repeats must be positive")
+    total_bytes = int(args.total_mb * (1 << 20))
+    rng = np.random.default_rng(args.seed)
+    report: dict = {
+        "platform": platform_name(),
+        "config": {
+            "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype,
+            "total_mb": args.total_mb, "repeats": args.repeats, "backend": args.backend,
+        },  # fmt: skip
+        "page_sizes": {},
+    }
+    cases = [_PageSizeCase(args, size, total_bytes, rng) for size in page_sizes]
+    for case in cases:
+        case.warm_up()
+    for _ in range(args.repeats):  # interleaved over page sizes and methods: same machine load for all
+        for case in cases:
+            case.time_once()
+    for case in cases:
+        case.verify()
+        report["page_sizes"][str(case.page_size)] = case.result()
+    del cases
+    report["memcpy_gbps"] = statistics.median(row["memcpy_gbps"] for row in report["page_sizes"].values())
+    if args.pool_growth > 1:
+        report["pool_growth"] = _measure_pool_growth(args, 16 if 16 in page_sizes else page_sizes[0], total_bytes, rng)
+    report["targets"] = _targets(report)
+    print(_table(report))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    missed = [k for k, v in report["targets"].items() if v is False]
+    return 1 if (args.strict and missed) else 0
