@@ -76,8 +76,18 @@ class _Compiled:
     shapes: set = field(default_factory=set)
 
 
+class _OwnPool:
+    """Holds the pool array when no cache controller provides one."""
+
+    def __init__(self, kv: jax.Array):
+        self.kv = kv
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, config: RunnerConfig, *, mesh: jax.sharding.Mesh | None = None):
+    """Runs steps over a KV pool held by ``pool`` (any object with a ``kv`` attribute,
+    e.g. the cache controller's ``DevicePool``); without one the runner makes its own."""
+
+    def __init__(self, model: LlamaForCausalLM, config: RunnerConfig, *, pool: object | None = None):
         self.model_config = model.config
         self.config = config
         self.layout = KVLayout(
@@ -88,7 +98,11 @@ class ModelRunner:
             dtype=config.kv_dtype,
         )
         self.graphdef, self.state = nnx.split(model)
-        self.kv_pool = jnp.zeros(self.layout.device_pool_shape(config.num_device_pages), jnp.dtype(config.kv_dtype))
+        if pool is None:
+            pool = _OwnPool(jnp.zeros(self.layout.device_pool_shape(config.num_device_pages), jnp.dtype(config.kv_dtype)))
+        elif tuple(pool.kv.shape) != self.layout.device_pool_shape(config.num_device_pages):
+            raise ValueError(f"pool shape {tuple(pool.kv.shape)} does not match the runner's layout")
+        self.pool = pool
         self.token_buckets = power_of_two_buckets(
             min(config.min_token_bucket, config.max_batch_tokens), config.max_batch_tokens
         )
@@ -124,8 +138,12 @@ class ModelRunner:
         return result
 
     def _run_padded(self, inputs: dict, *, all_logits: bool):
-        next_tokens, logits, self.kv_pool = self._step(self.state, self.kv_pool, inputs, all_logits=all_logits)
+        next_tokens, logits, self.pool.kv = self._step(self.state, self.pool.kv, inputs, all_logits=all_logits)
         return next_tokens, logits
+
+    @property
+    def kv_pool(self) -> jax.Array:
+        return self.pool.kv
 
     def _empty_inputs(self, tokens: int, batch: int) -> dict:
         width = self.config.max_pages_per_seq

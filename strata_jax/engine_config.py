@@ -1,0 +1,111 @@
+"""``EngineConfig``: one frozen dataclass holding every concern's settings.
+
+Most users set a handful of flat fields (``model``, ``tiers``, ``device_tokens``,
+``policy``...); ``cache_config()`` / ``scheduler_config()`` derive the per-concern
+configs from them.  Passing a full ``CacheConfig`` or ``SchedulerConfig`` overrides
+the flat fields of that concern.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strata_jax.api import InvalidRequestError
+from strata_jax.cache.config import CacheConfig
+from strata_jax.scheduler.config import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings.
+
+    model: "tiny" (embedded random model) or a local Hugging Face folder.
+    dtype: weights dtype; None = float32 on CPU, bfloat16 on GPU.
+    kv_dtype: KV cache dtype; None = float32 on CPU (XLA:CPU rewrites bf16 buffers
+        on every update), bfloat16 on GPU.
+    page_size: tokens per KV page (the transfer and caching granularity).
+    device_tokens: L1 (device pool) capacity in tokens; None = 64 * max_batch_tokens,
+        at least 4 * max_context_tokens (enough for a few full-length requests).
+    tiers: "L1", "L1+L2" (default) or "L1+L2+L3".
+    hicache_ratio: L2 size as a multiple of L1 (default 2).
+    write_policy: "write_through" | "write_through_selective" | "write_back".
+    prefetch_policy: "best_effort" | "wait_complete" | "timeout".
+    prefetch_min_tokens: storage hits shorter than this are recomputed, not prefetched.
+    storage_backend / storage_dir: L3 backend by name ("file", "redis") and its directory.
+    policy: scheduler policy, "strata" (default) or "fifo".
+    max_batch_tokens: new tokens computed per prefill step (longer prompts are chunked).
+    max_batch_size: sequences per prefill or decode step.
+    max_waiting: bound of the waiting queue; beyond it requests get ``OverloadedError``.
+    max_context_tokens: longest prompt + completion; None = the model's limit, capped
+        at 16384 on CPU.
+    warmup: compile every step shape at start-up (no compilation while serving).
+    compilation_cache_dir: persistent XLA compilation cache directory (None = off).
+    show_progress: progress bars for loading and compiling.
+    """
+
+    model: str = "tiny"
+    dtype: str | None = None
+    kv_dtype: str | None = None
+    page_size: int = 16
+    device_tokens: int | None = None
+    tiers: str = "L1+L2"
+    hicache_ratio: float = 2.0
+    write_policy: str = "write_through"
+    prefetch_policy: str = "best_effort"
+    prefetch_min_tokens: int = 256
+    storage_backend: str = "file"
+    storage_dir: str | None = None
+    policy: str = "strata"
+    max_batch_tokens: int = 512
+    max_batch_size: int = 16
+    max_waiting: int = 1024
+    max_context_tokens: int | None = None
+    warmup: bool = True
+    compilation_cache_dir: str | None = None
+    show_progress: bool = True
+    cache: CacheConfig | None = None
+    scheduler: SchedulerConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_batch_tokens", "max_batch_size", "max_waiting"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidRequestError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.max_batch_tokens <= self.max_batch_size:
+            raise InvalidRequestError("EngineConfig.max_batch_tokens must exceed max_batch_size")
+        for name in ("dtype", "kv_dtype"):
+            if getattr(self, name) not in (None, "float32", "bfloat16"):
+                raise InvalidRequestError(f"EngineConfig.{name} must be float32 or bfloat16, got {getattr(self, name)!r}")
+
+    def resolved_device_tokens(self, max_context_tokens: int) -> int:
+        if self.cache is not None:
+            return self.cache.num_device_pages * self.cache.page_size
+        if self.device_tokens is not None:
+            return self.device_tokens
+        return max(64 * self.max_batch_tokens, 4 * max_context_tokens)
+
+    def cache_config(self, max_context_tokens: int) -> CacheConfig:
+        if self.cache is not None:
+            return self.cache
+        return CacheConfig(
+            page_size=self.page_size,
+            device_tokens=self.resolved_device_tokens(max_context_tokens),
+            hicache_ratio=self.hicache_ratio,
+            tiers=self.tiers,
+            write_policy=self.write_policy,
+            prefetch_policy=self.prefetch_policy,
+            prefetch_min_tokens=self.prefetch_min_tokens,
+            storage_backend=self.storage_backend,
+            storage_dir=self.storage_dir,
+        )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        if self.scheduler is not None:
+            return self.scheduler
+        return SchedulerConfig(
+            policy=self.policy,
+            max_batch_tokens=self.max_batch_tokens,
+            max_prefill_batch_size=self.max_batch_size,
+            max_decode_batch_size=self.max_batch_size,
+            max_waiting=self.max_waiting,
+        )
