@@ -114,3 +114,17 @@ def test_shape_errors_are_typed():
         scatter_pages_pallas(pool, staging, ids[:3], interpret=True)
     with pytest.raises(TransferShapeError):
         gather_pages_pallas(pool, ids.astype(jnp.float32), interpret=True)
+
+
+def test_gather_host_pages_equals_numpy_take():
+    from pallas_kernels.transfer import gather_host_pages
+
+    rng = np.random.default_rng(11)
+    host = rng.standard_normal((40, 2, 2, 4, 2, 8)).astype(np.float32)
+    ids = np.array([3, 4, 5, 9, 0, 1, 39, 38, 20, 21, 22, 23])  # runs, singles, descending
+    np.testing.assert_array_equal(gather_host_pages(host, ids), np.take(host, ids, axis=0))
+    out = np.full((len(ids), *host.shape[1:]), np.nan, np.float32)
+    assert gather_host_pages(host, ids, out=out) is out
+    np.testing.assert_array_equal(out, host[ids])
+    with pytest.raises(TransferShapeError):
+        gather_host_pages(host, np.array([40]))
