@@ -478,9 +478,8 @@ class CacheController:
             handle.future = self._executor.submit(self._prefetch_worker, handle)  # type: ignore[union-attr]
             handle._is_finished = handle.future.done
             handle._block = handle.future.result
-        else:
-            got = self.storage.batch_get(keys)
-            handle.landed = next((i for i, p in enumerate(got) if p is None), n)
+        else:  # bookkeeping only: batch_exists just said they are there
+            handle.landed = n
         self._pending.append(handle)
         return handle
 
@@ -545,6 +544,10 @@ class CacheController:
             to_free.extend(res.unused_pages)
             for node in res.new_nodes:
                 node.storage_backed = True
+            end = self.tree.match_prefix(
+                handle.tokens[: (handle.start_page + landed) * ps], handle.namespace, touch=False
+            ).last_node
+            self.tree.adopt_hashes(end, handle.keys[:landed], handle.start_page)
         self.host_alloc.free(to_free)
         self.tree.unlock(handle.anchor)  # type: ignore[arg-type]
         handle.finished = True

@@ -43,7 +43,7 @@ import heapq
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
-from strata_jax.cache.hashing import namespace_seed, page_hash
+from strata_jax.cache.hashing import chain_hashes, namespace_seed
 
 READY = "ready"
 IN_QUEUE = "in_queue"
@@ -526,14 +526,29 @@ class HiRadixTree:
             chain.append(x)
             x = x.parent  # type: ignore[assignment]
         prev = x.hashes[-1] if x.hashes else self._seed_of(x)
-        ps = self.page_size
         for y in reversed(chain):
-            hs = []
-            for i in range(0, len(y.key), ps):
-                prev = page_hash(prev, y.key[i : i + ps])
-                hs.append(prev)
-            y.hashes = hs
+            y.hashes = chain_hashes(prev, y.key, self.page_size)
+            prev = y.hashes[-1]
         return node.hashes  # type: ignore[return-value]
+
+    def adopt_hashes(self, node: TreeNode, keys: Sequence[bytes], first_page: int) -> None:
+        """Record known storage keys for pages ``first_page ..`` of the path ending at ``node``.
+
+        ``keys[i]`` is the key of path page ``first_page + i`` and the path to
+        ``node`` ends at page ``first_page + len(keys)``; nodes lying entirely in
+        that range and without keys get theirs (saves re-hashing after a prefetch).
+        """
+        end = first_page + len(keys)
+        ps = self.page_size
+        while node.parent is not None:
+            npg = len(node.key) // ps
+            start = end - npg
+            if start < first_page:
+                break
+            if node.hashes is None:
+                node.hashes = list(keys[start - first_page : end - first_page])
+            end = start
+            node = node.parent
 
     def last_hash(self, node: TreeNode) -> bytes:
         """Key of the last page on the path to ``node`` (the namespace seed at the root)."""
