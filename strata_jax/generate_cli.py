@@ -35,14 +35,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    import time
-
-    import jax
-    import jax.numpy as jnp
-
-    from strata_jax.models.loader import load_model
-    from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig
-    from strata_jax.runtime.simple_generate import generate_one
+    from strata_jax.engine import Engine, EngineConfig
 
     try:
         params = SamplingParams(
@@ -57,29 +50,21 @@ def run_generate(args: argparse.Namespace) -> int:
     except InvalidRequestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    loaded = load_model(args.model, dtype=jnp.dtype(dtype), show_progress=not args.json)
-    if isinstance(prompt, str):
-        if loaded.tokenizer is None:
-            print(f"error: {args.model} has no tokenizer.json; pass --prompt-ids", file=sys.stderr)
-            return 2
-        prompt = loaded.tokenizer.encode(prompt)
-    context = min(loaded.config.max_context_tokens, 8192)
-    runner = ModelRunner(
-        loaded.model,
-        RunnerConfig(page_size=16, num_device_pages=-(-context // 16), max_context_tokens=context, max_batch_size=1, kv_dtype=dtype),
-    )
-    start = time.perf_counter()
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, warmup=False, show_progress=not args.json))
     try:
-        token_ids = generate_one(runner, list(prompt), params, loaded.eos_token_ids)
+        out = engine.generate([prompt], params)[0]
     except InvalidRequestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    elapsed = time.perf_counter() - start
-    text = loaded.tokenizer.decode(token_ids) if loaded.tokenizer is not None else ""
+    finally:
+        engine.shutdown()
     if args.json:
-        print(json.dumps({"token_ids": token_ids, "text": text}))
+        print(json.dumps({"token_ids": out.token_ids, "text": out.text}))
     else:
-        print(text)
-        print(f"[{len(token_ids)} tokens in {elapsed:.2f} s incl. compilation]", file=sys.stderr)
+        print(out.text)
+        print(
+            f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, "
+            f"time to first token {out.ttft_s * 1e3:.0f} ms incl. compilation]",
+            file=sys.stderr,
+        )
     return 0

@@ -19,7 +19,7 @@ def tiny_config() -> ModelConfig:
     """The embedded default: a ~11M-parameter Llama-architecture model over bytes."""
     return ModelConfig(
         model_type="llama",
-        vocab_size=512,
+        vocab_size=ByteTokenizer.vocab_size,  # bytes + BOS + EOS: every id decodes
         hidden_size=512,
         intermediate_size=1408,
         num_layers=4,
