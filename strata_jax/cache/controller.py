@@ -268,10 +268,14 @@ class CacheController:
         if pages is None:
             self.evict_device(n - self.device_alloc.num_free)
             pages = self.device_alloc.alloc(n)
-            if pages is None:
-                raise CacheFullError(
-                    f"need {n} device pages, only {self.device_alloc.num_free} free after evicting all unlocked pages"
-                )
+        if pages is None and self._pending:
+            self.drain()  # in-flight backups pin their nodes; let them land, then retry
+            self.evict_device(n - self.device_alloc.num_free)
+            pages = self.device_alloc.alloc(n)
+        if pages is None:
+            raise CacheFullError(
+                f"need {n} device pages, only {self.device_alloc.num_free} free after evicting all unlocked pages"
+            )
         return pages
 
     def free_device(self, pages: Sequence[int]) -> None:
@@ -303,6 +307,12 @@ class CacheController:
             self.host_alloc.free(freed)
             self.counters["evicted_host_pages"] += len(freed)
             pages = self.host_alloc.alloc(n)
+            if pages is None and any(not h.done and h.kind == "backup" for h in self._pending):
+                self.drain()  # backups in flight pin their nodes
+                freed = self.tree.evict_host(n - self.host_alloc.num_free, hook)
+                self.host_alloc.free(freed)
+                self.counters["evicted_host_pages"] += len(freed)
+                pages = self.host_alloc.alloc(n)
         return pages
 
     def _storage_write_back_hook(self, node: TreeNode) -> None:

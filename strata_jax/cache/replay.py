@@ -59,8 +59,9 @@ class CacheReplayer:
         ctl.lock(anchor)
         if m.storage_tokens:
             pf = ctl.prefetch(prompt, namespace, m, request_id)
+            landed = 0 if pf is None else ctl.finish_prefetch(pf)
+            served = (m.device_tokens, m.host_tokens, landed)  # only what reached L2 is served
             if pf is not None:
-                ctl.finish_prefetch(pf)
                 m = ctl.match_prefix(prompt, namespace, requester=request_id, touch=False)
                 ctl.lock(m.last_node)
                 ctl.unlock(anchor)
