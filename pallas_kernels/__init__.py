@@ -1,7 +1,8 @@
 """Pallas kernels, their pure-JAX references, and per-platform dispatch.
 
 Imports only jax and numpy.  Layouts: see ``pallas_kernels.layout``.
-Public entry points (``scatter_pages``, ``gather_pages``, ``ragged_paged_attention``)
+Public entry points (``scatter_pages``, ``gather_pages``, ``ragged_paged_attention``,
+``ragged_paged_attention_pool``)
 pick their implementation per platform in ``pallas_kernels.dispatch``: CPU ->
 reference, CUDA/ROCm -> Pallas Triton; override with ``backend=`` /
 ``KernelConfig`` or ``$STRATA_KERNEL_BACKEND`` (``reference|pallas|interpret|auto``).
@@ -14,6 +15,7 @@ from pallas_kernels.dispatch import (
     gather_pages,
     platform_name,
     ragged_paged_attention,
+    ragged_paged_attention_pool,
     resolve_backend,
     scatter_pages,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "gather_pages_reference",
     "platform_name",
     "ragged_paged_attention",
+    "ragged_paged_attention_pool",
     "ragged_paged_attention_reference",
     "resolve_backend",
     "scatter_pages",

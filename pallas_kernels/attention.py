@@ -92,6 +92,8 @@ def _attention_kernel(
     num_tokens: int,
     sm_scale: float,
     soft_cap: float | None,
+    k_index: tuple[int, int],
+    v_index: tuple[int, int],
 ):
     b, rb, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_start = qstart_ref[b]
@@ -120,8 +122,8 @@ def _attention_kernel(
             page_idx = jnp.minimum(kv_pos // page_size, max_pages - 1)
             page = jnp.clip(table_ref[b, page_idx], 0, num_pages - 1)
             slot = page * page_size + kv_pos % page_size
-            k = k_ref[slot, h, :]  # [BK, D]
-            v = v_ref[slot, h, :]
+            k = k_ref[k_index[0], k_index[1], slot, h, :]  # [BK, D]
+            v = v_ref[v_index[0], v_index[1], slot, h, :]
             scores = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             ) * sm_scale
@@ -181,8 +183,61 @@ def ragged_paged_attention_pallas(
     inner step (power of two >= 16).
     """
     _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start)
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    k5 = k_pages.reshape(1, 1, num_pages * page_size, num_kv_heads, head_dim)
+    v5 = v_pages.astype(k_pages.dtype).reshape(k5.shape)
+    return _attention_call(
+        q, k5, v5, (0, 0), (0, 0), page_size, page_table, seq_lens, query_start,
+        sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len, block_rows=block_rows,
+        block_kv=block_kv, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )  # fmt: skip
+
+
+def ragged_paged_attention_pool_pallas(
+    q: jax.Array,
+    kv_pool: jax.Array,
+    layer: int,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_start: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    max_q_len: int | None = None,
+    block_rows: int | None = None,
+    block_kv: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Same as ``ragged_paged_attention_pallas(q, kv_pool[layer, 0], kv_pool[layer, 1], ...)``
+    but reads layer ``layer`` (static int) straight out of the whole layer-first pool
+    ``[L, 2, P, S, H, D]``: passing ``kv_pool[layer, 0]`` to a custom call would make XLA
+    materialise a copy of that layer's K and V on every call.
+    """
+    if kv_pool.ndim != 6 or kv_pool.shape[1] != 2:
+        raise AttentionShapeError(f"kv_pool must be [L, 2, P, S, H, D], got {kv_pool.shape}")
+    layers, _, num_pages, page_size, num_kv_heads, head_dim = kv_pool.shape
+    if not isinstance(layer, int) or not 0 <= layer < layers:
+        raise AttentionShapeError(f"layer must be a static int in [0, {layers}), got {layer!r}")
+    page_view = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), kv_pool.dtype)
+    _check_inputs(q, page_view, page_view, page_table, seq_lens, query_start)
+    kv5 = kv_pool.reshape(layers, 2, num_pages * page_size, num_kv_heads, head_dim)
+    return _attention_call(
+        q, kv5, kv5, (layer, 0), (layer, 1), page_size, page_table, seq_lens, query_start,
+        sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len, block_rows=block_rows,
+        block_kv=block_kv, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )  # fmt: skip
+
+
+def _attention_call(
+    q, k5, v5, k_index, v_index, page_size, page_table, seq_lens, query_start,
+    *, sm_scale, soft_cap, max_q_len, block_rows, block_kv, num_warps, num_stages, interpret,
+) -> jax.Array:  # fmt: skip
+    """Launch the kernel on K/V sources ``[L', 2, P*S, H, D]`` read at ``[*k_index]`` / ``[*v_index]``."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_slots, num_kv_heads = k5.shape[2], k5.shape[3]
+    num_pages = num_slots // page_size
     batch, max_pages = page_table.shape
     group = num_q_heads // num_kv_heads
     max_q = num_tokens if max_q_len is None else int(max_q_len)
@@ -201,8 +256,6 @@ def ragged_paged_attention_pallas(
         return jnp.zeros_like(q)
 
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    k_slots = k_pages.reshape(num_pages * page_size, num_kv_heads, head_dim)
-    v_slots = v_pages.reshape(num_pages * page_size, num_kv_heads, head_dim).astype(k_slots.dtype)
     row_blocks = -(-(max_q * group) // block_rows)
     kernel = functools.partial(
         _attention_kernel,
@@ -215,6 +268,8 @@ def ragged_paged_attention_pallas(
         num_tokens=num_tokens,
         sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
+        k_index=tuple(k_index),
+        v_index=tuple(v_index),
     )
     out = pl.pallas_call(
         kernel,
@@ -230,12 +285,17 @@ def ragged_paged_attention_pallas(
         seq_lens.astype(jnp.int32),
         page_table.astype(jnp.int32),
         q4,
-        k_slots,
-        v_slots,
+        k5,
+        v5,
     )
     out = out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
     is_real = jnp.arange(num_tokens) < query_start[batch]
     return jnp.where(is_real[:, None, None], out, jnp.zeros((), out.dtype))
 
 
-__all__ = ["AttentionShapeError", "attention_supported", "ragged_paged_attention_pallas"]
+__all__ = [
+    "AttentionShapeError",
+    "attention_supported",
+    "ragged_paged_attention_pallas",
+    "ragged_paged_attention_pool_pallas",
+]

@@ -29,7 +29,11 @@ from types import MappingProxyType
 
 import jax
 
-from pallas_kernels.attention import attention_supported, ragged_paged_attention_pallas
+from pallas_kernels.attention import (
+    attention_supported,
+    ragged_paged_attention_pallas,
+    ragged_paged_attention_pool_pallas,
+)
 from pallas_kernels.reference import (
     gather_pages_reference,
     ragged_paged_attention_reference,
@@ -87,6 +91,24 @@ def resolve_backend(backend: str | KernelConfig | None = None, platform: str | N
     return default_backend_for(platform or platform_name())
 
 
+def ragged_paged_attention_pool_reference(
+    q: jax.Array,
+    kv_pool: jax.Array,
+    layer: int,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_start: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """Reference of the whole-pool variant: the per-layer reference on ``kv_pool[layer, 0/1]``
+    (XLA fuses the slice into the gathers, nothing is copied)."""
+    return ragged_paged_attention_reference(
+        q, kv_pool[layer, 0], kv_pool[layer, 1], page_table, seq_lens, query_start, sm_scale=sm_scale, soft_cap=soft_cap
+    )
+
+
 _IMPLEMENTATIONS: Mapping[str, Mapping[str, Callable]] = MappingProxyType(
     {
         "scatter_pages": MappingProxyType(
@@ -108,6 +130,13 @@ _IMPLEMENTATIONS: Mapping[str, Mapping[str, Callable]] = MappingProxyType(
                 "reference": ragged_paged_attention_reference,
                 "pallas": ragged_paged_attention_pallas,
                 "interpret": functools.partial(ragged_paged_attention_pallas, interpret=True),
+            }
+        ),
+        "ragged_paged_attention_pool": MappingProxyType(
+            {
+                "reference": ragged_paged_attention_pool_reference,
+                "pallas": ragged_paged_attention_pool_pallas,
+                "interpret": functools.partial(ragged_paged_attention_pool_pallas, interpret=True),
             }
         ),
     }
@@ -141,6 +170,14 @@ def gather_pages(pool: jax.Array, page_ids: jax.Array, *, backend: str | KernelC
     return get_implementation("gather_pages", backend)(pool, page_ids)
 
 
+def _attention_backend(head_dim: int, backend: str | KernelConfig | None) -> str:
+    name = resolve_backend(backend)
+    explicit = backend is not None and (backend.backend if isinstance(backend, KernelConfig) else backend) != "auto"
+    if name == "pallas" and not attention_supported(head_dim) and not explicit:
+        return "reference"
+    return name
+
+
 def ragged_paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -158,18 +195,42 @@ def ragged_paged_attention(
 
     ``max_q_len`` (static, optional) bounds the new tokens of any one sequence; the
     Pallas kernel uses it to shrink its grid (pass 1 for decode-only batches), the
-    reference ignores it.
+    reference ignores it.  Inside a jitted model step prefer
+    ``ragged_paged_attention_pool``: slicing ``kv_pool[layer, 0]`` for a GPU custom
+    call copies the layer.
     """
-    name = resolve_backend(backend)
-    explicit = backend is not None and (backend.backend if isinstance(backend, KernelConfig) else backend) != "auto"
-    if name == "pallas" and not attention_supported(q.shape[-1]) and not explicit:
-        name = "reference"
+    name = _attention_backend(q.shape[-1], backend)
     impl = _IMPLEMENTATIONS["ragged_paged_attention"][name]
+    args = (q, k_pages, v_pages, page_table, seq_lens, query_start)
     if name == "reference":
-        return impl(q, k_pages, v_pages, page_table, seq_lens, query_start, sm_scale=sm_scale, soft_cap=soft_cap)
-    return impl(
-        q, k_pages, v_pages, page_table, seq_lens, query_start, sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len
-    )
+        return impl(*args, sm_scale=sm_scale, soft_cap=soft_cap)
+    return impl(*args, sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len)
+
+
+def ragged_paged_attention_pool(
+    q: jax.Array,
+    kv_pool: jax.Array,
+    layer: int,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_start: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    max_q_len: int | None = None,
+    backend: str | KernelConfig | None = None,
+) -> jax.Array:
+    """``ragged_paged_attention(q, kv_pool[layer, 0], kv_pool[layer, 1], ...)`` without the slice.
+
+    ``kv_pool[L, 2, P, S, H, D]`` is the whole layer-first pool, ``layer`` a static
+    Python int; the Pallas kernel reads that layer in place (no per-layer copy).
+    """
+    name = _attention_backend(q.shape[-1], backend)
+    impl = _IMPLEMENTATIONS["ragged_paged_attention_pool"][name]
+    args = (q, kv_pool, layer, page_table, seq_lens, query_start)
+    if name == "reference":
+        return impl(*args, sm_scale=sm_scale, soft_cap=soft_cap)
+    return impl(*args, sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len)
 
 
 __all__ = [
@@ -183,6 +244,8 @@ __all__ = [
     "operations",
     "platform_name",
     "ragged_paged_attention",
+    "ragged_paged_attention_pool",
+    "ragged_paged_attention_pool_reference",
     "resolve_backend",
     "scatter_pages",
 ]

@@ -155,3 +155,22 @@ def test_bad_inputs_raise_typed_errors():
         ragged_paged_attention_pallas(q, k, v, table, seq_lens[:0], qs, sm_scale=1.0, interpret=True)
     with pytest.raises(AttentionShapeError):  # compiled path needs a power-of-two head_dim
         ragged_paged_attention_pallas(q[..., :12], k[..., :12], v[..., :12], table, seq_lens, qs, sm_scale=1.0)
+
+
+@pytest.mark.parametrize("layer", (0, 2))
+def test_pool_variant_reads_the_layer_in_place(layer):
+    """``*_pool`` on the whole [L, 2, P, S, H, D] pool == the per-layer call on that layer's K/V."""
+    rng = np.random.default_rng(layer)
+    args, host = make_batch(
+        rng, page_size=8, q_lens=(4, 1, 2), ctx_lens=(11, 30, 0), num_q_heads=4, num_kv_heads=2, head_dim=16,
+        pad_tokens=2, dtype=jnp.float32,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    other = jnp.full((3, 2, *k.shape), jnp.nan, k.dtype)  # NaN layers: reading the wrong layer fails
+    pool = other.at[layer, 0].set(k).at[layer, 1].set(v)
+    want = brute_force(*host, 0.25, None)
+    for backend in ("interpret", "reference"):
+        got = dispatch.ragged_paged_attention_pool(q, pool, layer, table, seq_lens, qs, sm_scale=0.25, backend=backend)
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(AttentionShapeError):
+        dispatch.ragged_paged_attention_pool(q, pool, 3, table, seq_lens, qs, sm_scale=0.25, backend="interpret")

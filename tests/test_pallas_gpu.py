@@ -63,3 +63,18 @@ def test_attention_compiled_equals_reference(page_size, dtype, soft_cap):
     got32 = np.asarray(got, np.float32)
     assert not np.isnan(got32).any()
     np.testing.assert_allclose(got32, np.asarray(want, np.float32), atol=tol, rtol=tol)
+
+
+def test_pool_attention_compiled_equals_reference():
+    rng = np.random.default_rng(5)
+    args, _ = make_batch(
+        rng, page_size=16, q_lens=(9, 1, 1), ctx_lens=(50, 200, 3), num_q_heads=32, num_kv_heads=8, head_dim=128,
+        pad_tokens=3, dtype=jnp.bfloat16,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    pool = jnp.stack([jnp.stack([k, v])] * 3).at[0].set(jnp.nan)  # [3, 2, P, S, H, D]
+    step = jax.jit(
+        lambda q, pool: dispatch.ragged_paged_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=128**-0.5)
+    )
+    want = ragged_paged_attention_reference(q, k, v, table, seq_lens, qs, sm_scale=128**-0.5)
+    np.testing.assert_allclose(np.asarray(step(q, pool), np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.attention import ragged_paged_attention_pallas
+from pallas_kernels.attention import ragged_paged_attention_pallas, ragged_paged_attention_pool_pallas
 from pallas_kernels.transfer import gather_pages_pallas, scatter_pages_pallas
 
 PLATFORMS = ("cuda", "rocm")
@@ -63,3 +63,25 @@ def test_attention_kernel_lowers(platform, page_size, dtype, soft_cap, max_q_len
         ragged_paged_attention_pallas, sm_scale=float(1 / np.sqrt(128)), soft_cap=soft_cap, max_q_len=max_q_len
     )
     assert TRITON_CALL in _lowered_text(fn, *args, platform=platform)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_pool_attention_lowers_without_copying_the_layer(platform):
+    """The whole-pool variant hands the pool to the kernel as a reshape (a bitcast), not a slice."""
+    pool = jax.ShapeDtypeStruct((4, 2, 64, 16, 8, 128), jnp.bfloat16)
+    args = (
+        jax.ShapeDtypeStruct((32, 32, 128), jnp.bfloat16),
+        pool,
+        jax.ShapeDtypeStruct((4, 16), jnp.int32),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+        jax.ShapeDtypeStruct((5,), jnp.int32),
+    )
+
+    def step(q, kv_pool, table, seq_lens, query_start):
+        return ragged_paged_attention_pool_pallas(q, kv_pool, 2, table, seq_lens, query_start, sm_scale=0.1)
+
+    text = _lowered_text(step, *args, platform=platform)
+    assert TRITON_CALL in text
+    pool_type = "tensor<4x2x64x16x8x128xbf16>"
+    pool_ops = [line.strip() for line in text.splitlines() if pool_type in line and "func.func" not in line]
+    assert pool_ops and all(line.split("=")[1].split()[0] == "stablehlo.reshape" for line in pool_ops), pool_ops
