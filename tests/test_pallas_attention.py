@@ -105,7 +105,7 @@ def test_interpret_equals_reference_and_brute_force(page_size, dtype, soft_cap):
     np.testing.assert_allclose(ref32, want, **_tol(dtype))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**31 - 1),
     page_size=st.sampled_from([1, 2, 8, 16, 64]),
