@@ -25,19 +25,29 @@ import time
 DESCRIPTION = "ragged paged attention: Pallas kernel vs pure-JAX reference (decode bandwidth on GPU)"
 
 # (batch, context, extend_seqs, extend_tokens, q_heads, kv_heads, head_dim, dtype) per platform class.
-_GPU_DEFAULTS = dict(batch=64, context=4096, extend_seqs=4, extend_tokens=512, q_heads=32, kv_heads=8, head_dim=128, dtype="bfloat16")
-_CPU_DEFAULTS = dict(batch=4, context=256, extend_seqs=2, extend_tokens=16, q_heads=8, kv_heads=2, head_dim=64, dtype="float32")
+_GPU_DEFAULTS = dict(
+    batch=64, context=4096, extend_seqs=4, extend_tokens=512, q_heads=32, kv_heads=8, head_dim=128, dtype="bfloat16"
+)
+_CPU_DEFAULTS = dict(
+    batch=4, context=256, extend_seqs=2, extend_tokens=16, q_heads=8, kv_heads=2, head_dim=64, dtype="float32"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, help="decode sequences (default: 64 on GPU, 4 on CPU)")
     parser.add_argument("--context", type=int, help="cached tokens per sequence (default: 4096 on GPU, 256 on CPU)")
-    parser.add_argument("--extend-seqs", type=int, help="sequences extending in the ragged batch (default: 4 GPU / 2 CPU)")
-    parser.add_argument("--extend-tokens", type=int, help="new tokens per extending sequence (default: 512 GPU / 16 CPU)")
+    parser.add_argument(
+        "--extend-seqs", type=int, help="sequences extending in the ragged batch (default: 4 GPU / 2 CPU)"
+    )
+    parser.add_argument(
+        "--extend-tokens", type=int, help="new tokens per extending sequence (default: 512 GPU / 16 CPU)"
+    )
     parser.add_argument("--q-heads", type=int, help="query heads (default: 32 GPU / 8 CPU)")
     parser.add_argument("--kv-heads", type=int, help="KV heads (default: 8 GPU / 2 CPU)")
     parser.add_argument("--head-dim", type=int, help="head dim (default: 128 GPU / 64 CPU)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="dtype (default: bfloat16 GPU / float32 CPU)")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="dtype (default: bfloat16 GPU / float32 CPU)"
+    )
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default: 16)")
     parser.add_argument("--soft-cap", type=float, default=None, help="logit soft-cap (default: none)")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats (median kept; default: 10)")
