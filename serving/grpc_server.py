@@ -16,6 +16,7 @@ A client cancelling its ``Generate`` stream cancels the handler task; the
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -146,7 +147,7 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
 
     async def GetCacheStats(self, request, context):  # noqa: N802
         try:
-            stats = self._frontend.engine().cache_stats()
+            stats = await asyncio.to_thread(self._frontend.engine().cache_stats)
             return strata_pb2.GetCacheStatsResponse(json=json.dumps(stats, default=str))
         except Exception as exc:  # noqa: BLE001
             await self._fail(context, exc)
@@ -156,7 +157,7 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
         try:
             if tier not in ("all", "device", "host", "storage"):
                 raise InvalidRequestError(f"tier must be one of all, device, host, storage; got {tier!r}")
-            self._frontend.engine().flush_cache(tier)
+            await asyncio.to_thread(self._frontend.engine().flush_cache, tier)
             return strata_pb2.FlushCacheResponse()
         except Exception as exc:  # noqa: BLE001
             await self._fail(context, exc)
@@ -166,7 +167,7 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
             log_dir = request.log_dir or self._config.profile_dir
             if not log_dir:
                 raise InvalidRequestError("no log_dir given and the server has no --profile-dir")
-            self._frontend.engine().start_profile(log_dir)
+            await asyncio.to_thread(self._frontend.engine().start_profile, log_dir)
             return strata_pb2.StartProfileResponse(log_dir=log_dir)
         except RuntimeError as exc:  # e.g. a trace is already running
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -175,7 +176,7 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
 
     async def StopProfile(self, request, context):  # noqa: N802
         try:
-            trace_dir = self._frontend.engine().stop_profile()
+            trace_dir = await asyncio.to_thread(self._frontend.engine().stop_profile)
             return strata_pb2.StopProfileResponse(trace_dir=str(trace_dir))
         except RuntimeError as exc:  # e.g. no trace running
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

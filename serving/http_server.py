@@ -398,7 +398,7 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
     @app.get("/admin/cache_stats", dependencies=auth)
     async def cache_stats() -> JSONResponse:
         try:
-            stats = frontend.engine().cache_stats()
+            stats = await asyncio.to_thread(frontend.engine().cache_stats)
         except Exception as exc:  # noqa: BLE001
             return map_error(exc).response()
         return JSONResponse(json.loads(json.dumps(stats, default=str)))

@@ -17,7 +17,7 @@ import logging
 import signal
 import socket
 import threading
-from typing import Callable
+from typing import Callable, TypeVar
 
 import uvicorn
 
@@ -30,6 +30,24 @@ from serving.metrics import build_metrics
 log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], EngineLike]
+T = TypeVar("T")
+
+
+def _in_thread(fn: Callable[..., T], *args: object) -> "asyncio.Future[T]":
+    """Run ``fn`` on a fresh thread; unlike ``asyncio.to_thread`` this works while the interpreter exits."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+        else:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+
+    threading.Thread(target=run, name=f"strata-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return future
 
 
 class _UvicornServer(uvicorn.Server):
@@ -106,7 +124,7 @@ class StrataServer:
         self.bound.set()
         log.info("serving HTTP on %s:%s, gRPC on %s:%s", cfg.host, self.http_port, cfg.host, self.grpc_port)
 
-        warm = asyncio.create_task(asyncio.to_thread(self._engine_factory))
+        warm = asyncio.ensure_future(_in_thread(self._engine_factory))
         stop_wait = asyncio.create_task(self._stop.wait())
         await asyncio.wait({warm, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         engine = None
@@ -121,7 +139,7 @@ class StrataServer:
             else:
                 self.frontend.attach(engine)
                 if cfg.profile_on_start:
-                    await asyncio.to_thread(engine.start_profile, cfg.profile_dir)
+                    await _in_thread(engine.start_profile, cfg.profile_dir)
                 if grpc_face is not None:
                     await grpc_face.set_serving(True)
                 log.info("engine ready: %s", self.frontend.model_name)
@@ -139,8 +157,8 @@ class StrataServer:
         if engine is not None:
             try:
                 if cfg.profile_on_start and self.frontend.failure is None:
-                    await asyncio.to_thread(engine.stop_profile)
-                await asyncio.to_thread(engine.shutdown, cfg.grace_s)
+                    await _in_thread(engine.stop_profile)
+                await _in_thread(engine.shutdown, cfg.grace_s)
             except Exception:  # noqa: BLE001
                 log.exception("engine shutdown failed")
                 self.exit_code = 1

@@ -1,13 +1,28 @@
-"""Helpers of the serving tests: build an engine (real if available), run a server, check leaks."""
+"""Helpers of the serving tests: build an engine (real if available), run a server, check leaks.
+
+Warming the real tiny engine takes the better part of two minutes on the shared
+CPU machine, so all serving tests share one server per test process
+(``shared_server()``), sized so that both the load test (32 clients) and the
+overload test (fill the queue) work on it: 8 running + 32 waiting.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 import time
 from typing import Any, Callable
 
 from serving.config import ServerConfig
 from serving.server import ThreadedServer
+
+MAX_RUNNING = 8
+MAX_WAITING = 32
+CONTEXT = 512
+
+_shared: ThreadedServer | None = None
+_shared_lock = threading.Lock()
 
 
 def real_engine_available() -> bool:
@@ -40,9 +55,7 @@ def engine_factory(**overrides: Any) -> Callable[[], Any]:
 
         config = build_engine_config(EngineConfig, "tiny", _real_overrides(EngineConfig, overrides))
         return lambda: Engine(config)
-    from serving_fake_engine import FakeEngine, FakeEngineConfig
-
-    return lambda: FakeEngine(FakeEngineConfig(**overrides))
+    return fake_engine_factory(**overrides)
 
 
 _REAL_NAMES = {
@@ -58,6 +71,10 @@ def _real_overrides(config_cls: type, overrides: dict[str, Any]) -> dict[str, An
 
     paths = [path for path, _f, _d in engine_flag_fields(config_cls)]
     out: dict[str, Any] = {"show_progress": False} if "show_progress" in paths else {}
+    if "device_tokens" in paths and "max_context_tokens" in overrides:
+        out["device_tokens"] = 16 * overrides["max_context_tokens"]  # a small pool: fast steps on CPU
+    if "max_batch_tokens" in paths:
+        out["max_batch_tokens"] = 256
     if "compilation_cache_dir" in paths:  # warm-ups after the first one hit the XLA cache
         import tempfile
 
@@ -76,29 +93,62 @@ def start_server(**engine_overrides: Any) -> ThreadedServer:
     return ThreadedServer(config, engine_factory(**engine_overrides)).start()
 
 
-def pool_baseline(engine: Any) -> tuple[int, int]:
-    """(used device pages that no request holds, locked nodes) right now."""
-    stats = engine.cache_stats()
-    return stats["device_pool"]["used_pages"], stats["locked_nodes"]
+def shared_server() -> ThreadedServer:
+    """The process-wide test server (started on first use, stopped at exit)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            srv = start_server(max_waiting=MAX_WAITING, max_running=MAX_RUNNING, max_context_tokens=CONTEXT)
+            engine = srv.frontend.engine()
+            wait_idle(engine)
+            engine.flush_cache("all")
+            srv.baseline_used = engine.cache_stats()["device_pool"]["used_pages"]  # type: ignore[attr-defined]
+            atexit.register(srv.stop, 30.0)
+            _shared = srv
+        return _shared
 
 
-def wait_idle(engine: Any, timeout: float = 30.0) -> dict:
-    """Wait until no request is waiting or running and no tree node is locked; return the stats."""
+def wait_idle(engine: Any, timeout: float = 60.0) -> dict:
+    """Wait until no request is waiting or running; return the stats."""
     deadline = time.monotonic() + timeout
     stats = engine.cache_stats()
     while time.monotonic() < deadline:
         stats = engine.cache_stats()
-        if not stats.get("waiting") and not stats.get("running") and not stats.get("locked_nodes"):
+        if not stats.get("waiting") and not stats.get("running"):
             return stats
         time.sleep(0.05)
     return stats
 
 
-def assert_no_leaks(engine: Any, baseline_used: int) -> None:
-    """No request-held pages (after a flush only the cache's own pages may stay) and no locked nodes."""
-    stats = wait_idle(engine)
-    assert stats.get("locked_nodes", 0) == 0, stats
-    assert stats.get("running", 0) == 0 and stats.get("waiting", 0) == 0, stats
-    engine.flush_cache("device")
+def accounting(engine: Any) -> dict:
+    """Exact usage figures: ``check_accounting()`` when the engine has it (drains backups first)."""
+    if hasattr(engine, "check_accounting"):
+        return dict(engine.check_accounting())
+    stats = engine.cache_stats()
+    return {
+        "locked_nodes": stats["locked_nodes"],
+        "live_requests": stats["waiting"] + stats["running"],
+        "device_request_pages": stats["device_pool"]["used_pages"],
+    }
+
+
+def assert_no_leaks(engine: Any, baseline_used: int, timeout: float = 60.0) -> None:
+    """No live request, no request-held page, no locked or transient node; after a flush the pool is at baseline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        wait_idle(engine, timeout)
+        acc = accounting(engine)
+        clean = (
+            acc.get("live_requests", 0) == 0
+            and acc.get("device_request_pages", 0) == 0
+            and acc.get("locked_nodes", 0) == 0
+            and acc.get("transient_nodes", 0) == 0
+        )
+        if clean or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert clean, acc
+    engine.flush_cache("all")
     after = engine.cache_stats()
     assert after["device_pool"]["used_pages"] <= baseline_used, after
+    assert after["locked_nodes"] == 0, after

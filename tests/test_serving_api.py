@@ -14,18 +14,12 @@ import pytest
 
 from serving.grpc_client import StrataClient
 from serving.protos import strata_pb2
-from serving_harness import assert_no_leaks, start_server, wait_idle
+from serving_harness import assert_no_leaks, shared_server
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server()
-    engine = srv.frontend.engine()
-    wait_idle(engine)
-    engine.flush_cache("all")
-    srv.baseline_used = engine.cache_stats()["device_pool"]["used_pages"]
-    yield srv
-    srv.stop()
+    return shared_server()  # one warm engine for all serving tests
 
 
 @pytest.fixture()

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -131,12 +132,19 @@ def test_unavailable_while_warming_up():
 
 
 def test_serve_process_sigterm_finishes_in_flight_and_exits_zero():
-    """`strata-jax serve` (the fake-engine stand-in until the engine exists) under SIGTERM."""
+    """`strata-jax serve` under SIGTERM: the in-flight request completes, the process exits 0.
+
+    Runs the real CLI with ``STRATA_SERVING_SLOW=1`` (a second engine warm-up), otherwise
+    the same ``StrataServer`` over the fake engine (tests/serving_fake_serve.py).
+    """
     port, grpc_port = _free_port(), _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
-    if real_engine_available():
+    if real_engine_available() and os.environ.get("STRATA_SERVING_SLOW"):  # ~2 min more: a second warm-up
         cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", "tiny", "--port", str(port),
-               "--grpc-port", str(grpc_port), "--grace-s", "20", "--log-level", "warning"]
+               "--grpc-port", str(grpc_port), "--grace-s", "20", "--log-level", "warning",
+               "--max-context-tokens", "512", "--device-tokens", "8192", "--max-batch-tokens", "256",
+               "--max-batch-size", "8", "--show-progress", "false",
+               "--compilation-cache-dir", os.path.join(tempfile.gettempdir(), "strata_serving_tests_xla_cache")]
     else:
         cmd = [sys.executable, os.path.join(ROOT, "tests", "serving_fake_serve.py"), "--port", str(port),
                "--grpc-port", str(grpc_port), "--grace-s", "20"]

@@ -10,73 +10,89 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 import time
 
 import grpc
 import httpx
 import pytest
 
-from serving.grpc_client import StrataClient
-from serving_harness import assert_no_leaks, start_server, wait_idle
+from serving_harness import MAX_WAITING, assert_no_leaks, shared_server
 
 
-def _wait_for(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
+@pytest.fixture(scope="module")
+def server():
+    return shared_server()
 
 
-def test_overload_rejects_promptly_and_loses_nothing_accepted():
-    srv = start_server(max_waiting=2, max_running=1, step_s=0.01)
-    try:
-        engine, model = srv.frontend.engine(), srv.frontend.model_name
-        engine.flush_cache("all")
-        baseline = engine.cache_stats()["device_pool"]["used_pages"]
-        n_tokens = min(150, engine.max_context_tokens - 64)
-        results: list[tuple[int, str, int]] = []
 
-        def accepted(i: int) -> None:
-            body = {"model": model, "prompt": f"accepted request {i}", "max_tokens": n_tokens,
+BURST = 120  # requests fired at once: far more than 8 running + 32 waiting
+BURST_TOKENS = 16
+
+
+async def _burst_http(url: str, model: str, n: int) -> list[tuple[int, float, dict]]:
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
+
+        async def one(i: int) -> tuple[int, float, dict]:
+            body = {"model": model, "prompt": f"burst request number {i}", "max_tokens": BURST_TOKENS,
                     "ignore_eos": True, "temperature": 0}
-            r = httpx.post(srv.http_url + "/v1/completions", json=body, timeout=300)
-            data = r.json()
-            results.append((r.status_code, data["choices"][0]["finish_reason"], data["usage"]["completion_tokens"]))
-
-        threads = []
-        for i in range(3):  # 1 running + 2 waiting = full
-            t = threading.Thread(target=accepted, args=(i,))
-            t.start()
-            threads.append(t)
-            stats_ok = lambda i=i: engine.cache_stats()["running"] + engine.cache_stats()["waiting"] >= i + 1  # noqa: E731
-            assert _wait_for(stats_ok, 60), engine.cache_stats()
-        assert engine.cache_stats()["waiting"] == 2, engine.cache_stats()
-
-        # HTTP: 429 quickly, in OpenAI's error envelope, streaming or not
-        for stream in (False, True):
             t0 = time.perf_counter()
-            r = httpx.post(srv.http_url + "/v1/completions",
-                           json={"model": model, "prompt": "one too many", "max_tokens": 4, "stream": stream}, timeout=30)
-            assert r.status_code == 429, r.text
-            assert time.perf_counter() - t0 < 1.0
-            assert r.json()["error"]["message"] and r.headers.get("retry-after")
-        # gRPC: RESOURCE_EXHAUSTED quickly
-        with StrataClient(srv.grpc_target) as client:
-            t0 = time.perf_counter()
-            with pytest.raises(grpc.RpcError) as err:
-                list(client.generate("one too many", max_tokens=4))
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
-            assert time.perf_counter() - t0 < 1.0
+            r = await http.post("/v1/completions", json=body)
+            return r.status_code, time.perf_counter() - t0, r.json()
 
-        for t in threads:
-            t.join(300)
-        assert sorted(results) == [(200, "length", n_tokens)] * 3  # every accepted request ran to the end
-        assert_no_leaks(engine, baseline)
-    finally:
-        srv.stop()
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def _burst_grpc(target: str, n: int) -> list[tuple[str, float, int, str]]:
+    from serving.protos import strata_pb2, strata_pb2_grpc
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = strata_pb2_grpc.StrataStub(channel)
+
+        async def one(i: int) -> tuple[str, float, int, str]:
+            request = strata_pb2.GenerateRequest(
+                text=f"grpc burst request number {i}",
+                params=strata_pb2.SamplingParams(max_tokens=BURST_TOKENS, temperature=0.0, ignore_eos=True),
+            )
+            t0 = time.perf_counter()
+            tokens, reason = 0, ""
+            try:
+                async for msg in stub.Generate(request, timeout=300):
+                    tokens += len(msg.token_ids)
+                    reason = msg.finish_reason or reason
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name, time.perf_counter() - t0, tokens, exc.details() or ""
+            return "OK", time.perf_counter() - t0, tokens, reason
+
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def test_overload_rejects_promptly_and_loses_nothing_accepted(server):
+    engine, model = server.frontend.engine(), server.frontend.model_name
+
+    http_results = asyncio.run(_burst_http(server.http_url, model, BURST))
+    rejected = [(dt, body) for status, dt, body in http_results if status == 429]
+    accepted = [body for status, _dt, body in http_results if status == 200]
+    assert len(rejected) + len(accepted) == BURST, [r for r in http_results if r[0] not in (200, 429)][:3]
+    assert rejected, "the burst never filled the waiting queue"
+    assert len(accepted) >= MAX_WAITING
+    for dt, body in rejected:
+        assert dt < 2.0, dt  # prompt: no waiting in line to be refused
+        assert "overloaded" in body["error"]["message"] or "full" in body["error"]["message"], body
+    for body in accepted:  # nothing accepted is lost: every one ran to its full length
+        assert body["choices"][0]["finish_reason"] == "length", body
+        assert body["usage"]["completion_tokens"] == BURST_TOKENS, body
+
+    grpc_results = asyncio.run(_burst_grpc(server.grpc_target, BURST))
+    codes = {r[0] for r in grpc_results}
+    assert codes <= {"OK", "RESOURCE_EXHAUSTED"}, [r for r in grpc_results if r[0] not in ("OK", "RESOURCE_EXHAUSTED")][:3]
+    assert "RESOURCE_EXHAUSTED" in codes, "the burst never filled the waiting queue"
+    for code, dt, tokens, detail in grpc_results:
+        if code == "OK":
+            assert (tokens, detail) == (BURST_TOKENS, "length")
+        else:
+            assert dt < 2.0 and tokens == 0 and detail
+    assert_no_leaks(engine, server.baseline_used)
 
 
 SHARED = "You are a helpful assistant. Answer the question briefly. " * 2
@@ -149,51 +165,44 @@ async def _client(url: str, model: str, i: int, stop_at: float, ttfts: list[floa
             done.append(1)
 
 
-def test_load_32_streaming_clients():
+def test_load_32_streaming_clients(server):
     seconds = float(os.environ.get("STRATA_LOAD_SECONDS", "10"))
     clients = int(os.environ.get("STRATA_LOAD_CLIENTS", "32"))
-    srv = start_server(max_waiting=256, max_running=32)
-    try:
-        engine, model = srv.frontend.engine(), srv.frontend.model_name
-        engine.flush_cache("all")
-        baseline = engine.cache_stats()["device_pool"]["used_pages"]
-        ttfts: list[float] = []
-        errors: list[str] = []
-        done: list[int] = []
+    srv = server
+    engine, model = srv.frontend.engine(), srv.frontend.model_name
+    ttfts: list[float] = []
+    errors: list[str] = []
+    done: list[int] = []
 
-        async def main() -> float:
-            t0 = time.monotonic()
-            stop_at = t0 + seconds
-            await asyncio.gather(
-                *(
-                    _grpc_client(srv.grpc_target, i, stop_at, ttfts, errors, done)
-                    if i % 4 == 3  # a quarter of the clients use gRPC, the rest SSE
-                    else _client(srv.http_url, model, i, stop_at, ttfts, errors, done)
-                    for i in range(clients)
-                )
+    async def main() -> float:
+        t0 = time.monotonic()
+        stop_at = t0 + seconds
+        await asyncio.gather(
+            *(
+                _grpc_client(srv.grpc_target, i, stop_at, ttfts, errors, done)
+                if i % 4 == 3  # a quarter of the clients use gRPC, the rest SSE
+                else _client(srv.http_url, model, i, stop_at, ttfts, errors, done)
+                for i in range(clients)
             )
-            return time.monotonic() - t0
+        )
+        return time.monotonic() - t0
 
-        elapsed = asyncio.run(main())
-        assert not errors, errors[:5]
-        assert done, "no request completed"
-        ttfts.sort()
-        report = {
-            "clients": clients,
-            "seconds": round(elapsed, 2),
-            "requests": len(done),
-            "requests_per_s": round(len(done) / elapsed, 2),
-            "ttft_p50_ms": round(1000 * ttfts[len(ttfts) // 2], 1),
-            "ttft_p99_ms": round(1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
-            "errors": len(errors),
-            "engine": type(engine).__module__,
-        }
-        print("LOAD", json.dumps(report))
-        if os.environ.get("STRATA_LOAD_REPORT"):
-            with open(os.environ["STRATA_LOAD_REPORT"], "w") as f:
-                json.dump(report, f)
-        stats = wait_idle(engine)
-        assert stats["locked_nodes"] == 0
-        assert_no_leaks(engine, baseline)
-    finally:
-        srv.stop()
+    elapsed = asyncio.run(main())
+    assert not errors, errors[:5]
+    assert done, "no request completed"
+    ttfts.sort()
+    report = {
+        "clients": clients,
+        "seconds": round(elapsed, 2),
+        "requests": len(done),
+        "requests_per_s": round(len(done) / elapsed, 2),
+        "ttft_p50_ms": round(1000 * ttfts[len(ttfts) // 2], 1),
+        "ttft_p99_ms": round(1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
+        "errors": len(errors),
+        "engine": type(engine).__module__,
+    }
+    print("LOAD", json.dumps(report))
+    if os.environ.get("STRATA_LOAD_REPORT"):
+        with open(os.environ["STRATA_LOAD_REPORT"], "w") as f:
+            json.dump(report, f)
+    assert_no_leaks(engine, srv.baseline_used)
