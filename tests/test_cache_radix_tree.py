@@ -349,3 +349,16 @@ def test_bad_input_raises_typed_errors() -> None:
         tree.unlock(tree.insert([1, 2], device_pages=[0]).new_nodes[0])
     with pytest.raises(TreeError):
         HiRadixTree(0)
+
+
+def test_bookkeeping_modules_do_not_import_jax() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import strata_jax.cache.radix_tree, strata_jax.cache.allocator, strata_jax.cache.hashing, "
+        "strata_jax.cache.config, strata_jax.cache.storage, strata_jax.cache.storage_file; "
+        "from strata_jax.cache import HiRadixTree, CacheConfig; "
+        "sys.exit(1 if 'jax' in sys.modules else 0)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], cwd=str(__import__("pathlib").Path(__file__).parents[1])).returncode == 0

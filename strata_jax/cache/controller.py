@@ -292,6 +292,14 @@ class CacheController:
         self.counters["evicted_device_pages"] += len(freed)
         return len(freed)
 
+    def evict_host(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` L2 pages if possible (L3 write-back first where due); returns pages freed."""
+        hook = self._storage_write_back_hook if self.storage is not None else None
+        freed = self.tree.evict_host(num_pages, hook)
+        self.host_alloc.free(freed)
+        self.counters["evicted_host_pages"] += len(freed)
+        return len(freed)
+
     def _write_back_hook(self, node: TreeNode) -> list[int] | None:
         pages = self._alloc_host(len(node.device))  # type: ignore[arg-type]
         if pages is None:

@@ -76,20 +76,16 @@ class HostPool:
             self.data[np.asarray(pages, dtype=np.int64)] = values[:n]
 
 
-class DevicePool:
-    """Layer-first L1 pool ``kv[L, 2, num_pages, S, H, D]`` with donated page transfers."""
+_JITTED: tuple | None = None
 
-    def __init__(self, layout: KVLayout, num_pages: int, device=None) -> None:  # noqa: ANN001
+
+def _jitted_transfers() -> tuple:
+    """The jitted scatter (pool donated) and gather, shared by every pool (one compile per shape)."""
+    global _JITTED  # a cache of compiled functions, not state: pools stay independent
+    if _JITTED is None:
         import jax
-        import jax.numpy as jnp
 
         import pallas_kernels
-
-        self.layout = layout
-        self.num_pages = num_pages
-        self._device = device
-        kv = jnp.zeros(layout.device_pool_shape(num_pages), dtype=layout.dtype)
-        self.kv = jax.device_put(kv, device) if device is not None else kv
 
         # Looked up at trace time, so the kernels' dispatch (Pallas or reference) is used.
         def _scatter(pool, staging, ids):  # noqa: ANN001, ANN202
@@ -98,8 +94,24 @@ class DevicePool:
         def _gather(pool, ids):  # noqa: ANN001, ANN202
             return pallas_kernels.gather_pages(pool, ids)
 
-        self._scatter = jax.jit(_scatter, donate_argnums=0)
-        self._gather = jax.jit(_gather)
+        _JITTED = (jax.jit(_scatter, donate_argnums=0), jax.jit(_gather))
+    return _JITTED
+
+
+class DevicePool:
+    """Layer-first L1 pool ``kv[L, 2, num_pages, S, H, D]`` with donated page transfers."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, device=None) -> None:  # noqa: ANN001
+        import jax
+        import jax.numpy as jnp
+
+        self.layout = layout
+        self.num_pages = num_pages
+        self._device = device
+        kv = jnp.zeros(layout.device_pool_shape(num_pages), dtype=layout.dtype)
+        self.kv = jax.device_put(kv, device) if device is not None else kv
+
+        self._scatter, self._gather = _jitted_transfers()
 
     def replace(self, kv) -> None:  # noqa: ANN001
         """Store the pool returned by a step that donated ``self.kv``."""
