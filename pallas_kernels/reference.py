@@ -36,12 +36,14 @@ def write_kv_reference(
     outside the pool (padding tokens use ``num_pages * page_size``) is dropped.
     ``layer`` is a static Python int.  The scatter targets the whole (donated) pool
     rather than a sliced layer so XLA updates it in place instead of copying a layer.
+    (Advanced indices separated by a slice put the token axis first: ``new`` is
+    ``[T, 2, H, D]``.)
     """
-    num_layers, two, num_pages, page_size, heads, dim = kv_pool.shape
-    flat = kv_pool.reshape(num_layers, two, num_pages * page_size, heads, dim)
-    new = jnp.stack([k, v], axis=1).astype(flat.dtype)  # [T, 2, H, D]
-    flat = flat.at[layer, :, slot_mapping].set(new, mode="drop")
-    return flat.reshape(kv_pool.shape)
+    page_size = kv_pool.shape[3]
+    new = jnp.stack([k, v], axis=1).astype(kv_pool.dtype)  # [T, 2, H, D]
+    # Index the 6-D pool directly: a reshaped (flat-slot) view would give XLA two
+    # shapes of one buffer and it would copy the pool to serve both.
+    return kv_pool.at[layer, :, slot_mapping // page_size, slot_mapping % page_size].set(new, mode="drop")
 
 
 def ragged_paged_attention_reference(
@@ -80,8 +82,75 @@ def ragged_paged_attention_reference(
     block; otherwise each sequence's block is gathered once and every token scores
     against every sequence's block with a mask (matmul-friendly for few sequences).
     """
+    out, _ = _ragged_attention_core(
+        q,
+        (k_pages, v_pages),
+        lambda src, pages: (src[0][pages], src[1][pages]),
+        k_pages.shape,
+        page_table,
+        seq_lens,
+        query_start,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        kv_block_tokens=kv_block_tokens,
+    )
+    return out
+
+
+def ragged_paged_attention_pool_reference(
+    q: jax.Array,
+    kv_pool: jax.Array,
+    layer: int,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_start: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    kv_block_tokens: int = 256,
+) -> tuple[jax.Array, jax.Array]:
+    """``ragged_paged_attention_reference`` reading layer ``layer`` of the whole pool.
+
+    Returns ``(out, kv_pool)``: the caller must continue with the returned pool.
+    Slicing ``kv_pool[layer, 0]`` outside the kernel would make XLA materialise the
+    slice (or copy the whole donated pool) every step; reading through the pool
+    threaded as a loop carry keeps the step in place.
+    """
+    num_layers, _, num_pages, page_size, num_kv_heads, head_dim = kv_pool.shape
+    return _ragged_attention_core(
+        q,
+        kv_pool,
+        lambda pool, pages: (pool[layer, 0, pages], pool[layer, 1, pages]),
+        (num_pages, page_size, num_kv_heads, head_dim),
+        page_table,
+        seq_lens,
+        query_start,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        kv_block_tokens=kv_block_tokens,
+    )
+
+
+def _ragged_attention_core(
+    q: jax.Array,
+    kv_source,
+    read_block,
+    kv_shape: tuple[int, int, int, int],
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_start: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    kv_block_tokens: int = 256,
+):
+    """Shared implementation; ``read_block(kv_source, pages[B_or_T, ppb]) -> (k, v)``.
+
+    ``kv_source`` is carried through the block loop and returned, so when it is the
+    whole (donated) pool XLA keeps updating it in place instead of copying it.
+    """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_pages, page_size, num_kv_heads, _ = kv_shape
     batch, max_pages = page_table.shape
     group = num_q_heads // num_kv_heads
     per_token = num_tokens == batch
@@ -105,19 +174,20 @@ def ragged_paged_attention_reference(
     same_seq = seq_of_token[:, None] == jnp.arange(batch)[None, :]  # [T, B]
 
     def body(block, carry):
-        acc, row_max, row_sum = carry
+        acc, row_max, row_sum, src = carry
         pages = jax.lax.dynamic_index_in_dim(table, block, axis=1, keepdims=False)  # [B, ppb]
         kv_pos = block * block_tokens + jnp.arange(block_tokens)
         visible = kv_pos[None, :] < kv_len[:, None]  # [T, K]
         if per_token:
-            tok_pages = pages[seq_of_token]
-            k = k_pages[tok_pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
-            v = v_pages[tok_pages].reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
+            k, v = read_block(src, pages[seq_of_token])
+            k = k.reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
+            v = v.reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
             scores = jnp.einsum("thgd,tkhd->thgk", qf, k.astype(jnp.float32))
             v_safe = jnp.where(visible[:, :, None, None], v.astype(jnp.float32), 0.0)
         else:
-            k = k_pages[pages].reshape(batch, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
-            v = v_pages[pages].reshape(batch, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+            k, v = read_block(src, pages)
+            k = k.reshape(batch, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+            v = v.reshape(batch, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
             all_scores = jnp.einsum("thgd,bkhd->thgbk", qf, k)
             scores = jnp.sum(jnp.where(same_seq[:, None, None, :, None], all_scores, 0.0), axis=3)
         scores = scores * sm_scale
@@ -137,13 +207,14 @@ def ragged_paged_attention_reference(
             masked = jnp.where(same_seq[:, None, None, :, None], probs[:, :, :, None, :], 0.0)
             pv = jnp.einsum("thgbk,bkhd->thgd", masked, v)
         acc = acc * correction[..., None] + pv
-        return acc, new_max, row_sum
+        return acc, new_max, row_sum, src
 
     init = (
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
         jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        kv_source,
     )
-    acc, _, row_sum = jax.lax.fori_loop(0, num_blocks, body, init)
+    acc, _, row_sum, kv_source = jax.lax.fori_loop(0, num_blocks, body, init)
     out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype), kv_source
