@@ -24,6 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_generate_arguments(gen)
 
+    demo = sub.add_parser("demo", help="ask several questions about one long document: TTFT cold vs cached per tier")
+    from strata_jax.demo import add_demo_arguments
+
+    add_demo_arguments(demo)
+
     bench = sub.add_parser("bench", help="run a benchmark; `strata-jax bench NAME --help` lists its flags")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags of that benchmark")
@@ -35,6 +40,10 @@ def dispatch(args: argparse.Namespace) -> int:
         from strata_jax.generate_cli import run_generate
 
         return run_generate(args)
+    if args.command == "demo":
+        from strata_jax.demo import run_demo
+
+        return run_demo(args)
     if args.command == "bench":
         return run_benchmark(args.name, args.bench_args)
     raise SystemExit(f"unknown command {args.command!r}")
