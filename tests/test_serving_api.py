@@ -6,6 +6,7 @@ import glob
 import gzip
 import math
 import os
+import time
 
 import grpc
 import httpx
@@ -264,6 +265,14 @@ def _cancelled(server, api: str) -> float:
     return value or 0.0
 
 
+def _wait_cancelled(server, api: str, target: float, timeout: float = 30.0) -> float:
+    """The cancelled-request count once it reaches ``target`` (the server records it just after the abort)."""
+    deadline = time.monotonic() + timeout
+    while _cancelled(server, api) < target and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _cancelled(server, api)
+
+
 def test_http_disconnect_mid_stream_frees_pages(server):
     engine, model = server.frontend.engine(), _model(server)
     long = engine.max_context_tokens - 64
@@ -282,7 +291,7 @@ def test_http_disconnect_mid_stream_frees_pages(server):
                         if got >= 3:
                             break  # leave mid-stream: the connection is closed
         assert_no_leaks(engine, server.baseline_used)
-    assert _cancelled(server, "http") - before == 6  # aborted, not run to the end
+    assert _wait_cancelled(server, "http", before + 6) - before == 6  # aborted, not run to the end
 
 
 def test_grpc_cancel_mid_stream_frees_pages(server, grpc_client):
@@ -296,7 +305,7 @@ def test_grpc_cancel_mid_stream_frees_pages(server, grpc_client):
                 break
         assert call.code() == grpc.StatusCode.CANCELLED
     assert_no_leaks(engine, server.baseline_used)
-    assert _cancelled(server, "grpc") - before == 3
+    assert _wait_cancelled(server, "grpc", before + 3) - before == 3
 
 
 # ---- profiling ----------------------------------------------------------
