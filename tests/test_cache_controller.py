@@ -329,7 +329,8 @@ def test_prefetch_stop_policies(policy: str) -> None:
     if policy == "wait_complete":
         assert landed == 200
     elif policy == "timeout":
-        assert 0 < landed < 200 and elapsed < 0.3
+        # waited ~the 20 ms budget (plus at most one 32-page chunk), not for all 200 pages (400 ms)
+        assert landed < 200 and elapsed < 0.35
     else:
         assert landed < 200
     assert ctl.match_prefix(tokens).host_tokens == landed
@@ -439,7 +440,7 @@ def test_redis_backend_contract() -> None:
     assert store.batch_exists(keys) == 0
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(
     policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
     tiers=st.sampled_from(["L1+L2", "L1+L2+L3"]),
@@ -507,5 +508,5 @@ def test_random_workload_really_verified_hits() -> None:
     """Guard against a vacuous property test: the run above must have checked many pages."""
     if not _VERIFIED:
         pytest.skip("run together with test_random_workload_every_hit_is_bit_exact")
-    assert sum(_VERIFIED) > 30, _VERIFIED
-    assert sum(_LOADED) > 20, _LOADED  # hits really came back through L2 (and L3)
+    assert sum(_VERIFIED) > 50, _VERIFIED
+    assert sum(_LOADED) > 20, (sum(_LOADED), _LOADED)  # hits really came back through L2 (and L3)
