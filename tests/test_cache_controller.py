@@ -105,10 +105,11 @@ def _path(node):
     return out[::-1]
 
 
-def test_bfloat16_round_trip_through_host(tmp_path) -> None:
+def test_bfloat16_round_trip_through_host_and_storage(tmp_path) -> None:
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="bfloat16")
-    cfg = CacheConfig(page_size=4, device_pages=8, write_policy="write_back")
-    ctl = CacheController(cfg, layout)
+    cfg = CacheConfig(page_size=4, device_pages=8, write_policy="write_back", tiers="L1+L2+L3",
+                      prefetch_policy="wait_complete", prefetch_min_tokens=0)
+    ctl = CacheController(cfg, layout, storage=MemoryStorage())
     rng = np.random.default_rng(1)
     data = rng.standard_normal(layout.page_first_shape(3)).astype(ctl.host_pool.data.dtype)
     pages = ctl.alloc_device(3)
@@ -120,6 +121,20 @@ def test_bfloat16_round_trip_through_host(tmp_path) -> None:
     assert ctl.evict_device(3) == 3  # write_back: backed up on eviction
     m = ctl.match_prefix(tokens)
     assert (m.device_tokens, m.host_tokens) == (0, 12)
+    ctl.lock(m.last_node)
+    ctl.wait(ctl.load(m))
+    got = np.asarray(ctl.device_pool.gather_pages(ctl.tree.device_pages_of(m.last_node)))[:3]
+    assert got.tobytes() == data.tobytes()
+    ctl.unlock(m.last_node)
+    ctl.evict_device(3)
+    ctl.evict_host(3)  # write_back to L3 on host eviction
+    ctl.drain()
+    m = ctl.match_prefix(tokens)
+    assert m.storage_tokens == 12
+    ctl.lock(m.last_node)
+    assert ctl.finish_prefetch(ctl.prefetch(tokens, "", m)) == 12
+    ctl.unlock(m.last_node)
+    m = ctl.match_prefix(tokens)
     ctl.lock(m.last_node)
     ctl.wait(ctl.load(m))
     got = np.asarray(ctl.device_pool.gather_pages(ctl.tree.device_pages_of(m.last_node)))[:3]

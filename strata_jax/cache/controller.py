@@ -228,6 +228,10 @@ class CacheController:
                 self.cancel_prefetch(h)
         return self.tree.remove_transient(owner)
 
+    def finish_request(self, owner: Hashable) -> int:
+        """A request ended normally: drop transient nodes it still owns (tokens it never computed)."""
+        return self.tree.remove_transient(owner)
+
     def insert(self, tokens: Sequence[int], namespace: str, device_pages: Sequence[int]) -> InsertResult:
         """Computed KV of ``tokens`` (full pages) sits in ``device_pages``: hand it to the tree.
 
@@ -387,9 +391,8 @@ class CacheController:
         self._wait_host(host_pages)
         snapshot = self.host_pool.read(host_pages).copy()  # type: ignore[union-attr]
         handle = TransferHandle("storage_write", None, n, n * self.page_bytes, self._clock())
-        fut = self._executor.submit(  # type: ignore[union-attr]
-            storage.batch_set, keys, [memoryview(snapshot[i]).cast("B") for i in range(n)]
-        )
+        raw = snapshot.view(np.uint8).reshape(n, -1)  # bytes per page, any dtype (bf16 included)
+        fut = self._executor.submit(storage.batch_set, keys, [memoryview(raw[i]) for i in range(n)])  # type: ignore[union-attr]
         handle._is_finished = fut.done
         handle._block = fut.result
         self._pending.append(handle)
