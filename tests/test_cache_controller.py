@@ -525,3 +525,30 @@ def test_random_workload_really_verified_hits() -> None:
         pytest.skip("run together with test_random_workload_every_hit_is_bit_exact")
     assert sum(_VERIFIED) > 50, _VERIFIED
     assert sum(_LOADED) > 20, (sum(_LOADED), _LOADED)  # hits really came back through L2 (and L3)
+
+
+def test_engine_life_cycle_transient_owners_and_cache_unfinished() -> None:
+    ctl = _bookkeeping("write_through", device_pages=32)
+    ctl.insert([1, 2, 3], "", ctl.alloc_device(3))
+    a = ctl.match_prefix([1, 2, 3, 4, 5, 6], requester="A")
+    ctl.lock(a.last_node)
+    ctl.insert_transient([1, 2, 3, 4, 5, 6], "", "A")
+    ctl.mark_in_flight("A")
+    b = ctl.match_prefix([1, 2, 3, 4, 5, 6, 7], requester="B")
+    assert (b.device_tokens, b.transient_tokens, b.transient_owners) == (3, 3, ("A",))
+    own = ctl.match_prefix([1, 2, 3, 4, 5, 6], requester="A")
+    assert own.transient_tokens == 0 and own.transient_owners == ()  # never waits for itself
+    # A's prefill lands while A keeps decoding: it computed pages 4..6 into its own pages
+    table = list(a.device_page_ids) + ctl.alloc_device(3)
+    lock, new_table = ctl.cache_unfinished([1, 2, 3, 4, 5, 6], "", table, a.last_node)
+    assert new_table == table and ctl.tree.owned_tokens("A") == 0
+    assert ctl.match_prefix([1, 2, 3, 4, 5, 6, 7], requester="B").device_tokens == 6
+    ctl.evict_device(100)
+    assert ctl.match_prefix([1, 2, 3, 4, 5, 6]).device_tokens == 6  # locked by A
+    ctl.unlock(lock)
+    ctl.finish_request("A")
+    # B aborts after queueing its own suffix: its transient nodes disappear
+    ctl.insert_transient([1, 2, 3, 4, 5, 6, 7, 8], "", "B")
+    assert ctl.abort("B") == 2
+    assert ctl.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).transient_tokens == 0
+    ctl.check()

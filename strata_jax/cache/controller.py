@@ -228,6 +228,26 @@ class CacheController:
                 self.cancel_prefetch(h)
         return self.tree.remove_transient(owner)
 
+    def cache_unfinished(
+        self, tokens: Sequence[int], namespace: str, device_pages: Sequence[int], locked: TreeNode
+    ) -> tuple[TreeNode, list[int]]:
+        """Insert a still-running request's computed KV and move its lock down.
+
+        Same as ``insert`` (duplicate pages are freed at once), then locks the new
+        deepest node and unlocks ``locked``.  Returns ``(new_lock, page_table)``:
+        the request must switch the full-page part of its page table to
+        ``page_table`` before its next step (its own duplicates are gone).
+        """
+        self.insert(tokens, namespace, device_pages)
+        node = self.tree.match_prefix(tokens, namespace, touch=False).last_node
+        self.tree.lock(node)
+        self.tree.unlock(locked)
+        return node, self.tree.device_pages_of(node)
+
+    def page_table(self, tokens: Sequence[int], namespace: str = "") -> list[int]:
+        """L1 page ids of the cached device prefix of ``tokens`` (lock first if you keep using them)."""
+        return list(self.tree.match_prefix(tokens, namespace, touch=False).device_page_ids)
+
     def finish_request(self, owner: Hashable) -> int:
         """A request ended normally: drop transient nodes it still owns (tokens it never computed)."""
         return self.tree.remove_transient(owner)
