@@ -362,3 +362,13 @@ def test_bookkeeping_modules_do_not_import_jax() -> None:
         "sys.exit(1 if 'jax' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=str(__import__("pathlib").Path(__file__).parents[1])).returncode == 0
+
+
+def test_device_pages_of_stops_at_the_device_prefix() -> None:
+    tree = HiRadixTree(1)
+    tree.insert([1, 2], device_pages=[0, 1])
+    tree.insert([1, 2, 3, 4], device_pages=[0, 1, 2, 3])
+    leaf = tree.match_prefix([1, 2, 3, 4]).last_node
+    tree.set_host(leaf, [9, 8])
+    tree.evict_device(2)
+    assert tree.device_pages_of(leaf) == [0, 1]

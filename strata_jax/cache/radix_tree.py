@@ -565,15 +565,19 @@ class HiRadixTree:
 
     # ------------------------------------------------------------------ tier views
     def device_pages_of(self, node: TreeNode) -> list[int]:
-        """Device page ids of the path root -> ``node`` (which must be all on device)."""
-        parts: list[list[int]] = []
+        """Device page ids of the path root -> ``node``, up to its first node without a device copy.
+
+        Device copies are closed upward, so this is the device prefix of the path
+        (all of it after a successful ``load``).
+        """
+        parts: list[list[int] | None] = []
         while node.parent is not None:
-            if node.device is None:
-                raise TreeError("path is not fully on the device")
             parts.append(node.device)
             node = node.parent
         out: list[int] = []
         for p in reversed(parts):
+            if p is None:
+                break
             out.extend(p)
         return out
 
