@@ -163,11 +163,13 @@ class StrataServer:
                 log.exception("engine shutdown failed")
                 self.exit_code = 1
         self.frontend.mark_stopped()
+        log.info("engine stopped; closing the servers")
         if grpc_stop is not None:
             await grpc_stop
         if http_task is not None:
             await http_task
         stop_wait.cancel()
+        log.info("stopped (exit code %d)", self.exit_code)
         return self.exit_code
 
 

@@ -140,7 +140,7 @@ def test_serve_process_sigterm_finishes_in_flight_and_exits_zero():
     port, grpc_port = _free_port(), _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
     if real_engine_available() and os.environ.get("STRATA_SERVING_SLOW"):  # ~2 min more: a second warm-up
-        cmd = [sys.executable, "-m", "serving.cli", "serve", "--model", "tiny", "--port", str(port),
+        cmd = [sys.executable, "-X", "faulthandler", "-m", "serving.cli", "serve", "--model", "tiny", "--port", str(port),
                "--grpc-port", str(grpc_port), "--grace-s", "20", "--log-level", "warning",
                "--max-context-tokens", "512", "--device-tokens", "8192", "--max-batch-tokens", "256",
                "--max-batch-size", "8", "--show-progress", "false",
@@ -148,10 +148,8 @@ def test_serve_process_sigterm_finishes_in_flight_and_exits_zero():
     else:
         cmd = [sys.executable, os.path.join(ROOT, "tests", "serving_fake_serve.py"), "--port", str(port),
                "--grpc-port", str(grpc_port), "--grace-s", "20"]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    log_file = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="serve-")  # a pipe could fill and block it
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -161,7 +159,7 @@ def test_serve_process_sigterm_finishes_in_flight_and_exits_zero():
                     break
             except httpx.HTTPError:
                 pass
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, open(log_file.name).read()[-3000:]
             time.sleep(0.5)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         result: dict = {}
@@ -178,10 +176,17 @@ def test_serve_process_sigterm_finishes_in_flight_and_exits_zero():
         r = result["r"]
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["finish_reason"] in ("length", "abort")
-        assert proc.wait(60) == 0
+        try:
+            rc = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler dumps the stacks into the log
+            time.sleep(2)
+            raise AssertionError("no exit 60 s after SIGTERM:\n" + open(log_file.name).read()[-6000:]) from None
+        assert rc == 0, open(log_file.name).read()[-3000:]
         with pytest.raises(httpx.HTTPError):
             httpx.get(url + "/health", timeout=2)  # no longer accepting
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        log_file.close()
