@@ -84,7 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-length", type=int, default=16, help="generated tokens per turn, O (default 16)")
     parser.add_argument("--device-rounds", type=float, default=4.0, help="when --device-tokens is not given: L1 = this many rounds of all clients' history, k*clients*(T+O) (default 4)")
     parser.add_argument("--seed", type=int, default=0, help="random token ids seed (default 0)")
-    parser.add_argument("--vocab", type=int, default=32000, help="token ids are drawn from [0, vocab) (default 32000)")
+    parser.add_argument("--vocab", type=int, default=32000, help="token ids are drawn from [0, vocab) (default 32000; capped at the model's vocabulary with --model)")
+    parser.add_argument("--model", default=None, help="run through the Engine with this model ('tiny' or a local HF folder): real prefill/decode, all clients of a round submitted at once")
+    parser.add_argument("--max-batch-tokens", type=int, default=512, help="with --model: new tokens per prefill step (default 512)")
     add_cache_arguments(parser)
 
 
@@ -92,8 +94,82 @@ def ceiling(r: int, t: int, o: int) -> float:
     return r * (t + o) / ((r + 1) * t + r * o)
 
 
+def cache_config(args: argparse.Namespace, device_tokens: int, storage_dir: str | None) -> CacheConfig:
+    return CacheConfig(
+        page_size=args.page_size,
+        device_tokens=device_tokens,
+        hicache_ratio=args.hicache_ratio,
+        tiers=args.tiers,
+        write_policy=args.write_policy,
+        write_through_threshold=args.write_through_threshold,
+        prefetch_policy=args.prefetch_policy,
+        prefetch_min_tokens=0,
+        storage_backend=args.storage or "file",
+        storage_dir=storage_dir,
+        storage_capacity_bytes=args.storage_capacity_bytes,
+    )
+
+
+def run_with_engine(args: argparse.Namespace, device_tokens: int) -> dict:
+    """Every round: submit all clients' turns at once to a real Engine, wait, record per-tier hits."""
+    import tempfile
+
+    from strata_jax.api import SamplingParams
+    from strata_jax.engine import Engine
+    from strata_jax.engine_config import EngineConfig
+
+    t, o = args.request_length, args.output_length
+    storage_dir = args.storage_dir or tempfile.mkdtemp(prefix="strata-kv-bench-")
+    context = args.rounds * (t + o) + args.page_size
+    engine = Engine(EngineConfig(
+        model=args.model,
+        cache=cache_config(args, device_tokens, storage_dir),
+        max_context_tokens=context,
+        max_batch_tokens=args.max_batch_tokens,
+        show_progress=False,
+    ))
+    vocab = min(args.vocab, engine.vocab_size)
+    rng = np.random.default_rng(args.seed)
+    histories: list[list[int]] = [[] for _ in range(args.clients)]
+    params = SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True)
+    rounds = []
+    total_prompt = total_cached = 0
+    try:
+        for r in range(args.rounds):
+            prompts = [h + rng.integers(0, vocab, t).tolist() for h in histories]
+            outs = engine.generate(prompts, params)
+            n = sum(len(p) for p in prompts)
+            tiers = {k: sum(out.cached_tokens.get(k, 0) for out in outs) for k in ("device", "host", "storage")}
+            hit = sum(tiers.values()) / n
+            rounds.append({"round": r, "hit_rate": hit, **{k: v / n for k, v in tiers.items()},
+                           "ceiling": ceiling(r, t, o), "unfit_requests": 0})
+            total_prompt += n
+            total_cached += sum(tiers.values())
+            histories = [p + list(out.token_ids) for p, out in zip(prompts, outs)]
+            print(f"{r:>5} {hit:7.3f} {tiers['device'] / n:7.3f} {tiers['host'] / n:7.3f} {tiers['storage'] / n:7.3f} {ceiling(r, t, o):7.3f}")
+        stats = engine.cache_stats()
+    finally:
+        engine.shutdown()
+    return {"rounds": rounds, "hit_rate": total_cached / max(total_prompt, 1), "engine_cache_stats": stats}
+
+
 def run(args: argparse.Namespace) -> int:
     from strata_jax.cache.replay import CacheReplayer
+
+    if args.model is not None:
+        t, o = args.request_length, args.output_length
+        device_tokens = args.device_tokens or int(args.device_rounds * args.clients * (t + o))
+        start = time.perf_counter()
+        print(f"engine with model {args.model!r}: L1 {device_tokens} tokens, tiers {args.tiers}, {args.write_policy}")
+        print(f"{'round':>5} {'hit':>7} {'device':>7} {'host':>7} {'storage':>7} {'ceiling':>7}")
+        result = run_with_engine(args, device_tokens)
+        result["seconds"] = time.perf_counter() - start
+        result["config"] = {k: v for k, v in vars(args).items() if k != "json"} | {"device_tokens": device_tokens}
+        print(f"overall hit rate {result['hit_rate']:.4f}; {result['seconds']:.1f} s")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1, default=str)
+        return 0
 
     t, o = args.request_length, args.output_length
     device_tokens = args.device_tokens or int(args.device_rounds * args.clients * (t + o))
