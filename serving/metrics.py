@@ -25,7 +25,30 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Keys of cache_stats() whose numbers only ever grow (exported as counters).
-_CUMULATIVE = re.compile(r"(hit_tokens|evictions|bytes|compiles|loads|backups|prefetches|total_tokens)")
+_CUMULATIVE = re.compile(
+    r"(hit_tokens|evictions|compiles|compiles_after_warmup|recomputed_tokens|deferrals|retractions"
+    r"|steps|prefill_steps|decode_steps|finished|aborted|failed)"
+    r"|transfers?_\w+_pages|\w+_bytes_total|(loaded|backed_up|written|prefetched)_bytes"
+)
+_RATES = ("per_s", "gbps", "bandwidth")
+
+
+def is_cumulative(name: str) -> bool:
+    """Whether the flattened ``cache_stats()`` key ``name`` is a running total."""
+    return bool(_CUMULATIVE.fullmatch(name)) and not name.endswith(_RATES)
+
+
+def transfer_bytes(stats: Mapping[str, object]) -> dict[str, float]:
+    """Bytes moved per transfer kind, from the engine's page counts x ``page_bytes``."""
+    transfers = stats.get("transfers")
+    if not isinstance(transfers, Mapping) or not _is_number(transfers.get("page_bytes")):
+        return {}
+    page_bytes = float(transfers["page_bytes"])  # type: ignore[arg-type]
+    out = {}
+    for key, value in transfers.items():
+        if str(key).endswith("_pages") and _is_number(value):
+            out[str(key)[: -len("_pages")]] = float(value) * page_bytes
+    return out
 _TIERS = frozenset({"device", "host", "storage"})
 
 
@@ -110,7 +133,7 @@ class EngineStatsCollector(Collector):
         families: dict[str, Metric] = {}
         for name, tier, value in flatten_stats(stats):
             full = f"{PREFIX}_engine_{name}"
-            cumulative = bool(_CUMULATIVE.search(name)) and not name.endswith(("per_s", "gbps", "bandwidth"))
+            cumulative = is_cumulative(name)
             if cumulative and full.endswith("_total"):
                 full = full[: -len("_total")]
             family = families.get(full)
@@ -123,6 +146,14 @@ class EngineStatsCollector(Collector):
                 family.add_metric([tier] if tier is not None else [], value)
             except ValueError:  # same name both with and without a tier label: skip the odd one
                 continue
+        moved = transfer_bytes(stats)
+        if moved:
+            family = CounterMetricFamily(
+                f"{PREFIX}_engine_transfer_bytes", "KV bytes moved between tiers, by kind", labels=["kind"]
+            )
+            for kind, value in moved.items():
+                family.add_metric([kind], value)
+            families[family.name] = family
         yield from families.values()
 
 

@@ -96,6 +96,9 @@ def test_models_health_metrics(server, oai):
         "strata_engine_hit_tokens",
         "strata_engine_evictions",
         "strata_engine_compiles",
+        "strata_engine_device_pool_used_pages",
+        "strata_engine_transfer_bytes_total",
+        "strata_engine_transfers_link_bandwidth_bytes_per_s",
     ):
         assert name in body, name
 

@@ -60,6 +60,7 @@ def test_flatten_stats_labels_tiers():
         "device_pool": {"used_pages": 3, "total_pages": 10},
         "hit_tokens": {"device": 5, "host": 2, "storage": 0},
         "transfer": {"load": {"bytes": 100, "gbps": 1.5}},
+        "transfers": {"loaded_pages": 3, "backed_up_pages": 1, "page_bytes": 10, "link_bandwidth_bytes_per_s": 5e9},
         "compiles": 4,
         "note": "text is skipped",
     }
@@ -77,6 +78,10 @@ def test_flatten_stats_labels_tiers():
     assert 'strata_engine_hit_tokens_total{tier="host"} 2.0' in body
     assert "strata_engine_device_pool_used_pages 3.0" in body
     assert "# TYPE strata_engine_transfer_load_gbps gauge" in body
+    assert 'strata_engine_transfer_bytes_total{kind="loaded"} 30.0' in body
+    assert "strata_engine_transfers_loaded_pages_total 3.0" in body and "counter" in body
+    assert "# TYPE strata_engine_transfers_link_bandwidth_bytes_per_s gauge" in body
+    assert "# TYPE strata_engine_transfers_page_bytes gauge" in body
 
 
 def test_api_key_required_on_both_faces():
