@@ -98,6 +98,27 @@ def _scalar_type(field: dataclasses.Field, default: Any) -> type | None:
     return args[0] if args[0] in (int, float, str, bool) else None
 
 
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: description}`` from a docstring written as ``name: text`` (``a / b: text`` for several)."""
+    import inspect
+    import re
+
+    docs: dict[str, str] = {}
+    current: list[str] = []
+    for line in inspect.cleandoc(cls.__doc__ or "").splitlines():
+        m = re.match(r"^([a-z_][a-z0-9_]*(?:\s*/\s*[a-z_][a-z0-9_]*)*):\s+(.*)$", line)
+        if m:
+            current = [n.strip() for n in m.group(1).split("/")]
+            for name in current:
+                docs[name] = m.group(2).strip()
+        elif current and line.startswith((" ", "\t")) and line.strip():
+            for name in current:
+                docs[name] += " " + line.strip()
+        else:
+            current = []
+    return docs
+
+
 def _bool(text: str) -> bool:
     if text.lower() in ("1", "true", "yes", "on"):
         return True
@@ -143,6 +164,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         return
     eng = parser.add_argument_group("engine (strata_jax.engine.EngineConfig fields)")
     taken = {opt for action in parser._actions for opt in action.option_strings}  # noqa: SLF001
+    docs = field_docs(config_cls)
     for path, f, default in engine_flag_fields(config_cls):
         typ = _scalar_type(f, default)
         if typ is None:
@@ -159,7 +181,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             type=_bool if typ is bool else typ,
             default=None,
             metavar=typ.__name__.upper(),
-            help=f"EngineConfig.{path} (default: {default!r})",
+            help=f"{docs.get(f.name, 'EngineConfig.' + path).replace('%', '%%')} (default: {default!r})",
         )
 
 

@@ -184,6 +184,7 @@ def _bad_http_requests(model: str, context: int) -> list[tuple[str, object, int]
         (c, {"model": model}, 400),
         (c, ["not", "an", "object"], 400),
         (c, b"{not json", 400),
+        (c, b'{"model": "' + model.encode() + b'", "prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", 400),
         (c, b'{"model": "' + model.encode() + b'", "prompt": "\xff\xfe bad utf8"}', 400),
         (c, b'{"model": "' + model.encode() + b'", "prompt": "\\ud800"}', 400),
         (c, {"model": "no-such-model", "prompt": "hi"}, 404),
