@@ -625,8 +625,9 @@ class HiRadixTree:
         LRU over device leaves (nodes with device pages and no child with device
         pages), skipping locked nodes.  A leaf with a host copy stays as
         host-only.  Without one, ``backup(node)`` may return host page ids holding
-        (or about to hold) its data; otherwise the node is removed when it has no
-        children, and kept when it has (host-only or transient) children.
+        (or about to hold) its data; otherwise the node is removed together with
+        any transient (queued, not computed) descendants, and kept when it has
+        host-only children.
         """
         heap = [
             (n.last_access, n.node_id, n)
@@ -648,7 +649,11 @@ class HiRadixTree:
                 freed.extend(node.device)
                 self.device_pages -= len(node.device)
                 node.device = None
-            elif not node.children:
+            elif self._only_transient_below(node):
+                # Waiting requests' queued (not computed) continuations hang below: they
+                # must not pin the prefix in L1.  Drop them; their owners match less next
+                # round and insert their KV when they compute it.
+                self._drop_descendants(node)
                 freed.extend(node.device)
                 self.device_pages -= len(node.device)
                 node.device = None
@@ -663,6 +668,14 @@ class HiRadixTree:
             ):
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed
+
+    def _only_transient_below(self, node: TreeNode) -> bool:
+        return all(c.is_transient and self._only_transient_below(c) for c in node.children.values())
+
+    def _drop_descendants(self, node: TreeNode) -> None:
+        for child in list(node.children.values()):
+            self._drop_descendants(child)
+            self._delete(child)
 
     def evict_host(self, num_pages: int, before_drop: Callable[[TreeNode], None] | None = None) -> list[int]:
         """Free at least ``num_pages`` L2 pages if possible; returns the freed page ids.
