@@ -393,16 +393,23 @@ class Engine:
         with span("schedule"):
             plan = self.scheduler.schedule(self._view)
         with span("load_kv"):
-            self._prepare(plan)
+            dropped = self._prepare(plan)
+        prefill = [item for item in plan.prefill if item.request_id not in dropped]
+        decode = [req for req in plan.decode if req.request_id not in dropped]
         produced: dict[str, int] = {}
         if plan.decode_first:
-            produced.update(self._run_decode(plan))
-            produced.update(self._run_extend(plan))
+            produced.update(self._run_decode(decode))
+            produced.update(self._run_extend(prefill))
         else:
-            produced.update(self._run_extend(plan))
-            produced.update(self._run_decode(plan))
+            produced.update(self._run_extend(prefill))
+            produced.update(self._run_decode(decode))
         with span("postprocess"):
-            self._postprocess(plan, produced)
+            self._postprocess(prefill, decode, produced)
+            for rid in dropped:  # their results never came: clear the scheduler's in-flight mark
+                if any(item.request_id == rid for item in plan.prefill):
+                    self.scheduler.on_prefill_done(rid)
+                else:
+                    self.scheduler.on_decode_done(rid, -1)
         self.counters["steps"] += 1
         if plan.is_empty:
             time.sleep(0.001)  # everything waits on a transfer or a deferral: don't spin
@@ -413,8 +420,12 @@ class Engine:
                 seconds = max(handle.completed_at - handle.issued_at, 1e-9)
                 self.scheduler.cost.observe_load(handle.num_pages * self.page_size, seconds, tier="host")
 
-    def _prepare(self, plan: StepPlan) -> None:
-        """Retractions, locks, evictions, loads and page allocation for this step's batches."""
+    def _prepare(self, plan: StepPlan) -> set[str]:
+        """Retractions, locks, evictions, loads and page allocation for this step's batches.
+
+        Returns the requests that could not get device pages (aborted with an error;
+        the scheduler's plan should never come to this, but the engine must not die).
+        """
         for req in plan.retract:
             self._retract(self._tracked[req.request_id])
         for item in plan.prefill:
@@ -422,12 +433,17 @@ class Engine:
                 self._attach_prefix(item)
         if plan.evict_device_tokens:
             self.ctl.evict_device(-(-plan.evict_device_tokens // self.page_size))
-        for item in plan.prefill:
-            t = self._tracked[item.request_id]
-            self._ensure_pages(t, item.end)
-        for req in plan.decode:
-            t = self._tracked[req.request_id]
-            self._ensure_pages(t, t.computed + 1)
+        dropped: set[str] = set()
+        work = [(item.request_id, item.end) for item in plan.prefill]
+        work += [(req.request_id, self._tracked[req.request_id].computed + 1) for req in plan.decode]
+        for rid, tokens in work:
+            try:
+                self._ensure_pages(self._tracked[rid], tokens)
+            except CacheFullError as exc:
+                log.error("request %s: %s", rid, exc)
+                self._abort(rid, OverloadedError(f"out of device KV memory: {exc}"))
+                dropped.add(rid)
+        return dropped
 
     def _attach_prefix(self, item: PrefillItem) -> None:
         """First chunk: take the cached prefix (finishing prefetch, loading L2->L1) and pin it."""
@@ -470,23 +486,23 @@ class Engine:
             rng_key=request_rng_key(p.seed, t.request_id, len(t.output_ids)),
         )
 
-    def _run_extend(self, plan: StepPlan) -> dict[str, int]:
-        if not plan.prefill:
+    def _run_extend(self, prefill: list[PrefillItem]) -> dict[str, int]:
+        if not prefill:
             return {}
         with span("extend"):
             start = time.perf_counter()
             work = []
-            for item in plan.prefill:
+            for item in prefill:
                 t = self._tracked[item.request_id]
                 tokens = list(item.request.prefill_tokens[t.computed : item.end])
                 work.append((t, tokens, t.computed))
             sampled = self._run_packed(work)
-            for item in plan.prefill:
+            for item in prefill:
                 self._tracked[item.request_id].computed = item.end
             elapsed = time.perf_counter() - start
         self.counters["prefill_steps"] += 1
-        self.scheduler.cost.observe_extend([(it.new_tokens, it.start) for it in plan.prefill], elapsed)
-        return {it.request_id: sampled[it.request_id] for it in plan.prefill if it.is_last_chunk}
+        self.scheduler.cost.observe_extend([(it.new_tokens, it.start) for it in prefill], elapsed)
+        return {it.request_id: sampled[it.request_id] for it in prefill if it.is_last_chunk}
 
     def _run_packed(self, work: list[tuple[_Tracked, list[int], int]]) -> dict[str, int]:
         """Run extend work in as few runner steps as the runner's token/batch limits allow."""
@@ -513,26 +529,26 @@ class Engine:
             pending = rest
         return sampled
 
-    def _run_decode(self, plan: StepPlan) -> dict[str, int]:
-        if not plan.decode:
+    def _run_decode(self, decode: list[ScheduledRequest]) -> dict[str, int]:
+        if not decode:
             return {}
         with span("decode"):
             start = time.perf_counter()
             seqs = []
-            for req in plan.decode:
+            for req in decode:
                 t = self._tracked[req.request_id]
                 seqs.append(self._seq(t, [t.output_ids[-1]], t.computed))
             result = self.runner.step(seqs)
             tokens = [int(x) for x in result.next_tokens]
-            for req in plan.decode:
+            for req in decode:
                 self._tracked[req.request_id].computed += 1
             elapsed = time.perf_counter() - start
         self.counters["decode_steps"] += 1
-        self.scheduler.cost.observe_decode(len(plan.decode), sum(r.seq_len for r in plan.decode), elapsed)
-        return dict(zip(plan.decode_ids, tokens))
+        self.scheduler.cost.observe_decode(len(decode), sum(r.seq_len for r in decode), elapsed)
+        return {req.request_id: token for req, token in zip(decode, tokens)}
 
-    def _postprocess(self, plan: StepPlan, produced: dict[str, int]) -> None:
-        for item in plan.prefill:
+    def _postprocess(self, prefill: list[PrefillItem], decode: list[ScheduledRequest], produced: dict[str, int]) -> None:
+        for item in prefill:
             t = self._tracked[item.request_id]
             token = produced.get(item.request_id)
             status = self.scheduler.on_prefill_done(item.request_id, token)
@@ -540,7 +556,7 @@ class Engine:
                 with span("backup"):
                     self._publish_prefix(t, item.request.prefill_tokens)
                 self._accept_token(t, token)
-        for req in plan.decode:
+        for req in decode:
             t = self._tracked[req.request_id]
             token = produced[req.request_id]
             self.scheduler.on_decode_done(req.request_id, token)
