@@ -67,13 +67,15 @@ class TreeMachine(RuleBasedStateMachine):
         pages = pages_of(seq, self.ps)
         return [tuple(pages[: i + 1]) for i in range(len(pages))]
 
-    def _expected_match(self, ns: str, seq: list[int]) -> tuple[int, int, int, tuple]:
+    def _expected_match(self, ns: str, seq: list[int], requester=None) -> tuple[int, int, int, tuple]:
         dev = host = trans = 0
         owners: list = []
         phase = 0
         for pre in self._prefixes(seq):
             tier = self.model[ns].get(pre)
             if tier is None:
+                break
+            if isinstance(tier, tuple) and requester is not None and tier[1] == requester:
                 break
             if phase == 0 and tier in ("D", "DH"):
                 dev += self.ps
@@ -90,10 +92,11 @@ class TreeMachine(RuleBasedStateMachine):
         return dev, host, trans, tuple(owners)
 
     # -------------------------------------------------------------- rules
-    @rule(ns=st.sampled_from(NAMESPACES), seq=seqs)
-    def match(self, ns: str, seq: list[int]) -> None:
-        m = self.tree.match_prefix(seq, ns)
-        assert (m.device_tokens, m.host_tokens, m.transient_tokens, m.transient_owners) == self._expected_match(ns, seq)
+    @rule(ns=st.sampled_from(NAMESPACES), seq=seqs, requester=st.sampled_from([None, *OWNERS]), touch=st.booleans())
+    def match(self, ns: str, seq: list[int], requester, touch: bool) -> None:
+        m = self.tree.match_prefix(seq, ns, requester=requester, touch=touch)
+        got = (m.device_tokens, m.host_tokens, m.transient_tokens, m.transient_owners)
+        assert got == self._expected_match(ns, seq, requester)
         assert len(m.device_page_ids) * self.ps == m.device_tokens
         assert m.storage_tokens == 0
 
@@ -105,6 +108,24 @@ class TreeMachine(RuleBasedStateMachine):
         pages = [self.dev_free.pop() for _ in pres]
         res = self.tree.insert(seq, ns, device_pages=pages)
         self.dev_free.extend(res.unused_pages)
+        for pre in pres:
+            tier = self.model[ns].get(pre)
+            if tier is None or isinstance(tier, tuple):
+                self.model[ns][pre] = "D"
+            elif tier == "H":
+                self.model[ns][pre] = "DH"
+
+    @rule(ns=st.sampled_from(NAMESPACES), seq=seqs)
+    def insert_like_engine(self, ns: str, seq: list[int]) -> None:
+        """The engine's page table starts with the tree's own device pages: nothing comes back unused."""
+        pres = self._prefixes(seq)
+        m = self.tree.match_prefix(seq, ns)
+        own = list(m.device_page_ids)
+        if len(pres) - len(own) > len(self.dev_free):
+            return
+        fresh = [self.dev_free.pop() for _ in range(len(pres) - len(own))]
+        res = self.tree.insert(seq, ns, device_pages=own + fresh)
+        assert res.unused_pages == ()
         for pre in pres:
             tier = self.model[ns].get(pre)
             if tier is None or isinstance(tier, tuple):
