@@ -174,9 +174,22 @@ def test_serve_process_sigterm_finishes_in_flight_and_exits_zero():
             result["r"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
 
         t = threading.Thread(target=in_flight)
+        grpc_client = StrataClient(f"127.0.0.1:{grpc_port}")
+        assert grpc_client.health() == "SERVING"  # the channel is connected before the signal
         t.start()
         time.sleep(0.3)  # let it be admitted
         proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        # draining: new work is refused while the in-flight request finishes
+        with pytest.raises(grpc.RpcError) as err:
+            list(grpc_client.generate("too late", max_tokens=2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        grpc_client.close()
+        try:
+            late = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "too late"}, timeout=10)
+            assert late.status_code == 503, late.text
+        except httpx.TransportError:
+            pass  # the listening socket is already closed
         t.join(120)
         r = result["r"]
         assert r.status_code == 200, r.text
