@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import json
 import math
 import os
 import time
@@ -230,6 +231,37 @@ def test_bad_http_input_gets_clear_errors_and_server_survives(server, oai):
         oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     # still serving, pool accounting at baseline
     assert oai.completions.create(model=model, prompt="still alive?", max_tokens=3).usage.completion_tokens > 0
+    assert_no_leaks(engine, server.baseline_used)
+
+
+_ODD_VALUES = [None, -1, 0, 2**70, -(2**70), 1.5, float("nan"), float("inf"), True, "", "x", "\u0000",
+               [], [None], [1, "a"], [[]], {}, {"a": 1}]
+
+
+def test_fuzzed_fields_never_break_the_server(server):
+    """Every field of both OpenAI bodies set to odd values: always a 2xx/4xx, never a 5xx."""
+    model, engine = _model(server), server.frontend.engine()
+    bases = {
+        "/v1/completions": {"model": model, "prompt": "fuzz", "max_tokens": 1, "temperature": 0},
+        "/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "fuzz"}], "max_tokens": 1},
+    }
+    fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stop",
+              "seed", "stream_options", "presence_penalty", "logit_bias", "ignore_eos", "cache_salt",
+              "request_id", "stop_token_ids", "max_completion_tokens", "logprobs"]
+    seen: dict[int, int] = {}
+    with httpx.Client(base_url=server.http_url, timeout=60) as http:
+        for path, base in bases.items():
+            for field in fields:
+                for value in _ODD_VALUES:
+                    body = json.dumps({**base, field: value})  # NaN/Infinity literals included
+                    r = http.post(path, content=body, headers={"content-type": "application/json"})
+                    seen[r.status_code] = seen.get(r.status_code, 0) + 1
+                    assert r.status_code in (200, 400, 404), (path, field, value, r.status_code, r.text[:300])
+                    if r.status_code != 200:
+                        assert r.json()["error"]["message"], r.text
+                    elif r.headers["content-type"].startswith("text/event-stream"):
+                        assert r.text.rstrip().endswith("data: [DONE]"), r.text[-200:]
+    assert seen.get(200) and seen.get(400), seen
     assert_no_leaks(engine, server.baseline_used)
 
 
