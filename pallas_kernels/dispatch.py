@@ -36,6 +36,7 @@ from pallas_kernels.attention import (
 )
 from pallas_kernels.reference import (
     gather_pages_reference,
+    ragged_paged_attention_pool_reference,
     ragged_paged_attention_reference,
     scatter_pages_reference,
 )
@@ -89,24 +90,6 @@ def resolve_backend(backend: str | KernelConfig | None = None, platform: str | N
     if env and _validate(env, f"${ENV_VAR}") != "auto":
         return env
     return default_backend_for(platform or platform_name())
-
-
-def ragged_paged_attention_pool_reference(
-    q: jax.Array,
-    kv_pool: jax.Array,
-    layer: int,
-    page_table: jax.Array,
-    seq_lens: jax.Array,
-    query_start: jax.Array,
-    *,
-    sm_scale: float,
-    soft_cap: float | None = None,
-) -> jax.Array:
-    """Reference of the whole-pool variant: the per-layer reference on ``kv_pool[layer, 0/1]``
-    (XLA fuses the slice into the gathers, nothing is copied)."""
-    return ragged_paged_attention_reference(
-        q, kv_pool[layer, 0], kv_pool[layer, 1], page_table, seq_lens, query_start, sm_scale=sm_scale, soft_cap=soft_cap
-    )
 
 
 _IMPLEMENTATIONS: Mapping[str, Mapping[str, Callable]] = MappingProxyType(
@@ -219,18 +202,21 @@ def ragged_paged_attention_pool(
     soft_cap: float | None = None,
     max_q_len: int | None = None,
     backend: str | KernelConfig | None = None,
-) -> jax.Array:
+) -> tuple[jax.Array, jax.Array]:
     """``ragged_paged_attention(q, kv_pool[layer, 0], kv_pool[layer, 1], ...)`` without the slice.
 
     ``kv_pool[L, 2, P, S, H, D]`` is the whole layer-first pool, ``layer`` a static
-    Python int; the Pallas kernel reads that layer in place (no per-layer copy).
+    Python int.  Returns ``(out, kv_pool)`` and the caller continues with the returned
+    pool: the reference threads the pool through its block loop (a loop that only
+    closed over it would make XLA copy the donated pool every step); the Pallas
+    kernel reads the layer in place and hands the pool back unchanged.
     """
     name = _attention_backend(q.shape[-1], backend)
     impl = _IMPLEMENTATIONS["ragged_paged_attention_pool"][name]
     args = (q, kv_pool, layer, page_table, seq_lens, query_start)
     if name == "reference":
         return impl(*args, sm_scale=sm_scale, soft_cap=soft_cap)
-    return impl(*args, sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len)
+    return impl(*args, sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len), kv_pool
 
 
 __all__ = [

@@ -170,7 +170,7 @@ def test_pool_variant_reads_the_layer_in_place(layer):
     pool = other.at[layer, 0].set(k).at[layer, 1].set(v)
     want = brute_force(*host, 0.25, None)
     for backend in ("interpret", "reference"):
-        got = dispatch.ragged_paged_attention_pool(q, pool, layer, table, seq_lens, qs, sm_scale=0.25, backend=backend)
+        got, _ = dispatch.ragged_paged_attention_pool(q, pool, layer, table, seq_lens, qs, sm_scale=0.25, backend=backend)
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
     with pytest.raises(AttentionShapeError):
         dispatch.ragged_paged_attention_pool(q, pool, 3, table, seq_lens, qs, sm_scale=0.25, backend="interpret")

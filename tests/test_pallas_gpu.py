@@ -74,7 +74,7 @@ def test_pool_attention_compiled_equals_reference():
     q, k, v, table, seq_lens, qs = args
     pool = jnp.stack([jnp.stack([k, v])] * 3).at[0].set(jnp.nan)  # [3, 2, P, S, H, D]
     step = jax.jit(
-        lambda q, pool: dispatch.ragged_paged_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=128**-0.5)
+        lambda q, pool: dispatch.ragged_paged_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=128**-0.5)[0]
     )
     want = ragged_paged_attention_reference(q, k, v, table, seq_lens, qs, sm_scale=128**-0.5)
     np.testing.assert_allclose(np.asarray(step(q, pool), np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)

@@ -89,7 +89,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         kv_pool = pallas_kernels.write_kv(kv_pool, layer, k, v, meta.slot_mapping)
-        out, kv_pool = _attention_from_pool(
+        decode_only = tokens == meta.page_table.shape[0]  # the runner's decode buckets: one token per sequence
+        out, kv_pool = pallas_kernels.ragged_paged_attention_pool(
             q,
             kv_pool,
             layer,
@@ -97,23 +98,9 @@ class Attention(nnx.Module):
             meta.seq_lens,
             meta.query_start,
             sm_scale=self.head_dim**-0.5,
+            max_q_len=1 if decode_only else None,
         )
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)), kv_pool
-
-
-def _attention_from_pool(q, kv_pool, layer, page_table, seq_lens, query_start, *, sm_scale):
-    """Attention reading layer ``layer`` of the whole pool; returns (out, pool).
-
-    The pure-JAX path threads the pool through its block loop (and back out) so XLA
-    does not copy the donated pool; the Pallas kernels read it in place.
-    """
-    from pallas_kernels.dispatch import resolve_backend
-    from pallas_kernels.reference import ragged_paged_attention_pool_reference
-
-    args = (q, kv_pool, layer, page_table, seq_lens, query_start)
-    if resolve_backend() == "reference":
-        return ragged_paged_attention_pool_reference(*args, sm_scale=sm_scale)
-    return pallas_kernels.ragged_paged_attention_pool(*args, sm_scale=sm_scale), kv_pool
 
 
 class MLP(nnx.Module):
