@@ -98,7 +98,9 @@ def _check_strings(value: Any) -> None:
 async def read_body(request: Request, model: type[M], limit: int, *, allow_empty: bool = False) -> M:
     """Read, decode and validate a JSON body into ``model`` (4xx ``HTTPError`` on any problem)."""
     length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
+    if length is not None and not length.isdigit():
+        raise HTTPError(400, f"invalid Content-Length {length[:32]!r}", "invalid_request_error")
+    if length is not None and int(length) > limit:
         raise HTTPError(413, f"request body exceeds {limit} bytes", "invalid_request_error", "body_too_large")
     raw = bytearray()
     async for part in request.stream():
