@@ -181,14 +181,17 @@ class Engine:
         sinks = []
         for prompt, p in zip(batch, params_list):
             sink = CollectingSink()
-            rid = self.submit(prompt, p, cache_salt=cache_salt, sink=sink)
-            sinks.append((rid, sink))
+            ids = self._prompt_ids(prompt)
+            rid = self.submit(ids, p, cache_salt=cache_salt, sink=sink)
+            sinks.append((rid, ids, sink))
         outputs = []
-        for rid, sink in sinks:
+        for rid, ids, sink in sinks:
             sink.wait()
             if sink.error is not None:
                 raise sink.error
-            outputs.append(_collect(rid, sink.chunks))
+            out = _collect(rid, sink.chunks)
+            out.prompt_token_ids = ids
+            outputs.append(out)
         return outputs
 
     async def stream(
@@ -214,8 +217,8 @@ class Engine:
                     finished = True
                     return
         finally:
-            if not finished:
-                self.abort(rid)
+            if not finished:  # the consumer went away: abort without blocking its event loop
+                self.abort(rid, wait=False)
 
     def submit(
         self,
@@ -255,9 +258,18 @@ class Engine:
         self._post(lambda: self._admit(tracked))
         return rid
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a request at any point; its pages are freed and its nodes unlocked."""
-        return bool(self._call(lambda: self._abort(request_id, RequestAbortedError(f"request {request_id} was aborted"))))
+    def abort(self, request_id: str, *, wait: bool = True) -> bool:
+        """Abort a request at any point; its pages are freed and its nodes unlocked.
+
+        ``wait=False`` queues the abort and returns at once (True: queued).
+        """
+        def do() -> bool:
+            return self._abort(request_id, RequestAbortedError(f"request {request_id} was aborted"))
+
+        if not wait and self._thread is not None:
+            self._post(do)
+            return True
+        return bool(self._call(do))
 
     def cache_stats(self) -> dict[str, Any]:
         return self._call(self._stats)

@@ -42,7 +42,7 @@ def test_same_tokens_from_every_tier(tiered_engine):
     doc = np.random.default_rng(0).integers(0, 256, size=300).tolist()
     prompt = doc + [7, 8, 9]
     cold = e.generate([prompt], GREEDY)[0]
-    assert cold.cached_tokens == {"device": 0, "host": 0, "storage": 0}
+    assert cold.cached_tokens == {"device": 0, "host": 0, "storage": 0} and cold.prompt_token_ids == prompt
     l1 = e.generate([prompt], GREEDY)[0]
     assert l1.cached_tokens["device"] == 288  # 18 full pages; the last partial page is recomputed
     e.flush_cache("device")
