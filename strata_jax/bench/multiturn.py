@@ -46,6 +46,17 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the results as JSON to this path")
 
 
+_TEMP_DIRS: list[str] = []  # storage dirs this process created; removed by cleanup_temp_storage()
+
+
+def cleanup_temp_storage() -> None:
+    """Delete the temporary L3 directories created for benchmark runs."""
+    import shutil
+
+    while _TEMP_DIRS:
+        shutil.rmtree(_TEMP_DIRS.pop(), ignore_errors=True)
+
+
 def build_controller(args: argparse.Namespace, device_tokens: int):  # noqa: ANN201
     """A controller shaped by the shared flags (and a temporary storage dir when none is given)."""
     import tempfile
@@ -54,8 +65,9 @@ def build_controller(args: argparse.Namespace, device_tokens: int):  # noqa: ANN
 
     storage = args.storage or ("memory" if args.no_model else "file")
     storage_dir = args.storage_dir
-    if storage == "file" and storage_dir is None:
+    if storage == "file" and storage_dir is None and args.tiers == "L1+L2+L3":
         storage_dir = tempfile.mkdtemp(prefix="strata-kv-bench-")
+        _TEMP_DIRS.append(storage_dir)
     cfg = CacheConfig(
         page_size=args.page_size,
         device_tokens=device_tokens,
@@ -119,7 +131,10 @@ def run_with_engine(args: argparse.Namespace, device_tokens: int) -> dict:
     from strata_jax.engine_config import EngineConfig
 
     t, o = args.request_length, args.output_length
-    storage_dir = args.storage_dir or tempfile.mkdtemp(prefix="strata-kv-bench-")
+    storage_dir = args.storage_dir
+    if storage_dir is None and args.tiers == "L1+L2+L3":
+        storage_dir = tempfile.mkdtemp(prefix="strata-kv-bench-")
+        _TEMP_DIRS.append(storage_dir)
     context = args.rounds * (t + o) + args.page_size
     engine = Engine(EngineConfig(
         model=args.model,
@@ -150,6 +165,7 @@ def run_with_engine(args: argparse.Namespace, device_tokens: int) -> dict:
         stats = engine.cache_stats()
     finally:
         engine.shutdown()
+        cleanup_temp_storage()
     return {"rounds": rounds, "hit_rate": total_cached / max(total_prompt, 1), "engine_cache_stats": stats}
 
 
@@ -220,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
     }
     print(f"overall hit rate {result['hit_rate']:.4f}; {elapsed:.1f} s")
     ctl.close()
+    cleanup_temp_storage()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

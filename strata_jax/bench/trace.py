@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from strata_jax.bench.multiturn import add_cache_arguments, build_controller
+from strata_jax.bench.multiturn import add_cache_arguments, build_controller, cleanup_temp_storage
 
 DESCRIPTION = "replay a Mooncake JSONL trace: hit rate vs the infinite-cache ideal (optionally per capacity)"
 BLOCK = 512
@@ -85,6 +85,7 @@ def replay(args: argparse.Namespace, prompts: list[tuple[int, ...]], device_toke
         sto += res.storage
         unfit += not res.fit
     ctl.close()
+    cleanup_temp_storage()
     return {
         "device_tokens": device_tokens,
         "hit_rate": (dev + host + sto) / max(total, 1),
