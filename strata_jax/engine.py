@@ -577,16 +577,10 @@ class Engine:
     def _publish_prefix(self, t: _Tracked, tokens: Sequence[int]) -> None:
         """The prefill landed: hand its full pages to the tree (transient -> ready) and re-pin them."""
         full = t.computed // self.page_size
-        self.ctl.insert(tokens[: full * self.page_size], t.namespace, t.page_table[:full])
-        self.ctl.tree.remove_transient(t.request_id)
-        match = self.ctl.match_prefix(tokens[: full * self.page_size], t.namespace, touch=False)
-        # Duplicate pages (someone inserted the same tokens first) were freed by insert:
-        # point the page table at the tree's copies.
-        t.page_table[: len(match.device_page_ids)] = match.device_page_ids
-        self.ctl.lock(match.last_node)
-        if t.locked is not None:
-            self.ctl.unlock(t.locked)
-        t.locked = match.last_node
+        t.locked, table = self.ctl.cache_unfinished(tokens[: full * self.page_size], t.namespace, t.page_table[:full], t.locked)
+        self.ctl.finish_request(t.request_id)
+        # Duplicate pages (someone inserted the same tokens first) were freed: use the tree's.
+        t.page_table[: len(table)] = table
         t.shared_pages = full
 
     # ------------------------------------------------------------------ tokens out
@@ -707,7 +701,7 @@ class Engine:
         if tier in ("device", "all"):
             self.ctl.evict_device(1 << 40)
         if tier in ("host", "all"):
-            self.ctl.host_alloc.free(self.ctl.tree.evict_host(1 << 40))
+            self.ctl.evict_host(1 << 40)
         if tier in ("storage", "all") and self.ctl.storage is not None:
             self.ctl.storage.clear()
             for node in self.ctl.tree.iter_nodes():
