@@ -42,7 +42,7 @@ def _in_thread(fn: Callable[..., T], *args: object) -> "asyncio.Future[T]":
         try:
             result = fn(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+            loop.call_soon_threadsafe(lambda e=exc: future.done() or future.set_exception(e))  # `exc` is unbound after the block
         else:
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
 

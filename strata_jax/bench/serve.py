@@ -10,7 +10,6 @@ import statistics
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from strata_jax.api import SamplingParams, StreamChunk
