@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from strata_jax.cli import build_parser, dispatch
@@ -11,18 +12,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     subparsers = next(a for a in parser._subparsers._group_actions if a.dest == "command")  # noqa: SLF001
     serve = subparsers.add_parser("serve", help="start the gRPC and OpenAI-compatible HTTP servers")
+    missing = None
     try:
         from serving.server_cli import add_serve_arguments
-    except ModuleNotFoundError as exc:
-        if exc.name != "serving.server_cli":
-            raise
-        add_serve_arguments = None
-    if add_serve_arguments is not None:
+    except ModuleNotFoundError as exc:  # the `serve` extra is not installed
+        missing = exc.name
+        serve.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    else:
         add_serve_arguments(serve)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "serve":
-        if add_serve_arguments is None:
-            raise SystemExit("`serve` is not implemented in this build")
+        if missing is not None:
+            raise SystemExit(f"`strata-jax serve` needs the serve extra ({missing} is missing): pip install 'strata-jax[serve]'")
         from serving.server_cli import run_serve
 
         return run_serve(args)

@@ -1,0 +1,34 @@
+"""The engine's commands work on a base install (no `serve` extra); `serve` then says what to install."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Make the serve extra's modules unimportable, then run the console script's main().
+SCRIPT = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('uvicorn', 'fastapi', 'grpc', 'grpc_health', 'grpc_reflection', 'prometheus_client'):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Block())
+from serving.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_generate_works_and_serve_explains_the_missing_extra():
+    ok = _run("generate", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--json")
+    assert ok.returncode == 0, ok.stderr
+    assert '"token_ids"' in ok.stdout
+    serve = _run("serve")
+    assert serve.returncode != 0 and "strata-jax[serve]" in serve.stderr
