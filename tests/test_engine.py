@@ -175,3 +175,25 @@ def test_generate_from_several_threads(tiered_engine):
     assert len(results) == 4
     for i in range(4):
         assert results[i] == e.generate([[10 + i] * 40], GREEDY)[0].token_ids
+
+
+def test_retraction_under_l1_pressure_keeps_tokens_identical():
+    """With L1 too small for four growing decodes, the newest is retracted (its KV goes to
+    the tree and L2) and re-prefilled later: outputs equal an unpressured run."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, size=100).tolist() for _ in range(4)]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+
+    def run(device_tokens: int):
+        engine = Engine(EngineConfig(model="tiny", warmup=False, show_progress=False, tiers="L1+L2", device_tokens=device_tokens,
+                                     page_size=16, max_batch_tokens=128, max_batch_size=4))
+        outs = engine.generate(prompts, params)
+        retractions = engine.cache_stats()["retractions"]
+        _baseline(engine)
+        engine.shutdown()
+        return [o.token_ids for o in outs], retractions
+
+    roomy, no_retractions = run(4096)
+    tight, retractions = run(448)
+    assert no_retractions == 0 and retractions > 0
+    assert tight == roomy
