@@ -56,16 +56,16 @@ class HostPool:
         With ``out`` (at least ``len(pages)`` rows) the pages are copied into
         ``out[:n]`` and ``out`` is returned.
         """
+        from pallas_kernels.transfer import gather_host_pages
+
         n = len(pages)
         if out is not None:
-            if _is_run(pages):
-                out[:n] = self.data[pages[0] : pages[0] + n]
-            else:
-                np.take(self.data, np.asarray(pages, dtype=np.int64), axis=0, out=out[:n])
+            gather_host_pages(self.data, np.asarray(pages, dtype=np.int64), out[:n])
             return out
         if _is_run(pages):
             return self.data[pages[0] : pages[0] + n]
-        return np.take(self.data, np.asarray(pages, dtype=np.int64), axis=0)
+        # page-first: every page is one contiguous block, copied run by run (np.take goes item by item)
+        return gather_host_pages(self.data, np.asarray(pages, dtype=np.int64))
 
     def write(self, pages: Sequence[int], values: np.ndarray) -> None:
         """Store ``values[:len(pages)]`` (page-first) into ``pages``."""
