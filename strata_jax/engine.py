@@ -38,11 +38,11 @@ from strata_jax.api import (
     empty_tier_counts,
 )
 from strata_jax.cache.controller import CacheController, CacheFullError, PrefetchHandle
-from strata_jax.cache.radix_tree import TreeNode
+from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
 from strata_jax.engine_config import EngineConfig
 from strata_jax.engine_io import AsyncQueueSink, CollectingSink, OutputSink
 from strata_jax.models.loader import load_model
-from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
+from strata_jax.runtime.model_runner import ModelRunner, PendingStep, RunnerConfig, SeqInput
 from strata_jax.runtime.simple_generate import request_rng_key
 from strata_jax.scheduler.cost_model import CostModel, CostPrior
 from strata_jax.scheduler.plan import PrefillItem, StepPlan
@@ -82,6 +82,7 @@ class _Tracked:
     shared_pages: int = 0
     computed: int = 0
     locked: TreeNode | None = None
+    match: PrefixMatch | None = None  # pinned at the start of a step, loaded after the decode dispatch
     prefetch: PrefetchHandle | None = None
     cached: dict[str, int] = field(default_factory=empty_tier_counts)
     first_token_at: float | None = None
@@ -405,16 +406,25 @@ class Engine:
         with span("schedule"):
             plan = self.scheduler.schedule(self._view)
         with span("load_kv"):
-            dropped = self._prepare(plan)
+            dropped = self._pin_and_make_room(plan)
         prefill = [item for item in plan.prefill if item.request_id not in dropped]
         decode = [req for req in plan.decode if req.request_id not in dropped]
         produced: dict[str, int] = {}
         if plan.decode_first:
-            produced.update(self._run_decode(decode))
+            # Bubble filling: the decode is dispatched before the loads, so the link
+            # transfers run while the device decodes; the loads' scatters queue behind it.
+            pending = self._dispatch_decode(decode)
+            with span("load_kv"):
+                dropped |= self._load_prefixes(prefill)
+            produced.update(self._finish_decode(decode, pending))
+            prefill = [item for item in prefill if item.request_id not in dropped]
             produced.update(self._run_extend(prefill))
         else:
+            with span("load_kv"):
+                dropped |= self._load_prefixes(prefill)
+            prefill = [item for item in prefill if item.request_id not in dropped]
             produced.update(self._run_extend(prefill))
-            produced.update(self._run_decode(decode))
+            produced.update(self._finish_decode(decode, self._dispatch_decode(decode)))
         with span("postprocess"):
             self._postprocess(prefill, decode, produced)
             for rid in dropped:  # their results never came: clear the scheduler's in-flight mark
@@ -432,8 +442,8 @@ class Engine:
                 seconds = max(handle.completed_at - handle.issued_at, 1e-9)
                 self.scheduler.cost.observe_load(handle.num_pages * self.page_size, seconds, tier="host")
 
-    def _prepare(self, plan: StepPlan) -> set[str]:
-        """Retractions, locks, evictions, loads and page allocation for this step's batches.
+    def _pin_and_make_room(self, plan: StepPlan) -> set[str]:
+        """Retractions; pin each first chunk's cached prefix; evict; pages for the decodes.
 
         Returns the requests that could not get device pages (aborted with an error;
         the scheduler's plan should never come to this, but the engine must not die).
@@ -442,12 +452,13 @@ class Engine:
             self._retract(self._tracked[req.request_id])
         for item in plan.prefill:
             if item.is_first_chunk:
-                self._attach_prefix(item)
+                self._pin_prefix(self._tracked[item.request_id], item)
         if plan.evict_device_tokens:
             self.ctl.evict_device(-(-plan.evict_device_tokens // self.page_size))
+        return self._allocate([(req.request_id, self._tracked[req.request_id].computed + 1) for req in plan.decode])
+
+    def _allocate(self, work: list[tuple[str, int]]) -> set[str]:
         dropped: set[str] = set()
-        work = [(item.request_id, item.end) for item in plan.prefill]
-        work += [(req.request_id, self._tracked[req.request_id].computed + 1) for req in plan.decode]
         for rid, tokens in work:
             try:
                 self._ensure_pages(self._tracked[rid], tokens)
@@ -457,16 +468,24 @@ class Engine:
                 dropped.add(rid)
         return dropped
 
-    def _attach_prefix(self, item: PrefillItem) -> None:
-        """First chunk: take the cached prefix (finishing prefetch, loading L2->L1) and pin it."""
-        t = self._tracked[item.request_id]
-        tokens = item.request.prefill_tokens
+    def _pin_prefix(self, t: _Tracked, item: PrefillItem) -> None:
+        """First chunk: land the L3->L2 prefetch (per its stop policy), re-match, lock the prefix."""
         if t.prefetch is not None:
             self.ctl.finish_prefetch(t.prefetch)
             t.prefetch = None
-        match = self.ctl.match_prefix(tokens, t.namespace, requester=t.request_id)
-        self.ctl.lock(match.last_node)
-        t.locked = match.last_node
+        t.match = self.ctl.match_prefix(item.request.prefill_tokens, t.namespace, requester=t.request_id)
+        self.ctl.lock(t.match.last_node)
+        t.locked = t.match.last_node
+
+    def _load_prefixes(self, prefill: list[PrefillItem]) -> set[str]:
+        """Load pinned host-only prefixes L2->L1 (one coalesced transfer each), then pages for the chunks."""
+        for item in prefill:
+            if item.is_first_chunk:
+                self._take_prefix(self._tracked[item.request_id], item)
+        return self._allocate([(item.request_id, item.end) for item in prefill])
+
+    def _take_prefix(self, t: _Tracked, item: PrefillItem) -> None:
+        match, t.match = t.match, None
         try:
             self.ctl.load(match, t.request_id)
         except CacheFullError:
@@ -541,17 +560,23 @@ class Engine:
             pending = rest
         return sampled
 
-    def _run_decode(self, decode: list[ScheduledRequest]) -> dict[str, int]:
+    def _dispatch_decode(self, decode: list[ScheduledRequest]) -> tuple[PendingStep, float] | None:
         if not decode:
-            return {}
+            return None
         with span("decode"):
             start = time.perf_counter()
             seqs = []
             for req in decode:
                 t = self._tracked[req.request_id]
                 seqs.append(self._seq(t, [t.output_ids[-1]], t.computed))
-            result = self.runner.step(seqs)
-            tokens = [int(x) for x in result.next_tokens]
+            return self.runner.dispatch(seqs), start
+
+    def _finish_decode(self, decode: list[ScheduledRequest], pending: tuple[PendingStep, float] | None) -> dict[str, int]:
+        if pending is None:
+            return {}
+        step, start = pending
+        with span("decode"):
+            tokens = [int(x) for x in step.result().next_tokens]
             for req in decode:
                 self._tracked[req.request_id].computed += 1
             elapsed = time.perf_counter() - start

@@ -13,6 +13,7 @@ import torch
 from hf_reference import make_hf_model
 from strata_jax.api import InvalidRequestError, OverloadedError, SamplingParams
 from strata_jax.engine import Engine, EngineConfig
+from strata_jax.engine_io import CollectingSink
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -197,3 +198,39 @@ def test_retraction_under_l1_pressure_keeps_tokens_identical():
     tight, retractions = run(448)
     assert no_retractions == 0 and retractions > 0
     assert tight == roomy
+
+
+def test_bubble_filling_decodes_first_and_keeps_tokens_identical():
+    """A slow link makes the L2 load of B's prefix outlast a decode step: the running decode of A
+    is dispatched before B's load (a decode-first round) and every output is unchanged."""
+    from strata_jax.cache.config import CacheConfig
+
+    rng = np.random.default_rng(7)
+    doc = rng.integers(0, 256, size=160).tolist()
+    a_prompt = rng.integers(0, 256, size=20).tolist()
+    b_prompt = doc + [1, 2, 3]
+    a_params = SamplingParams(max_tokens=30, ignore_eos=True)
+    slow_link = CacheConfig(page_size=16, device_tokens=2048, tiers="L1+L2", initial_bandwidth_bytes_per_s=1e4)
+    engine = Engine(EngineConfig(model="tiny", warmup=False, show_progress=False, cache=slow_link, max_batch_tokens=64,
+                                 max_batch_size=4), start=False)
+
+    def run(prompt, params):
+        sink = CollectingSink()
+        engine.submit(prompt, params, sink=sink)
+        return sink
+
+    ref_b, ref_a = run(b_prompt, GREEDY), run(a_prompt, a_params)
+    engine.run_until_idle()
+    engine.flush_cache("device")  # b's document now lives in L2 only
+    a = run(a_prompt, a_params)
+    engine._drain_inbox()
+    while engine.scheduler.stats().decoding == 0:  # a is decoding ...
+        engine.step()
+    b = run(b_prompt, GREEDY)  # ... when b arrives with its prefix in L2
+    engine.run_until_idle()
+    tokens = lambda sink: [t for c in sink.chunks for t in c.token_ids]  # noqa: E731
+    assert tokens(a) == tokens(ref_a) and tokens(b) == tokens(ref_b)
+    assert b.chunks[-1].cached_tokens["host"] == 160
+    assert engine.scheduler.stats().decode_first_rounds > 0
+    _baseline(engine)
+    engine.shutdown()

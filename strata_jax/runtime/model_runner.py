@@ -10,7 +10,7 @@ table width is fixed by the maximum context, so no step after warm-up compiles.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -71,9 +71,20 @@ class StepResult:
 
 
 @dataclass
-class _Compiled:
-    fn: object
-    shapes: set = field(default_factory=set)
+class PendingStep:
+    """A dispatched step whose results are still being computed (JAX async dispatch)."""
+
+    next_tokens: jax.Array
+    logits: jax.Array | None
+    num_seqs: int
+    num_tokens: int
+
+    def result(self) -> StepResult:
+        """Wait for the step and fetch its sampled tokens (and logits if requested)."""
+        out = StepResult(next_tokens=np.asarray(self.next_tokens)[: self.num_seqs])
+        if self.logits is not None:
+            out.logits = np.asarray(self.logits)[: self.num_tokens]
+        return out
 
 
 class _OwnPool:
@@ -127,15 +138,16 @@ class ModelRunner:
     # ---- steps ----------------------------------------------------------------------
     def step(self, seqs: list[SeqInput], *, all_logits: bool = False) -> StepResult:
         """Run one ragged batch (any mix of extends and decodes) and sample a token per sequence."""
+        return self.dispatch(seqs, all_logits=all_logits).result()
+
+    def dispatch(self, seqs: list[SeqInput], *, all_logits: bool = False) -> PendingStep:
+        """Start a step without waiting for it: later work on the pool (e.g. a KV load's
+        scatter) queues behind it on the device while the host goes on."""
         if not seqs:
             raise ValueError("empty batch")
         inputs = self._pack(seqs)
         next_tokens, logits = self._run_padded(inputs, all_logits=all_logits)
-        total = sum(len(s.token_ids) for s in seqs)
-        result = StepResult(next_tokens=np.asarray(next_tokens)[: len(seqs)])
-        if all_logits:
-            result.logits = np.asarray(logits)[:total]
-        return result
+        return PendingStep(next_tokens, logits if all_logits else None, len(seqs), sum(len(s.token_ids) for s in seqs))
 
     def _run_padded(self, inputs: dict, *, all_logits: bool):
         next_tokens, logits, self.pool.kv = self._step(self.state, self.pool.kv, inputs, all_logits=all_logits)
