@@ -22,7 +22,7 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -298,27 +298,12 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         first = await until_disconnect(request, _first(stream))
         model, created = frontend.model_name, int(time.time())
 
-        async def events() -> AsyncIterator[str]:
-            totals = _Totals()
-            try:
-                chunk = first
-                while chunk is not None:
-                    totals.add(chunk)
-                    reason = (chunk.finish_reason or "stop") if chunk.finished else None
-                    yield _sse(oai.completion_chunk(rid, model, chunk.text, reason, created))
-                    if chunk.finished:
-                        break
-                    chunk = await anext(stream, None)
-                if req.include_usage:
-                    yield _sse(oai.usage_chunk(rid, model, "text_completion", created, totals.usage()))
-                yield "data: [DONE]\n\n"
-            except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
-                err = map_error(exc)
-                yield _sse(oai.error_body(err.message, err.type, err.code))
-            finally:
-                await stream.aclose()
+        def on_chunk(chunk: StreamChunk) -> list[dict]:
+            reason = (chunk.finish_reason or "stop") if chunk.finished else None
+            return [oai.completion_chunk(rid, model, chunk.text, reason, created)]
 
-        return AbortingStreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        usage = (lambda totals: oai.usage_chunk(rid, model, "text_completion", created, totals)) if req.include_usage else None
+        return _sse_response(stream, first, [], on_chunk, usage)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
@@ -354,21 +339,41 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         first = await until_disconnect(request, _first(stream))
         model, created = frontend.model_name, int(time.time())
 
+        def on_chunk(chunk: StreamChunk) -> list[dict]:
+            out = [oai.chat_chunk(rid, model, {"content": chunk.text}, None, created)] if chunk.text else []
+            if chunk.finished:
+                out.append(oai.chat_chunk(rid, model, {}, chunk.finish_reason or "stop", created))
+            return out
+
+        role = oai.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created)
+        usage = (lambda totals: oai.usage_chunk(rid, model, "chat.completion.chunk", created, totals)) if req.include_usage else None
+        return _sse_response(stream, first, [role], on_chunk, usage)
+
+    def _sse_response(
+        stream: AsyncIterator[StreamChunk],
+        first: StreamChunk | None,
+        opening: list[dict],
+        on_chunk: Callable[[StreamChunk], list[dict]],
+        usage_chunk: Callable[[dict], dict] | None,
+    ) -> Response:
+        """An SSE response over an engine stream: ``opening`` events, the events ``on_chunk``
+        makes of each chunk, the usage event (if the client asked for one), then ``[DONE]``."""
+
         async def events() -> AsyncIterator[str]:
             totals = _Totals()
             try:
-                yield _sse(oai.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created))
+                for event in opening:
+                    yield _sse(event)
                 chunk = first
                 while chunk is not None:
                     totals.add(chunk)
-                    if chunk.text:
-                        yield _sse(oai.chat_chunk(rid, model, {"content": chunk.text}, None, created))
+                    for event in on_chunk(chunk):
+                        yield _sse(event)
                     if chunk.finished:
-                        yield _sse(oai.chat_chunk(rid, model, {}, chunk.finish_reason or "stop", created))
                         break
                     chunk = await anext(stream, None)
-                if req.include_usage:
-                    yield _sse(oai.usage_chunk(rid, model, "chat.completion.chunk", created, totals.usage()))
+                if usage_chunk is not None:
+                    yield _sse(usage_chunk(totals.usage()))
                 yield "data: [DONE]\n\n"
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
                 err = map_error(exc)
