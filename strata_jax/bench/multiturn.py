@@ -68,19 +68,7 @@ def build_controller(args: argparse.Namespace, device_tokens: int):  # noqa: ANN
     if storage == "file" and storage_dir is None and args.tiers == "L1+L2+L3":
         storage_dir = tempfile.mkdtemp(prefix="strata-kv-bench-")
         _TEMP_DIRS.append(storage_dir)
-    cfg = CacheConfig(
-        page_size=args.page_size,
-        device_tokens=device_tokens,
-        hicache_ratio=args.hicache_ratio,
-        tiers=args.tiers,
-        write_policy=args.write_policy,
-        write_through_threshold=args.write_through_threshold,
-        prefetch_policy=args.prefetch_policy,
-        prefetch_min_tokens=0,
-        storage_backend=storage,
-        storage_dir=storage_dir,
-        storage_capacity_bytes=args.storage_capacity_bytes,
-    )
+    cfg = cache_config(args, device_tokens, storage, storage_dir)
     layout = None
     if not args.no_model:
         from pallas_kernels.layout import KVLayout
@@ -106,7 +94,8 @@ def ceiling(r: int, t: int, o: int) -> float:
     return r * (t + o) / ((r + 1) * t + r * o)
 
 
-def cache_config(args: argparse.Namespace, device_tokens: int, storage_dir: str | None) -> CacheConfig:
+def cache_config(args: argparse.Namespace, device_tokens: int, storage_backend: str, storage_dir: str | None) -> CacheConfig:
+    """The cache shaped by the shared flags (L1 size, backend and directory resolved by the caller)."""
     return CacheConfig(
         page_size=args.page_size,
         device_tokens=device_tokens,
@@ -116,7 +105,7 @@ def cache_config(args: argparse.Namespace, device_tokens: int, storage_dir: str 
         write_through_threshold=args.write_through_threshold,
         prefetch_policy=args.prefetch_policy,
         prefetch_min_tokens=0,
-        storage_backend=args.storage or "file",
+        storage_backend=storage_backend,
         storage_dir=storage_dir,
         storage_capacity_bytes=args.storage_capacity_bytes,
     )
@@ -138,7 +127,7 @@ def run_with_engine(args: argparse.Namespace, device_tokens: int) -> dict:
     context = args.rounds * (t + o) + args.page_size
     engine = Engine(EngineConfig(
         model=args.model,
-        cache=cache_config(args, device_tokens, storage_dir),
+        cache=cache_config(args, device_tokens, args.storage or "file", storage_dir),
         max_context_tokens=context,
         max_batch_tokens=args.max_batch_tokens,
         show_progress=False,
