@@ -43,7 +43,7 @@ from strata_jax.engine_config import EngineConfig
 from strata_jax.engine_io import AsyncQueueSink, CollectingSink, OutputSink
 from strata_jax.models.loader import load_model
 from strata_jax.runtime.model_runner import ModelRunner, PendingStep, RunnerConfig, SeqInput
-from strata_jax.runtime.simple_generate import request_rng_key
+from strata_jax.runtime.sampling import request_rng_key
 from strata_jax.scheduler.cost_model import CostModel, CostPrior
 from strata_jax.scheduler.plan import PrefillItem, StepPlan
 from strata_jax.scheduler.request import RequestStatus, ScheduledRequest
@@ -736,7 +736,7 @@ class Engine:
         self.ctl.drain()  # backups in flight hold locks until they land
         held = [p for t in self._tracked.values() for p in t.page_table[t.shared_pages :]]
         self.ctl.check(device_held=held)
-        locked = sum(1 for n in self.ctl.tree.iter_nodes() if n.lock_ref > 0)
+        locked = self._locked_nodes()
         transient = sum(1 for n in self.ctl.tree.iter_nodes() if n.is_transient)
         return {
             "device_used_pages": self.ctl.device_alloc.num_used,
@@ -747,10 +747,13 @@ class Engine:
             "live_requests": len(self._tracked),
         }
 
+    def _locked_nodes(self) -> int:
+        return sum(1 for n in self.ctl.tree.iter_nodes() if n.lock_ref > 0)
+
     def _stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
         c = self.ctl.stats()
-        locked = sum(1 for n in self.ctl.tree.iter_nodes() if n.lock_ref > 0)
+        locked = self._locked_nodes()
         return {
             "device_pool": {"used_pages": c["device_pages"] - c["device_free_pages"], "total_pages": c["device_pages"], "page_size": self.page_size},
             "host_pool": {"used_pages": c["host_pages"] - c["host_free_pages"], "total_pages": c["host_pages"]},

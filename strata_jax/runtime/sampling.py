@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import jax
 import jax.numpy as jnp
 
@@ -32,3 +34,10 @@ def sample_tokens(
     gumbel = jax.vmap(lambda key: jax.random.gumbel(jax.random.wrap_key_data(key), (vocab,)))(keys)
     sampled = jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
+
+
+def request_rng_key(seed: int | None, request_id: str, step: int) -> tuple[int, int]:
+    """A per-request, per-step raw PRNG key (two uint32 words): reproducible for a seed."""
+    material = f"{seed if seed is not None else request_id}:{step}".encode()
+    digest = hashlib.sha256(material).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")
