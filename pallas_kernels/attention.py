@@ -109,7 +109,10 @@ def _attention_kernel(
         tok_local = rows // group
         head_in_group = rows - tok_local * group
         tok = jnp.minimum(q_start + tok_local, num_tokens - 1)
-        q = q_ref[tok, h, head_in_group, :]  # [BR, D]
+        # Mixed q / KV dtypes (an f32 model over a bf16 pool, say) compute in the
+        # promoted dtype, like the reference; Triton's dot needs equal operand types.
+        dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
+        q = q_ref[tok, h, head_in_group, :].astype(dtype)  # [BR, D]
         pos = seq_len - q_len + tok_local  # absolute position of each row's token
         last_tok = (jnp.minimum(row0 + block_rows, n_rows) - 1) // group
         kv_end = jnp.minimum(seq_len - q_len + last_tok + 1, seq_len)
@@ -122,8 +125,8 @@ def _attention_kernel(
             page_idx = jnp.minimum(kv_pos // page_size, max_pages - 1)
             page = jnp.clip(table_ref[b, page_idx], 0, num_pages - 1)
             slot = page * page_size + kv_pos % page_size
-            k = k_ref[k_index[0], k_index[1], slot, h, :]  # [BK, D]
-            v = v_ref[v_index[0], v_index[1], slot, h, :]
+            k = k_ref[k_index[0], k_index[1], slot, h, :].astype(dtype)  # [BK, D]
+            v = v_ref[v_index[0], v_index[1], slot, h, :].astype(dtype)
             scores = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
             ) * sm_scale

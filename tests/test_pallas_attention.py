@@ -174,3 +174,25 @@ def test_pool_variant_reads_the_layer_in_place(layer):
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
     with pytest.raises(AttentionShapeError):
         dispatch.ragged_paged_attention_pool(q, pool, 3, table, seq_lens, qs, sm_scale=0.25, backend="interpret")
+
+
+@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)], ids=("f32q-bf16kv", "bf16q-f32kv"))
+def test_mixed_query_and_kv_dtypes(q_dtype, kv_dtype):
+    """An f32 model over a bf16 KV pool (and the reverse) computes in the promoted dtype.
+
+    Triton's dot needs equal operand dtypes; the kernel once passed them through
+    unpromoted and failed to lower for the engine's f32-model/bf16-pool step.
+    """
+    rng = np.random.default_rng(5)
+    args, host = make_batch(
+        rng, page_size=8, num_q_heads=8, num_kv_heads=2, head_dim=16, pad_tokens=2, dtype=jnp.bfloat16, **MIXED
+    )
+    q, k, v, table, seq_lens, qs = args
+    q, k, v = q.astype(q_dtype), k.astype(kv_dtype), v.astype(kv_dtype)  # bf16-exact values either way
+    got = ragged_paged_attention_pallas(q, k, v, table, seq_lens, qs, sm_scale=0.25, interpret=True)
+    ref = ragged_paged_attention_reference(q, k, v, table, seq_lens, qs, sm_scale=0.25)
+    assert got.dtype == ref.dtype == q_dtype
+    want = brute_force(*host, 0.25, None)
+    tol = dict(atol=2e-2, rtol=2e-2) if q_dtype == jnp.bfloat16 else dict(atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, **tol)
+    np.testing.assert_allclose(np.asarray(ref, np.float32), want, **tol)

@@ -3,6 +3,8 @@
 ``jax.jit(f).trace(...).lower(lowering_platforms=(platform,))`` runs the Pallas ->
 Triton lowering in Python and embeds the kernel as a ``__gpu$xla.gpu.triton``
 custom call; a kernel using an op or tile shape Triton cannot express fails here.
+From jax 0.11 that lowering needs an abstract GPU device on a CPU-only host:
+``pallas_kernels.aot.lower_for_gpu`` provides it (harmless on 0.10).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.aot import gpu_lowering_target, lower_for_gpu
 from pallas_kernels.attention import ragged_paged_attention_pallas, ragged_paged_attention_pool_pallas
 from pallas_kernels.transfer import gather_pages_pallas, scatter_pages_pallas
 
@@ -22,7 +25,7 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 def _lowered_text(fn, *args, platform, donate=()):
-    return jax.jit(fn, donate_argnums=donate).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return lower_for_gpu(fn, *args, platform=platform, donate_argnums=donate).as_text()
 
 
 def _pool(page_size, dtype, layers=4, pages=32, heads=8, dim=128):
@@ -85,3 +88,39 @@ def test_pool_attention_lowers_without_copying_the_layer(platform):
     pool_type = "tensor<4x2x64x16x8x128xbf16>"
     pool_ops = [line.strip() for line in text.splitlines() if pool_type in line and "func.func" not in line]
     assert pool_ops and all(line.split("=")[1].split()[0] == "stablehlo.reshape" for line in pool_ops), pool_ops
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("tokens", [1, 5])  # decode bucket and extend bucket
+def test_engine_step_lowers_for_gpu_with_every_kernel_in_place(platform, tokens, monkeypatch):
+    """The whole jitted model step the engine runs on a GPU: one Triton attention call per
+    layer, the pool donated and aliased to the output, and no pool-sized copy or slice."""
+    from strata_jax.models.config import ModelConfig
+    from strata_jax.models.weights import random_model
+    from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
+
+    monkeypatch.setenv("STRATA_KERNEL_BACKEND", "pallas")
+    config = ModelConfig(
+        model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
+        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+    )  # fmt: skip
+    runner = ModelRunner(
+        random_model(config),
+        RunnerConfig(page_size=16, num_device_pages=97, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128, kv_dtype="bfloat16"),
+    )
+    inputs = runner._pack([SeqInput(list(range(tokens)), 8, [3])])  # noqa: SLF001
+    with gpu_lowering_target(platform):
+        lowered = runner._step.trace(runner.state, runner.pool.kv, inputs, all_logits=False).lower(  # noqa: SLF001
+            lowering_platforms=(platform,)
+        )
+    text = lowered.as_text()
+    assert text.count(TRITON_CALL) == config.num_layers
+    assert "tf.aliasing_output" in text  # the donated pool comes back as an output buffer
+    pool_type = "tensor<3x2x97x16x2x16xbf16>"
+    pool_ops = {line.split("=")[1].split()[0] for line in text.splitlines() if "=" in line and pool_type in line.split("=")[1]}
+    assert pool_ops <= {"stablehlo.reshape", "stablehlo.scatter", "stablehlo.custom_call", "call"}, pool_ops
+
+
+def test_gpu_lowering_target_rejects_unknown_platform():
+    with pytest.raises(ValueError, match="platform must be one of"), gpu_lowering_target("tpu"):
+        pass
