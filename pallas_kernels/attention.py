@@ -112,6 +112,9 @@ def _attention_kernel(
         # Mixed q / KV dtypes (an f32 model over a bf16 pool, say) compute in the
         # promoted dtype, like the reference; Triton's dot needs equal operand types.
         dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
+        # float32 means float32: Triton's default dot precision for f32 inputs is TF32
+        # (10-bit mantissa), which would put ~1e-3 errors into an f32 pool's attention.
+        precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
         q = q_ref[tok, h, head_in_group, :].astype(dtype)  # [BR, D]
         pos = seq_len - q_len + tok_local  # absolute position of each row's token
         last_tok = (jnp.minimum(row0 + block_rows, n_rows) - 1) // group
@@ -128,7 +131,7 @@ def _attention_kernel(
             k = k_ref[k_index[0], k_index[1], slot, h, :].astype(dtype)  # [BK, D]
             v = v_ref[v_index[0], v_index[1], slot, h, :].astype(dtype)
             scores = jax.lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
             ) * sm_scale
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -139,12 +142,9 @@ def _attention_kernel(
             correction = jnp.exp(row_max - new_max)
             row_sum = row_sum * correction + jnp.sum(probs, axis=1)
             v = jnp.where((kv_pos < kv_end)[:, None], v, jnp.zeros_like(v))
-            if v.dtype == jnp.float32:
-                pv = jax.lax.dot_general(probs, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-            else:
-                pv = jax.lax.dot_general(
-                    probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-                )
+            pv = jax.lax.dot_general(
+                probs.astype(dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )
             acc = acc * correction[:, None] + pv
             return acc, new_max, row_sum
 
