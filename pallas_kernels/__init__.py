@@ -5,7 +5,8 @@ Public entry points (``scatter_pages``, ``gather_pages``, ``ragged_paged_attenti
 ``ragged_paged_attention_pool``)
 pick their implementation per platform in ``pallas_kernels.dispatch``: CPU ->
 reference, CUDA/ROCm -> Pallas Triton; override with ``backend=`` /
-``KernelConfig`` or ``$STRATA_KERNEL_BACKEND`` (``reference|pallas|interpret|auto``).
+``KernelConfig``, a ``use_backend(...)`` scope or ``$STRATA_KERNEL_BACKEND``
+(``reference|pallas|interpret|auto``).
 """
 
 from pallas_kernels.dispatch import (
@@ -18,6 +19,7 @@ from pallas_kernels.dispatch import (
     ragged_paged_attention_pool,
     resolve_backend,
     scatter_pages,
+    use_backend,
 )
 from pallas_kernels.layout import KVLayout
 from pallas_kernels.reference import (
@@ -44,6 +46,7 @@ __all__ = [
     "resolve_backend",
     "scatter_pages",
     "scatter_pages_reference",
+    "use_backend",
     "write_kv",
     "write_kv_reference",
 ]

@@ -8,9 +8,12 @@ Backends, by name:
 * ``"auto"``: choose by platform as above.
 
 Selection order: an explicit ``backend=`` argument (or ``KernelConfig.backend``)
-other than ``"auto"`` wins; else the ``STRATA_KERNEL_BACKEND`` environment variable
-if set; else the platform default.  The choice is made in Python when a function
-is traced, so inside ``jax.jit`` it is fixed at compile time.
+other than ``"auto"`` wins; else the innermost ``use_backend(...)`` scope (how the
+model runner applies ``EngineConfig.kernel_backend`` to the model it traces); else
+the ``STRATA_KERNEL_BACKEND`` environment variable if set; else the platform
+default.  The choice is made in Python when a function is traced, so inside
+``jax.jit`` it is fixed at compile time: a jitted function traced once keeps its
+backend even if the environment changes later.
 
 ``"auto"`` falls back to the reference for shapes the compiled kernel cannot tile
 (attention with a head_dim that is not a power of two >= 16); an explicit
@@ -21,9 +24,11 @@ is traced, so inside ``jax.jit`` it is fixed at compile time.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -80,12 +85,30 @@ def default_backend_for(platform: str) -> str:
     return "pallas" if platform in _PALLAS_PLATFORMS else "reference"
 
 
+_SCOPED_BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar("strata_kernel_backend", default="auto")
+
+
+@contextlib.contextmanager
+def use_backend(backend: str | KernelConfig) -> Iterator[None]:
+    """Within this block (this thread / task), kernels called without an explicit
+    ``backend=`` use ``backend``; ``"auto"`` leaves the choice to the env / platform."""
+    name = backend.backend if isinstance(backend, KernelConfig) else _validate(backend, "use_backend")
+    token = _SCOPED_BACKEND.set(name)
+    try:
+        yield
+    finally:
+        _SCOPED_BACKEND.reset(token)
+
+
 def resolve_backend(backend: str | KernelConfig | None = None, platform: str | None = None) -> str:
     """The concrete backend (``reference``, ``pallas`` or ``interpret``) to use now."""
     if isinstance(backend, KernelConfig):
         backend = backend.backend
     if backend is not None and _validate(backend, "backend argument") != "auto":
         return backend
+    scoped = _SCOPED_BACKEND.get()
+    if scoped != "auto":
+        return scoped
     env = os.environ.get(ENV_VAR, "").strip()
     if env and _validate(env, f"${ENV_VAR}") != "auto":
         return env
@@ -234,4 +257,5 @@ __all__ = [
     "ragged_paged_attention_pool_reference",
     "resolve_backend",
     "scatter_pages",
+    "use_backend",
 ]

@@ -146,6 +146,7 @@ class Engine:
                 max_batch_size=config.max_batch_size,
                 max_context_tokens=self.max_context_tokens,
                 kv_dtype=kv_dtype,
+                kernel_backend=config.kernel_backend,
             ),
             pool=self.ctl.device_pool,
         )

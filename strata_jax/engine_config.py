@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pallas_kernels.dispatch import BACKENDS as KERNEL_BACKENDS
 from strata_jax.api import InvalidRequestError
 from strata_jax.cache.config import CacheConfig
 from strata_jax.scheduler.config import SchedulerConfig
@@ -41,6 +42,9 @@ class EngineConfig:
     warmup: compile every step shape at start-up (no compilation while serving).
     compilation_cache_dir: persistent XLA compilation cache directory (None = off).
     show_progress: progress bars for loading and compiling.
+    kernel_backend: attention and KV-transfer kernels: "auto" (default: Pallas on
+        CUDA/ROCm, pure-JAX reference on CPU; $STRATA_KERNEL_BACKEND overrides auto),
+        "pallas", "reference" or "interpret" (Pallas interpreted; slow, for tests).
     """
 
     model: str = "tiny"
@@ -63,6 +67,7 @@ class EngineConfig:
     warmup: bool = True
     compilation_cache_dir: str | None = None
     show_progress: bool = True
+    kernel_backend: str = "auto"
     cache: CacheConfig | None = None
     scheduler: SchedulerConfig | None = None
 
@@ -76,6 +81,10 @@ class EngineConfig:
         for name in ("dtype", "kv_dtype"):
             if getattr(self, name) not in (None, "float32", "bfloat16"):
                 raise InvalidRequestError(f"EngineConfig.{name} must be float32 or bfloat16, got {getattr(self, name)!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise InvalidRequestError(
+                f"EngineConfig.kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, got {self.kernel_backend!r}"
+            )
 
     def resolved_device_tokens(self, max_context_tokens: int) -> int:
         if self.cache is not None:
@@ -97,6 +106,7 @@ class EngineConfig:
             prefetch_min_tokens=self.prefetch_min_tokens,
             storage_backend=self.storage_backend,
             storage_dir=self.storage_dir,
+            kernel_backend=self.kernel_backend,
         )
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -38,6 +38,30 @@ def test_env_overrides_auto_but_not_an_explicit_choice(monkeypatch):
     assert dispatch.get_implementation("scatter_pages", "pallas") is scatter_pages_pallas
 
 
+def test_use_backend_scope_sits_between_explicit_choice_and_env(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    with dispatch.use_backend("interpret"):
+        assert dispatch.resolve_backend(platform="cuda") == "interpret"  # beats env and platform
+        assert dispatch.resolve_backend("pallas") == "pallas"  # an explicit argument still wins
+        with dispatch.use_backend("auto"):  # "auto" defers to env / platform again
+            assert dispatch.resolve_backend(platform="cuda") == "reference"
+        assert dispatch.resolve_backend() == "interpret"
+    assert dispatch.resolve_backend(platform="cuda") == "reference"  # scope restored on exit
+    with pytest.raises(dispatch.UnknownBackendError), dispatch.use_backend("triton"):
+        pass
+
+
+def test_use_backend_does_not_leak_into_other_threads():
+    import threading
+
+    seen = []
+    with dispatch.use_backend("interpret"):
+        worker = threading.Thread(target=lambda: seen.append(dispatch.resolve_backend(platform="cuda")))
+        worker.start()
+        worker.join()
+    assert seen == ["pallas"]
+
+
 def test_bad_names_raise(monkeypatch):
     with pytest.raises(dispatch.UnknownBackendError):
         dispatch.KernelConfig("triton")

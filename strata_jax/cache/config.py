@@ -23,6 +23,9 @@ Every default, and why:
 * ``initial_bandwidth_bytes_per_s = 16e9`` (PCIe 4 x16 in practice) until the
   first measured load; ``bandwidth_ema = 0.2`` weight of each new measurement.
 * ``io_threads = 2`` worker threads for storage reads and writes.
+* ``kernel_backend = "auto"``: which ``pallas_kernels`` backend the L1 pool's page
+  scatter/gather use (``auto``: Pallas on GPU, reference on CPU; see
+  ``pallas_kernels.dispatch``); resolved when the pool is built.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class CacheConfig:
     initial_bandwidth_bytes_per_s: float = 16e9
     bandwidth_ema: float = 0.2
     io_threads: int = 2
+    kernel_backend: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> CacheConfigError:

@@ -130,7 +130,9 @@ class CacheController:
         if self.move_data:
             from strata_jax.cache.pools import DevicePool, HostPool
 
-            self.device_pool = DevicePool(layout, self.device_alloc.num_pages, device)  # type: ignore[arg-type]
+            self.device_pool = DevicePool(
+                layout, self.device_alloc.num_pages, device, kernel_backend=config.kernel_backend  # type: ignore[arg-type]
+            )
             if self.host_alloc.num_pages:
                 self.host_pool = HostPool(layout, self.host_alloc.num_pages)  # type: ignore[arg-type]
         self.storage: StorageBackend | None = None

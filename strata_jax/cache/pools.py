@@ -76,34 +76,35 @@ class HostPool:
             self.data[np.asarray(pages, dtype=np.int64)] = values[:n]
 
 
-_JITTED: tuple | None = None
+_JITTED: dict[str, tuple] = {}
 
 
-def _jitted_transfers() -> tuple:
-    """The jitted scatter (pool donated) and gather, shared by every pool (one compile per shape)."""
-    global _JITTED  # a cache of compiled functions, not state: pools stay independent
-    if _JITTED is None:
+def _jitted_transfers(backend: str) -> tuple:
+    """The jitted scatter (pool donated) and gather for a concrete kernel backend, shared
+    by every pool using it (one compile per shape and backend)."""
+    if backend not in _JITTED:  # a cache of compiled functions, not state: pools stay independent
         import jax
 
         import pallas_kernels
 
-        # Looked up at trace time, so the kernels' dispatch (Pallas or reference) is used.
         def _scatter(pool, staging, ids):  # noqa: ANN001, ANN202
-            return pallas_kernels.scatter_pages(pool, staging, ids)
+            return pallas_kernels.scatter_pages(pool, staging, ids, backend=backend)
 
         def _gather(pool, ids):  # noqa: ANN001, ANN202
-            return pallas_kernels.gather_pages(pool, ids)
+            return pallas_kernels.gather_pages(pool, ids, backend=backend)
 
-        _JITTED = (jax.jit(_scatter, donate_argnums=0), jax.jit(_gather))
-    return _JITTED
+        _JITTED[backend] = (jax.jit(_scatter, donate_argnums=0), jax.jit(_gather))
+    return _JITTED[backend]
 
 
 class DevicePool:
     """Layer-first L1 pool ``kv[L, 2, num_pages, S, H, D]`` with donated page transfers."""
 
-    def __init__(self, layout: KVLayout, num_pages: int, device=None) -> None:  # noqa: ANN001
+    def __init__(self, layout: KVLayout, num_pages: int, device=None, *, kernel_backend: str = "auto") -> None:  # noqa: ANN001
         import jax
         import jax.numpy as jnp
+
+        import pallas_kernels
 
         self.layout = layout
         self.num_pages = num_pages
@@ -111,7 +112,9 @@ class DevicePool:
         kv = jnp.zeros(layout.device_pool_shape(num_pages), dtype=layout.dtype)
         self.kv = jax.device_put(kv, device) if device is not None else kv
 
-        self._scatter, self._gather = _jitted_transfers()
+        # Resolved now (argument, then $STRATA_KERNEL_BACKEND, then platform) and fixed for the pool's life.
+        self.kernel_backend = pallas_kernels.resolve_backend(kernel_backend)
+        self._scatter, self._gather = _jitted_transfers(self.kernel_backend)
 
     def replace(self, kv) -> None:  # noqa: ANN001
         """Store the pool returned by a step that donated ``self.kv``."""

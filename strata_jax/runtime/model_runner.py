@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+import pallas_kernels
 from pallas_kernels.layout import KVLayout
 from strata_jax.models.llama import AttentionMetadata, LlamaForCausalLM
 from strata_jax.runtime.buckets import pick_bucket, power_of_two_buckets
@@ -34,11 +35,14 @@ class RunnerConfig:
     max_context_tokens: int = 4096
     kv_dtype: str = "float32"
     min_token_bucket: int = 16
+    kernel_backend: str = "auto"  # pallas_kernels backend for the model's attention (resolved at construction)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_device_pages", "max_batch_tokens", "max_batch_size", "max_context_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RunnerConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.kernel_backend not in pallas_kernels.BACKENDS:
+            raise ValueError(f"RunnerConfig.kernel_backend must be one of {pallas_kernels.BACKENDS}, got {self.kernel_backend!r}")
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -108,6 +112,8 @@ class ModelRunner:
             page_size=config.page_size,
             dtype=config.kv_dtype,
         )
+        # Fixed now, so every program this runner traces uses the same kernels.
+        self.kernel_backend = pallas_kernels.resolve_backend(config.kernel_backend)
         self.graphdef, self.state = nnx.split(model)
         if pool is None:
             pool = _OwnPool(jnp.zeros(self.layout.device_pool_shape(config.num_device_pages), jnp.dtype(config.kv_dtype)))
@@ -150,7 +156,8 @@ class ModelRunner:
         return PendingStep(next_tokens, logits if all_logits else None, len(seqs), sum(len(s.token_ids) for s in seqs))
 
     def _run_padded(self, inputs: dict, *, all_logits: bool):
-        next_tokens, logits, self.pool.kv = self._step(self.state, self.pool.kv, inputs, all_logits=all_logits)
+        with pallas_kernels.use_backend(self.kernel_backend):  # in effect when a new shape is traced
+            next_tokens, logits, self.pool.kv = self._step(self.state, self.pool.kv, inputs, all_logits=all_logits)
         return next_tokens, logits
 
     @property
