@@ -97,6 +97,43 @@ def test_round_trip_device_host_storage_host_device_bit_exact(ps: int, tmp_path_
     ctl.close()
 
 
+@pytest.mark.parametrize(("n", "chunk"), [(1, 1), (7, 2), (8, 8), (9, 4), (5, 64)])
+def test_pipelined_load_writes_exactly_the_named_pages(n: int, chunk: int) -> None:
+    """``load_from_host`` in chunks == the host pages, at the device pages named; nothing else touched."""
+    import jax.numpy as jnp
+
+    from strata_jax.cache.pools import DevicePool, HostPool
+
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, page_size=2)
+    rng = np.random.default_rng(n * 31 + chunk)
+    host = HostPool(layout, 24)
+    host.data[:] = rng.standard_normal(host.data.shape).astype(np.float32)
+    device = DevicePool(layout, 20)
+    device.kv = jnp.full(device.kv.shape, jnp.nan, device.kv.dtype)
+    host_pages = rng.choice(24, n, replace=False).tolist()
+    dev_pages = rng.choice(20, n, replace=False).tolist()
+    arrays = device.load_from_host(host, host_pages, dev_pages, chunk_pages=chunk)
+    assert len(arrays) == -(-n // chunk)
+    got = np.asarray(device.kv)
+    np.testing.assert_array_equal(np.transpose(got[:, :, dev_pages], (2, 0, 1, 3, 4, 5)), host.data[host_pages])
+    others = [p for p in range(20) if p not in dev_pages]
+    assert np.isnan(got[:, :, others]).all()
+    with pytest.raises(ValueError, match="power of two"):
+        device.load_from_host(host, host_pages, dev_pages, chunk_pages=3)
+    with pytest.raises(ValueError, match="host pages but"):
+        device.load_from_host(host, host_pages[:-1], dev_pages, chunk_pages=chunk)
+
+
+def test_chunk_pages_for_is_a_power_of_two_of_at_most_the_budget() -> None:
+    from strata_jax.cache.pools import chunk_pages_for
+
+    assert chunk_pages_for(1 << 20, 4 << 20) == 4
+    assert chunk_pages_for(1 << 20, (5 << 20) - 1) == 4
+    assert chunk_pages_for(3 << 20, 4 << 20) == 1
+    assert chunk_pages_for(16 << 20, 4 << 20) == 1  # a page larger than the budget still moves
+    assert chunk_pages_for(100, 4 << 20) == 32768
+
+
 def _path(node):
     out = []
     while node.parent is not None:
@@ -397,6 +434,8 @@ def test_config_validation() -> None:
     assert CacheConfig(device_tokens=100, page_size=16).num_device_pages == 6
     assert CacheConfig(device_pages=10).num_host_pages() == 20
     assert CacheConfig(device_pages=10, tiers="L1").num_host_pages() == 0
+    with pytest.raises(CacheConfigError, match="load_chunk_bytes"):
+        CacheConfig(device_pages=4, load_chunk_bytes=0)
 
 
 class FakeRedis:
@@ -481,6 +520,7 @@ def test_random_workload_every_hit_is_bit_exact(policy: str, tiers: str, ops: li
     cfg = CacheConfig(
         page_size=4, device_pages=12, hicache_ratio=2.0, tiers=tiers, write_policy=policy,
         write_through_threshold=1, prefetch_policy="wait_complete", prefetch_min_tokens=0,
+        load_chunk_bytes=2 * layout.page_bytes,  # loads of 3+ pages go in several pipelined chunks
     )
     ctl = CacheController(cfg, layout, storage=MemoryStorage())
     rep = CacheReplayer(ctl, verify=True)

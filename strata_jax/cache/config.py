@@ -23,6 +23,9 @@ Every default, and why:
 * ``initial_bandwidth_bytes_per_s = 16e9`` (PCIe 4 x16 in practice) until the
   first measured load; ``bandwidth_ema = 0.2`` weight of each new measurement.
 * ``io_threads = 2`` worker threads for storage reads and writes.
+* ``load_chunk_bytes = 4 MiB``: L2->L1 loads are gathered and sent in chunks of
+  about this size (a power of two of pages, at least one), so the host gather of
+  chunk i + 1 overlaps the link copy of chunk i (``DevicePool.load_from_host``).
 * ``kernel_backend = "auto"``: which ``pallas_kernels`` backend the L1 pool's page
   scatter/gather use (``auto``: Pallas on GPU, reference on CPU; see
   ``pallas_kernels.dispatch``); resolved when the pool is built.
@@ -71,6 +74,7 @@ class CacheConfig:
     initial_bandwidth_bytes_per_s: float = 16e9
     bandwidth_ema: float = 0.2
     io_threads: int = 2
+    load_chunk_bytes: int = 4 << 20
     kernel_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -110,6 +114,8 @@ class CacheConfig:
             raise bad("initial_bandwidth_bytes_per_s", "must be > 0")
         if not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise bad("io_threads", "must be an int >= 1")
+        if not isinstance(self.load_chunk_bytes, int) or self.load_chunk_bytes < 1:
+            raise bad("load_chunk_bytes", "must be a positive int")
 
     @property
     def num_device_pages(self) -> int:

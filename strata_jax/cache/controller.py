@@ -443,9 +443,10 @@ class CacheController:
         """Bring the host-only nodes on the path to ``match.last_node`` into L1.
 
         The caller must hold a lock on ``match.last_node`` (allocation may evict).
-        One coalesced transfer: host pages are gathered into one page-first
-        staging buffer (bucketed row count), moved with one ``device_put`` and
-        scattered into the pool.  On return the nodes carry their device pages
+        Coalesced and pipelined: host pages are gathered into page-first staging
+        buffers of ``load_chunk_bytes`` (bucketed row counts), each moved with one
+        ``device_put`` as soon as it is gathered and scattered into the pool
+        (``DevicePool.load_from_host``).  On return the nodes carry their device pages
         and any later step reading the pool sees the data (JAX data flow); the
         handle reports when the link transfer landed.  ``None``: nothing to load.
         """
@@ -459,16 +460,17 @@ class CacheController:
         host_pages = [p for x in nodes for p in x.host]  # type: ignore[union-attr]
         handle = TransferHandle("load", request_id, n, n * self.page_bytes, self._clock())
         if self.move_data:
-            from strata_jax.cache.pools import bucket
+            from strata_jax.cache.pools import chunk_pages_for
 
             self._wait_host(host_pages)
-            staging = np.empty(self.layout.page_first_shape(bucket(n)), dtype=self.host_pool.data.dtype)  # type: ignore[union-attr]
-            self.host_pool.read(host_pages, out=staging)  # type: ignore[union-attr]
-            if staging.shape[0] > n:
-                staging[n:] = 0
-            dev_staging = self.device_pool.load_pages(staging, dev_pages)  # type: ignore[union-attr]
-            handle._is_finished = dev_staging.is_ready
-            handle._block = dev_staging.block_until_ready
+            chunk = chunk_pages_for(self.page_bytes, self.config.load_chunk_bytes)
+            arrays = self.device_pool.load_from_host(self.host_pool, host_pages, dev_pages, chunk_pages=chunk)  # type: ignore[union-attr, arg-type]
+            def wait_all() -> None:
+                for a in arrays:
+                    a.block_until_ready()
+
+            handle._is_finished = lambda: all(a.is_ready() for a in arrays)
+            handle._block = wait_all
             handle._on_done = lambda: self._measure(handle)
             self._pending.append(handle)
         else:

@@ -29,6 +29,15 @@ def bucket(n: int, minimum: int = 1) -> int:
     return b
 
 
+DEFAULT_CHUNK_BYTES = 4 << 20  # CacheConfig.load_chunk_bytes
+
+
+def chunk_pages_for(page_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Pages per pipelined load chunk: the largest power of two of at most ``chunk_bytes`` (>= 1 page)."""
+    pages = max(1, chunk_bytes // max(1, page_bytes))
+    return 1 << (pages.bit_length() - 1)
+
+
 def _is_run(pages: Sequence[int]) -> bool:
     return len(pages) > 0 and pages[-1] - pages[0] == len(pages) - 1 and all(
         pages[i + 1] == pages[i] + 1 for i in range(len(pages) - 1)
@@ -44,6 +53,15 @@ class HostPool:
         self.layout = layout
         self.num_pages = num_pages
         self.data = np.zeros(layout.page_first_shape(num_pages), dtype=_numpy_dtype_name(layout.dtype))
+
+    @classmethod
+    def from_array(cls, layout: KVLayout, data: np.ndarray) -> HostPool:
+        """A pool over an existing page-first array (no copy), e.g. a benchmark's host pages."""
+        if data.ndim != 6 or tuple(data.shape[1:]) != tuple(layout.page_first_shape(1)[1:]):
+            raise ValueError(f"host array shape {data.shape} does not match the layout's page shape")
+        pool = cls.__new__(cls)
+        pool.layout, pool.num_pages, pool.data = layout, data.shape[0], data
+        return pool
 
     @property
     def nbytes(self) -> int:
@@ -138,6 +156,31 @@ class DevicePool:
         ids = self._ids(page_ids, staging.shape[0])
         self.kv = self._scatter(self.kv, dev_staging, ids)
         return dev_staging
+
+    def load_from_host(
+        self, host: HostPool, host_pages: Sequence[int], page_ids: Sequence[int], *, chunk_pages: int
+    ) -> list:
+        """Pipelined coalesced load of host pages ``host_pages`` into device pages ``page_ids``.
+
+        The pages go in chunks of ``chunk_pages`` (a power of two, so staging shapes
+        stay bucketed): chunk i is gathered into its own page-first staging buffer,
+        handed to ``device_put`` (which returns at once) and scattered; gathering
+        chunk i + 1 then overlaps the link copy of chunk i, instead of the whole
+        host gather preceding the whole transfer.  Returns the device staging
+        arrays: when all are ready the transfer has landed.
+        """
+        if len(host_pages) != len(page_ids):
+            raise ValueError(f"{len(host_pages)} host pages but {len(page_ids)} device pages")
+        if chunk_pages < 1 or chunk_pages & (chunk_pages - 1):
+            raise ValueError(f"chunk_pages must be a power of two, got {chunk_pages}")
+        arrays = []
+        for start in range(0, len(page_ids), chunk_pages):
+            rows = min(chunk_pages, len(page_ids) - start)
+            staging = np.empty(self.layout.page_first_shape(bucket(rows)), dtype=host.data.dtype)
+            host.read(host_pages[start : start + rows], out=staging)
+            staging[rows:] = 0
+            arrays.append(self.load_pages(staging, page_ids[start : start + rows]))
+        return arrays
 
     def gather_pages(self, page_ids: Sequence[int]):  # noqa: ANN201
         """Dispatch a gather of ``page_ids`` into a page-first device array (bucketed rows; extra rows junk).
