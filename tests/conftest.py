@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 # Must be set before jax is imported anywhere in the test session.
 os.environ.setdefault("JAX_PLATFORMS", "cpu" if not os.environ.get("STRATA_TEST_GPU") else "")
@@ -29,3 +30,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    harness = sys.modules.get("serving_harness")
+    if harness is not None:
+        harness.stop_shared_server()

@@ -8,7 +8,6 @@ overload test (fill the queue) work on it: 8 running + 32 waiting.
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import time
@@ -94,7 +93,7 @@ def start_server(**engine_overrides: Any) -> ThreadedServer:
 
 
 def shared_server() -> ThreadedServer:
-    """The process-wide test server (started on first use, stopped at exit)."""
+    """The process-wide test server (started on first use, stopped when the session ends)."""
     global _shared
     with _shared_lock:
         if _shared is None:
@@ -103,9 +102,18 @@ def shared_server() -> ThreadedServer:
             wait_idle(engine)
             engine.flush_cache("all")
             srv.baseline_used = engine.cache_stats()["device_pool"]["used_pages"]  # type: ignore[attr-defined]
-            atexit.register(srv.stop, 30.0)
             _shared = srv
         return _shared
+
+
+def stop_shared_server() -> None:
+    """Stop the shared server if it runs.  Called from ``pytest_sessionfinish``: at
+    interpreter exit (atexit) Python >= 3.12 refuses the threads a shutdown starts."""
+    global _shared
+    with _shared_lock:
+        srv, _shared = _shared, None
+    if srv is not None:
+        srv.stop(30.0)
 
 
 def wait_idle(engine: Any, timeout: float = 60.0) -> dict:
