@@ -58,7 +58,8 @@ def test_attention_compiled_equals_reference(page_size, dtype, soft_cap):
         num_q_heads=32, num_kv_heads=8, head_dim=128, pad_tokens=5, dtype=dtype,
     )  # fmt: skip
     got = ragged_paged_attention_pallas(*args, sm_scale=128**-0.5, soft_cap=soft_cap)
-    want = ragged_paged_attention_reference(*args, sm_scale=128**-0.5, soft_cap=soft_cap)
+    with jax.default_matmul_precision("highest"):  # XLA's default f32 dot on a GPU is TF32
+        want = ragged_paged_attention_reference(*args, sm_scale=128**-0.5, soft_cap=soft_cap)
     tol = 2e-2 if dtype == jnp.bfloat16 else 2e-4
     got32 = np.asarray(got, np.float32)
     assert not np.isnan(got32).any()
@@ -76,5 +77,34 @@ def test_pool_attention_compiled_equals_reference():
     step = jax.jit(
         lambda q, pool: dispatch.ragged_paged_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=128**-0.5)[0]
     )
-    want = ragged_paged_attention_reference(q, k, v, table, seq_lens, qs, sm_scale=128**-0.5)
+    with jax.default_matmul_precision("highest"):
+        want = ragged_paged_attention_reference(q, k, v, table, seq_lens, qs, sm_scale=128**-0.5)
     np.testing.assert_allclose(np.asarray(step(q, pool), np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_engine_on_compiled_kernels_gives_the_reference_tokens(tmp_path):
+    """The whole engine (attention, L2->L1 scatter, L1->L2 gather) on the compiled kernels.
+
+    float32 with HIGHEST matmul precision everywhere, so the only difference between
+    the two engines is the attention kernel (~1e-6).  L1, L2 and L3 hits run the same
+    shapes on the same bits and must agree exactly; a cold run batches differently,
+    and on a GPU the dense matmuls may round differently for another batch shape, so
+    cold is compared across backends only (CPU runs require cold == cached too).
+    """
+    from test_engine_kernels import KERNELS, tier_tokens
+
+    previous = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")  # the engine traces in its own thread
+    try:
+        common = {"dtype": "float32", "kv_dtype": "float32"}
+        reference = tier_tokens("reference", str(tmp_path / "ref"), **common)
+        compiled = tier_tokens("pallas", str(tmp_path / "pallas"), **common)
+    finally:
+        jax.config.update("jax_default_matmul_precision", previous)
+    assert reference["kernels"] == set() and compiled["kernels"] == KERNELS, (reference["kernels"], compiled["kernels"])
+    for result in (reference, compiled):
+        tiers = result["tiers"]
+        assert tiers["L1"][1]["device"] == tiers["L2"][1]["host"] == tiers["L3"][1]["storage"] == 144
+        assert tiers["L1"][0] == tiers["L2"][0] == tiers["L3"][0]
+    for tier in ("cold", "L1", "L2", "L3"):
+        assert compiled["tiers"][tier][0] == reference["tiers"][tier][0], tier
