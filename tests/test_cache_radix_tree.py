@@ -227,24 +227,31 @@ class TreeMachine(RuleBasedStateMachine):
                 assert tier == old or (old == "D" and tier == "DH" and space == ns), (old, tier)
         self.model = after
 
-    @rule(n=st.integers(1, 12), with_backup=st.booleans())
-    def evict_device(self, n: int, with_backup: bool) -> None:
+    @rule(n=st.integers(1, 12), with_backup=st.booleans(), drop_host=st.booleans())
+    def evict_device(self, n: int, with_backup: bool, drop_host: bool) -> None:
         before = export(self.tree)
+        evictable = self.tree.evictable_device_pages()
 
         def backup(node):
             if len(node.device) > len(self.host_free):
                 return None
             return [self.host_free.pop() for _ in node.device]
 
-        freed = self.tree.evict_device(n, backup if with_backup else None)
+        dropped: list[int] = []
+        freed = self.tree.evict_device(n, backup if with_backup else None, dropped.extend if drop_host else None)
         self.dev_free.extend(freed)
+        self.host_free.extend(dropped)
         after = export(self.tree)
-        self._check_eviction(before, after, "D")
+        self._check_eviction(before, after, "D", host_dropped=drop_host)
+        assert len(dropped) == sum(1 for ns in NAMESPACES for p in set(before[ns]) - set(after[ns]) if before[ns][p] == "H")
         if len(freed) < n:
+            if drop_host:  # every unlocked device node can go: the scheduler's capacity is real
+                assert len(freed) == evictable, (len(freed), evictable)
             for node in self.tree.iter_nodes():
                 blocked = any(c.device is not None for c in node.children.values())
                 if node.device is not None and node.lock_ref == 0 and not blocked:
                     # only a device-only node with children it cannot drop may stay
+                    assert not drop_host, "evictable device leaf left behind"
                     assert node.host is None and node.children, "evictable device leaf left behind"
                     assert not with_backup or len(self.host_free) < len(node.device)
         self.model = after
@@ -263,7 +270,7 @@ class TreeMachine(RuleBasedStateMachine):
                 assert not (node.host is not None and node.device is None and node.lock_ref == 0 and not node.children)
         self.model = after
 
-    def _check_eviction(self, before, after, tier_letter: str) -> None:
+    def _check_eviction(self, before, after, tier_letter: str, host_dropped: bool = False) -> None:
         assert before == self.model, "tree diverged from the model before eviction"
         for ns in NAMESPACES:
             for pre, tier in after[ns].items():
@@ -274,11 +281,12 @@ class TreeMachine(RuleBasedStateMachine):
                     assert tier == old, "host eviction changed a surviving node"
             removed = set(before[ns]) - set(after[ns])
             for pre in removed:
-                if isinstance(before[ns][pre], tuple) and tier_letter == "D":
-                    # queued continuations below an evicted L1-only prefix go with it
+                if tier_letter == "D" and (isinstance(before[ns][pre], tuple) or (host_dropped and before[ns][pre] == "H")):
+                    # queued continuations (and, with drop_host, host-only nodes) below an
+                    # evicted L1-only prefix go with it
                     assert any(
                         before[ns][p] == "D" and len(p) < len(pre) and pre[: len(p)] == p for p in removed
-                    ), "evicted a transient node that was not below an evicted prefix"
+                    ), "evicted a transient or host-only node that was not below an evicted prefix"
                 else:
                     assert before[ns][pre] == tier_letter, "evicted something that was not a pure tier copy"
         for _, ns, pres, _ in self.locks:

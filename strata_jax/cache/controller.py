@@ -216,8 +216,8 @@ class CacheController:
         return self.device_alloc.num_free * self.page_size
 
     def evictable_device_tokens(self) -> int:
-        """Device tokens in unlocked nodes (evictable by repeated leaf eviction)."""
-        return sum(len(n.key) for n in self.tree.iter_nodes() if n.device is not None and n.lock_ref == 0)
+        """Device tokens ``evict_device`` can free now (every unlocked device node)."""
+        return self.tree.evictable_device_pages() * self.page_size
 
     def load_pending(self, request_id: Hashable) -> bool:
         """True while a load or prefetch issued for ``request_id`` has not landed."""
@@ -324,7 +324,7 @@ class CacheController:
     def evict_device(self, num_pages: int) -> int:
         """Free at least ``num_pages`` L1 pages if possible; returns pages freed."""
         backup = self._write_back_hook if (self.config.write_policy == "write_back" and self.config.has_host) else None
-        freed = self.tree.evict_device(num_pages, backup)
+        freed = self.tree.evict_device(num_pages, backup, self._drop_host_pages)
         # Freed device pages may still be read by a just-dispatched gather (a
         # write-back); the next writer of the donated pool is ordered after it.
         self.device_alloc.free(freed)
@@ -338,6 +338,11 @@ class CacheController:
         self.host_alloc.free(freed)
         self.counters["evicted_host_pages"] += len(freed)
         return len(freed)
+
+    def _drop_host_pages(self, pages: list[int]) -> None:
+        """Host pages of nodes L1 eviction removed (they hung below a prefix leaving every tier)."""
+        self.host_alloc.free(pages)
+        self.counters["evicted_host_pages"] += len(pages)
 
     def _write_back_hook(self, node: TreeNode) -> list[int] | None:
         pages = self._alloc_host(len(node.device))  # type: ignore[arg-type]
@@ -676,7 +681,7 @@ class CacheController:
     def flush(self) -> None:
         """Drop every unlocked cached page from L1 and L2 (storage is left alone)."""
         self.drain()
-        self.device_alloc.free(self.tree.evict_device(1 << 62))
+        self.device_alloc.free(self.tree.evict_device(1 << 62, drop_host=self.host_alloc.free))
         self.host_alloc.free(self.tree.evict_host(1 << 62))
 
     def check(self, device_held: Sequence[int] = ()) -> None:

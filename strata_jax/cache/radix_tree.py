@@ -619,15 +619,23 @@ class HiRadixTree:
             stack.extend(node.children.values())
 
     # ------------------------------------------------------------------ eviction
-    def evict_device(self, num_pages: int, backup: Callable[[TreeNode], Sequence[int] | None] | None = None) -> list[int]:
+    def evict_device(
+        self,
+        num_pages: int,
+        backup: Callable[[TreeNode], Sequence[int] | None] | None = None,
+        drop_host: Callable[[list[int]], None] | None = None,
+    ) -> list[int]:
         """Free at least ``num_pages`` L1 pages if possible; returns the freed page ids.
 
         LRU over device leaves (nodes with device pages and no child with device
         pages), skipping locked nodes.  A leaf with a host copy stays as
         host-only.  Without one, ``backup(node)`` may return host page ids holding
         (or about to hold) its data; otherwise the node is removed together with
-        any transient (queued, not computed) descendants, and kept when it has
-        host-only children.
+        any transient (queued, not computed) descendants.  When host-only nodes
+        hang below it too, they are removed with it and their host pages handed to
+        ``drop_host`` (without ``drop_host`` such a node is kept).  With
+        ``drop_host`` every unlocked device node can be freed, which is what
+        ``evictable_device_pages`` counts and the scheduler plans with.
         """
         heap = [
             (n.last_access, n.node_id, n)
@@ -658,6 +666,15 @@ class HiRadixTree:
                 self.device_pages -= len(node.device)
                 node.device = None
                 self._delete(node)
+            elif drop_host is not None:
+                # Host-only nodes below a node with no host copy: keeping the node would
+                # pin its L1 pages for as long as they stay in L2.  They are no newer
+                # than it (a match through them touches it), so LRU drops them with it.
+                drop_host(self._drop_descendants(node))
+                freed.extend(node.device)
+                self.device_pages -= len(node.device)
+                node.device = None
+                self._delete(node)
             else:
                 continue
             if (
@@ -672,10 +689,21 @@ class HiRadixTree:
     def _only_transient_below(self, node: TreeNode) -> bool:
         return all(c.is_transient and self._only_transient_below(c) for c in node.children.values())
 
-    def _drop_descendants(self, node: TreeNode) -> None:
+    def _drop_descendants(self, node: TreeNode) -> list[int]:
+        """Remove every node below ``node`` (none holds device pages); returns their host pages."""
+        host: list[int] = []
         for child in list(node.children.values()):
-            self._drop_descendants(child)
+            host.extend(self._drop_descendants(child))
+            if child.host is not None:
+                host.extend(child.host)
+                self.host_pages -= len(child.host)
+                child.host = None
             self._delete(child)
+        return host
+
+    def evictable_device_pages(self) -> int:
+        """Pages ``evict_device(..., drop_host=...)`` can free now: every unlocked device node."""
+        return sum(len(n.device) for n in self.iter_nodes() if n.device is not None and n.lock_ref == 0)
 
     def evict_host(self, num_pages: int, before_drop: Callable[[TreeNode], None] | None = None) -> list[int]:
         """Free at least ``num_pages`` L2 pages if possible; returns the freed page ids.
