@@ -33,6 +33,8 @@ class EngineConfig:
     prefetch_policy: "best_effort" | "wait_complete" | "timeout".
     prefetch_min_tokens: storage hits shorter than this are recomputed, not prefetched.
     storage_backend / storage_dir: L3 backend by name ("file", "redis") and its directory.
+    storage_url: the Redis/Valkey server of storage_backend "redis"
+        (default redis://127.0.0.1:6379/0); engines sharing it share L3.
     policy: scheduler policy, "strata" (default) or "fifo".
     max_batch_tokens: new tokens computed per prefill step (longer prompts are chunked).
     max_batch_size: sequences per prefill or decode step.
@@ -59,6 +61,7 @@ class EngineConfig:
     prefetch_min_tokens: int = 256
     storage_backend: str = "file"
     storage_dir: str | None = None
+    storage_url: str = "redis://127.0.0.1:6379/0"
     policy: str = "strata"
     max_batch_tokens: int = 512
     max_batch_size: int = 16
@@ -106,6 +109,7 @@ class EngineConfig:
             prefetch_min_tokens=self.prefetch_min_tokens,
             storage_backend=self.storage_backend,
             storage_dir=self.storage_dir,
+            storage_url=self.storage_url,
             kernel_backend=self.kernel_backend,
         )
 

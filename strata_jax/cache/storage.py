@@ -73,6 +73,7 @@ class StorageStats:
     corrupt: int
     writes: int
     evictions: int
+    errors: int = 0  # backend calls that failed (e.g. the Redis server went away); served as misses
 
 
 class StorageBackend(ABC):

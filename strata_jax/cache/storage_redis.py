@@ -5,15 +5,35 @@ corrupt or foreign value is a counted miss.  ``SET NX`` makes writes atomic and
 idempotent.  Capacity and eviction are the server's: run it with ``maxmemory``
 and ``maxmemory-policy allkeys-lru``.  Needs the ``redis`` package (the
 ``serve`` extra) and a reachable server.
+
+``from_url`` pings the server, so a wrong URL fails at start-up with a clear
+``StorageError``.  Once serving, L3 is a cache: a failing call (server restarted,
+network blip, timeout) is logged (at most every ``_WARN_EVERY_S``), counted in
+``stats().errors`` and served as a miss or an unwritten page, and the request
+recomputes what it could not fetch instead of failing.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from strata_jax.cache.storage import StorageBackend, StorageError, StorageStats, decode_object, encode_object
+
+log = logging.getLogger(__name__)
+
+_WARN_EVERY_S = 10.0
+
+
+def _redis_error_types() -> tuple[type[BaseException], ...]:
+    try:
+        import redis
+    except ImportError:  # a test double needs no redis package
+        return (ConnectionError, TimeoutError, OSError)
+    return (redis.exceptions.RedisError, ConnectionError, TimeoutError, OSError)
 
 
 class RedisStorage(StorageBackend):
@@ -23,15 +43,36 @@ class RedisStorage(StorageBackend):
         self._client = client
         self._prefix = prefix
         self._lock = threading.Lock()
-        self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "writes": 0, "evictions": 0}
+        self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "writes": 0, "evictions": 0, "errors": 0}
+        self._errors = _redis_error_types()
+        self._last_warning = float("-inf")
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "strata-jax:kv:") -> RedisStorage:
+    def from_url(cls, url: str, prefix: str = "strata-jax:kv:", *, timeout_s: float = 5.0) -> RedisStorage:
+        """Connect to ``url`` (``redis://host:port/db``) and check the server answers."""
         try:
             import redis
         except ImportError as exc:  # pragma: no cover - depends on the install
-            raise StorageError("the redis backend needs `pip install redis`") from exc
-        return cls(redis.Redis.from_url(url), prefix)
+            raise StorageError("the redis backend needs `pip install redis` (the serve extra)") from exc
+        try:
+            client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            client.ping()
+        except (redis.exceptions.RedisError, ValueError, OSError) as exc:
+            raise StorageError(
+                f"cannot reach the Redis server at {url!r}: {exc}. Start one (e.g. `redis-server --port 6379`) "
+                "and pass its URL as storage_url / --storage-url, or use storage_backend='file'"
+            ) from exc
+        return cls(client, prefix)
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._counts["errors"] += 1
+            warn = now - self._last_warning >= _WARN_EVERY_S
+            if warn:
+                self._last_warning = now
+        if warn:
+            log.warning("redis L3 %s failed (%s: %s); serving it as a miss", op, type(exc).__name__, exc)
 
     def _k(self, key: bytes) -> str:
         return self._prefix + key.hex()
@@ -39,11 +80,16 @@ class RedisStorage(StorageBackend):
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self._k(key))
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._k(key))
+            found = pipe.execute()
+        except self._errors as exc:
+            self._failed("exists", exc)
+            return 0
         n = 0
-        for present in pipe.execute():
+        for present in found:
             if not present:
                 break
             n += 1
@@ -52,7 +98,13 @@ class RedisStorage(StorageBackend):
     def batch_get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
-        blobs = self._client.mget([self._k(k) for k in keys])
+        try:
+            blobs = self._client.mget([self._k(k) for k in keys])
+        except self._errors as exc:
+            self._failed("get", exc)
+            with self._lock:
+                self._counts["misses"] += len(keys)
+            return [None] * len(keys)
         out: list[bytes | None] = []
         bad: list[bytes] = []
         for key, blob in zip(keys, blobs):
@@ -73,10 +125,14 @@ class RedisStorage(StorageBackend):
     def batch_set(self, keys: Sequence[bytes], payloads: Sequence[bytes | memoryview]) -> int:
         if not keys:
             return 0
-        pipe = self._client.pipeline(transaction=False)
-        for key, payload in zip(keys, payloads):
-            pipe.set(self._k(key), encode_object(key, payload), nx=True)
-        results = pipe.execute()
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key, payload in zip(keys, payloads):
+                pipe.set(self._k(key), encode_object(key, payload), nx=True)
+            results = pipe.execute()
+        except self._errors as exc:
+            self._failed("set", exc)
+            return 0
         with self._lock:
             self._counts["writes"] += sum(1 for r in results if r)
         return len(results)
@@ -84,15 +140,27 @@ class RedisStorage(StorageBackend):
     def delete(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
-        return int(self._client.delete(*[self._k(k) for k in keys]))
+        try:
+            return int(self._client.delete(*[self._k(k) for k in keys]))
+        except self._errors as exc:
+            self._failed("delete", exc)
+            return 0
 
     def clear(self) -> None:
-        names = list(self._client.scan_iter(match=self._prefix + "*"))
-        for i in range(0, len(names), 512):
-            self._client.delete(*names[i : i + 512])
+        """Delete every object under this prefix (an explicit admin action: errors raise)."""
+        try:
+            names = list(self._client.scan_iter(match=self._prefix + "*"))
+            for i in range(0, len(names), 512):
+                self._client.delete(*names[i : i + 512])
+        except self._errors as exc:
+            raise StorageError(f"clearing the Redis L3 failed: {exc}") from exc
 
     def stats(self) -> StorageStats:
-        objects = sum(1 for _ in self._client.scan_iter(match=self._prefix + "*"))
+        try:
+            objects = sum(1 for _ in self._client.scan_iter(match=self._prefix + "*"))
+        except self._errors as exc:
+            self._failed("stats", exc)
+            objects = -1
         with self._lock:
             return StorageStats(self.name, objects, -1, -1, **self._counts)
 
