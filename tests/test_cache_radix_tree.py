@@ -243,7 +243,8 @@ class TreeMachine(RuleBasedStateMachine):
         self.host_free.extend(dropped)
         after = export(self.tree)
         self._check_eviction(before, after, "D", host_dropped=drop_host)
-        assert len(dropped) == sum(1 for ns in NAMESPACES for p in set(before[ns]) - set(after[ns]) if before[ns][p] == "H")
+        gone = [p for ns in NAMESPACES for p in set(before[ns]) - set(after[ns]) if before[ns][p] in ("H", "DH")]
+        assert len(dropped) == len(gone)  # one model entry per page
         if len(freed) < n:
             if drop_host:  # every unlocked device node can go: the scheduler's capacity is real
                 assert len(freed) == evictable, (len(freed), evictable)
@@ -281,9 +282,11 @@ class TreeMachine(RuleBasedStateMachine):
                     assert tier == old, "host eviction changed a surviving node"
             removed = set(before[ns]) - set(after[ns])
             for pre in removed:
-                if tier_letter == "D" and (isinstance(before[ns][pre], tuple) or (host_dropped and before[ns][pre] == "H")):
-                    # queued continuations (and, with drop_host, host-only nodes) below an
-                    # evicted L1-only prefix go with it
+                if tier_letter == "D" and (
+                    isinstance(before[ns][pre], tuple) or (host_dropped and before[ns][pre] in ("H", "DH"))
+                ):
+                    # queued continuations (and, with drop_host, nodes that are or just became
+                    # host-only) below an evicted L1-only prefix go with it
                     assert any(
                         before[ns][p] == "D" and len(p) < len(pre) and pre[: len(p)] == p for p in removed
                     ), "evicted a transient or host-only node that was not below an evicted prefix"
@@ -320,6 +323,23 @@ def test_namespace_isolation() -> None:
     assert m.device_tokens == m.host_tokens == m.transient_tokens == 0
     assert tree.match_prefix([1, 2, 3, 4], "a").device_tokens == 4
     tree.check()
+
+
+def test_l1_eviction_drops_host_only_nodes_below_an_l1_only_prefix() -> None:
+    tree = HiRadixTree(1)
+    tree.insert([1, 2, 3], device_pages=[0, 1, 2])
+    tree.match_prefix([1])  # split: [1] | [2, 3]
+    tail = tree.match_prefix([1, 2, 3]).last_node
+    tree.set_host(tail, [7, 8])  # the continuation has an L2 copy, its prefix does not
+    assert tree.evictable_device_pages() == 3
+    kept = tree.evict_device(3)  # without drop_host the L1-only prefix must stay
+    assert sorted(kept) == [1, 2] and tree.match_prefix([1, 2, 3]).device_tokens == 1
+    dropped: list[int] = []
+    assert tree.evict_device(1, drop_host=dropped.extend) == [0]
+    assert sorted(dropped) == [7, 8] and tree.host_pages == 0
+    m = tree.match_prefix([1, 2, 3])
+    assert m.device_tokens == m.host_tokens == 0
+    tree.check(device_free=[0, 1, 2], device_total=3, host_free=[7, 8], host_total=2)
 
 
 def test_lru_order_and_host_only_demotion() -> None:
