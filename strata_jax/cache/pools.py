@@ -164,10 +164,10 @@ class DevicePool:
 
         The pages go in chunks of ``chunk_pages`` (a power of two, so staging shapes
         stay bucketed): chunk i is gathered into its own page-first staging buffer,
-        handed to ``device_put`` (which returns at once) and scattered; gathering
-        chunk i + 1 then overlaps the link copy of chunk i, instead of the whole
-        host gather preceding the whole transfer.  Returns the device staging
-        arrays: when all are ready the transfer has landed.
+        handed to ``device_put`` (asynchronous: on XLA:CPU it returns in ~0.5 ms for
+        4 MiB) and scattered; gathering chunk i + 1 then overlaps the copy of chunk i,
+        instead of the whole host gather preceding the whole transfer.  Returns the
+        device staging arrays: when all are ready the transfer has landed.
         """
         if len(host_pages) != len(page_ids):
             raise ValueError(f"{len(host_pages)} host pages but {len(page_ids)} device pages")
