@@ -728,10 +728,8 @@ class Engine:
             self.ctl.evict_device(1 << 40)
         if tier in ("host", "all"):
             self.ctl.evict_host(1 << 40)
-        if tier in ("storage", "all") and self.ctl.storage is not None:
-            self.ctl.storage.clear()
-            for node in self.ctl.tree.iter_nodes():
-                node.storage_backed = False
+        if tier in ("storage", "all"):
+            self.ctl.clear_storage()
 
     def _check(self) -> dict[str, int]:
         self.ctl.drain()  # backups in flight hold locks until they land

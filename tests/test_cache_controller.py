@@ -182,7 +182,7 @@ def test_bfloat16_round_trip_through_host_and_storage(tmp_path) -> None:
 
 
 def test_corrupt_truncated_and_foreign_objects_are_misses(tmp_path) -> None:
-    ctl, layout = _controller(2, tmp_path)
+    ctl, layout = _controller(2, tmp_path, storage_probe_ttl_s=0)  # the store is edited behind the controller's back
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 1000, size=12).tolist()  # 6 pages
     data = rng.standard_normal(layout.page_first_shape(6)).astype(np.float32)
@@ -229,6 +229,8 @@ def test_prefetch_stops_at_a_corrupt_object(tmp_path) -> None:
     assert ctl.finish_prefetch(ctl.prefetch(tokens, "", m)) == 10  # pages 0..4 landed
     ctl.unlock(m.last_node)
     assert ctl.match_prefix(tokens).host_tokens == 10
+    ctl.flush()  # back to L3 only: the same chain as the first probe, which promised 8 pages
+    assert ctl.match_prefix(tokens).storage_tokens == 10  # the failed prefetch made it probe afresh
     ctl.check()
     ctl.close()
 
@@ -653,3 +655,69 @@ def test_evictable_device_tokens_is_what_eviction_frees(policy: str) -> None:
             assert ctl.evictable_device_tokens() == want, (seed, step)
             ctl.check()
         ctl.close()
+
+
+class _CountingStorage(MemoryStorage):
+    def __init__(self) -> None:
+        super().__init__()
+        self.probes = 0
+
+    def batch_exists(self, keys):  # noqa: ANN001, ANN201
+        self.probes += 1
+        return super().batch_exists(keys)
+
+
+def test_storage_probes_are_reused_within_the_ttl_and_redone_after_own_writes() -> None:
+    """Waiting requests are re-matched every round: with L3 each match would probe the
+    backend (a network round trip with Redis).  A probe is reused for
+    ``storage_probe_ttl_s``, except that this instance's own writes invalidate it."""
+    now = [0.0]
+    store = _CountingStorage()
+    cfg = CacheConfig(page_size=2, device_pages=16, tiers="L1+L2+L3", storage_backend="memory", storage_probe_ttl_s=0.5)
+    ctl = CacheController(cfg, storage=store, clock=lambda: now[0])
+    tokens = list(range(12))
+    assert [ctl.match_prefix(tokens, "", touch=False).storage_tokens for _ in range(50)] == [0] * 50
+    assert store.probes == 1
+    now[0] = 0.6  # past the TTL: probed again
+    ctl.match_prefix(tokens, "", touch=False)
+    assert store.probes == 2
+    ctl.insert(tokens, "", ctl.alloc_device(6))  # write-through reaches L3 (bookkeeping: at once)
+    ctl.drain()
+    ctl.flush()  # L1 and L2 forget it: only L3 has it
+    assert ctl.match_prefix(tokens, "", touch=False).storage_tokens == 12  # our write invalidated the memo
+    probes = store.probes
+    ctl.match_prefix(tokens, "", touch=False)
+    assert store.probes == probes
+    ctl.clear_storage()
+    assert ctl.match_prefix(tokens, "", touch=False).storage_tokens == 0  # clearing forgets the probes too
+    zero = CacheController(
+        CacheConfig(page_size=2, device_pages=16, tiers="L1+L2+L3", storage_backend="memory", storage_probe_ttl_s=0),
+        storage=_CountingStorage(),
+    )
+    for _ in range(3):
+        zero.match_prefix(tokens, "", touch=False)
+    assert zero.storage.probes == 3
+    with pytest.raises(CacheConfigError, match="storage_probe_ttl_s"):
+        CacheConfig(device_pages=4, storage_probe_ttl_s=-1)
+
+
+def test_storage_key_memo_holds_a_long_queue(monkeypatch) -> None:
+    """The hash chains of many waiting prompts stay memoized (a 16-entry bound once made
+    a longer queue rehash every prompt every round)."""
+    from strata_jax.cache import controller as controller_module
+
+    cfg = CacheConfig(page_size=2, device_pages=16, tiers="L1+L2+L3", storage_backend="memory", storage_probe_ttl_s=0)
+    ctl = CacheController(cfg, storage=MemoryStorage())
+    prompts = [[i] * 64 for i in range(100)]
+    calls = []
+    real = controller_module.chain_hashes
+
+    def counting(*args):  # noqa: ANN002, ANN202
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(controller_module, "chain_hashes", counting)
+    for _ in range(3):  # three scheduling rounds over a 100-request queue
+        for p in prompts:
+            ctl.match_prefix(p, "", touch=False)
+    assert len(calls) == 100

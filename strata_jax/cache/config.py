@@ -23,6 +23,9 @@ Every default, and why:
 * ``initial_bandwidth_bytes_per_s = 16e9`` (PCIe 4 x16 in practice) until the
   first measured load; ``bandwidth_ema = 0.2`` weight of each new measurement.
 * ``io_threads = 2`` worker threads for storage reads and writes.
+* ``storage_probe_ttl_s = 0.5``: how long an L3 existence probe of a waiting
+  request's pages is reused (each round re-matches every waiting request; with
+  Redis a probe is a network round trip).  0 probes every time.
 * ``load_chunk_bytes = 4 MiB``: L2->L1 loads are gathered and sent in chunks of
   about this size (a power of two of pages, at least one), so the host gather of
   chunk i + 1 overlaps the link copy of chunk i (``DevicePool.load_from_host``).
@@ -75,6 +78,7 @@ class CacheConfig:
     bandwidth_ema: float = 0.2
     io_threads: int = 2
     load_chunk_bytes: int = 4 << 20
+    storage_probe_ttl_s: float = 0.5
     kernel_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -116,6 +120,8 @@ class CacheConfig:
             raise bad("io_threads", "must be an int >= 1")
         if not isinstance(self.load_chunk_bytes, int) or self.load_chunk_bytes < 1:
             raise bad("load_chunk_bytes", "must be a positive int")
+        if not self.storage_probe_ttl_s >= 0:
+            raise bad("storage_probe_ttl_s", "must be >= 0")
 
     @property
     def num_device_pages(self) -> int:

@@ -53,6 +53,10 @@ from strata_jax.cache.radix_tree import HiRadixTree, InsertResult, PrefixMatch, 
 from strata_jax.cache.storage import StorageBackend, make_storage
 
 
+_KEY_MEMO_TOKENS = 1 << 20  # prompt tokens whose storage keys stay memoized (~8 MiB of references)
+_PROBE_MEMO_ENTRIES = 4096
+
+
 class CacheError(RuntimeError):
     """Misuse of the controller (e.g. loading an unlocked match)."""
 
@@ -89,6 +93,7 @@ class PrefetchHandle(TransferHandle):
     anchor: TreeNode | None = None
     deadline: float = 0.0
     landed: int = 0
+    missed: bool = False  # an object the probe promised was gone or did not verify
     finished: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
     future: Future | None = None
@@ -143,6 +148,9 @@ class CacheController:
         self._host_pending: dict[int, TransferHandle] = {}
         self._prefetch_reserved: set[int] = set()
         self._key_memo: dict[tuple[bytes, tuple[int, ...]], list[bytes]] = {}
+        self._key_memo_tokens = 0
+        self._probe_memo: dict[tuple[bytes, bytes], tuple[int, float]] = {}  # (first, last key) -> (hits, when)
+        self._recent_writes: dict[bytes, float] = {}  # keys this instance wrote to L3 lately
         self._bandwidth = float(config.initial_bandwidth_bytes_per_s)
         self._bandwidth_samples = 0
         self.counters = {
@@ -184,7 +192,7 @@ class CacheController:
         if total <= start:
             return m
         keys = self._chain_keys(self.tree.last_hash(m.last_node), tokens[start * ps : total * ps])
-        hits = self.storage.batch_exists(keys)
+        hits = self._storage_hits(keys)
         storage_tokens = hits * ps
         transient = max(0, m.transient_tokens - storage_tokens)
         return replace(
@@ -203,9 +211,49 @@ class CacheController:
         if keys is None:
             keys = chain_hashes(prev, memo_key[1], self.page_size)
             self._key_memo[memo_key] = keys
-            if len(self._key_memo) > 16:  # bounded: each entry holds a prompt
-                self._key_memo.pop(next(iter(self._key_memo)))
+            self._key_memo_tokens += len(memo_key[1])
+            # Bounded by tokens held, not entries: a queue of many waiting requests must
+            # not evict its own entries every round (a 16-entry bound once did).
+            while self._key_memo_tokens > _KEY_MEMO_TOKENS and len(self._key_memo) > 1:
+                old_key = next(iter(self._key_memo))
+                self._key_memo_tokens -= len(old_key[1])
+                del self._key_memo[old_key]
         return keys
+
+    def _storage_hits(self, keys: list[bytes]) -> int:
+        """``batch_exists(keys)``, remembered for ``storage_probe_ttl_s``.
+
+        Every waiting request is re-matched every round, and with Redis each probe
+        is a network round trip.  A chain of keys is named by its first and last key
+        (each key hashes its predecessor).  An answer is re-probed early when this
+        instance wrote its first missing page since; otherwise staleness is safe: a
+        page that vanished (another instance's eviction) makes the prefetch stop at
+        it and the rest is recomputed, one that appeared is seen on a later probe.
+        """
+        now = self._clock()
+        ttl = self.config.storage_probe_ttl_s
+        name = (keys[0], keys[-1])
+        seen = self._probe_memo.get(name)
+        if seen is not None and now - seen[1] < ttl and (seen[0] == len(keys) or keys[seen[0]] not in self._recent_writes):
+            return seen[0]
+        hits = self.storage.batch_exists(keys)  # type: ignore[union-attr]
+        if ttl > 0:
+            self._probe_memo[name] = (hits, now)
+            if len(self._probe_memo) > _PROBE_MEMO_ENTRIES:
+                self._probe_memo = {k: v for k, v in self._probe_memo.items() if now - v[1] < ttl}
+                while len(self._probe_memo) > _PROBE_MEMO_ENTRIES:
+                    self._probe_memo.pop(next(iter(self._probe_memo)))
+        return hits
+
+    def _note_storage_writes(self, keys: Sequence[bytes]) -> None:
+        if self.config.storage_probe_ttl_s <= 0:
+            return
+        now = self._clock()
+        for key in keys:
+            self._recent_writes[key] = now
+        if len(self._recent_writes) > 4 * _PROBE_MEMO_ENTRIES:  # older writes cannot make a memo entry stale
+            ttl = self.config.storage_probe_ttl_s
+            self._recent_writes = {k: t for k, t in self._recent_writes.items() if now - t < ttl}
 
     @property
     def link_bandwidth(self) -> float:
@@ -425,6 +473,7 @@ class CacheController:
         storage = self.storage
         n = len(keys)
         self.counters["storage_written_pages"] += n
+        self._note_storage_writes(keys)
         if not self.move_data:
             storage.batch_set(keys, [b""] * n)
             return
@@ -556,6 +605,7 @@ class CacheController:
             payloads = self.storage.batch_get(handle.keys[s : s + chunk])  # type: ignore[union-attr]
             for i, payload in enumerate(payloads):
                 if payload is None or len(payload) != self.page_bytes:
+                    handle.missed = True
                     return
                 pool.data[handle.host_pages[s + i]] = np.frombuffer(payload, dtype=dtype).reshape(shape)  # type: ignore[union-attr]
                 handle.landed = s + i + 1
@@ -595,6 +645,8 @@ class CacheController:
         # Host pages reserved by the prefetch:
         #   |<- landed: handed to the tree (or unused -> freed) ->|<- not landed: freed ->|
         ps = self.page_size
+        if handle.missed:  # the backend lost objects since it was probed: probe afresh
+            self._probe_memo.clear()
         self._prefetch_reserved.difference_update(handle.host_pages)
         to_free = list(handle.host_pages[landed:])
         if landed:
@@ -678,6 +730,15 @@ class CacheController:
         self.poll()
 
     # ------------------------------------------------------------------ maintenance
+    def clear_storage(self) -> None:
+        """Delete every L3 object (of this store's prefix) and forget what probes saw."""
+        if self.storage is None:
+            return
+        self.storage.clear()
+        self._probe_memo.clear()
+        for node in self.tree.iter_nodes():
+            node.storage_backed = False
+
     def flush(self) -> None:
         """Drop every unlocked cached page from L1 and L2 (storage is left alone)."""
         self.drain()
