@@ -470,6 +470,9 @@ class FakeRedis:
 
         return Pipe()
 
+    def exists(self, *names):  # noqa: ANN002, ANN201
+        return sum(n in self.data for n in names)
+
     def mget(self, names):  # noqa: ANN001, ANN201
         return [self.data.get(n) for n in names]
 

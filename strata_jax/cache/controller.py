@@ -53,7 +53,7 @@ from strata_jax.cache.radix_tree import HiRadixTree, InsertResult, PrefixMatch, 
 from strata_jax.cache.storage import StorageBackend, make_storage
 
 
-_KEY_MEMO_TOKENS = 1 << 20  # prompt tokens whose storage keys stay memoized (~8 MiB of references)
+_KEY_MEMO_TOKENS = 4 << 20  # prompt tokens whose storage keys stay memoized (~32 MiB of references)
 _PROBE_MEMO_ENTRIES = 4096
 
 
