@@ -82,7 +82,15 @@ def test_match_bench_runs_small() -> None:
     assert run_benchmark("match", argv) == 0
 
 
-@pytest.mark.parametrize("name", ["multiturn", "trace", "match"])
+def test_probe_bench_runs_small(tmp_path) -> None:
+    out = tmp_path / "probe.json"
+    argv = ["--waiting", "20", "--prompt-tokens", "256", "--rounds", "2", "--json", str(out)]
+    assert run_benchmark("probe", argv) == 0
+    report = json.loads(out.read_text())
+    assert report["memo_off_round_ms"] > 0 and report["memo_on_round_ms"] > 0 and report["waiting"] == 20
+
+
+@pytest.mark.parametrize("name", ["multiturn", "trace", "match", "probe"])
 def test_every_flag_has_help(name: str) -> None:
     parser = argparse.ArgumentParser()
     load_benchmark(name).add_arguments(parser)

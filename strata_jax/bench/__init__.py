@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "multiturn": "strata_jax.bench.multiturn",
     "trace": "strata_jax.bench.trace",
     "match": "strata_jax.bench.match",
+    "probe": "strata_jax.bench.probe",
     "serve": "strata_jax.bench.serve",
 }
 
