@@ -424,6 +424,29 @@ def test_poll_is_ready_and_bandwidth_estimate() -> None:
     ctl.check()
 
 
+def test_bandwidth_is_measured_when_the_load_lands_not_when_it_is_polled() -> None:
+    """An engine polls between steps: a load noticed 0.3 s late must not read as a slow link."""
+    layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16)  # 32 KiB pages
+    ctl = CacheController(CacheConfig(page_size=16, device_pages=256), layout)
+    tokens = list(range(16 * 128))  # 128 pages, 4 MiB
+    ctl.insert(tokens, "", ctl.alloc_device(128))
+    ctl.drain()
+    ctl.evict_device(128)
+    m = ctl.match_prefix(tokens)
+    ctl.lock(m.last_node)
+    start = time.perf_counter()
+    h = ctl.load(m, "r")
+    h._block()  # noqa: SLF001
+    landed = time.perf_counter() - start
+    time.sleep(0.3)  # a long step before the engine polls
+    ctl.poll()
+    assert h.done and h.landed_at is not None and h.landed_at <= h.completed_at
+    late = h.nbytes / (landed + 0.3)  # what polling time alone would have measured
+    assert ctl.link_bandwidth > 2 * late, (ctl.link_bandwidth, late, h.nbytes / landed)
+    ctl.unlock(m.last_node)
+    ctl.close()
+
+
 def test_config_validation() -> None:
     with pytest.raises(CacheConfigError):
         CacheConfig()

@@ -75,7 +75,8 @@ class TransferHandle:
     nbytes: int
     issued_at: float
     done: bool = False
-    completed_at: float | None = None
+    completed_at: float | None = None  # when poll/is_ready/wait noticed it
+    landed_at: float | None = None  # when it landed, stamped by a watcher thread (loads)
     _is_finished: Callable[[], bool] = field(default=lambda: True, repr=False)
     _block: Callable[[], None] = field(default=lambda: None, repr=False)
     _on_done: Callable[[], None] = field(default=lambda: None, repr=False)
@@ -144,6 +145,9 @@ class CacheController:
         if config.has_storage:
             self.storage = storage if storage is not None else make_storage(config)
         self._executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="kv-io") if self.move_data else None
+        # Stamps when each load lands, so the bandwidth estimate does not depend on how
+        # late the engine polls (a long step in between once made it read low).
+        self._watcher = ThreadPoolExecutor(1, thread_name_prefix="kv-watch") if self.move_data else None
         self._pending: list[TransferHandle] = []
         self._host_pending: dict[int, TransferHandle] = {}
         self._prefetch_reserved: set[int] = set()
@@ -523,8 +527,13 @@ class CacheController:
                 for a in arrays:
                     a.block_until_ready()
 
+            def stamp_landing() -> None:
+                wait_all()
+                handle.landed_at = self._clock()
+
             handle._is_finished = lambda: all(a.is_ready() for a in arrays)
             handle._block = wait_all
+            self._watcher.submit(stamp_landing)  # type: ignore[union-attr]
             handle._on_done = lambda: self._measure(handle)
             self._pending.append(handle)
         else:
@@ -538,7 +547,8 @@ class CacheController:
         return handle
 
     def _measure(self, handle: TransferHandle) -> None:
-        elapsed = (handle.completed_at or self._clock()) - handle.issued_at
+        end = handle.landed_at if handle.landed_at is not None else handle.completed_at
+        elapsed = (end or self._clock()) - handle.issued_at
         if handle.nbytes > 0 and elapsed > 0:
             sample = handle.nbytes / elapsed
             a = self.config.bandwidth_ema
@@ -775,6 +785,8 @@ class CacheController:
             if isinstance(h, PrefetchHandle):
                 self.cancel_prefetch(h)
         self.drain()
+        if self._watcher is not None:
+            self._watcher.shutdown(wait=True)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         if self.storage is not None:
