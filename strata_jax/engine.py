@@ -439,9 +439,8 @@ class Engine:
 
     def _poll(self) -> None:
         for handle in self.ctl.poll():
-            if handle.kind == "load" and handle.completed_at is not None:
-                seconds = max(handle.completed_at - handle.issued_at, 1e-9)
-                self.scheduler.cost.observe_load(handle.num_pages * self.page_size, seconds, tier="host")
+            if handle.kind == "load" and handle.seconds is not None:
+                self.scheduler.cost.observe_load(handle.num_pages * self.page_size, handle.seconds, tier="host")
 
     def _pin_and_make_room(self, plan: StepPlan) -> set[str]:
         """Retractions; pin each first chunk's cached prefix; evict; pages for the decodes.

@@ -81,6 +81,12 @@ class TransferHandle:
     _block: Callable[[], None] = field(default=lambda: None, repr=False)
     _on_done: Callable[[], None] = field(default=lambda: None, repr=False)
 
+    @property
+    def seconds(self) -> float | None:
+        """Issue to landing (to being noticed where no landing was stamped); None while in flight."""
+        end = self.landed_at if self.landed_at is not None else self.completed_at
+        return None if end is None else max(end - self.issued_at, 1e-9)
+
 
 @dataclass(eq=False)
 class PrefetchHandle(TransferHandle):
@@ -547,9 +553,8 @@ class CacheController:
         return handle
 
     def _measure(self, handle: TransferHandle) -> None:
-        end = handle.landed_at if handle.landed_at is not None else handle.completed_at
-        elapsed = (end or self._clock()) - handle.issued_at
-        if handle.nbytes > 0 and elapsed > 0:
+        elapsed = handle.seconds
+        if handle.nbytes > 0 and elapsed is not None:
             sample = handle.nbytes / elapsed
             a = self.config.bandwidth_ema
             self._bandwidth = sample if self._bandwidth_samples == 0 else (1 - a) * self._bandwidth + a * sample
