@@ -764,6 +764,7 @@ class Engine:
                 "backed_up_pages": c["backed_up_pages"],
                 "storage_written_pages": c["storage_written_pages"],
                 "prefetched_pages": c["prefetched_pages"],
+                "storage_errors": c["storage_errors"],
                 "page_bytes": self.ctl.page_bytes,
                 "link_bandwidth_bytes_per_s": c["link_bandwidth_bytes_per_s"],
             },

@@ -747,3 +747,50 @@ def test_storage_key_memo_holds_a_long_queue(monkeypatch) -> None:
         for p in prompts:
             ctl.match_prefix(p, "", touch=False)
     assert len(calls) == 100
+
+
+class _FailingStorage(MemoryStorage):
+    """A backend whose disk filled up: writes and reads raise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def batch_set(self, keys, payloads):  # noqa: ANN001, ANN201
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        return super().batch_set(keys, payloads)
+
+    def batch_get(self, keys):  # noqa: ANN001, ANN201
+        if self.fail:
+            raise OSError(5, "Input/output error")
+        return super().batch_get(keys)
+
+
+def test_failing_storage_is_counted_and_served_as_misses(caplog) -> None:
+    """A full disk (or any L3 error) must neither kill the engine thread nor vanish
+    silently: the write is dropped, a read stops the prefetch, both are counted."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4)
+    store = _FailingStorage()
+    cfg = CacheConfig(page_size=4, device_pages=32, tiers="L1+L2+L3", prefetch_policy="wait_complete", prefetch_min_tokens=0)
+    ctl = CacheController(cfg, layout, storage=store)
+    rng = np.random.default_rng(0)
+    stored = rng.integers(0, 1000, 32).tolist()
+    ctl.insert(stored, "", ctl.alloc_device(8))  # written to L3 while the disk is fine
+    ctl.drain()
+    store.fail = True
+    other = rng.integers(0, 1000, 32).tolist()
+    with caplog.at_level("WARNING", logger="strata_jax.cache.controller"):
+        ctl.insert(other, "", ctl.alloc_device(8))  # its L3 write raises in the I/O thread
+        ctl.drain()
+        ctl.flush()  # only L3 could have them now
+        assert ctl.match_prefix(other).storage_tokens == 0  # never written
+        m = ctl.match_prefix(stored)
+        assert m.storage_tokens == 32
+        ctl.lock(m.last_node)
+        assert ctl.finish_prefetch(ctl.prefetch(stored, "", m, "r")) == 0  # the read raised: nothing landed
+        ctl.unlock(m.last_node)
+    assert ctl.counters["storage_errors"] == 2
+    assert any("carrying on without it" in r.getMessage() for r in caplog.records)
+    ctl.check()
+    ctl.close()

@@ -35,6 +35,7 @@ flight"):
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -53,6 +54,9 @@ from strata_jax.cache.radix_tree import HiRadixTree, InsertResult, PrefixMatch, 
 from strata_jax.cache.storage import StorageBackend, make_storage
 
 
+log = logging.getLogger(__name__)
+
+_ERROR_LOCK = threading.Lock()
 _KEY_MEMO_TOKENS = 4 << 20  # prompt tokens whose storage keys stay memoized (~32 MiB of references)
 _PROBE_MEMO_ENTRIES = 4096
 
@@ -170,7 +174,9 @@ class CacheController:
             "prefetched_pages": 0,
             "evicted_device_pages": 0,
             "evicted_host_pages": 0,
+            "storage_errors": 0,  # L3 reads/writes that raised (served as misses / not written)
         }
+        self._last_error_log = float("-inf")
 
     # ------------------------------------------------------------------ queries
     def match_prefix(
@@ -491,10 +497,29 @@ class CacheController:
         snapshot = self.host_pool.read(host_pages).copy()  # type: ignore[union-attr]
         handle = TransferHandle("storage_write", None, n, n * self.page_bytes, self._clock())
         raw = snapshot.view(np.uint8).reshape(n, -1)  # bytes per page, any dtype (bf16 included)
-        fut = self._executor.submit(storage.batch_set, keys, [memoryview(raw[i]) for i in range(n)])  # type: ignore[union-attr]
+        views = [memoryview(raw[i]) for i in range(n)]
+
+        def write() -> None:
+            try:
+                storage.batch_set(keys, views)
+            except Exception as exc:  # noqa: BLE001 - L3 is a cache: a failed write is a later miss
+                self._storage_failed("write", exc)
+
+        fut = self._executor.submit(write)  # type: ignore[union-attr]
         handle._is_finished = fut.done
         handle._block = fut.result
         self._pending.append(handle)
+
+    def _storage_failed(self, op: str, exc: BaseException) -> None:
+        """Count (and log, at most every 10 s) an L3 call that raised; callers carry on as a miss."""
+        now = time.monotonic()
+        with _ERROR_LOCK:  # I/O threads report here; errors are rare, one lock for all controllers
+            self.counters["storage_errors"] += 1
+            loud = now - self._last_error_log >= 10.0
+            if loud:
+                self._last_error_log = now
+        if loud:
+            log.warning("L3 %s failed (%s: %s); carrying on without it", op, type(exc).__name__, exc)
 
     def _wait_host(self, host_pages: Sequence[int]) -> None:
         for p in host_pages:
@@ -617,7 +642,12 @@ class CacheController:
         for s in range(0, len(handle.keys), chunk):
             if handle.cancel.is_set():
                 return
-            payloads = self.storage.batch_get(handle.keys[s : s + chunk])  # type: ignore[union-attr]
+            try:
+                payloads = self.storage.batch_get(handle.keys[s : s + chunk])  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001 - what landed so far is kept; the rest is recomputed
+                self._storage_failed("read", exc)
+                handle.missed = True
+                return
             for i, payload in enumerate(payloads):
                 if payload is None or len(payload) != self.page_bytes:
                     handle.missed = True
