@@ -162,8 +162,11 @@ class Engine:
         self.compiles_at_warmup = 0
         self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "finished": 0, "aborted": 0, "failed": 0}
         self.is_ready = False
+        self.transfer_compiles_at_warmup = 0
         if config.warmup:
             self.compiles_at_warmup = self.runner.warmup(show_progress=config.show_progress)
+            self.ctl.warmup_transfers()  # or the first L2 hit compiles its scatter while serving
+            self.transfer_compiles_at_warmup = self._transfer_compiles()
         self.is_ready = True
         self._thread: threading.Thread | None = None
         if start:
@@ -730,6 +733,10 @@ class Engine:
         if tier in ("storage", "all"):
             self.ctl.clear_storage()
 
+    def _transfer_compiles(self) -> int:
+        pool = self.ctl.device_pool
+        return pool.compile_count if pool is not None else 0
+
     def _check(self) -> dict[str, int]:
         self.ctl.drain()  # backups in flight hold locks until they land
         held = [p for t in self._tracked.values() for p in t.page_table[t.shared_pages :]]
@@ -771,6 +778,7 @@ class Engine:
             "storage": c.get("storage"),
             "compiles": self.runner.compile_count,
             "compiles_after_warmup": self.runner.compile_count - self.compiles_at_warmup,
+            "transfer_compiles_after_warmup": self._transfer_compiles() - self.transfer_compiles_at_warmup,
             "waiting": self.scheduler.num_waiting,
             "running": self.scheduler.num_running,
             "deferrals": s.deferrals,

@@ -459,8 +459,8 @@ def test_config_validation() -> None:
     assert CacheConfig(device_tokens=100, page_size=16).num_device_pages == 6
     assert CacheConfig(device_pages=10).num_host_pages() == 20
     assert CacheConfig(device_pages=10, tiers="L1").num_host_pages() == 0
-    with pytest.raises(CacheConfigError, match="load_chunk_bytes"):
-        CacheConfig(device_pages=4, load_chunk_bytes=0)
+    with pytest.raises(CacheConfigError, match="transfer_chunk_bytes"):
+        CacheConfig(device_pages=4, transfer_chunk_bytes=0)
 
 
 class FakeRedis:
@@ -548,7 +548,7 @@ def test_random_workload_every_hit_is_bit_exact(policy: str, tiers: str, ops: li
     cfg = CacheConfig(
         page_size=4, device_pages=12, hicache_ratio=2.0, tiers=tiers, write_policy=policy,
         write_through_threshold=1, prefetch_policy="wait_complete", prefetch_min_tokens=0,
-        load_chunk_bytes=2 * layout.page_bytes,  # loads of 3+ pages go in several pipelined chunks
+        transfer_chunk_bytes=2 * layout.page_bytes,  # loads of 3+ pages go in several pipelined chunks
     )
     ctl = CacheController(cfg, layout, storage=MemoryStorage())
     rep = CacheReplayer(ctl, verify=True)

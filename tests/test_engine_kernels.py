@@ -84,3 +84,29 @@ def test_unknown_kernel_backend_is_a_clear_config_error():
 
     with pytest.raises(InvalidRequestError, match="kernel_backend must be one of auto, reference, pallas, interpret"):
         EngineConfig(kernel_backend="triton")
+
+
+def test_warmup_compiles_every_transfer_so_serving_compiles_nothing(tmp_path):
+    """After warm-up, cold prefills, L1 hits, L2 loads, L3 prefetches and backups compile
+    nothing: the first L2 hit used to compile its scatter while a request waited."""
+    engine = Engine(EngineConfig(
+        model="tiny", warmup=True, show_progress=False, tiers="L1+L2+L3", page_size=16, device_tokens=2048,
+        max_batch_tokens=32, max_batch_size=2, max_context_tokens=512, prefetch_policy="wait_complete",
+        prefetch_min_tokens=0, storage_dir=str(tmp_path), kernel_backend="reference",
+    ))  # fmt: skip
+    try:
+        rng = np.random.default_rng(5)
+        for size in (40, 200, 333):  # loads and backups of several chunk buckets
+            prompt = rng.integers(0, 256, size=size).tolist()
+            engine.generate([prompt], GREEDY)
+            engine.flush_cache("device")
+            assert engine.generate([prompt], GREEDY)[0].cached_tokens["host"] > 0
+            engine.flush_cache("device")
+            engine.flush_cache("host")
+            assert engine.generate([prompt], GREEDY)[0].cached_tokens["storage"] > 0
+        stats = engine.cache_stats()
+        assert stats["compiles_after_warmup"] == 0
+        assert stats["transfer_compiles_after_warmup"] == 0
+        assert engine.transfer_compiles_at_warmup > 0
+    finally:
+        engine.shutdown()

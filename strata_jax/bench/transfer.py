@@ -11,7 +11,7 @@ host pool are loaded into scattered pages of the layer-first device pool by
 (c) **contiguous**: one ``device_put`` of a contiguous host array of the same
     bytes: the machine's host->device limit in this run;
 (d) **pipelined**: the engine's load path, ``DevicePool.load_from_host``: (b) in
-    chunks of ``--chunk-mb`` (default: ``CacheConfig.load_chunk_bytes``), each chunk
+    chunks of ``--chunk-mb`` (default: ``CacheConfig.transfer_chunk_bytes``), each chunk
     put and scattered as soon as it is gathered, so the host gather of chunk i + 1
     overlaps the transfer of chunk i;
 
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--chunk-mb", type=float, default=None,
-        help="chunk size of the pipelined path in MiB (default: CacheConfig.load_chunk_bytes, 4 MiB)",
+        help="chunk size of the pipelined path in MiB (default: CacheConfig.transfer_chunk_bytes, 4 MiB)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="random seed for page placement")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
@@ -120,7 +120,7 @@ class _PageSizeCase:
         # (d) the engine's own pools over the same host pages
         engine_host = HostPool.from_array(self.layout, host_pool)
         engine_device = DevicePool(self.layout, device_pages, device, kernel_backend=backend)
-        chunk_bytes = CacheConfig.load_chunk_bytes if args.chunk_mb is None else int(args.chunk_mb * (1 << 20))
+        chunk_bytes = CacheConfig.transfer_chunk_bytes if args.chunk_mb is None else int(args.chunk_mb * (1 << 20))
         self.chunk_pages = chunk_pages_for(self.layout.page_bytes, chunk_bytes)
         src_list, dst_list = src.tolist(), dst.tolist()
 

@@ -26,9 +26,11 @@ Every default, and why:
 * ``storage_probe_ttl_s = 0.5``: how long an L3 existence probe of a waiting
   request's pages is reused (each round re-matches every waiting request; with
   Redis a probe is a network round trip).  0 probes every time.
-* ``load_chunk_bytes = 4 MiB``: L2->L1 loads are gathered and sent in chunks of
-  about this size (a power of two of pages, at least one), so the host gather of
-  chunk i + 1 overlaps the link copy of chunk i (``DevicePool.load_from_host``).
+* ``transfer_chunk_bytes = 4 MiB``: L2->L1 loads and L1->L2 backups move in chunks
+  of about this size (a power of two of pages, at least one): the host gather of
+  load chunk i + 1 overlaps the link copy of chunk i (``DevicePool.load_from_host``),
+  a long node's backup never stages the whole node on the device at once, and the
+  transfer programs come from a small set that warm-up compiles.
 * ``kernel_backend = "auto"``: which ``pallas_kernels`` backend the L1 pool's page
   scatter/gather use (``auto``: Pallas on GPU, reference on CPU; see
   ``pallas_kernels.dispatch``); resolved when the pool is built.
@@ -77,7 +79,7 @@ class CacheConfig:
     initial_bandwidth_bytes_per_s: float = 16e9
     bandwidth_ema: float = 0.2
     io_threads: int = 2
-    load_chunk_bytes: int = 4 << 20
+    transfer_chunk_bytes: int = 4 << 20
     storage_probe_ttl_s: float = 0.5
     kernel_backend: str = "auto"
 
@@ -118,8 +120,8 @@ class CacheConfig:
             raise bad("initial_bandwidth_bytes_per_s", "must be > 0")
         if not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise bad("io_threads", "must be an int >= 1")
-        if not isinstance(self.load_chunk_bytes, int) or self.load_chunk_bytes < 1:
-            raise bad("load_chunk_bytes", "must be a positive int")
+        if not isinstance(self.transfer_chunk_bytes, int) or self.transfer_chunk_bytes < 1:
+            raise bad("transfer_chunk_bytes", "must be a positive int")
         if not self.storage_probe_ttl_s >= 0:
             raise bad("storage_probe_ttl_s", "must be >= 0")
 

@@ -453,10 +453,13 @@ class CacheController:
         self.tree.lock(node)  # host pages are being written: no eviction until done
         handle = TransferHandle("backup", None, n, n * self.page_bytes, self._clock())
         if self.move_data:
-            staging = self.device_pool.gather_pages(dev_pages)  # type: ignore[union-attr]
+            chunk = self._transfer_chunk_pages()
+            starts = range(0, n, chunk)
+            stagings = [self.device_pool.gather_pages(dev_pages[s : s + chunk]) for s in starts]  # type: ignore[union-attr]
 
             def on_done() -> None:
-                self.host_pool.write(host_pages, np.asarray(staging))  # type: ignore[union-attr]
+                for s, staging in zip(starts, stagings):
+                    self.host_pool.write(host_pages[s : s + chunk], np.asarray(staging))  # type: ignore[union-attr]
                 for p in host_pages:
                     self._host_pending.pop(p, None)
                 self.tree.unlock(node)
@@ -464,8 +467,12 @@ class CacheController:
                     self._write_storage_pages(keys, host_pages)
                     node.storage_backed = True
 
-            handle._is_finished = staging.is_ready
-            handle._block = staging.block_until_ready
+            def wait_all() -> None:
+                for staging in stagings:
+                    staging.block_until_ready()
+
+            handle._is_finished = lambda: all(staging.is_ready() for staging in stagings)
+            handle._block = wait_all
             handle._on_done = on_done
             for p in host_pages:
                 self._host_pending[p] = handle
@@ -533,7 +540,7 @@ class CacheController:
 
         The caller must hold a lock on ``match.last_node`` (allocation may evict).
         Coalesced and pipelined: host pages are gathered into page-first staging
-        buffers of ``load_chunk_bytes`` (bucketed row counts), each moved with one
+        buffers of ``transfer_chunk_bytes`` (bucketed row counts), each moved with one
         ``device_put`` as soon as it is gathered and scattered into the pool
         (``DevicePool.load_from_host``).  On return the nodes carry their device pages
         and any later step reading the pool sees the data (JAX data flow); the
@@ -549,11 +556,10 @@ class CacheController:
         host_pages = [p for x in nodes for p in x.host]  # type: ignore[union-attr]
         handle = TransferHandle("load", request_id, n, n * self.page_bytes, self._clock())
         if self.move_data:
-            from strata_jax.cache.pools import chunk_pages_for
-
             self._wait_host(host_pages)
-            chunk = chunk_pages_for(self.page_bytes, self.config.load_chunk_bytes)
-            arrays = self.device_pool.load_from_host(self.host_pool, host_pages, dev_pages, chunk_pages=chunk)  # type: ignore[union-attr, arg-type]
+            arrays = self.device_pool.load_from_host(  # type: ignore[union-attr]
+                self.host_pool, host_pages, dev_pages, chunk_pages=self._transfer_chunk_pages()  # type: ignore[arg-type]
+            )
             def wait_all() -> None:
                 for a in arrays:
                     a.block_until_ready()
@@ -775,6 +781,17 @@ class CacheController:
         self.poll()
 
     # ------------------------------------------------------------------ maintenance
+    def warmup_transfers(self) -> int:
+        """Compile the L1 pool's load and backup programs now (none without L2); returns compiles."""
+        if self.device_pool is None or self.host_pool is None:
+            return 0
+        return self.device_pool.warmup(self._transfer_chunk_pages())
+
+    def _transfer_chunk_pages(self) -> int:
+        from strata_jax.cache.pools import chunk_pages_for
+
+        return chunk_pages_for(self.page_bytes, self.config.transfer_chunk_bytes)
+
     def clear_storage(self) -> None:
         """Delete every L3 object (of this store's prefix) and forget what probes saw."""
         if self.storage is None:

@@ -29,7 +29,7 @@ def bucket(n: int, minimum: int = 1) -> int:
     return b
 
 
-DEFAULT_CHUNK_BYTES = 4 << 20  # CacheConfig.load_chunk_bytes
+DEFAULT_CHUNK_BYTES = 4 << 20  # CacheConfig.transfer_chunk_bytes
 
 
 def chunk_pages_for(page_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -156,6 +156,24 @@ class DevicePool:
         ids = self._ids(page_ids, staging.shape[0])
         self.kv = self._scatter(self.kv, dev_staging, ids)
         return dev_staging
+
+    @property
+    def compile_count(self) -> int:
+        """Programs compiled so far by this pool's (backend-shared) scatter and gather."""
+        return self._scatter._cache_size() + self._gather._cache_size()  # noqa: SLF001
+
+    def warmup(self, chunk_pages: int) -> int:
+        """Compile every transfer shape serving can hit: scatters and gathers of 1 ..
+        ``chunk_pages`` pages in powers of two (loads and backups go in such chunks).
+        Touches no page: the scattered ids are out of range.  Returns programs compiled."""
+        before = self.compile_count
+        n = 1
+        while n <= chunk_pages:
+            self.load_pages(np.zeros(self.layout.page_first_shape(n), np.dtype(self.kv.dtype)), []).block_until_ready()
+            self.gather_pages([0] * n).block_until_ready()
+            n *= 2
+        self.kv.block_until_ready()
+        return self.compile_count - before
 
     def load_from_host(
         self, host: HostPool, host_pages: Sequence[int], page_ids: Sequence[int], *, chunk_pages: int
