@@ -61,6 +61,17 @@ _KEY_MEMO_TOKENS = 4 << 20  # prompt tokens whose storage keys stay memoized (~3
 _PROBE_MEMO_ENTRIES = 4096
 
 
+def _await_arrays(handle: TransferHandle, arrays: Sequence[Any]) -> None:
+    """``handle`` lands when every (device or staging) array in ``arrays`` is ready."""
+
+    def block() -> None:
+        for a in arrays:
+            a.block_until_ready()
+
+    handle._is_finished = lambda: all(a.is_ready() for a in arrays)
+    handle._block = block
+
+
 class CacheError(RuntimeError):
     """Misuse of the controller (e.g. loading an unlocked match)."""
 
@@ -467,12 +478,7 @@ class CacheController:
                     self._write_storage_pages(keys, host_pages)
                     node.storage_backed = True
 
-            def wait_all() -> None:
-                for staging in stagings:
-                    staging.block_until_ready()
-
-            handle._is_finished = lambda: all(staging.is_ready() for staging in stagings)
-            handle._block = wait_all
+            _await_arrays(handle, stagings)
             handle._on_done = on_done
             for p in host_pages:
                 self._host_pending[p] = handle
@@ -560,16 +566,12 @@ class CacheController:
             arrays = self.device_pool.load_from_host(  # type: ignore[union-attr]
                 self.host_pool, host_pages, dev_pages, chunk_pages=self._transfer_chunk_pages()  # type: ignore[arg-type]
             )
-            def wait_all() -> None:
-                for a in arrays:
-                    a.block_until_ready()
+            _await_arrays(handle, arrays)
 
             def stamp_landing() -> None:
-                wait_all()
+                handle._block()
                 handle.landed_at = self._clock()
 
-            handle._is_finished = lambda: all(a.is_ready() for a in arrays)
-            handle._block = wait_all
             self._watcher.submit(stamp_landing)  # type: ignore[union-attr]
             handle._on_done = lambda: self._measure(handle)
             self._pending.append(handle)

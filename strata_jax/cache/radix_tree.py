@@ -657,20 +657,16 @@ class HiRadixTree:
                 freed.extend(node.device)
                 self.device_pages -= len(node.device)
                 node.device = None
-            elif self._only_transient_below(node):
-                # Waiting requests' queued (not computed) continuations hang below: they
-                # must not pin the prefix in L1.  Drop them; their owners match less next
-                # round and insert their KV when they compute it.
-                self._drop_descendants(node)
-                freed.extend(node.device)
-                self.device_pages -= len(node.device)
-                node.device = None
-                self._delete(node)
-            elif drop_host is not None:
-                # Host-only nodes below a node with no host copy: keeping the node would
-                # pin its L1 pages for as long as they stay in L2.  They are no newer
-                # than it (a match through them touches it), so LRU drops them with it.
-                drop_host(self._drop_descendants(node))
+            elif drop_host is not None or self._only_transient_below(node):
+                # The node goes with everything below it.  Waiting requests' queued (not
+                # computed) continuations must not pin the prefix in L1: their owners
+                # match less next round and insert their KV when they compute it.
+                # Host-only nodes (only with ``drop_host``) would pin it for as long as
+                # they stay in L2; they are no newer than it (a match through them
+                # touches it), so LRU drops them with it.
+                dropped_host = self._drop_descendants(node)
+                if drop_host is not None:
+                    drop_host(dropped_host)
                 freed.extend(node.device)
                 self.device_pages -= len(node.device)
                 node.device = None
