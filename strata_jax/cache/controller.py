@@ -263,7 +263,11 @@ class CacheController:
         seen = self._probe_memo.get(name)
         if seen is not None and now - seen[1] < ttl and (seen[0] == len(keys) or keys[seen[0]] not in self._recent_writes):
             return seen[0]
-        hits = self.storage.batch_exists(keys)  # type: ignore[union-attr]
+        try:
+            hits = self.storage.batch_exists(keys)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - L3 is a cache: unreachable means no hits
+            self._storage_failed("exists", exc)
+            return 0
         if ttl > 0:
             self._probe_memo[name] = (hits, now)
             if len(self._probe_memo) > _PROBE_MEMO_ENTRIES:
@@ -503,28 +507,29 @@ class CacheController:
         n = len(keys)
         self.counters["storage_written_pages"] += n
         self._note_storage_writes(keys)
+
+        def write(payloads: Sequence[bytes | memoryview]) -> None:
+            try:
+                storage.batch_set(keys, payloads)
+            except Exception as exc:  # noqa: BLE001 - L3 is a cache: a failed write is a later miss
+                self._storage_failed("write", exc)
+
         if not self.move_data:
-            storage.batch_set(keys, [b""] * n)
+            write([b""] * n)
             return
         self._wait_host(host_pages)
         snapshot = self.host_pool.read(host_pages).copy()  # type: ignore[union-attr]
         handle = TransferHandle("storage_write", None, n, n * self.page_bytes, self._clock())
         raw = snapshot.view(np.uint8).reshape(n, -1)  # bytes per page, any dtype (bf16 included)
-        views = [memoryview(raw[i]) for i in range(n)]
-
-        def write() -> None:
-            try:
-                storage.batch_set(keys, views)
-            except Exception as exc:  # noqa: BLE001 - L3 is a cache: a failed write is a later miss
-                self._storage_failed("write", exc)
-
-        fut = self._executor.submit(write)  # type: ignore[union-attr]
+        fut = self._executor.submit(write, [memoryview(raw[i]) for i in range(n)])  # type: ignore[union-attr]
         handle._is_finished = fut.done
         handle._block = fut.result
         self._pending.append(handle)
 
     def _storage_failed(self, op: str, exc: BaseException) -> None:
-        """Count (and log, at most every 10 s) an L3 call that raised; callers carry on as a miss."""
+        """Count (and log, at most every 10 s) an L3 call that raised; callers carry on as a miss.
+
+        The one place backend errors are handled: backends (file, Redis) just raise."""
         now = time.monotonic()
         with _ERROR_LOCK:  # I/O threads report here; errors are rare, one lock for all controllers
             self.counters["storage_errors"] += 1
@@ -831,7 +836,11 @@ class CacheController:
             **self.counters,
         }
         if self.storage is not None:
-            out["storage"] = self.storage.stats().__dict__
+            try:
+                out["storage"] = self.storage.stats().__dict__
+            except Exception as exc:  # noqa: BLE001 - stats must not fail because L3 is down
+                self._storage_failed("stats", exc)
+                out["storage"] = None
         return out
 
     def close(self) -> None:

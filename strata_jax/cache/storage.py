@@ -73,7 +73,6 @@ class StorageStats:
     corrupt: int
     writes: int
     evictions: int
-    errors: int = 0  # backend calls that failed (e.g. the Redis server went away); served as misses
 
 
 class StorageBackend(ABC):

@@ -7,33 +7,18 @@ and ``maxmemory-policy allkeys-lru``.  Needs the ``redis`` package (the
 ``serve`` extra) and a reachable server.
 
 ``from_url`` pings the server, so a wrong URL fails at start-up with a clear
-``StorageError``.  Once serving, L3 is a cache: a failing call (server restarted,
-network blip, timeout) is logged (at most every ``_WARN_EVERY_S``), counted in
-``stats().errors`` and served as a miss or an unwritten page, and the request
-recomputes what it could not fetch instead of failing.
+``StorageError``.  Once serving, a failing call (server restarted, network blip,
+timeout) raises like any backend's I/O error; the cache controller counts and logs
+it and carries on as a miss (``CacheController._storage_failed``).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from strata_jax.cache.storage import StorageBackend, StorageError, StorageStats, decode_object, encode_object
-
-log = logging.getLogger(__name__)
-
-_WARN_EVERY_S = 10.0
-
-
-def _redis_error_types() -> tuple[type[BaseException], ...]:
-    try:
-        import redis
-    except ImportError:  # a test double needs no redis package
-        return (ConnectionError, TimeoutError, OSError)
-    return (redis.exceptions.RedisError, ConnectionError, TimeoutError, OSError)
 
 
 class RedisStorage(StorageBackend):
@@ -43,9 +28,7 @@ class RedisStorage(StorageBackend):
         self._client = client
         self._prefix = prefix
         self._lock = threading.Lock()
-        self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "writes": 0, "evictions": 0, "errors": 0}
-        self._errors = _redis_error_types()
-        self._last_warning = float("-inf")
+        self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "writes": 0, "evictions": 0}
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "strata-jax:kv:", *, timeout_s: float = 5.0) -> RedisStorage:
@@ -64,16 +47,6 @@ class RedisStorage(StorageBackend):
             ) from exc
         return cls(client, prefix)
 
-    def _failed(self, op: str, exc: BaseException) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self._counts["errors"] += 1
-            warn = now - self._last_warning >= _WARN_EVERY_S
-            if warn:
-                self._last_warning = now
-        if warn:
-            log.warning("redis L3 %s failed (%s: %s); serving it as a miss", op, type(exc).__name__, exc)
-
     def _k(self, key: bytes) -> str:
         return self._prefix + key.hex()
 
@@ -84,17 +57,13 @@ class RedisStorage(StorageBackend):
         if not keys:
             return 0
         names = [self._k(key) for key in keys]
-        try:
-            count = int(self._client.exists(*names))
-            if count in (0, len(names)):
-                return count
-            pipe = self._client.pipeline(transaction=False)
-            for name in names:
-                pipe.exists(name)
-            found = pipe.execute()
-        except self._errors as exc:
-            self._failed("exists", exc)
-            return 0
+        count = int(self._client.exists(*names))
+        if count in (0, len(names)):
+            return count
+        pipe = self._client.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        found = pipe.execute()
         n = 0
         for present in found:
             if not present:
@@ -105,13 +74,7 @@ class RedisStorage(StorageBackend):
     def batch_get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
-        try:
-            blobs = self._client.mget([self._k(k) for k in keys])
-        except self._errors as exc:
-            self._failed("get", exc)
-            with self._lock:
-                self._counts["misses"] += len(keys)
-            return [None] * len(keys)
+        blobs = self._client.mget([self._k(k) for k in keys])
         out: list[bytes | None] = []
         bad: list[bytes] = []
         for key, blob in zip(keys, blobs):
@@ -132,14 +95,10 @@ class RedisStorage(StorageBackend):
     def batch_set(self, keys: Sequence[bytes], payloads: Sequence[bytes | memoryview]) -> int:
         if not keys:
             return 0
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for key, payload in zip(keys, payloads):
-                pipe.set(self._k(key), encode_object(key, payload), nx=True)
-            results = pipe.execute()
-        except self._errors as exc:
-            self._failed("set", exc)
-            return 0
+        pipe = self._client.pipeline(transaction=False)
+        for key, payload in zip(keys, payloads):
+            pipe.set(self._k(key), encode_object(key, payload), nx=True)
+        results = pipe.execute()
         with self._lock:
             self._counts["writes"] += sum(1 for r in results if r)
         return len(results)
@@ -147,11 +106,7 @@ class RedisStorage(StorageBackend):
     def delete(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
-        try:
-            return int(self._client.delete(*[self._k(k) for k in keys]))
-        except self._errors as exc:
-            self._failed("delete", exc)
-            return 0
+        return int(self._client.delete(*[self._k(k) for k in keys]))
 
     def clear(self) -> None:
         """Delete every object under this prefix (an explicit admin action: errors raise)."""
@@ -159,15 +114,11 @@ class RedisStorage(StorageBackend):
             names = list(self._client.scan_iter(match=self._prefix + "*"))
             for i in range(0, len(names), 512):
                 self._client.delete(*names[i : i + 512])
-        except self._errors as exc:
+        except Exception as exc:
             raise StorageError(f"clearing the Redis L3 failed: {exc}") from exc
 
     def stats(self) -> StorageStats:
-        try:
-            objects = sum(1 for _ in self._client.scan_iter(match=self._prefix + "*"))
-        except self._errors as exc:
-            self._failed("stats", exc)
-            objects = -1
+        objects = sum(1 for _ in self._client.scan_iter(match=self._prefix + "*"))
         with self._lock:
             return StorageStats(self.name, objects, -1, -1, **self._counts)
 
