@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import shutil
 import socket
-import subprocess
-import time
 
 import numpy as np
 import pytest
 
 from strata_jax.api import SamplingParams
 from strata_jax.cache.storage import StorageError
-from strata_jax.cache.storage_redis import RedisStorage
+from strata_jax.cache.storage_redis import RedisStorage, start_local_server
 
 REDIS_SERVER = shutil.which("redis-server")
 needs_server = pytest.mark.skipif(
@@ -33,25 +31,7 @@ def _free_port() -> int:
 
 class RedisServer:
     def __init__(self, workdir: str) -> None:
-        import redis
-
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", workdir, "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_connect_timeout=0.5).ping()
-                return
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
+        self.proc, self.url = start_local_server(workdir, "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru")
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -39,32 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the results as JSON to this path")
 
 
-def _start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("--start-redis: redis-server is not installed (e.g. `apt-get install redis-server`)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 15
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return proc, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.terminate()
-                raise SystemExit("redis-server did not start") from None
-            time.sleep(0.05)
-
-
 def run(args: argparse.Namespace) -> int:
     from strata_jax.cache.config import CacheConfig
     from strata_jax.cache.controller import CacheController
+    from strata_jax.cache.storage import StorageError
+    from strata_jax.cache.storage_redis import start_local_server
 
     if args.waiting <= 0 or args.prompt_tokens < args.page_size or args.rounds <= 0 or args.ttl <= 0:
         raise SystemExit("--waiting, --rounds and --ttl must be positive and --prompt-tokens at least one page")
@@ -74,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
     if args.storage == "redis" and url is None:
         if not args.start_redis:
             raise SystemExit("--storage redis needs --storage-url or --start-redis")
-        server, url = _start_redis(workdir)
+        try:
+            server, url = start_local_server(workdir)
+        except StorageError as exc:
+            raise SystemExit(f"--start-redis: {exc}") from None
     try:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 50_000, args.prompt_tokens).tolist() for _ in range(args.waiting)]

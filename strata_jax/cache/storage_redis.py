@@ -14,7 +14,11 @@ it and carries on as a miss (``CacheController._storage_failed``).
 
 from __future__ import annotations
 
+import shutil
+import socket
+import subprocess
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -127,3 +131,31 @@ class RedisStorage(StorageBackend):
             self._client.close()
         except Exception:  # pragma: no cover
             pass
+
+
+def start_local_server(workdir: str, *extra_args: str, timeout_s: float = 15.0) -> tuple[subprocess.Popen, str]:
+    """Start a private ``redis-server`` on a free loopback port (no persistence), for
+    tests and benchmarks; returns the process and its URL once it accepts connections.
+    The caller terminates the process."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise StorageError("redis-server is not installed (e.g. `apt-get install redis-server`)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir,
+         *extra_args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return proc, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.terminate()
+                proc.wait(10)
+                raise StorageError("redis-server did not start") from None
+            time.sleep(0.05)
