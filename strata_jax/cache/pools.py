@@ -29,11 +29,9 @@ def bucket(n: int, minimum: int = 1) -> int:
     return b
 
 
-DEFAULT_CHUNK_BYTES = 4 << 20  # CacheConfig.transfer_chunk_bytes
-
-
-def chunk_pages_for(page_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Pages per pipelined load chunk: the largest power of two of at most ``chunk_bytes`` (>= 1 page)."""
+def chunk_pages_for(page_bytes: int, chunk_bytes: int) -> int:
+    """Pages per transfer chunk (``CacheConfig.transfer_chunk_bytes``): the largest power of
+    two of at most ``chunk_bytes`` (>= 1 page)."""
     pages = max(1, chunk_bytes // max(1, page_bytes))
     return 1 << (pages.bit_length() - 1)
 
