@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -40,51 +42,79 @@ def _hf_name_to_path(name: str) -> tuple[tuple[str | int, ...], bool]:
     return tuple(parts), False
 
 
+@dataclass(frozen=True)
+class NamedTensor:
+    """One checkpoint tensor under its Hugging Face name, read only when ``get()`` is called.
+
+    ``nbytes`` drives the progress bar; ``origin`` names the file it comes from in errors.
+    Every weight source (safetensors, GGUF) yields these, so all share one loader.
+    """
+
+    name: str
+    nbytes: int
+    get: Callable[[], np.ndarray]
+    origin: str
+
+
 def load_hf_weights(
     folder: str | Path, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, show_progress: bool = True
 ) -> LlamaForCausalLM:
-    """Load HF safetensors (single or sharded) into a model, casting to ``dtype``.
+    """Load HF safetensors (single or sharded) into a model, casting to ``dtype``."""
+    files = checkpoint_files(folder)
+    tensors = [NamedTensor(name, st.nbytes(name), partial(st.get, name), st.path.name) for name, st in iter_tensors(files)]
+    return load_named_tensors(tensors, config, dtype=dtype, show_progress=show_progress, source=str(folder))
+
+
+def load_named_tensors(
+    tensors: Sequence[NamedTensor],
+    config: ModelConfig,
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    show_progress: bool = True,
+    source: str,
+) -> LlamaForCausalLM:
+    """Build a model from tensors named as in Hugging Face checkpoints, casting to ``dtype``.
 
     Raises ``WeightLoadError`` naming the tensor for anything missing, unexpected or
-    of the wrong shape.
+    of the wrong shape; ``source`` names the checkpoint in those errors and the progress bar.
     """
     abstract = nnx.eval_shape(lambda: random_model(config, dtype=dtype))
     graphdef, abstract_state = nnx.split(abstract)
     expected = {path: var for path, var in nnx.to_flat_state(abstract_state)}
-    files = checkpoint_files(folder)
-    tensors = list(iter_tensors(files))
-    total = sum(st.nbytes(name) for name, st in tensors)
+    total = sum(t.nbytes for t in tensors)
     loaded: dict[tuple, jax.Array] = {}
     bar = tqdm(
         total=total,
         unit="B",
         unit_scale=True,
-        desc=f"loading {Path(folder).name}",
+        desc=f"loading {Path(source).name}",
         disable=not show_progress or total < PROGRESS_BAR_MIN_BYTES,
     )
     with bar:
-        for name, st in tensors:
-            bar.update(st.nbytes(name))
+        for tensor in tensors:
+            name = tensor.name
+            bar.update(tensor.nbytes)
             if _IGNORED.match(name):
                 continue
             path, transpose = _hf_name_to_path(name)
             if path not in expected:
                 if config.tie_word_embeddings and name == "lm_head.weight":
                     continue  # a tied checkpoint may still store the (shared) head
-                raise WeightLoadError(f"unexpected tensor {name!r} in {st.path.name} for a {config.model_type} model")
-            array = st.get(name)
+                raise WeightLoadError(f"unexpected tensor {name!r} in {tensor.origin} for a {config.model_type} model")
+            array = tensor.get()
+            shape = tuple(array.shape)
             if transpose:
                 array = array.T
             want = expected[path].get_value().shape
             if tuple(array.shape) != tuple(want):
                 raise WeightLoadError(
-                    f"tensor {name!r} has shape {tuple(st.get(name).shape)}, the config implies "
+                    f"tensor {name!r} in {tensor.origin} has shape {shape}, the config implies "
                     f"{tuple(want)[::-1] if transpose else tuple(want)}"
                 )
             loaded[path] = jnp.asarray(np.ascontiguousarray(array), dtype=dtype)
     missing = [".".join(map(str, p)) for p in expected if p not in loaded]
     if missing:
-        raise WeightLoadError(f"checkpoint {folder} lacks tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise WeightLoadError(f"checkpoint {source} lacks tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     flat = [(path, var.replace(loaded[path])) for path, var in expected.items()]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
