@@ -1,4 +1,4 @@
-"""Command line of the engine: ``strata-jax generate`` and ``strata-jax bench NAME``.
+"""Command line of the engine: ``strata-jax generate``, ``demo``, ``info`` and ``bench NAME``.
 
 The console script lives in ``serving.cli`` (which adds ``serve``) so that this
 package never imports ``serving``.
@@ -29,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(demo)
 
+    info = sub.add_parser("info", help="devices, memory kinds, versions, and the defaults and kernels chosen (here, on CUDA, on ROCm)")
+    from strata_jax.info import add_info_arguments
+
+    add_info_arguments(info)
+
     bench = sub.add_parser("bench", help="run a benchmark; `strata-jax bench NAME --help` lists its flags")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags of that benchmark")
@@ -44,6 +49,10 @@ def dispatch(args: argparse.Namespace) -> int:
         from strata_jax.demo import run_demo
 
         return run_demo(args)
+    if args.command == "info":
+        from strata_jax.info import run_info
+
+        return run_info(args)
     if args.command == "bench":
         return run_benchmark(args.name, args.bench_args)
     raise SystemExit(f"unknown command {args.command!r}")

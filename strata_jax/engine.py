@@ -43,6 +43,7 @@ from strata_jax.engine_config import EngineConfig
 from strata_jax.engine_io import AsyncQueueSink, CollectingSink, OutputSink
 from strata_jax.models.loader import load_model
 from strata_jax.runtime.model_runner import ModelRunner, PendingStep, RunnerConfig, SeqInput
+from strata_jax.runtime.platform import resolve as resolve_platform
 from strata_jax.runtime.sampling import request_rng_key
 from strata_jax.scheduler.cost_model import CostModel, CostPrior
 from strata_jax.scheduler.plan import PrefillItem, StepPlan
@@ -51,8 +52,6 @@ from strata_jax.scheduler.scheduler import Scheduler
 from strata_jax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
-
-CPU_CONTEXT_CAP = 16384
 
 
 def span(name: str) -> jax.profiler.TraceAnnotation:
@@ -115,9 +114,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, *, start: bool = True):
         self.config = config = config or EngineConfig()
-        on_cpu = jax.default_backend() == "cpu"
-        dtype = config.dtype or ("float32" if on_cpu else "bfloat16")
-        kv_dtype = config.kv_dtype or ("float32" if on_cpu else "bfloat16")
+        self.platform = resolve_platform(dtype=config.dtype, kv_dtype=config.kv_dtype, kernel_backend=config.kernel_backend)
+        dtype, kv_dtype = self.platform.dtype, self.platform.kv_dtype
         if config.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
         loaded = load_model(config.model, dtype=jnp.dtype(dtype), show_progress=config.show_progress)
@@ -127,7 +125,7 @@ class Engine:
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.config.vocab_size
         model_limit = loaded.config.max_context_tokens
-        self.max_context_tokens = config.max_context_tokens or (min(model_limit, CPU_CONTEXT_CAP) if on_cpu else model_limit)
+        self.max_context_tokens = self.platform.max_context_tokens(model_limit, config.max_context_tokens)
         if self.max_context_tokens > model_limit:
             raise InvalidRequestError(f"max_context_tokens={self.max_context_tokens} exceeds the model's {model_limit}")
 
@@ -146,7 +144,7 @@ class Engine:
                 max_batch_size=config.max_batch_size,
                 max_context_tokens=self.max_context_tokens,
                 kv_dtype=kv_dtype,
-                kernel_backend=config.kernel_backend,
+                kernel_backend=self.platform.kernel_backend,
             ),
             pool=self.ctl.device_pool,
         )

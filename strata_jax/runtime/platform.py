@@ -1,0 +1,120 @@
+"""Per-platform defaults: the one place that decides what the engine runs with on CPU, CUDA or ROCm.
+
+``defaults_for(platform)`` answers for any platform name (so ``strata-jax info`` can
+say what it *would* choose on a GPU from a CPU host); ``resolve(...)`` applies a
+user's explicit choices on top of the present platform's defaults.  The engine and
+the runner take their dtypes, kernel backend and context cap from here and decide
+nothing about platforms themselves.
+
+Why each default (measured or documented, never a guess):
+
+* ``kv_dtype``: float32 on CPU because XLA:CPU has no native bf16 scatter: an
+  in-place update of a bf16 pool is lowered as convert-to-f32 + update + convert
+  back, i.e. a rewrite of the *whole* pool on every step (the no-pool-copy HLO test,
+  tests/test_runner_inplace.py, catches it).  bfloat16 on GPUs (half the bytes per
+  cached token, the HBM and link budget that hierarchical caching is about).
+* ``dtype`` (weights): float32 on CPU (the test platform; greedy parity with the
+  Hugging Face reference in f32), bfloat16 on GPUs.
+* ``kernel_backend``: ``pallas_kernels.dispatch.default_backend_for`` (Pallas
+  Triton kernels on CUDA and ROCm, the pure-JAX reference elsewhere);
+  ``$STRATA_KERNEL_BACKEND`` and an explicit choice override ``"auto"``.
+* ``host_memory_kind``: ``pinned_host`` on GPUs (page-locked memory DMAs at link
+  speed; pageable memory goes through a driver bounce buffer), ``unpinned_host`` on
+  CPU (host and device memory are the same DRAM).  The L2 pool is a numpy array
+  today; this is the memory kind staging buffers and a jax-array host pool use.
+* ``max_context_tokens`` cap: 16384 on CPU (a development platform: larger pools
+  and page tables only make tests slow), none on GPUs (the model's limit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pallas_kernels import dispatch
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+CPU_CONTEXT_CAP = 16384
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class PlatformDefaults:
+    """What the engine runs with on ``platform`` when the user leaves a field unset."""
+
+    platform: str
+    dtype: str
+    kv_dtype: str
+    kernel_backend: str  # a concrete pallas_kernels backend: "pallas", "reference" or "interpret"
+    host_memory_kind: str
+    max_context_cap: int | None  # None: the model's own limit
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_GPU = ("cuda", "rocm")
+
+
+def defaults_for(platform: str) -> PlatformDefaults:
+    """The defaults on ``platform`` ("cpu", "cuda", "rocm", "tpu"), ignoring user overrides and env."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; choose one of {', '.join(PLATFORMS)}")
+    on_gpu = platform in _GPU
+    low_precision = platform != "cpu"
+    return PlatformDefaults(
+        platform=platform,
+        dtype="bfloat16" if low_precision else "float32",
+        kv_dtype="bfloat16" if low_precision else "float32",
+        kernel_backend=dispatch.default_backend_for(platform),
+        host_memory_kind="pinned_host" if on_gpu else "unpinned_host",
+        max_context_cap=CPU_CONTEXT_CAP if platform == "cpu" else None,
+    )
+
+
+def current_platform() -> str:
+    """``"cpu"``, ``"cuda"``, ``"rocm"`` or ``"tpu"`` for JAX's default backend."""
+    return dispatch.platform_name()
+
+
+@dataclass(frozen=True)
+class ResolvedPlatform:
+    """The settings in force: the user's explicit choices, else the platform's defaults."""
+
+    defaults: PlatformDefaults
+    dtype: str
+    kv_dtype: str
+    kernel_backend: str  # concrete (after "auto", the scoped backend and $STRATA_KERNEL_BACKEND)
+
+    @property
+    def platform(self) -> str:
+        return self.defaults.platform
+
+    def max_context_tokens(self, model_limit: int, requested: int | None) -> int:
+        """The context the engine serves: the request (validated by the caller), else the
+        model's limit under the platform's cap."""
+        if requested is not None:
+            return requested
+        cap = self.defaults.max_context_cap
+        return model_limit if cap is None else min(model_limit, cap)
+
+
+def resolve(
+    *,
+    dtype: str | None = None,
+    kv_dtype: str | None = None,
+    kernel_backend: str = "auto",
+    platform: str | None = None,
+) -> ResolvedPlatform:
+    """Apply explicit choices (None / "auto" = default) over ``platform``'s defaults (default: this host's)."""
+    for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype)):
+        if value is not None and value not in DTYPES:
+            raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
+    defaults = defaults_for(platform or current_platform())
+    return ResolvedPlatform(
+        defaults=defaults,
+        dtype=dtype or defaults.dtype,
+        kv_dtype=kv_dtype or defaults.kv_dtype,
+        kernel_backend=dispatch.resolve_backend(kernel_backend, platform=defaults.platform),
+    )
+
