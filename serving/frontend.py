@@ -21,6 +21,7 @@ from strata_jax.api import (
     EngineUnavailableError,
     InvalidRequestError,
     OverloadedError,
+    RequestAbortedError,
     SamplingParams,
     StreamChunk,
 )
@@ -32,6 +33,10 @@ log = logging.getLogger(__name__)
 TIERS = ("device", "host", "storage")
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt plus ``max_tokens`` do not fit in the context (HTTP 400, counted as ``too_long``)."""
 
 
 class EngineLike(Protocol):
@@ -158,6 +163,23 @@ class Frontend:
             raise LookupError(f"model {name!r} does not exist; this server serves {self.model_name!r}")
 
     # ---- requests -------------------------------------------------------
+    def count_rejected(self, api: str, exc: BaseException) -> None:
+        """Count a request a face refused before handing it to ``stream`` (which counts its own)."""
+        reason = rejection_reason(exc)
+        if reason is None:
+            self.metrics.requests.labels(api, "error").inc()
+        else:
+            self.metrics.count_rejected(api, reason)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        """``PromptTooLongError`` unless ``prompt_tokens + max_tokens`` fit in the engine's context."""
+        limit = self.engine().max_context_tokens
+        if prompt_tokens + max_tokens > limit:
+            raise PromptTooLongError(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} "
+                f"exceeds the context limit of {limit} tokens"
+            )
+
     async def stream(
         self,
         prompt: object,
@@ -170,9 +192,14 @@ class Frontend:
         """Stream one request's chunks; closing this generator early aborts the request.
 
         Errors from admission (``InvalidRequestError``, ``OverloadedError``,
-        ``EngineUnavailableError``) surface on the first ``__anext__``.
+        ``EngineUnavailableError``) surface on the first ``__anext__``.  The request
+        is counted once in ``strata_requests_total`` when it ends: with its finish
+        reason once the final chunk is out (whatever the consumer does after it),
+        ``cancelled`` when the consumer stops before that (the client went away),
+        ``rejected`` (by reason) when admission refuses it, ``error`` on a bug.
         """
         status = "error"
+        reason: str | None = None
         t0 = time.perf_counter()
         rid: str | None = None
         engine_stream: AsyncIterator[StreamChunk] | None = None
@@ -183,6 +210,10 @@ class Frontend:
             checked = check_prompt(prompt, engine.vocab_size)
             if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_CHARS:
                 raise InvalidRequestError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters")
+            if isinstance(checked, str) and getattr(engine, "tokenizer", None) is not None:
+                checked = engine.tokenizer.encode(checked)  # tokenized once, here, so the length can be checked
+            if isinstance(checked, list):
+                self.check_fits(len(checked), params.max_tokens)
             rid = check_request_id(request_id)
             if rid in self._in_flight:
                 rid = None
@@ -194,33 +225,32 @@ class Frontend:
                 now = time.perf_counter()
                 if last is None:
                     self.metrics.ttft.observe(now - t0)
+                    self.metrics.prompt_tokens.inc(chunk.prompt_tokens)  # the prefill is done
+                    for tier in TIERS:
+                        self.metrics.cached_prompt_tokens.labels(tier).inc(chunk.cached_tokens.get(tier, 0))
                 elif chunk.token_ids:
                     gap = (now - last) / len(chunk.token_ids)
                     for _ in chunk.token_ids:
                         self.metrics.inter_token.observe(gap)
+                last = now
                 if chunk.token_ids:
-                    last = now
                     self.metrics.completion_tokens.inc(len(chunk.token_ids))
                 if chunk.finished:
                     finished = True
                     status = chunk.finish_reason or "stop"
-                    self.metrics.prompt_tokens.inc(chunk.prompt_tokens)
-                    for tier in TIERS:
-                        self.metrics.cached_prompt_tokens.labels(tier).inc(chunk.cached_tokens.get(tier, 0))
-                yield chunk
+                yield chunk  # the consumer may close us here, even after the final chunk
                 if finished:
                     break
-        except InvalidRequestError:
-            status = "invalid"
-            raise
-        except OverloadedError:
-            status = "overloaded"
-            raise
-        except EngineUnavailableError:
-            status = "unavailable"
-            raise
         except (asyncio.CancelledError, GeneratorExit):
-            status = "cancelled"
+            if not finished:
+                status = "cancelled"
+            raise
+        except RequestAbortedError:
+            status = "abort"
+            raise
+        except Exception as exc:
+            reason = rejection_reason(exc)
+            status = "rejected" if reason is not None else "error"
             raise
         finally:
             if engine_stream is not None:
@@ -236,5 +266,29 @@ class Frontend:
                         log.exception("abort(%s) failed", rid)
                 self._in_flight.discard(rid)
             self.metrics.in_flight.dec()
-            self.metrics.e2e.observe(time.perf_counter() - t0)
-            self.metrics.requests.labels(api, status).inc()
+            if reason is not None:
+                self.metrics.count_rejected(api, reason)
+            else:
+                self.metrics.e2e.observe(time.perf_counter() - t0)
+                self.metrics.requests.labels(api, status).inc()
+
+
+def rejection_reason(exc: BaseException) -> str | None:
+    """Why ``exc`` refused a request (one of ``serving.metrics.REJECT_REASONS``), or ``None`` for a bug.
+
+    An exception may carry its own ``rejection_reason`` attribute (the faces' HTTP/gRPC errors do).
+    """
+    own = getattr(exc, "rejection_reason", None)
+    if isinstance(own, str):
+        return own
+    if isinstance(exc, PromptTooLongError):
+        return "too_long"
+    if isinstance(exc, InvalidRequestError):
+        return "invalid_request"
+    if isinstance(exc, LookupError):
+        return "not_found"
+    if isinstance(exc, OverloadedError):
+        return "overloaded"
+    if isinstance(exc, EngineUnavailableError):
+        return "unavailable"
+    return None

@@ -118,11 +118,16 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
     ) -> AsyncIterator[strata_pb2.GenerateResponse]:
         kind = request.WhichOneof("prompt")
         stream = None
-        try:
+        try:  # refusals before the frontend are counted here; the frontend counts the rest
             if kind is None:
                 raise InvalidRequestError("prompt is empty: set `text` or `token_ids`")
             prompt = request.text if kind == "text" else list(request.token_ids.ids)
             params = params_from_proto(request.params)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            self._frontend.count_rejected("grpc", exc)
+            await self._fail(context, exc)
+            return
+        try:
             stream = self._frontend.stream(
                 prompt, params, api="grpc", cache_salt=request.cache_salt or None, request_id=request.request_id or None
             )
@@ -184,11 +189,16 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
             await self._fail(context, exc)
 
 
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
+OnRefused = Callable[[str], None]  # called with a rejection reason for each refused Generate call
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without ``authorization: Bearer <key>`` (health/reflection exempt)."""
 
-    def __init__(self, api_key: str) -> None:
+    def __init__(self, api_key: str, on_refused: OnRefused | None = None) -> None:
         self._expected = f"Bearer {api_key}".encode()
+        self._on_refused = on_refused
 
     async def intercept_service(
         self,
@@ -204,6 +214,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
+        if details.method == GENERATE_METHOD and self._on_refused is not None:
+            self._on_refused("unauthorized")
 
         async def deny_unary(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
@@ -232,6 +244,9 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
     Without it grpc answers ``UNKNOWN`` with a Python exception name.
     """
 
+    def __init__(self, on_refused: OnRefused | None = None) -> None:
+        self._on_refused = on_refused
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -248,7 +263,11 @@ class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
             except DecodeError as exc:
                 return _Undecodable(str(exc))
 
+        counted = details.method == GENERATE_METHOD and self._on_refused is not None
+
         async def reject(context: grpc.aio.ServicerContext, bad: _Undecodable) -> None:
+            if counted:
+                self._on_refused("invalid_request")  # type: ignore[misc]
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {bad.reason}")
 
         if handler.unary_stream:
@@ -279,8 +298,13 @@ class GrpcFace:
     """The gRPC server: Strata service, health (NOT_SERVING until the engine is ready), reflection."""
 
     def __init__(self, frontend: Frontend, config: ServerConfig) -> None:
-        interceptors: list[grpc.aio.ServerInterceptor] = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
-        interceptors.append(DecodeGuardInterceptor())
+        def on_refused(reason: str) -> None:
+            frontend.metrics.count_rejected("grpc", reason)
+
+        interceptors: list[grpc.aio.ServerInterceptor] = (
+            [ApiKeyInterceptor(config.api_key, on_refused)] if config.api_key else []
+        )
+        interceptors.append(DecodeGuardInterceptor(on_refused))
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[

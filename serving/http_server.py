@@ -40,7 +40,7 @@ from strata_jax.api import (
 
 from serving import openai_protocol as oai
 from serving.config import ServerConfig
-from serving.frontend import TIERS, Frontend
+from serving.frontend import TIERS, Frontend, PromptTooLongError, check_prompt
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,32 @@ T = TypeVar("T")
 DISCONNECT_POLL_S = 0.25
 
 
+# How a refused request is counted (strata_requests_rejected_total{reason}), by HTTP status.
+_REJECTION_BY_STATUS = {
+    400: "invalid_request",
+    401: "unauthorized",
+    404: "not_found",
+    413: "body_too_large",
+    422: "invalid_request",
+    429: "overloaded",
+    503: "unavailable",
+}
+# The routes whose requests are counted in strata_requests_total.
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
 class HTTPError(Exception):
     """An error that becomes an OpenAI-style JSON error response."""
 
     def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
+
+    @property
+    def rejection_reason(self) -> str | None:
+        if self.code == "context_length_exceeded":
+            return "too_long"
+        return _REJECTION_BY_STATUS.get(self.status)
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
@@ -65,6 +85,8 @@ def map_error(exc: BaseException) -> HTTPError:
     """HTTP status for an error raised while serving a request."""
     if isinstance(exc, HTTPError):
         return exc
+    if isinstance(exc, PromptTooLongError):
+        return HTTPError(400, str(exc), "invalid_request_error", "context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
         return HTTPError(400, str(exc), "invalid_request_error")
     if isinstance(exc, LookupError):
@@ -227,24 +249,31 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
 
     auth = [Depends(require_key)]
 
+    def refuse(request: Request, exc: BaseException) -> JSONResponse:
+        """The response for a generation request refused before it reached the frontend (counted here)."""
+        err = map_error(exc)
+        if request.method == "POST" and request.url.path in GENERATION_ROUTES:
+            frontend.count_rejected("http", err)
+        return err.response()
+
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
-        return exc.response()
+        return refuse(request, exc)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return map_error(exc).response()
+        return refuse(request, exc)
 
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return HTTPError(400, str(exc), "invalid_request_error").response()
+        return refuse(request, HTTPError(400, str(exc), "invalid_request_error"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return HTTPError(exc.status_code, str(exc.detail), "invalid_request_error").response()
+        return refuse(request, HTTPError(exc.status_code, str(exc.detail), "invalid_request_error"))
 
     def engine_and_model(name: str):
         try:
@@ -257,18 +286,25 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
     # ---- OpenAI routes -------------------------------------------------
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
+        # Phase 1: everything that can refuse the request before the frontend sees it (counted by `refuse`).
         try:
             req = await read_body(request, oai.CompletionRequest, limit)
-            engine_and_model(req.model)
+            engine = engine_and_model(req.model)
             req.check_unsupported()
             prompts = req.prompts()
             if len(prompts) > config.max_batch_prompts:
                 raise InvalidRequestError(f"at most {config.max_batch_prompts} prompts per request, got {len(prompts)}")
+            if req.stream and len(prompts) != 1:
+                raise InvalidRequestError("streaming supports exactly one prompt")
             params = req.sampling_params(16 if req.max_tokens is None else req.max_tokens)
-            rid = oai.new_id("cmpl")
+            for p in prompts:  # all prompts are checked before any runs: one bad prompt refuses the request
+                check_prompt(p, engine.vocab_size)
+        except Exception as exc:  # noqa: BLE001
+            return refuse(request, exc)
+        # Phase 2: the frontend counts each prompt's request from here on.
+        rid = oai.new_id("cmpl")
+        try:
             if req.stream:
-                if len(prompts) != 1:
-                    raise InvalidRequestError("streaming supports exactly one prompt")
                 return await _stream_completion(request, req, prompts[0], params, rid)
             streams = [
                 frontend.stream(
@@ -307,6 +343,7 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
+        # Phase 1: refusals before the frontend (counted by `refuse`).
         try:
             req = await read_body(request, oai.ChatCompletionRequest, limit)
             engine = engine_and_model(req.model)
@@ -317,13 +354,19 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
                 prompt = engine.tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True)
             except Exception as exc:  # noqa: BLE001 - template errors are the caller's
                 raise InvalidRequestError(f"cannot apply the chat template: {exc}") from None
+            prompt_ids = engine.tokenizer.encode(prompt)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             if max_tokens is None:
-                room = engine.max_context_tokens - len(engine.tokenizer.encode(prompt))
+                room = engine.max_context_tokens - len(prompt_ids)
                 max_tokens = max(1, min(config.default_chat_max_tokens, room))
             params = req.sampling_params(max_tokens)
-            rid = oai.new_id("chatcmpl")
-            stream = frontend.stream(prompt, params, api="http", cache_salt=req.cache_salt, request_id=req.request_id)
+            frontend.check_fits(len(prompt_ids), max_tokens)
+        except Exception as exc:  # noqa: BLE001
+            return refuse(request, exc)
+        # Phase 2: the frontend counts the request from here on.
+        rid = oai.new_id("chatcmpl")
+        try:
+            stream = frontend.stream(prompt_ids, params, api="http", cache_salt=req.cache_salt, request_id=req.request_id)
             if req.stream:
                 return await _stream_chat(request, req, stream, rid)
             (result,) = await until_disconnect(request, _collect_all([stream]))

@@ -31,6 +31,16 @@ _CUMULATIVE = re.compile(
     r"|transfers?_\w+_pages|\w+_bytes_total|(loaded|backed_up|written|prefetched)_bytes"
 )
 _RATES = ("per_s", "gbps", "bandwidth")
+# Why a request was refused (``strata_requests_rejected_total{reason=...}``).
+REJECT_REASONS = (
+    "invalid_request",  # 400 / INVALID_ARGUMENT: a malformed or unsupported request
+    "too_long",  # 400 / INVALID_ARGUMENT: prompt + max_tokens exceed the context
+    "not_found",  # 404: unknown model name
+    "unauthorized",  # 401 / UNAUTHENTICATED: missing or wrong API key
+    "body_too_large",  # 413 / RESOURCE_EXHAUSTED on message size
+    "overloaded",  # 429 / RESOURCE_EXHAUSTED: the waiting queue is full
+    "unavailable",  # 503 / UNAVAILABLE: warming up, failed or shutting down
+)
 
 
 def is_cumulative(name: str) -> bool:
@@ -58,7 +68,19 @@ class ServingMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.requests = Counter(
-            f"{PREFIX}_requests", "Finished requests by face and outcome", ["api", "status"], registry=registry
+            f"{PREFIX}_requests",
+            "Requests by face and outcome, each counted once when it ends: stop / length (finished), abort "
+            "(the engine gave up on it, e.g. shutdown), cancelled (the client went away), rejected (refused; "
+            "see strata_requests_rejected_total for why), error (a server bug)",
+            ["api", "status"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            f"{PREFIX}_requests_rejected",
+            "Refused requests by face and reason (invalid_request, too_long, not_found, unauthorized, "
+            "body_too_large, overloaded, unavailable); each is also counted as strata_requests_total{status=rejected}",
+            ["api", "reason"],
+            registry=registry,
         )
         self.in_flight = Gauge(f"{PREFIX}_requests_in_flight", "Requests being served", registry=registry)
         self.ttft = Histogram(
@@ -73,11 +95,18 @@ class ServingMetrics:
         self.e2e = Histogram(
             f"{PREFIX}_request_latency_seconds", "End-to-end request latency", buckets=_E2E_BUCKETS, registry=registry
         )
-        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens processed", registry=registry)
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of requests that got a first token", registry=registry
+        )
         self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "Tokens generated", registry=registry)
         self.cached_prompt_tokens = Counter(
             f"{PREFIX}_request_cached_tokens", "Prompt tokens served from the cache, by tier", ["tier"], registry=registry
         )
+
+    def count_rejected(self, api: str, reason: str) -> None:
+        """One refused request (``reason`` from ``REJECT_REASONS``)."""
+        self.requests.labels(api, "rejected").inc()
+        self.rejected.labels(api, reason).inc()
 
     def render(self) -> bytes:
         """The registry in Prometheus text format."""

@@ -220,14 +220,15 @@ class FakeEngine:
                 for req in running:
                     tok = _OFFSET + ord("a") + (len(req.out) + len(req.ids)) % 26
                     req.out.append(tok)
-                    done = len(req.out) >= req.params.max_tokens
+                    stop = tok in req.params.stop_token_ids
+                    done = stop or len(req.out) >= req.params.max_tokens
                     done = done or len(req.ids) + len(req.out) >= self.max_context_tokens
                     chunk = StreamChunk(
                         request_id=req.rid,
                         token_ids=[tok],
                         text=self.tokenizer.decode([tok]),
                         finished=done,
-                        finish_reason="length" if done else None,
+                        finish_reason=("stop" if stop else "length") if done else None,
                         prompt_tokens=len(req.ids),
                         completion_tokens=len(req.out),
                         cached_tokens={"device": getattr(req, "hit", 0), "host": 0, "storage": 0},

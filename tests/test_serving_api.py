@@ -42,7 +42,16 @@ def _model(server) -> str:
 
 
 # ---- happy paths --------------------------------------------------------
+def _outcomes(server, api: str) -> dict[str, float]:
+    registry = server.frontend.metrics.registry
+    return {
+        status: registry.get_sample_value("strata_requests_total", {"api": api, "status": status}) or 0.0
+        for status in ("stop", "length", "cancelled", "rejected", "error", "abort")
+    }
+
+
 def test_openai_completions_non_stream_and_stream(server, oai):
+    before = _outcomes(server, "http")
     out = oai.completions.create(model=_model(server), prompt="Hello there", max_tokens=5, temperature=0)
     assert out.choices[0].finish_reason in ("length", "stop")
     assert out.usage.prompt_tokens > 0 and 0 < out.usage.completion_tokens <= 5
@@ -66,6 +75,15 @@ def test_openai_completions_non_stream_and_stream(server, oai):
 
     ids = oai.completions.create(model=_model(server), prompt=[5, 6, 7, 8], max_tokens=3, temperature=0)
     assert ids.usage.prompt_tokens == 4
+    # each of the three requests counted once with its finish reason (a finished stream is not `cancelled`)
+    deadline = time.monotonic() + 10
+    while (after := _outcomes(server, "http"))["stop"] + after["length"] < before["stop"] + before["length"] + 3:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    delta = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    reasons = [out.choices[0].finish_reason, reasons[-1], ids.choices[0].finish_reason]
+    assert delta == {r: float(reasons.count(r)) for r in set(reasons)}
 
 
 def test_openai_chat_non_stream_and_stream(server, oai):
