@@ -20,7 +20,7 @@ import asyncio
 import hmac
 import json
 import logging
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -60,9 +60,10 @@ def map_error(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 
-def params_from_proto(msg: strata_pb2.SamplingParams) -> SamplingParams:
-    """``SamplingParams`` from the proto; unset optional fields keep their defaults."""
-    kwargs: dict = {}
+def params_from_proto(msg: strata_pb2.SamplingParams, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """``SamplingParams`` from the proto.  An unset field takes ``model_defaults`` (the model's
+    generation_config.json), else ``SamplingParams``' default (greedy, no filters)."""
+    kwargs: dict = dict(model_defaults or {})
     for name in ("max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
@@ -122,7 +123,9 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
             if kind is None:
                 raise InvalidRequestError("prompt is empty: set `text` or `token_ids`")
             prompt = request.text if kind == "text" else list(request.token_ids.ids)
-            params = params_from_proto(request.params)
+            engine = self._frontend.engine_or_none
+            defaults = getattr(engine, "generation_defaults", None)
+            params = params_from_proto(request.params, defaults.sampling_defaults() if defaults is not None else None)
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             self._frontend.count_rejected("grpc", exc)
             await self._fail(context, exc)

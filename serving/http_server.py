@@ -235,6 +235,11 @@ async def _first(stream: AsyncIterator[StreamChunk]) -> StreamChunk | None:
         raise
 
 
+def _sampling_defaults(defaults: Any) -> dict[str, Any]:
+    """The model's recommended sampling values (generation_config.json), if the engine has any."""
+    return defaults.sampling_defaults() if defaults is not None else {}
+
+
 def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
     """The FastAPI application serving ``frontend``."""
     app = FastAPI(title="strata-jax", docs_url=None, redoc_url=None, openapi_url=None)
@@ -296,7 +301,10 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
                 raise InvalidRequestError(f"at most {config.max_batch_prompts} prompts per request, got {len(prompts)}")
             if req.stream and len(prompts) != 1:
                 raise InvalidRequestError("streaming supports exactly one prompt")
-            params = req.sampling_params(16 if req.max_tokens is None else req.max_tokens)
+            params = req.sampling_params(
+                16 if req.max_tokens is None else req.max_tokens,
+                _sampling_defaults(getattr(engine, "generation_defaults", None)),
+            )
             for p in prompts:  # all prompts are checked before any runs: one bad prompt refuses the request
                 check_prompt(p, engine.vocab_size)
         except Exception as exc:  # noqa: BLE001
@@ -348,18 +356,24 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             req = await read_body(request, oai.ChatCompletionRequest, limit)
             engine = engine_and_model(req.model)
             req.check_unsupported()
-            if getattr(engine, "tokenizer", None) is None:
+            tokenizer = getattr(engine, "tokenizer", None)
+            if tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer; use /v1/completions with token ids")
-            try:
-                prompt = engine.tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True)
-            except Exception as exc:  # noqa: BLE001 - template errors are the caller's
-                raise InvalidRequestError(f"cannot apply the chat template: {exc}") from None
-            prompt_ids = engine.tokenizer.encode(prompt)
-            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            if max_tokens is None:
+            prompt = tokenizer.apply_chat_template(
+                req.template_messages(),
+                req.wants_generation_prompt,
+                continue_final_message=bool(req.continue_final_message),
+                chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+            prompt_ids = tokenizer.encode(prompt, add_special_tokens=bool(req.add_special_tokens))
+            defaults = getattr(engine, "generation_defaults", None)
+            max_tokens = req.max_output_tokens()
+            if max_tokens is None:  # the model's max_new_tokens, else the server's default, within the context
                 room = engine.max_context_tokens - len(prompt_ids)
-                max_tokens = max(1, min(config.default_chat_max_tokens, room))
-            params = req.sampling_params(max_tokens)
+                default = getattr(defaults, "max_new_tokens", None) or config.default_chat_max_tokens
+                max_tokens = max(1, min(default, room))
+            params = req.sampling_params(max_tokens, _sampling_defaults(defaults))
             frontend.check_fits(len(prompt_ids), max_tokens)
         except Exception as exc:  # noqa: BLE001
             return refuse(request, exc)

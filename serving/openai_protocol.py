@@ -6,14 +6,20 @@ the field.  Fields of the OpenAI API that this server does not implement are
 accepted only with their neutral value (e.g. ``n=1``, ``logprobs=null``,
 ``presence_penalty=0``) and rejected otherwise, so nothing is silently ignored.
 Extensions: ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``cache_salt``,
-``stop_token_ids``, ``request_id``.
+``stop_token_ids``, ``request_id``; for chat also vLLM's ``chat_template`` (the name of one
+of the model's templates), ``chat_template_kwargs``, ``add_generation_prompt``,
+``continue_final_message`` and ``add_special_tokens``.
+
+Sampling fields a request leaves unset take, in order: the model's
+``generation_config.json`` recommendation, then the server default (OpenAI's:
+``temperature`` 1.0, ``top_p`` 1.0, no ``top_k``, ``repetition_penalty`` 1.0).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -63,18 +69,17 @@ class _CommonRequest(_Strict):
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """``SamplingParams`` for this request (raises ``InvalidRequestError``)."""
-        kwargs: dict[str, Any] = {"max_tokens": max_tokens}
-        kwargs["temperature"] = 1.0 if self.temperature is None else self.temperature  # OpenAI's default
-        if self.top_p is not None:
-            kwargs["top_p"] = self.top_p
-        if self.top_k is not None:
-            kwargs["top_k"] = self.top_k
-        if self.seed is not None:
-            kwargs["seed"] = self.seed
-        if self.repetition_penalty is not None:
-            kwargs["repetition_penalty"] = self.repetition_penalty
+    def sampling_params(self, max_tokens: int, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """``SamplingParams`` for this request (raises ``InvalidRequestError``).
+
+        Per field: the request's value, else ``model_defaults`` (from generation_config.json),
+        else OpenAI's default (temperature 1.0; the rest off)."""
+        kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 1.0}  # OpenAI's default temperature
+        kwargs.update(model_defaults or {})
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
         if self.stop is not None:
             kwargs["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if self.stop_token_ids:
@@ -130,6 +135,13 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    def for_template(self) -> dict[str, str]:
+        """The message as chat templates see it (``developer`` is a ``system`` message to them)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -148,6 +160,12 @@ class ChatCompletionRequest(_CommonRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's chat extensions
+    add_generation_prompt: bool | None = None  # default: true, unless continue_final_message
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False  # the template writes the special tokens itself
+    chat_template: str | None = None  # the name of one of the model's chat templates
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -159,9 +177,26 @@ class ChatCompletionRequest(_CommonRequest):
             raise InvalidRequestError("tools are not supported")
         if self.response_format and self.response_format.get("type") != "text":
             raise InvalidRequestError("only response_format type 'text' is supported")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        self.max_output_tokens()  # the two spellings must agree
+
+    @property
+    def wants_generation_prompt(self) -> bool:
+        """``add_generation_prompt``; unset it is true, except when continuing the final message."""
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
+
+    def max_output_tokens(self) -> int | None:
+        """``max_completion_tokens`` (current OpenAI clients) or ``max_tokens`` (older ones); ``None`` if neither."""
+        a, b = self.max_completion_tokens, self.max_tokens
+        if a is not None and b is not None and a != b:
+            raise InvalidRequestError(f"max_completion_tokens ({a}) and max_tokens ({b}) disagree; send one of them")
+        return a if a is not None else b
 
     def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.for_template() for m in self.messages]
 
 
 class AdminFlushRequest(_Strict):

@@ -132,7 +132,10 @@ class StrataServer:
             try:
                 engine = warm.result()
             except Exception as exc:  # noqa: BLE001
-                log.exception("the engine failed to start")
+                if isinstance(exc, ValueError):  # a model or setting that cannot be served: the message says why
+                    log.error("the engine failed to start: %s", exc)
+                else:
+                    log.exception("the engine failed to start")
                 self.frontend.fail(f"{type(exc).__name__}: {exc}")
                 self.exit_code = 1
                 self._stop.set()

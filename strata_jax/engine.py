@@ -123,6 +123,7 @@ class Engine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
+        self.generation_defaults = loaded.generation  # generation_config.json: request defaults
         self.vocab_size = loaded.config.vocab_size
         model_limit = loaded.config.max_context_tokens
         self.max_context_tokens = self.platform.max_context_tokens(model_limit, config.max_context_tokens)

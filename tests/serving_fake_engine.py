@@ -39,13 +39,13 @@ class ByteTokenizer:
     vocab_size = 256 + _OFFSET
     eos_token_id = EOS_ID
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b + _OFFSET for b in text.encode("utf-8")]
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i - _OFFSET for i in ids if i >= _OFFSET).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **_: object) -> str:
         text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
         return text + ("<|assistant|>" if add_generation_prompt else "")
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax.numpy as jnp
 
 from strata_jax.models.config import ModelConfig, ModelConfigError
+from strata_jax.models.generation_config import GenerationDefaults
 from strata_jax.models.llama import LlamaForCausalLM
 from strata_jax.models.weights import CONFIG_FILE, load_hf_weights, random_model, restore_checkpoint
 from strata_jax.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -41,10 +42,11 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaForCausalLM
     tokenizer: Tokenizer | None  # None when the folder has no tokenizer.json (token ids only)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # generation_config.json
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.config.eos_token_ids)
+        ids = set(self.config.eos_token_ids) | set(self.generation.eos_token_ids)
         if self.tokenizer is not None:
             ids.update(self.tokenizer.eos_token_ids)
         return tuple(sorted(ids))
@@ -60,9 +62,10 @@ def load_model(spec: str, *, dtype: jnp.dtype = jnp.float32, show_progress: bool
     if not folder.is_dir():
         raise ModelConfigError(f"model {spec!r} is neither 'tiny' nor an existing directory")
     tokenizer = HFTokenizer(folder) if (folder / "tokenizer.json").is_file() else None
+    generation = GenerationDefaults.from_folder(folder)
     if (folder / CONFIG_FILE).is_file():
         model = restore_checkpoint(folder, dtype=dtype)
-        return LoadedModel(folder.name, model.config, model, tokenizer or ByteTokenizer())
+        return LoadedModel(folder.name, model.config, model, tokenizer or ByteTokenizer(), generation)
     config = ModelConfig.from_pretrained(folder)
     model = load_hf_weights(folder, config, dtype=dtype, show_progress=show_progress)
-    return LoadedModel(folder.name, config, model, tokenizer)
+    return LoadedModel(folder.name, config, model, tokenizer, generation)
