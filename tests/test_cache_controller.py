@@ -730,7 +730,7 @@ def test_storage_probes_are_reused_within_the_ttl_and_redone_after_own_writes() 
 def test_storage_key_memo_holds_a_long_queue(monkeypatch) -> None:
     """The hash chains of many waiting prompts stay memoized (a 16-entry bound once made
     a longer queue rehash every prompt every round)."""
-    from strata_jax.cache import controller as controller_module
+    from strata_jax.cache import storage_io as controller_module  # where the key chain is hashed
 
     cfg = CacheConfig(page_size=2, device_pages=16, tiers="L1+L2+L3", storage_backend="memory", storage_probe_ttl_s=0)
     ctl = CacheController(cfg, storage=MemoryStorage())

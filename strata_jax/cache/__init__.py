@@ -9,7 +9,10 @@ Files (one job each):
 * ``storage.py``     L3 interface, object framing, backend registry (+ memory backend)
 * ``storage_file.py`` / ``storage_redis.py``  the file and Redis backends
 * ``pools.py``       DevicePool (layer-first jax array) and HostPool (page-first numpy)
-* ``controller.py``  CacheController: every transfer between tiers, write and prefetch policies
+* ``controller.py``  CacheController: queries, locks, inserts, write policies, accounting
+* ``transfers.py`` / ``storage_io.py`` / ``eviction.py``  its L1<->L2 copies and handle completion,
+  its L3 probes/writes/prefetch, its allocation and eviction (mixins of CacheController)
+* ``handles.py``     TransferHandle, PrefetchHandle, CacheError, CacheFullError
 * ``replay.py``      the request driver the cache benchmarks use
 
 Names are imported lazily so that ``import strata_jax.cache.radix_tree`` never pulls in jax.
@@ -37,8 +40,8 @@ _EXPORTS = {
     "CacheController": "controller",
     "CacheError": "controller",
     "CacheFullError": "controller",
-    "TransferHandle": "controller",
-    "PrefetchHandle": "controller",
+    "TransferHandle": "handles",
+    "PrefetchHandle": "handles",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,80 @@
+"""Transfer handles and the controller's errors (no jax, no numpy).
+
+A ``TransferHandle`` is one asynchronous copy between tiers.  Who completes it:
+``CacheController.poll`` / ``is_ready`` / ``wait`` flip ``done`` (and run its
+``_on_done`` bookkeeping) once ``_is_finished()`` says the copy landed; how it
+lands is up to whoever issued it (JAX arrays becoming ready, a storage worker's
+future, or a simulator's virtual clock passing ``landed_at``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from strata_jax.cache.radix_tree import TreeNode
+
+
+def await_arrays(handle: TransferHandle, arrays: Sequence[Any]) -> None:
+    """``handle`` lands when every (device or staging) array in ``arrays`` is ready."""
+
+    def block() -> None:
+        for a in arrays:
+            a.block_until_ready()
+
+    handle._is_finished = lambda: all(a.is_ready() for a in arrays)
+    handle._block = block
+
+
+class CacheError(RuntimeError):
+    """Misuse of the controller (e.g. loading an unlocked match)."""
+
+
+class CacheFullError(CacheError):
+    """L1 cannot provide the pages even after evicting every unlocked page."""
+
+
+@dataclass(eq=False)
+class TransferHandle:
+    """One asynchronous transfer.  ``done`` flips in ``poll``/``is_ready``/``wait``."""
+
+    kind: str  # "load" | "backup" | "storage_write" | "prefetch"
+    request_id: Hashable | None
+    num_pages: int
+    nbytes: int
+    issued_at: float
+    done: bool = False
+    completed_at: float | None = None  # when poll/is_ready/wait noticed it
+    landed_at: float | None = None  # when it landed, stamped by a watcher thread (loads)
+    _is_finished: Callable[[], bool] = field(default=lambda: True, repr=False)
+    _block: Callable[[], None] = field(default=lambda: None, repr=False)
+    _on_done: Callable[[], None] = field(default=lambda: None, repr=False)
+
+    @property
+    def seconds(self) -> float | None:
+        """Issue to landing (to being noticed where no landing was stamped); None while in flight."""
+        end = self.landed_at if self.landed_at is not None else self.completed_at
+        return None if end is None else max(end - self.issued_at, 1e-9)
+
+
+@dataclass(eq=False)
+class PrefetchHandle(TransferHandle):
+    """An L3 -> L2 prefetch: pages ``start_page .. start_page + num_pages`` of ``tokens``."""
+
+    tokens: tuple[int, ...] = ()
+    namespace: str = ""
+    start_page: int = 0
+    keys: list[bytes] = field(default_factory=list)
+    host_pages: list[int] = field(default_factory=list)
+    anchor: TreeNode | None = None
+    deadline: float = 0.0
+    landed: int = 0
+    missed: bool = False  # an object the probe promised was gone or did not verify
+    finished: bool = False
+    cancel: threading.Event = field(default_factory=threading.Event)
+    future: Future | None = None
+

@@ -1,0 +1,283 @@
+"""L3 (storage) side of the cache controller: key chains, existence probes, writes, prefetch.
+
+``StorageIO`` is a mixin of ``CacheController`` (it uses the controller's tree,
+allocators, host pool, config, clock, counters and pending list; see there).
+Contract:
+
+* ``prefetch(tokens, ns, match, rid)`` starts an L3 -> L2 copy of the storage hit
+  after the tree's data prefix; the handle holds a lock on ``match.last_node`` and
+  reserves its host pages until ``finish_prefetch`` (stop policy; landed pages join
+  the tree as host nodes) or ``cancel_prefetch`` (everything dropped).
+* ``_storage_hits(keys)`` is the one place existence probes happen (memoized for
+  ``storage_probe_ttl_s``); ``_write_storage_pages`` the one place writes happen;
+  ``_storage_failed`` the one place backend errors are counted and logged: an L3
+  call that raises is a miss / an unwritten page, never a crash.
+* Storage workers touch only the backend, the host pages reserved for them and
+  their handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+
+from strata_jax.cache.handles import PrefetchHandle, TransferHandle
+from strata_jax.cache.hashing import chain_hashes
+from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
+
+log = logging.getLogger("strata_jax.cache.controller")
+
+_ERROR_LOCK = threading.Lock()
+_KEY_MEMO_TOKENS = 4 << 20  # prompt tokens whose storage keys stay memoized (~32 MiB of references)
+_PROBE_MEMO_ENTRIES = 4096
+
+
+class StorageIO:
+    """Mixin: everything that talks to the L3 backend."""
+
+    def _chain_keys(self, prev: bytes, tokens: Sequence[int]) -> list[bytes]:
+        """Storage keys of ``tokens``' pages after ``prev``, memoized (the scheduler re-matches
+        waiting requests every round; hashing a 128K-token prompt costs ~8 ms)."""
+        memo_key = (prev, tuple(tokens))
+        keys = self._key_memo.get(memo_key)
+        if keys is None:
+            keys = chain_hashes(prev, memo_key[1], self.page_size)
+            self._key_memo[memo_key] = keys
+            self._key_memo_tokens += len(memo_key[1])
+            # Bounded by tokens held, not entries: a queue of many waiting requests must
+            # not evict its own entries every round (a 16-entry bound once did).
+            while self._key_memo_tokens > _KEY_MEMO_TOKENS and len(self._key_memo) > 1:
+                old_key = next(iter(self._key_memo))
+                self._key_memo_tokens -= len(old_key[1])
+                del self._key_memo[old_key]
+        return keys
+
+    def _storage_hits(self, keys: list[bytes]) -> int:
+        """``batch_exists(keys)``, remembered for ``storage_probe_ttl_s``.
+
+        Every waiting request is re-matched every round, and with Redis each probe
+        is a network round trip.  A chain of keys is named by its first and last key
+        (each key hashes its predecessor).  An answer is re-probed early when this
+        instance wrote its first missing page since; otherwise staleness is safe: a
+        page that vanished (another instance's eviction) makes the prefetch stop at
+        it and the rest is recomputed, one that appeared is seen on a later probe.
+        """
+        now = self._clock()
+        ttl = self.config.storage_probe_ttl_s
+        name = (keys[0], keys[-1])
+        seen = self._probe_memo.get(name)
+        if seen is not None and now - seen[1] < ttl and (seen[0] == len(keys) or keys[seen[0]] not in self._recent_writes):
+            return seen[0]
+        try:
+            hits = self.storage.batch_exists(keys)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - L3 is a cache: unreachable means no hits
+            self._storage_failed("exists", exc)
+            return 0
+        if ttl > 0:
+            self._probe_memo[name] = (hits, now)
+            if len(self._probe_memo) > _PROBE_MEMO_ENTRIES:
+                self._probe_memo = {k: v for k, v in self._probe_memo.items() if now - v[1] < ttl}
+                while len(self._probe_memo) > _PROBE_MEMO_ENTRIES:
+                    self._probe_memo.pop(next(iter(self._probe_memo)))
+        return hits
+
+    def _note_storage_writes(self, keys: Sequence[bytes]) -> None:
+        if self.config.storage_probe_ttl_s <= 0:
+            return
+        now = self._clock()
+        for key in keys:
+            self._recent_writes[key] = now
+        if len(self._recent_writes) > 4 * _PROBE_MEMO_ENTRIES:  # older writes cannot make a memo entry stale
+            ttl = self.config.storage_probe_ttl_s
+            self._recent_writes = {k: t for k, t in self._recent_writes.items() if now - t < ttl}
+
+    def _write_storage(self, node: TreeNode) -> None:
+        self._write_storage_pages(self.tree.page_hashes(node), list(node.host))  # type: ignore[arg-type]
+        node.storage_backed = True
+
+    def _write_storage_pages(self, keys: list[bytes], host_pages: list[int]) -> None:
+        """Asynchronous L2 -> L3 write of a snapshot of ``host_pages`` under ``keys``."""
+        assert self.storage is not None
+        storage = self.storage
+        n = len(keys)
+        self.counters["storage_written_pages"] += n
+        self._note_storage_writes(keys)
+
+        def write(payloads: Sequence[bytes | memoryview]) -> None:
+            try:
+                storage.batch_set(keys, payloads)
+            except Exception as exc:  # noqa: BLE001 - L3 is a cache: a failed write is a later miss
+                self._storage_failed("write", exc)
+
+        if not self.move_data:
+            write([b""] * n)
+            return
+        self._wait_host(host_pages)
+        snapshot = self.host_pool.read(host_pages).copy()  # type: ignore[union-attr]
+        handle = TransferHandle("storage_write", None, n, n * self.page_bytes, self._clock())
+        raw = snapshot.view(np.uint8).reshape(n, -1)  # bytes per page, any dtype (bf16 included)
+        fut = self._executor.submit(write, [memoryview(raw[i]) for i in range(n)])  # type: ignore[union-attr]
+        handle._is_finished = fut.done
+        handle._block = fut.result
+        self._pending.append(handle)
+
+    def _storage_failed(self, op: str, exc: BaseException) -> None:
+        """Count (and log, at most every 10 s) an L3 call that raised; callers carry on as a miss.
+
+        The one place backend errors are handled: backends (file, Redis) just raise."""
+        now = time.monotonic()
+        with _ERROR_LOCK:  # I/O threads report here; errors are rare, one lock for all controllers
+            self.counters["storage_errors"] += 1
+            loud = now - self._last_error_log >= 10.0
+            if loud:
+                self._last_error_log = now
+        if loud:
+            log.warning("L3 %s failed (%s: %s); carrying on without it", op, type(exc).__name__, exc)
+
+    # ------------------------------------------------------------------ prefetch L3 -> L2
+    def prefetch(
+        self, tokens: Sequence[int], namespace: str, match: PrefixMatch, request_id: Hashable | None = None
+    ) -> PrefetchHandle | None:
+        """Start fetching ``match.storage_tokens`` from L3 into L2 (asynchronous).
+
+        ``None`` when there is no storage hit of at least ``prefetch_min_tokens``
+        or L2 has no room.  The handle holds a lock on ``match.last_node`` and the
+        reserved host pages until ``finish_prefetch`` or ``cancel_prefetch``.
+        """
+        if self.storage is None or self.host_alloc.num_pages == 0:
+            return None
+        if match.storage_tokens <= 0 or match.storage_tokens < self.config.prefetch_min_tokens:
+            return None
+        ps = self.page_size
+        start = (match.device_tokens + match.host_tokens) // ps
+        n = match.storage_tokens // ps
+        keys = list(match.storage_keys[:n])
+        if len(keys) < n:
+            keys = chain_hashes(self.tree.last_hash(match.last_node), tokens[start * ps : (start + n) * ps], ps)
+        self.tree.lock(match.last_node)
+        host_pages = self._alloc_host(n)
+        if host_pages is None:
+            self.tree.unlock(match.last_node)
+            return None
+        now = self._clock()
+        handle = PrefetchHandle(
+            "prefetch",
+            request_id,
+            n,
+            n * self.page_bytes,
+            now,
+            tokens=tuple(tokens[: (start + n) * ps]),
+            namespace=namespace,
+            start_page=start,
+            keys=keys,
+            host_pages=host_pages,
+            anchor=match.last_node,
+            deadline=now + self.config.prefetch_timeout_base_s + n * self.config.prefetch_timeout_per_page_s,
+        )
+        self._prefetch_reserved.update(host_pages)
+        if self.move_data:
+            handle.future = self._executor.submit(self._prefetch_worker, handle)  # type: ignore[union-attr]
+            handle._is_finished = handle.future.done
+            handle._block = handle.future.result
+        else:  # bookkeeping only: batch_exists just said they are there
+            handle.landed = n
+        self._pending.append(handle)
+        return handle
+
+    def _prefetch_worker(self, handle: PrefetchHandle, chunk: int = 32) -> None:
+        pool = self.host_pool
+        shape = self.layout.page_first_shape(1)[1:]  # type: ignore[union-attr]
+        dtype = pool.data.dtype  # type: ignore[union-attr]
+        for s in range(0, len(handle.keys), chunk):
+            if handle.cancel.is_set():
+                return
+            try:
+                payloads = self.storage.batch_get(handle.keys[s : s + chunk])  # type: ignore[union-attr]
+            except Exception as exc:  # noqa: BLE001 - what landed so far is kept; the rest is recomputed
+                self._storage_failed("read", exc)
+                handle.missed = True
+                return
+            for i, payload in enumerate(payloads):
+                if payload is None or len(payload) != self.page_bytes:
+                    handle.missed = True
+                    return
+                pool.data[handle.host_pages[s + i]] = np.frombuffer(payload, dtype=dtype).reshape(shape)  # type: ignore[union-attr]
+                handle.landed = s + i + 1
+
+    def finish_prefetch(self, handle: PrefetchHandle) -> int:
+        """Apply the stop policy, put the landed pages into the tree as host nodes; returns tokens landed.
+
+        ``best_effort``: stop now and keep what landed; ``wait_complete``: wait for
+        every page; ``timeout``: wait until the handle's deadline (base + per-page
+        budget), then stop.  Unlocks the anchor and frees unused host pages.
+        """
+        if handle.finished:
+            return handle.landed * self.page_size
+        if handle.future is not None:
+            policy = self.config.prefetch_policy
+            if policy == "wait_complete":
+                handle.future.result()
+            elif policy == "timeout":
+                try:
+                    handle.future.result(timeout=max(0.0, handle.deadline - self._clock()))
+                except FutureTimeout:
+                    pass
+            handle.cancel.set()
+            handle.future.result()  # the worker stops after its current chunk
+        return self._settle_prefetch(handle, handle.landed)
+
+    def cancel_prefetch(self, handle: PrefetchHandle) -> None:
+        """Stop a prefetch and drop everything it fetched."""
+        if handle.finished:
+            return
+        handle.cancel.set()
+        if handle.future is not None:
+            handle.future.result()
+        self._settle_prefetch(handle, 0)
+
+    def _settle_prefetch(self, handle: PrefetchHandle, landed: int) -> int:
+        # Host pages reserved by the prefetch:
+        #   |<- landed: handed to the tree (or unused -> freed) ->|<- not landed: freed ->|
+        ps = self.page_size
+        if handle.missed:  # the backend lost objects since it was probed: probe afresh
+            self._probe_memo.clear()
+        self._prefetch_reserved.difference_update(handle.host_pages)
+        to_free = list(handle.host_pages[landed:])
+        if landed:
+            res = self.tree.insert(
+                handle.tokens[: (handle.start_page + landed) * ps],
+                handle.namespace,
+                host_pages=handle.host_pages[:landed],
+                start_page=handle.start_page,
+            )
+            to_free.extend(res.unused_pages)
+            for node in res.new_nodes:
+                node.storage_backed = True
+            end = self.tree.match_prefix(
+                handle.tokens[: (handle.start_page + landed) * ps], handle.namespace, touch=False
+            ).last_node
+            self.tree.adopt_hashes(end, handle.keys[:landed], handle.start_page)
+        self.host_alloc.free(to_free)
+        self.tree.unlock(handle.anchor)  # type: ignore[arg-type]
+        handle.finished = True
+        handle.landed = landed
+        self.counters["prefetched_pages"] += landed
+        if not handle.done:
+            self._complete(handle)
+        if handle in self._pending:
+            self._pending.remove(handle)
+        return landed * ps
+
+    def clear_storage(self) -> None:
+        """Delete every L3 object (of this store's prefix) and forget what probes saw."""
+        if self.storage is None:
+            return
+        self.storage.clear()
+        self._probe_memo.clear()
+        for node in self.tree.iter_nodes():
+            node.storage_backed = False

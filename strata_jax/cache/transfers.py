@@ -1,0 +1,195 @@
+"""L1 <-> L2 transfers of the cache controller, and the completion of every handle.
+
+``Transfers`` is a mixin of ``CacheController``.  Contract:
+
+* ``load(match, rid)``: host-only nodes on the path to a *locked* ``match.last_node``
+  get device pages and a coalesced L2 -> L1 copy; on return the tree already
+  points at the device pages (a later step reading the pool is ordered after the
+  copy by JAX data flow); the handle says when the link transfer landed.
+* ``_back_up(node)`` / ``_issue_backup``: an L1 -> L2 copy (then L2 -> L3 when there
+  is storage); the node stays locked and its host pages are marked pending until
+  the copy lands, so no reader sees a half-written page.
+* ``poll`` / ``is_ready`` / ``wait`` / ``drain`` complete handles; nothing else
+  flips ``done``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from strata_jax.cache.handles import CacheError, PrefetchHandle, TransferHandle, await_arrays
+from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
+
+
+class Transfers:
+    """Mixin: loads, backups and handle completion."""
+
+    def _back_up(self, node: TreeNode) -> bool:
+        """Give a device-only node a host copy (asynchronous); False if L2 has no room."""
+        pages = self._alloc_host(len(node.device))  # type: ignore[arg-type]
+        if pages is None:
+            return False
+        self.tree.set_host(node, pages)
+        self._issue_backup(node, pages)
+        return True
+
+    def _issue_backup(self, node: TreeNode, host_pages: list[int]) -> TransferHandle:
+        """Copy ``node``'s device pages into ``host_pages`` (attached to it by the caller)."""
+        dev_pages = list(node.device)  # type: ignore[arg-type]
+        n = len(dev_pages)
+        keys = self.tree.page_hashes(node) if self.storage is not None else None
+        self.tree.lock(node)  # host pages are being written: no eviction until done
+        handle = TransferHandle("backup", None, n, n * self.page_bytes, self._clock())
+        if self.move_data:
+            chunk = self._transfer_chunk_pages()
+            starts = range(0, n, chunk)
+            stagings = [self.device_pool.gather_pages(dev_pages[s : s + chunk]) for s in starts]  # type: ignore[union-attr]
+
+            def on_done() -> None:
+                for s, staging in zip(starts, stagings):
+                    self.host_pool.write(host_pages[s : s + chunk], np.asarray(staging))  # type: ignore[union-attr]
+                for p in host_pages:
+                    self._host_pending.pop(p, None)
+                self.tree.unlock(node)
+                if keys is not None:
+                    self._write_storage_pages(keys, host_pages)
+                    node.storage_backed = True
+
+            await_arrays(handle, stagings)
+            handle._on_done = on_done
+            for p in host_pages:
+                self._host_pending[p] = handle
+            self._pending.append(handle)
+        else:
+            self.tree.unlock(node)
+            if keys is not None:
+                self._write_storage_pages(keys, host_pages)
+                node.storage_backed = True
+            self._complete(handle)
+        self.counters["backed_up_pages"] += n
+        return handle
+
+    def _wait_host(self, host_pages: Sequence[int]) -> None:
+        for p in host_pages:
+            h = self._host_pending.get(p)
+            if h is not None:
+                self.wait(h)
+
+    def load(self, match: PrefixMatch, request_id: Hashable | None = None) -> TransferHandle | None:
+        """Bring the host-only nodes on the path to ``match.last_node`` into L1.
+
+        The caller must hold a lock on ``match.last_node`` (allocation may evict).
+        Coalesced and pipelined: host pages are gathered into page-first staging
+        buffers of ``transfer_chunk_bytes`` (bucketed row counts), each moved with one
+        ``device_put`` as soon as it is gathered and scattered into the pool
+        (``DevicePool.load_from_host``).  On return the nodes carry their device pages
+        and any later step reading the pool sees the data (JAX data flow); the
+        handle reports when the link transfer landed.  ``None``: nothing to load.
+        """
+        nodes = self.tree.host_only_path(match.last_node)
+        if not nodes:
+            return None
+        if match.last_node.lock_ref <= 0:
+            raise CacheError("lock match.last_node before load()")
+        n = sum(len(x.host) for x in nodes)  # type: ignore[arg-type]
+        dev_pages = self.alloc_device(n)
+        host_pages = [p for x in nodes for p in x.host]  # type: ignore[union-attr]
+        handle = TransferHandle("load", request_id, n, n * self.page_bytes, self._clock())
+        if self.move_data:
+            self._wait_host(host_pages)
+            arrays = self.device_pool.load_from_host(  # type: ignore[union-attr]
+                self.host_pool, host_pages, dev_pages, chunk_pages=self._transfer_chunk_pages()  # type: ignore[arg-type]
+            )
+            await_arrays(handle, arrays)
+
+            def stamp_landing() -> None:
+                handle._block()
+                handle.landed_at = self._clock()
+
+            self._watcher.submit(stamp_landing)  # type: ignore[union-attr]
+            handle._on_done = lambda: self._measure(handle)
+            self._pending.append(handle)
+        else:
+            self._complete(handle)
+        off = 0
+        for x in nodes:
+            k = len(x.host)  # type: ignore[arg-type]
+            self.tree.set_device(x, dev_pages[off : off + k])
+            off += k
+        self.counters["loaded_pages"] += n
+        return handle
+
+    def _measure(self, handle: TransferHandle) -> None:
+        elapsed = handle.seconds
+        if handle.nbytes > 0 and elapsed is not None:
+            sample = handle.nbytes / elapsed
+            a = self.config.bandwidth_ema
+            self._bandwidth = sample if self._bandwidth_samples == 0 else (1 - a) * self._bandwidth + a * sample
+            self._bandwidth_samples += 1
+
+    def _finished(self, handle: TransferHandle) -> bool:
+        if isinstance(handle, PrefetchHandle) and not handle.done and self.config.prefetch_policy == "timeout":
+            if self._clock() >= handle.deadline:
+                return True
+        return handle._is_finished()
+
+    def _complete(self, handle: TransferHandle) -> None:
+        handle.done = True
+        handle.completed_at = self._clock()
+        handle._on_done()
+
+    def poll(self) -> list[TransferHandle]:
+        """Complete every finished transfer (bookkeeping, bandwidth); returns them.
+
+        A prefetch counts as complete when all its pages landed (or its timeout
+        passed); it still needs ``finish_prefetch`` to join the tree.
+        """
+        done = []
+        keep = []
+        for h in self._pending:
+            if not h.done and self._finished(h):
+                self._complete(h)
+            if h.done:
+                done.append(h)
+                if isinstance(h, PrefetchHandle) and not h.finished:
+                    keep.append(h)
+            else:
+                keep.append(h)
+        self._pending = keep
+        return done
+
+    def is_ready(self, handle: TransferHandle | None) -> bool:
+        """Has this transfer landed (completing it if so)?  ``None`` counts as ready."""
+        if handle is None or handle.done:
+            return True
+        if self._finished(handle):
+            self._complete(handle)
+            return True
+        return False
+
+    def wait(self, handle: TransferHandle | None) -> None:
+        """Block until ``handle`` landed."""
+        if handle is None or handle.done:
+            return
+        handle._block()
+        self._complete(handle)
+
+    def drain(self) -> None:
+        """Wait for every in-flight transfer (prefetches excluded: finish or cancel them)."""
+        for h in list(self._pending):
+            if not isinstance(h, PrefetchHandle):
+                self.wait(h)
+        self.poll()
+
+    def warmup_transfers(self) -> int:
+        """Compile the L1 pool's load and backup programs now (none without L2); returns compiles."""
+        if self.device_pool is None or self.host_pool is None:
+            return 0
+        return self.device_pool.warmup(self._transfer_chunk_pages())
+
+    def _transfer_chunk_pages(self) -> int:
+        from strata_jax.cache.pools import chunk_pages_for
+
+        return chunk_pages_for(self.page_bytes, self.config.transfer_chunk_bytes)
