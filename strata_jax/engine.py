@@ -7,7 +7,11 @@ One engine step is five calls (DESIGN §2)::
 The step loop runs on the engine's own thread; every public method is thread-safe
 (it validates in the caller's thread, then hands work to the loop through an inbox).
 The scheduler decides, the runner computes, the cache controller owns pages and
-transfers; this module only wires them and keeps each request's page table.
+transfers.  Files: this module (model loading, threads, public API, stats),
+``engine_step.py`` (the step and the request life cycle, shared with the
+simulator), ``engine_requests.py`` (request state and page tables),
+``engine_output.py`` (stop rules, stream chunks), ``executor.py`` (the executor
+seam), ``runtime/jax_executor.py`` (the real executor).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -35,82 +38,33 @@ from strata_jax.api import (
     RequestOutput,
     SamplingParams,
     StreamChunk,
-    empty_tier_counts,
 )
-from strata_jax.cache.controller import CacheController, CacheFullError, PrefetchHandle
-from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
+from strata_jax.cache.controller import CacheController
 from strata_jax.engine_config import EngineConfig
 from strata_jax.engine_io import AsyncQueueSink, CollectingSink, OutputSink
+from strata_jax.engine_output import collect
+from strata_jax.engine_requests import TrackedRequest
+from strata_jax.engine_step import EngineCore
 from strata_jax.models.loader import load_model
-from strata_jax.runtime.model_runner import ModelRunner, PendingStep, RunnerConfig, SeqInput
+from strata_jax.runtime.jax_executor import JaxExecutor
+from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig
 from strata_jax.runtime.platform import resolve as resolve_platform
-from strata_jax.runtime.sampling import request_rng_key
 from strata_jax.scheduler.cost_model import CostModel, CostPrior
-from strata_jax.scheduler.plan import PrefillItem, StepPlan
-from strata_jax.scheduler.request import RequestStatus, ScheduledRequest
 from strata_jax.scheduler.scheduler import Scheduler
 from strata_jax.tokenizer import IncrementalDetokenizer
+
+__all__ = ["Engine", "EngineConfig"]
 
 log = logging.getLogger(__name__)
 
 
-def span(name: str) -> jax.profiler.TraceAnnotation:
-    return jax.profiler.TraceAnnotation(name)
+class Engine(EngineCore):
+    """Serving engine; see ``strata_jax.api`` for the request/response types.
 
-
-@dataclass
-class _Tracked:
-    """Engine-side state of one live request.
-
-    Device pages of the request (``page_table``), by owner::
-
-        |<- shared_pages: tree-owned, pinned by lock(locked) ->|<- own pages: this request's ->|
-        positions [0, computed) hold KV; own pages are inserted into the tree (adopted)
-        when the request finishes or is retracted, and freed when it aborts.
+    The step loop and request life cycle are ``EngineCore``'s (shared with the
+    simulator); this class loads the model, wires a ``JaxExecutor``, runs the loop on
+    its own thread and offers the thread-safe public API.
     """
-
-    request_id: str
-    prompt_ids: list[int]
-    namespace: str
-    params: SamplingParams
-    sink: OutputSink
-    detok: IncrementalDetokenizer | None
-    submitted_at: float
-    output_ids: list[int] = field(default_factory=list)
-    page_table: list[int] = field(default_factory=list)
-    shared_pages: int = 0
-    computed: int = 0
-    locked: TreeNode | None = None
-    match: PrefixMatch | None = None  # pinned at the start of a step, loaded after the decode dispatch
-    prefetch: PrefetchHandle | None = None
-    cached: dict[str, int] = field(default_factory=empty_tier_counts)
-    first_token_at: float | None = None
-    text: str = ""
-    emitted_tokens: int = 0
-
-
-class _CacheView:
-    """The scheduler's read-only window on the cache (``strata_jax.scheduler.cache_view.CacheView``)."""
-
-    def __init__(self, ctl: CacheController):
-        self.ctl = ctl
-        self.page_size = ctl.page_size
-
-    def match(self, request: ScheduledRequest):
-        return self.ctl.match_prefix(request.prefill_tokens, request.namespace, requester=request.request_id, touch=False)
-
-    def load_pending(self, request_id: str) -> bool:
-        return self.ctl.load_pending(request_id)
-
-    def free_device_tokens(self) -> int:
-        return self.ctl.free_device_tokens()
-
-    def evictable_device_tokens(self) -> int:
-        return self.ctl.evictable_device_tokens()
-
-
-class Engine:
-    """Serving engine; see ``strata_jax.api`` for the request/response types."""
 
     def __init__(self, config: EngineConfig | None = None, *, start: bool = True):
         self.config = config = config or EngineConfig()
@@ -150,16 +104,19 @@ class Engine:
             pool=self.ctl.device_pool,
         )
         cost = CostModel(CostPrior(bytes_per_token=layout.token_bytes, link_bytes_per_s=self.ctl.link_bandwidth))
-        self.scheduler = Scheduler(config.scheduler_config(), cost)
-        self._view = _CacheView(self.ctl)
-        self._tracked: dict[str, _Tracked] = {}
+        EngineCore.__init__(
+            self,
+            Scheduler(config.scheduler_config(), cost),
+            self.ctl,
+            JaxExecutor(self.runner),
+            eos_token_ids=self.eos_token_ids,
+            max_context_tokens=self.max_context_tokens,
+        )
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._inbox_size = 0
         self._wake = threading.Event()
-        self._stopping = False
         self._ids = itertools.count()
         self.compiles_at_warmup = 0
-        self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "finished": 0, "aborted": 0, "failed": 0}
         self.is_ready = False
         self.transfer_compiles_at_warmup = 0
         if config.warmup:
@@ -193,7 +150,7 @@ class Engine:
             sink.wait()
             if sink.error is not None:
                 raise sink.error
-            out = _collect(rid, sink.chunks)
+            out = collect(rid, sink.chunks)
             out.prompt_token_ids = ids
             outputs.append(out)
         return outputs
@@ -250,14 +207,14 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if not isinstance(rid, str) or not rid or len(rid) > 256:
             raise InvalidRequestError("request_id must be a non-empty string of at most 256 characters")
-        tracked = _Tracked(
+        tracked = TrackedRequest(
             request_id=rid,
             prompt_ids=prompt_ids,
             namespace=namespace,
             params=params,
             sink=sink or CollectingSink(),
             detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
-            submitted_at=time.perf_counter(),
+            submitted_at=self.executor.now(),
         )
         self._post(lambda: self._admit(tracked))
         return rid
@@ -402,336 +359,6 @@ class Engine:
             self.step()
             self._drain_inbox()
 
-    # ------------------------------------------------------------------ the step
-    def step(self) -> None:
-        with span("poll"):
-            self._poll()
-        with span("schedule"):
-            plan = self.scheduler.schedule(self._view)
-        with span("load_kv"):
-            dropped = self._pin_and_make_room(plan)
-        prefill = [item for item in plan.prefill if item.request_id not in dropped]
-        decode = [req for req in plan.decode if req.request_id not in dropped]
-        produced: dict[str, int] = {}
-        if plan.decode_first:
-            # Bubble filling: the decode is dispatched before the loads, so the link
-            # transfers run while the device decodes; the loads' scatters queue behind it.
-            pending = self._dispatch_decode(decode)
-            with span("load_kv"):
-                dropped |= self._load_prefixes(prefill)
-            produced.update(self._finish_decode(decode, pending))
-            prefill = [item for item in prefill if item.request_id not in dropped]
-            produced.update(self._run_extend(prefill))
-        else:
-            with span("load_kv"):
-                dropped |= self._load_prefixes(prefill)
-            prefill = [item for item in prefill if item.request_id not in dropped]
-            produced.update(self._run_extend(prefill))
-            produced.update(self._finish_decode(decode, self._dispatch_decode(decode)))
-        with span("postprocess"):
-            self._postprocess(prefill, decode, produced)
-            for rid in dropped:  # their results never came: clear the scheduler's in-flight mark
-                if any(item.request_id == rid for item in plan.prefill):
-                    self.scheduler.on_prefill_done(rid)
-                else:
-                    self.scheduler.on_decode_done(rid, -1)
-        self.counters["steps"] += 1
-        if plan.is_empty:
-            time.sleep(0.001)  # everything waits on a transfer or a deferral: don't spin
-
-    def _poll(self) -> None:
-        for handle in self.ctl.poll():
-            if handle.kind == "load" and handle.seconds is not None:
-                self.scheduler.cost.observe_load(handle.num_pages * self.page_size, handle.seconds, tier="host")
-
-    def _pin_and_make_room(self, plan: StepPlan) -> set[str]:
-        """Retractions; pin each first chunk's cached prefix; evict; pages for the decodes.
-
-        Returns the requests that could not get device pages (aborted with an error;
-        the scheduler's plan should never come to this, but the engine must not die).
-        """
-        for req in plan.retract:
-            self._retract(self._tracked[req.request_id])
-        for item in plan.prefill:
-            if item.is_first_chunk:
-                self._pin_prefix(self._tracked[item.request_id], item)
-        if plan.evict_device_tokens:
-            self.ctl.evict_device(-(-plan.evict_device_tokens // self.page_size))
-        return self._allocate([(req.request_id, self._tracked[req.request_id].computed + 1) for req in plan.decode])
-
-    def _allocate(self, work: list[tuple[str, int]]) -> set[str]:
-        dropped: set[str] = set()
-        for rid, tokens in work:
-            try:
-                self._ensure_pages(self._tracked[rid], tokens)
-            except CacheFullError as exc:
-                log.error("request %s: %s", rid, exc)
-                self._abort(rid, OverloadedError(f"out of device KV memory: {exc}"))
-                dropped.add(rid)
-        return dropped
-
-    def _pin_prefix(self, t: _Tracked, item: PrefillItem) -> None:
-        """First chunk: land the L3->L2 prefetch (per its stop policy), re-match, lock the prefix."""
-        if t.prefetch is not None:
-            self.ctl.finish_prefetch(t.prefetch)
-            t.prefetch = None
-        t.match = self.ctl.match_prefix(item.request.prefill_tokens, t.namespace, requester=t.request_id)
-        self.ctl.lock(t.match.last_node)
-        t.locked = t.match.last_node
-
-    def _load_prefixes(self, prefill: list[PrefillItem]) -> set[str]:
-        """Load pinned host-only prefixes L2->L1 (one coalesced transfer each), then pages for the chunks."""
-        for item in prefill:
-            if item.is_first_chunk:
-                self._take_prefix(self._tracked[item.request_id], item)
-        return self._allocate([(item.request_id, item.end) for item in prefill])
-
-    def _take_prefix(self, t: _Tracked, item: PrefillItem) -> None:
-        match, t.match = t.match, None
-        try:
-            self.ctl.load(match, t.request_id)
-        except CacheFullError:
-            log.warning("no device room to load the cached prefix of %s; recomputing it", t.request_id)
-        pages = self.ctl.tree.device_pages_of(match.last_node)
-        usable = min(len(pages) * self.page_size, item.start)
-        t.page_table = list(pages[: usable // self.page_size])
-        t.shared_pages = len(t.page_table)
-        t.computed = usable
-        device = min(item.device_hit_tokens, usable)
-        host = min(item.load_host_tokens, usable - device)
-        t.cached = {"device": device, "host": host, "storage": usable - device - host}
-        self.ctl.mark_in_flight(t.request_id)
-
-    def _ensure_pages(self, t: _Tracked, tokens: int) -> None:
-        need = -(-tokens // self.page_size) - len(t.page_table)
-        if need > 0:
-            t.page_table.extend(self.ctl.alloc_device(need))
-
-    def _seq(self, t: _Tracked, tokens: list[int], start: int) -> SeqInput:
-        p = t.params
-        return SeqInput(
-            token_ids=tokens,
-            start_pos=start,
-            page_ids=t.page_table,
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p,
-            rng_key=request_rng_key(p.seed, t.request_id, len(t.output_ids)),
-        )
-
-    def _run_extend(self, prefill: list[PrefillItem]) -> dict[str, int]:
-        if not prefill:
-            return {}
-        with span("extend"):
-            start = time.perf_counter()
-            work = []
-            for item in prefill:
-                t = self._tracked[item.request_id]
-                tokens = list(item.request.prefill_tokens[t.computed : item.end])
-                work.append((t, tokens, t.computed))
-            sampled = self._run_packed(work)
-            for item in prefill:
-                self._tracked[item.request_id].computed = item.end
-            elapsed = time.perf_counter() - start
-        self.counters["prefill_steps"] += 1
-        self.scheduler.cost.observe_extend([(it.new_tokens, it.start) for it in prefill], elapsed)
-        return {it.request_id: sampled[it.request_id] for it in prefill if it.is_last_chunk}
-
-    def _run_packed(self, work: list[tuple[_Tracked, list[int], int]]) -> dict[str, int]:
-        """Run extend work in as few runner steps as the runner's token/batch limits allow."""
-        limit_tokens = self.runner.config.max_batch_tokens
-        limit_seqs = self.runner.config.max_batch_size
-        sampled: dict[str, int] = {}
-        pending = list(work)
-        while pending:
-            batch: list[tuple[_Tracked, SeqInput]] = []
-            room = limit_tokens
-            rest = []
-            for t, tokens, start in pending:
-                if room <= 0 or len(batch) >= limit_seqs:
-                    rest.append((t, tokens, start))
-                    continue
-                piece = tokens[:room]
-                batch.append((t, self._seq(t, piece, start)))
-                room -= len(piece)
-                if len(piece) < len(tokens):
-                    rest.append((t, tokens[len(piece) :], start + len(piece)))
-            result = self.runner.step([s for _, s in batch])
-            for (t, _), token in zip(batch, result.next_tokens):
-                sampled[t.request_id] = int(token)
-            pending = rest
-        return sampled
-
-    def _dispatch_decode(self, decode: list[ScheduledRequest]) -> tuple[PendingStep, float] | None:
-        if not decode:
-            return None
-        with span("decode"):
-            start = time.perf_counter()
-            seqs = []
-            for req in decode:
-                t = self._tracked[req.request_id]
-                seqs.append(self._seq(t, [t.output_ids[-1]], t.computed))
-            return self.runner.dispatch(seqs), start
-
-    def _finish_decode(self, decode: list[ScheduledRequest], pending: tuple[PendingStep, float] | None) -> dict[str, int]:
-        if pending is None:
-            return {}
-        step, start = pending
-        with span("decode"):
-            tokens = [int(x) for x in step.result().next_tokens]
-            for req in decode:
-                self._tracked[req.request_id].computed += 1
-            elapsed = time.perf_counter() - start
-        self.counters["decode_steps"] += 1
-        self.scheduler.cost.observe_decode(len(decode), sum(r.seq_len for r in decode), elapsed)
-        return {req.request_id: token for req, token in zip(decode, tokens)}
-
-    def _postprocess(self, prefill: list[PrefillItem], decode: list[ScheduledRequest], produced: dict[str, int]) -> None:
-        for item in prefill:
-            t = self._tracked[item.request_id]
-            token = produced.get(item.request_id)
-            status = self.scheduler.on_prefill_done(item.request_id, token)
-            if status is RequestStatus.DECODING:
-                with span("backup"):
-                    self._publish_prefix(t, item.request.prefill_tokens)
-                self._accept_token(t, token)
-        for req in decode:
-            t = self._tracked[req.request_id]
-            token = produced[req.request_id]
-            self.scheduler.on_decode_done(req.request_id, token)
-            self._accept_token(t, token)
-
-    def _publish_prefix(self, t: _Tracked, tokens: Sequence[int]) -> None:
-        """The prefill landed: hand its full pages to the tree (transient -> ready) and re-pin them."""
-        full = t.computed // self.page_size
-        t.locked, table = self.ctl.cache_unfinished(tokens[: full * self.page_size], t.namespace, t.page_table[:full], t.locked)
-        self.ctl.finish_request(t.request_id)
-        # Duplicate pages (someone inserted the same tokens first) were freed: use the tree's.
-        t.page_table[: len(table)] = table
-        t.shared_pages = full
-
-    # ------------------------------------------------------------------ tokens out
-    def _accept_token(self, t: _Tracked, token: int) -> None:
-        t.output_ids.append(token)
-        now = time.perf_counter()
-        if t.first_token_at is None:
-            t.first_token_at = now
-        p = t.params
-        finish: str | None = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            finish = "stop"
-        elif len(t.output_ids) >= p.max_tokens or len(t.prompt_ids) + len(t.output_ids) >= self.max_context_tokens:
-            finish = "length"
-        delta = t.detok.push([token]) if t.detok is not None else ""
-        if finish is not None and t.detok is not None:
-            delta += t.detok.flush()
-        if p.stop and t.detok is not None:
-            full = t.text + delta
-            hit = _find_stop(full, p.stop, len(t.text))
-            if hit is not None:
-                delta = full[len(t.text) : hit]
-                finish = "stop"
-            else:
-                # hold back a tail that could still become a stop string
-                hold = _stop_prefix_len(full, p.stop)
-                if finish is None and hold:
-                    delta = full[len(t.text) : len(full) - hold]
-                elif finish is not None:
-                    delta = full[len(t.text) :]
-        t.text += delta
-        new_ids = t.output_ids[t.emitted_tokens :]
-        t.emitted_tokens = len(t.output_ids)
-        chunk = StreamChunk(
-            request_id=t.request_id,
-            token_ids=new_ids,
-            text=delta,
-            finished=finish is not None,
-            finish_reason=finish,
-            prompt_tokens=len(t.prompt_ids),
-            completion_tokens=len(t.output_ids),
-            cached_tokens=dict(t.cached),
-        )
-        if finish is not None:
-            self.scheduler.finish(t.request_id)
-            self._release(t, keep=True)
-            del self._tracked[t.request_id]
-            self.counters["finished"] += 1
-            chunk.ttft_s = t.first_token_at - t.submitted_at  # type: ignore[attr-defined]
-            chunk.latency_s = now - t.submitted_at  # type: ignore[attr-defined]
-        t.sink.push(chunk)
-
-    # ------------------------------------------------------------------ request life cycle
-    def _admit(self, t: _Tracked) -> None:
-        if self._stopping:
-            t.sink.fail(EngineUnavailableError("the engine is shutting down"))
-            return
-        try:
-            self.scheduler.submit(t.request_id, t.prompt_ids, namespace=t.namespace)
-        except (OverloadedError, InvalidRequestError) as exc:
-            t.sink.fail(exc)
-            return
-        self._tracked[t.request_id] = t
-        full = len(t.prompt_ids) // self.page_size * self.page_size
-        if full:
-            self.ctl.insert_transient(t.prompt_ids[:full], t.namespace, t.request_id)
-            match = self.ctl.match_prefix(t.prompt_ids, t.namespace, requester=t.request_id, touch=False)
-            t.prefetch = self.ctl.prefetch(t.prompt_ids, t.namespace, match, t.request_id)
-
-    def _release(self, t: _Tracked, *, keep: bool) -> None:
-        """Give back a request's pages: keep=True hands computed full pages to the tree."""
-        ps = self.page_size
-        if keep and t.computed:
-            tokens = (t.prompt_ids + t.output_ids)[: t.computed]
-            full = t.computed // ps
-            self.ctl.insert(tokens[: full * ps], t.namespace, t.page_table[:full])
-            self.ctl.free_device(t.page_table[full:])
-        else:
-            self.ctl.free_device(t.page_table[t.shared_pages :])
-        t.page_table, t.shared_pages, t.computed = [], 0, 0
-        if t.locked is not None:
-            self.ctl.unlock(t.locked)
-            t.locked = None
-        if t.prefetch is not None:
-            self.ctl.cancel_prefetch(t.prefetch)
-            t.prefetch = None
-        self.ctl.abort(t.request_id)  # transient nodes it still owns
-
-    def _retract(self, t: _Tracked) -> None:
-        """Preempted decode: its KV goes to the tree (backed up per write policy), it re-queues."""
-        self._release(t, keep=True)
-        full = len(t.prompt_ids + t.output_ids) // self.page_size * self.page_size
-        if full:
-            self.ctl.insert_transient((t.prompt_ids + t.output_ids)[:full], t.namespace, t.request_id)
-
-    def _abort(self, request_id: str, exc: BaseException) -> bool:
-        t = self._tracked.pop(request_id, None)
-        if t is None:
-            return False
-        self.scheduler.abort(request_id)
-        self._release(t, keep=False)
-        self.counters["aborted"] += 1
-        t.sink.fail(exc)
-        return True
-
-    def _abort_all(self) -> None:
-        for rid in list(self._tracked):
-            self._abort(rid, EngineUnavailableError("the engine shut down before the request finished"))
-
-    def _fail_all(self, exc: Exception) -> None:
-        for rid in list(self._tracked):
-            self._abort(rid, exc)
-            self.counters["failed"] += 1
-
-    # ------------------------------------------------------------------ maintenance
-    def _flush(self, tier: str) -> None:
-        self.ctl.drain()
-        if tier in ("device", "all"):
-            self.ctl.evict_device(1 << 40)
-        if tier in ("host", "all"):
-            self.ctl.evict_host(1 << 40)
-        if tier in ("storage", "all"):
-            self.ctl.clear_storage()
-
     def _transfer_compiles(self) -> int:
         pool = self.ctl.device_pool
         return pool.compile_count if pool is not None else 0
@@ -750,9 +377,6 @@ class Engine:
             "transient_nodes": transient,
             "live_requests": len(self._tracked),
         }
-
-    def _locked_nodes(self) -> int:
-        return sum(1 for n in self.ctl.tree.iter_nodes() if n.lock_ref > 0)
 
     def _stats(self) -> dict[str, Any]:
         s = self.scheduler.stats()
@@ -814,38 +438,3 @@ def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise InvalidRequestError(f"{len(params)} SamplingParams for {n} prompts")
     return params
-
-
-def _collect(rid: str, chunks: list[StreamChunk]) -> RequestOutput:
-    last = chunks[-1]
-    return RequestOutput(
-        request_id=rid,
-        prompt_token_ids=[],
-        token_ids=[t for c in chunks for t in c.token_ids],
-        text="".join(c.text for c in chunks),
-        finish_reason=last.finish_reason or "abort",
-        cached_tokens=dict(last.cached_tokens),
-        ttft_s=getattr(last, "ttft_s", 0.0),
-        latency_s=getattr(last, "latency_s", 0.0),
-    )
-
-
-def _find_stop(text: str, stops: tuple[str, ...], search_from: int) -> int | None:
-    """Index where the earliest stop string starts (searching where it could newly appear)."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, search_from - len(s) + 1))
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best
-
-
-def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
-    """Longest tail of ``text`` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                best = max(best, k)
-                break
-    return best

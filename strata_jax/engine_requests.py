@@ -1,0 +1,149 @@
+"""Engine-side request state and page tables (pure Python: shared by the engine and the simulator).
+
+``TrackedRequest`` is what the engine keeps per live request beyond the
+scheduler's view: its sink, its device page table, the tree lock it holds and its
+prefetch.  ``RequestPages`` performs every page-table operation against the cache
+controller, so the rules about who owns which page live in one place:
+
+    admit      -> the uncomputed full pages become transient tree nodes; L3 prefetch starts
+    pin_prefix -> (first chunk) the prefetch lands per its stop policy; the cached prefix is
+                  re-matched and locked
+    take_prefix-> host-only part of the prefix is loaded L2->L1; the page table starts as
+                  the tree's device pages of the prefix
+    ensure_pages -> own pages for the tokens this step computes
+    publish_prefix -> (prefill landed) full pages go to the tree, the lock moves down
+    release    -> finished: computed pages to the tree; aborted: own pages freed
+    retract    -> preempted decode: KV to the tree, the request re-queues as transient
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from strata_jax.api import SamplingParams, empty_tier_counts
+from strata_jax.cache.controller import CacheController
+from strata_jax.cache.handles import CacheFullError, PrefetchHandle, TransferHandle
+from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
+from strata_jax.engine_io import OutputSink
+from strata_jax.scheduler.plan import PrefillItem
+from strata_jax.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("strata_jax.engine")
+
+
+@dataclass
+class TrackedRequest:
+    """Engine-side state of one live request.
+
+    Device pages of the request (``page_table``), by owner::
+
+        |<- shared_pages: tree-owned, pinned by lock(locked) ->|<- own pages: this request's ->|
+        positions [0, computed) hold KV; own pages are inserted into the tree (adopted)
+        when the request finishes or is retracted, and freed when it aborts.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    namespace: str
+    params: SamplingParams
+    sink: OutputSink
+    detok: IncrementalDetokenizer | None
+    submitted_at: float
+    output_ids: list[int] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
+    shared_pages: int = 0
+    computed: int = 0
+    locked: TreeNode | None = None
+    match: PrefixMatch | None = None  # pinned at the start of a step, loaded after the decode dispatch
+    prefetch: PrefetchHandle | None = None
+    cached: dict[str, int] = field(default_factory=empty_tier_counts)
+    first_token_at: float | None = None
+    text: str = ""
+    emitted_tokens: int = 0
+
+
+class RequestPages:
+    """Page-table operations of live requests against one ``CacheController``."""
+
+    def __init__(self, ctl: CacheController) -> None:
+        self.ctl = ctl
+        self.page_size = ctl.page_size
+
+    def admit(self, t: TrackedRequest) -> None:
+        """A new request: its uncomputed full pages become transient nodes it owns; L3 prefetch starts."""
+        full = len(t.prompt_ids) // self.page_size * self.page_size
+        if full:
+            self.ctl.insert_transient(t.prompt_ids[:full], t.namespace, t.request_id)
+            match = self.ctl.match_prefix(t.prompt_ids, t.namespace, requester=t.request_id, touch=False)
+            t.prefetch = self.ctl.prefetch(t.prompt_ids, t.namespace, match, t.request_id)
+
+    def pin_prefix(self, t: TrackedRequest, item: PrefillItem) -> None:
+        """First chunk: land the L3->L2 prefetch (per its stop policy), re-match, lock the prefix."""
+        if t.prefetch is not None:
+            self.ctl.finish_prefetch(t.prefetch)
+            t.prefetch = None
+        t.match = self.ctl.match_prefix(item.request.prefill_tokens, t.namespace, requester=t.request_id)
+        self.ctl.lock(t.match.last_node)
+        t.locked = t.match.last_node
+
+    def take_prefix(self, t: TrackedRequest, item: PrefillItem) -> TransferHandle | None:
+        """Load the pinned prefix's host-only part L2->L1; the page table starts as its device pages."""
+        match, t.match = t.match, None
+        handle = None
+        try:
+            handle = self.ctl.load(match, t.request_id)
+        except CacheFullError:
+            log.warning("no device room to load the cached prefix of %s; recomputing it", t.request_id)
+        pages = self.ctl.tree.device_pages_of(match.last_node)
+        usable = min(len(pages) * self.page_size, item.start)
+        t.page_table = list(pages[: usable // self.page_size])
+        t.shared_pages = len(t.page_table)
+        t.computed = usable
+        device = min(item.device_hit_tokens, usable)
+        host = min(item.load_host_tokens, usable - device)
+        t.cached = {"device": device, "host": host, "storage": usable - device - host}
+        self.ctl.mark_in_flight(t.request_id)
+        return handle
+
+    def ensure_pages(self, t: TrackedRequest, tokens: int) -> None:
+        """Own device pages so that positions ``[0, tokens)`` have a slot (may evict; may raise CacheFullError)."""
+        need = -(-tokens // self.page_size) - len(t.page_table)
+        if need > 0:
+            t.page_table.extend(self.ctl.alloc_device(need))
+
+    def publish_prefix(self, t: TrackedRequest, tokens: Sequence[int]) -> None:
+        """The prefill landed: hand its full pages to the tree (transient -> ready) and re-pin them."""
+        full = t.computed // self.page_size
+        t.locked, table = self.ctl.cache_unfinished(tokens[: full * self.page_size], t.namespace, t.page_table[:full], t.locked)
+        self.ctl.finish_request(t.request_id)
+        # Duplicate pages (someone inserted the same tokens first) were freed: use the tree's.
+        t.page_table[: len(table)] = table
+        t.shared_pages = full
+
+    def release(self, t: TrackedRequest, *, keep: bool) -> None:
+        """Give back a request's pages: keep=True hands computed full pages to the tree."""
+        ps = self.page_size
+        if keep and t.computed:
+            tokens = (t.prompt_ids + t.output_ids)[: t.computed]
+            full = t.computed // ps
+            self.ctl.insert(tokens[: full * ps], t.namespace, t.page_table[:full])
+            self.ctl.free_device(t.page_table[full:])
+        else:
+            self.ctl.free_device(t.page_table[t.shared_pages :])
+        t.page_table, t.shared_pages, t.computed = [], 0, 0
+        if t.locked is not None:
+            self.ctl.unlock(t.locked)
+            t.locked = None
+        if t.prefetch is not None:
+            self.ctl.cancel_prefetch(t.prefetch)
+            t.prefetch = None
+        self.ctl.abort(t.request_id)  # transient nodes it still owns
+
+    def retract(self, t: TrackedRequest) -> None:
+        """Preempted decode: its KV goes to the tree (backed up per write policy), it re-queues."""
+        self.release(t, keep=True)
+        full = len(t.prompt_ids + t.output_ids) // self.page_size * self.page_size
+        if full:
+            self.ctl.insert_transient((t.prompt_ids + t.output_ids)[:full], t.namespace, t.request_id)

@@ -1,0 +1,297 @@
+"""``EngineCore``: the engine step and the request life cycle, on any ``Executor``.
+
+One step is five calls (DESIGN §2)::
+
+    poll -> schedule -> issue loads -> run (extend / decode) -> postprocess
+
+This module is pure Python (no jax): the real engine (``strata_jax.engine.Engine``,
+a ``JaxExecutor``) and the simulator (``strata_jax.sim``, a ``SimExecutor``) run
+exactly this code with the same ``Scheduler`` and ``CacheController``; only the
+executor (step execution, time) differs.  Called from one thread only (the
+engine's loop, or the simulator's driver).
+
+What it owns: the live requests (``TrackedRequest`` by id), their page tables
+(through ``RequestPages``), step counters.  The scheduler decides, the executor
+computes, the controller owns pages and transfers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from strata_jax.api import EngineUnavailableError, InvalidRequestError, OverloadedError
+from strata_jax.cache.controller import CacheController
+from strata_jax.cache.handles import CacheFullError, TransferHandle
+from strata_jax.engine_output import append_token
+from strata_jax.engine_requests import RequestPages, TrackedRequest
+from strata_jax.executor import Executor, SeqWork
+from strata_jax.scheduler.plan import PrefillItem, StepPlan
+from strata_jax.scheduler.request import RequestStatus, ScheduledRequest
+from strata_jax.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("strata_jax.engine")
+
+
+class _CacheView:
+    """The scheduler's read-only window on the cache (``strata_jax.scheduler.cache_view.CacheView``)."""
+
+    def __init__(self, ctl: CacheController):
+        self.ctl = ctl
+        self.page_size = ctl.page_size
+
+    def match(self, request: ScheduledRequest):
+        return self.ctl.match_prefix(request.prefill_tokens, request.namespace, requester=request.request_id, touch=False)
+
+    def load_pending(self, request_id: str) -> bool:
+        return self.ctl.load_pending(request_id)
+
+    def free_device_tokens(self) -> int:
+        return self.ctl.free_device_tokens()
+
+    def evictable_device_tokens(self) -> int:
+        return self.ctl.evictable_device_tokens()
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """What one step decided, as the engine executed it (for tests comparing executors)."""
+
+    round: int
+    prefill: tuple[tuple[str, int, int], ...]  # (request id, start, end)
+    decode: tuple[str, ...]
+    deferred: tuple[str, ...]
+    set_aside: tuple[str, ...]
+    decode_first: bool
+
+
+class EngineCore:
+    """The step loop over a scheduler, a cache controller and an executor."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        ctl: CacheController,
+        executor: Executor,
+        *,
+        eos_token_ids: Collection[int],
+        max_context_tokens: int,
+    ) -> None:
+        self.scheduler = scheduler
+        self.ctl = ctl
+        self.executor = executor
+        self.page_size = ctl.page_size
+        self.eos_token_ids = eos_token_ids
+        self.max_context_tokens = max_context_tokens
+        self.pages = RequestPages(ctl)
+        self._view = _CacheView(ctl)
+        self._tracked: dict[str, TrackedRequest] = {}
+        self._stopping = False
+        self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "finished": 0, "aborted": 0, "failed": 0}
+        self.plan_log: list[PlanRecord] | None = None  # set to [] to record every step's decisions
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> None:
+        span = self.executor.span
+        with span("poll"):
+            self._poll()
+        with span("schedule"):
+            plan = self.scheduler.schedule(self._view)
+        with span("load_kv"):
+            dropped = self._pin_and_make_room(plan)
+        prefill = [item for item in plan.prefill if item.request_id not in dropped]
+        decode = [req for req in plan.decode if req.request_id not in dropped]
+        produced: dict[str, int] = {}
+        loads: list[TransferHandle] = []
+        if plan.decode_first:
+            # Bubble filling: the decode is dispatched before the loads, so the link
+            # transfers run while the device decodes; the loads' scatters queue behind it.
+            pending = self._dispatch_decode(decode)
+            with span("load_kv"):
+                dropped |= self._load_prefixes(prefill, loads)
+            produced.update(self._finish_decode(decode, pending))
+            prefill = [item for item in prefill if item.request_id not in dropped]
+            produced.update(self._run_extend(prefill, loads))
+        else:
+            with span("load_kv"):
+                dropped |= self._load_prefixes(prefill, loads)
+            prefill = [item for item in prefill if item.request_id not in dropped]
+            produced.update(self._run_extend(prefill, loads))
+            produced.update(self._finish_decode(decode, self._dispatch_decode(decode)))
+        if self.plan_log is not None:
+            self.plan_log.append(_record(plan, prefill, decode))
+        with span("postprocess"):
+            self._postprocess(prefill, decode, produced)
+            for rid in dropped:  # their results never came: clear the scheduler's in-flight mark
+                if any(item.request_id == rid for item in plan.prefill):
+                    self.scheduler.on_prefill_done(rid)
+                else:
+                    self.scheduler.on_decode_done(rid, -1)
+        self.counters["steps"] += 1
+        if plan.is_empty:
+            self.executor.idle()
+
+    def _poll(self) -> None:
+        for handle in self.ctl.poll():
+            if handle.kind == "load" and handle.seconds is not None:
+                self.scheduler.cost.observe_load(handle.num_pages * self.page_size, handle.seconds, tier="host")
+
+    def _pin_and_make_room(self, plan: StepPlan) -> set[str]:
+        """Retractions; pin each first chunk's cached prefix; evict; pages for the decodes.
+
+        Returns the requests that could not get device pages (aborted with an error;
+        the scheduler's plan should never come to this, but the engine must not die).
+        """
+        for req in plan.retract:
+            self.pages.retract(self._tracked[req.request_id])
+        for item in plan.prefill:
+            if item.is_first_chunk:
+                self.pages.pin_prefix(self._tracked[item.request_id], item)
+        if plan.evict_device_tokens:
+            self.ctl.evict_device(-(-plan.evict_device_tokens // self.page_size))
+        return self._allocate([(req.request_id, self._tracked[req.request_id].computed + 1) for req in plan.decode])
+
+    def _allocate(self, work: list[tuple[str, int]]) -> set[str]:
+        dropped: set[str] = set()
+        for rid, tokens in work:
+            try:
+                self.pages.ensure_pages(self._tracked[rid], tokens)
+            except CacheFullError as exc:
+                log.error("request %s: %s", rid, exc)
+                self._abort(rid, OverloadedError(f"out of device KV memory: {exc}"))
+                dropped.add(rid)
+        return dropped
+
+    def _load_prefixes(self, prefill: list[PrefillItem], loads: list[TransferHandle]) -> set[str]:
+        """Load pinned host-only prefixes L2->L1 (one coalesced transfer each), then pages for the chunks."""
+        for item in prefill:
+            if item.is_first_chunk:
+                handle = self.pages.take_prefix(self._tracked[item.request_id], item)
+                if handle is not None:
+                    loads.append(handle)
+        return self._allocate([(item.request_id, item.end) for item in prefill])
+
+    def _work(self, t: TrackedRequest, tokens: list[int], start: int) -> SeqWork:
+        return SeqWork(t.request_id, tokens, start, t.page_table, t.params, len(t.output_ids))
+
+    def _run_extend(self, prefill: list[PrefillItem], loads: list[TransferHandle]) -> dict[str, int]:
+        if not prefill:
+            return {}
+        with self.executor.span("extend"):
+            work = []
+            for item in prefill:
+                t = self._tracked[item.request_id]
+                work.append(self._work(t, list(item.request.prefill_tokens[t.computed : item.end]), t.computed))
+            out = self.executor.extend(work, loads)
+            for item in prefill:
+                self._tracked[item.request_id].computed = item.end
+        self.counters["prefill_steps"] += 1
+        self.scheduler.cost.observe_extend([(it.new_tokens, it.start) for it in prefill], out.seconds)
+        return {it.request_id: out.tokens[it.request_id] for it in prefill if it.is_last_chunk}
+
+    def _dispatch_decode(self, decode: list[ScheduledRequest]) -> Any:
+        if not decode:
+            return None
+        with self.executor.span("decode"):
+            seqs = []
+            for req in decode:
+                t = self._tracked[req.request_id]
+                seqs.append(self._work(t, [t.output_ids[-1]], t.computed))
+            return self.executor.dispatch_decode(seqs)
+
+    def _finish_decode(self, decode: list[ScheduledRequest], pending: Any) -> dict[str, int]:
+        if pending is None:
+            return {}
+        with self.executor.span("decode"):
+            out = self.executor.finish_decode(pending)
+            for req in decode:
+                self._tracked[req.request_id].computed += 1
+        self.counters["decode_steps"] += 1
+        self.scheduler.cost.observe_decode(len(decode), sum(r.seq_len for r in decode), out.seconds)
+        return {req.request_id: out.tokens[req.request_id] for req in decode}
+
+    def _postprocess(self, prefill: list[PrefillItem], decode: list[ScheduledRequest], produced: dict[str, int]) -> None:
+        for item in prefill:
+            t = self._tracked[item.request_id]
+            token = produced.get(item.request_id)
+            status = self.scheduler.on_prefill_done(item.request_id, token)
+            if status is RequestStatus.DECODING:
+                with self.executor.span("backup"):
+                    self.pages.publish_prefix(t, item.request.prefill_tokens)
+                self._accept_token(t, token)
+        for req in decode:
+            t = self._tracked[req.request_id]
+            token = produced[req.request_id]
+            self.scheduler.on_decode_done(req.request_id, token)
+            self._accept_token(t, token)
+
+    # ------------------------------------------------------------------ tokens out
+    def _accept_token(self, t: TrackedRequest, token: int) -> None:
+        now = self.executor.now()
+        chunk = append_token(t, token, eos_token_ids=self.eos_token_ids, max_context_tokens=self.max_context_tokens, now=now)
+        if chunk.finished:
+            self.scheduler.finish(t.request_id)
+            self.pages.release(t, keep=True)
+            del self._tracked[t.request_id]
+            self.counters["finished"] += 1
+            chunk.ttft_s = t.first_token_at - t.submitted_at  # type: ignore[attr-defined,operator]
+            chunk.latency_s = now - t.submitted_at  # type: ignore[attr-defined]
+        t.sink.push(chunk)
+
+    # ------------------------------------------------------------------ request life cycle
+    def _admit(self, t: TrackedRequest) -> None:
+        if self._stopping:
+            t.sink.fail(EngineUnavailableError("the engine is shutting down"))
+            return
+        try:
+            self.scheduler.submit(t.request_id, t.prompt_ids, namespace=t.namespace)
+        except (OverloadedError, InvalidRequestError) as exc:
+            t.sink.fail(exc)
+            return
+        self._tracked[t.request_id] = t
+        self.pages.admit(t)
+
+    def _abort(self, request_id: str, exc: BaseException) -> bool:
+        t = self._tracked.pop(request_id, None)
+        if t is None:
+            return False
+        self.scheduler.abort(request_id)
+        self.pages.release(t, keep=False)
+        self.counters["aborted"] += 1
+        t.sink.fail(exc)
+        return True
+
+    def _abort_all(self) -> None:
+        for rid in list(self._tracked):
+            self._abort(rid, EngineUnavailableError("the engine shut down before the request finished"))
+
+    def _fail_all(self, exc: Exception) -> None:
+        for rid in list(self._tracked):
+            self._abort(rid, exc)
+            self.counters["failed"] += 1
+
+    # ------------------------------------------------------------------ maintenance
+    def _flush(self, tier: str) -> None:
+        self.ctl.drain()
+        if tier in ("device", "all"):
+            self.ctl.evict_device(1 << 40)
+        if tier in ("host", "all"):
+            self.ctl.evict_host(1 << 40)
+        if tier in ("storage", "all"):
+            self.ctl.clear_storage()
+
+    def _locked_nodes(self) -> int:
+        return sum(1 for n in self.ctl.tree.iter_nodes() if n.lock_ref > 0)
+
+
+def _record(plan: StepPlan, prefill: list[PrefillItem], decode: list[ScheduledRequest]) -> PlanRecord:
+    return PlanRecord(
+        round=plan.round,
+        prefill=tuple((it.request_id, it.start, it.end) for it in prefill),
+        decode=tuple(r.request_id for r in decode),
+        deferred=tuple(plan.deferred),
+        set_aside=tuple(plan.set_aside),
+        decode_first=plan.decode_first,
+    )
