@@ -75,6 +75,7 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start) -> Non
 
 
 def _attention_kernel(
+    layer_ref,
     qstart_ref,
     seqlen_ref,
     table_ref,
@@ -92,10 +93,11 @@ def _attention_kernel(
     num_tokens: int,
     sm_scale: float,
     soft_cap: float | None,
-    k_index: tuple[int, int],
-    v_index: tuple[int, int],
+    k_kv: int,
+    v_kv: int,
 ):
     b, rb, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]  # a runtime scalar: one compiled kernel serves every layer of a scan
     q_start = qstart_ref[b]
     q_len = qstart_ref[b + 1] - q_start
     n_rows = q_len * group
@@ -128,8 +130,8 @@ def _attention_kernel(
             page_idx = jnp.minimum(kv_pos // page_size, max_pages - 1)
             page = jnp.clip(table_ref[b, page_idx], 0, num_pages - 1)
             slot = page * page_size + kv_pos % page_size
-            k = k_ref[k_index[0], k_index[1], slot, h, :].astype(dtype)  # [BK, D]
-            v = v_ref[v_index[0], v_index[1], slot, h, :].astype(dtype)
+            k = k_ref[layer, k_kv, slot, h, :].astype(dtype)  # [BK, D]
+            v = v_ref[layer, v_kv, slot, h, :].astype(dtype)
             scores = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
             ) * sm_scale
@@ -190,7 +192,7 @@ def ragged_paged_attention_pallas(
     k5 = k_pages.reshape(1, 1, num_pages * page_size, num_kv_heads, head_dim)
     v5 = v_pages.astype(k_pages.dtype).reshape(k5.shape)
     return _attention_call(
-        q, k5, v5, (0, 0), (0, 0), page_size, page_table, seq_lens, query_start,
+        q, k5, v5, 0, 0, 0, page_size, page_table, seq_lens, query_start,
         sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len, block_rows=block_rows,
         block_kv=block_kv, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # fmt: skip
@@ -199,7 +201,7 @@ def ragged_paged_attention_pallas(
 def ragged_paged_attention_pool_pallas(
     q: jax.Array,
     kv_pool: jax.Array,
-    layer: int,
+    layer: int | jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
     query_start: jax.Array,
@@ -214,30 +216,40 @@ def ragged_paged_attention_pool_pallas(
     interpret: bool = False,
 ) -> jax.Array:
     """Same as ``ragged_paged_attention_pallas(q, kv_pool[layer, 0], kv_pool[layer, 1], ...)``
-    but reads layer ``layer`` (static int) straight out of the whole layer-first pool
+    but reads layer ``layer`` straight out of the whole layer-first pool
     ``[L, 2, P, S, H, D]``: passing ``kv_pool[layer, 0]`` to a custom call would make XLA
-    materialise a copy of that layer's K and V on every call.
+    materialise a copy of that layer's K and V on every call.  ``layer`` is a Python
+    int or a traced int32 scalar (the layer index of a ``jax.lax.scan``); it reaches
+    the kernel as a one-element operand it reads at run time (Triton has no scalar
+    prefetch; with the whole pool as the operand this is the same thing), so one
+    compiled kernel serves every layer.  A traced index outside ``[0, L)`` is clipped.
     """
     if kv_pool.ndim != 6 or kv_pool.shape[1] != 2:
         raise AttentionShapeError(f"kv_pool must be [L, 2, P, S, H, D], got {kv_pool.shape}")
     layers, _, num_pages, page_size, num_kv_heads, head_dim = kv_pool.shape
-    if not isinstance(layer, int) or not 0 <= layer < layers:
-        raise AttentionShapeError(f"layer must be a static int in [0, {layers}), got {layer!r}")
+    if isinstance(layer, int):
+        if not 0 <= layer < layers:
+            raise AttentionShapeError(f"layer must be in [0, {layers}), got {layer}")
+    elif jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise AttentionShapeError(f"layer must be an int or an integer scalar array, got {layer!r}")
+    else:
+        layer = jnp.clip(layer, 0, layers - 1)
     page_view = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), kv_pool.dtype)
     _check_inputs(q, page_view, page_view, page_table, seq_lens, query_start)
     kv5 = kv_pool.reshape(layers, 2, num_pages * page_size, num_kv_heads, head_dim)
     return _attention_call(
-        q, kv5, kv5, (layer, 0), (layer, 1), page_size, page_table, seq_lens, query_start,
+        q, kv5, kv5, layer, 0, 1, page_size, page_table, seq_lens, query_start,
         sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len, block_rows=block_rows,
         block_kv=block_kv, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # fmt: skip
 
 
 def _attention_call(
-    q, k5, v5, k_index, v_index, page_size, page_table, seq_lens, query_start,
+    q, k5, v5, layer, k_kv, v_kv, page_size, page_table, seq_lens, query_start,
     *, sm_scale, soft_cap, max_q_len, block_rows, block_kv, num_warps, num_stages, interpret,
 ) -> jax.Array:  # fmt: skip
-    """Launch the kernel on K/V sources ``[L', 2, P*S, H, D]`` read at ``[*k_index]`` / ``[*v_index]``."""
+    """Launch the kernel on K/V sources ``[L', 2, P*S, H, D]`` read at ``[layer, k_kv]`` /
+    ``[layer, v_kv]`` (``layer``: int or int32 scalar array, read by the kernel at run time)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_slots, num_kv_heads = k5.shape[2], k5.shape[3]
     num_pages = num_slots // page_size
@@ -271,19 +283,20 @@ def _attention_call(
         num_tokens=num_tokens,
         sm_scale=float(sm_scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
-        k_index=tuple(k_index),
-        v_index=tuple(v_index),
+        k_kv=int(k_kv),
+        v_kv=int(v_kv),
     )
     out = pl.pallas_call(
         kernel,
         grid=(batch, row_blocks, num_kv_heads),
-        in_specs=[pl.no_block_spec] * 6,
+        in_specs=[pl.no_block_spec] * 7,
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((num_tokens + 1, num_kv_heads, group, head_dim), q.dtype),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="strata_ragged_paged_attention",
     )(
+        jnp.asarray(layer, jnp.int32).reshape(1),
         query_start.astype(jnp.int32),
         seq_lens.astype(jnp.int32),
         page_table.astype(jnp.int32),

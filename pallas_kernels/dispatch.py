@@ -216,7 +216,7 @@ def ragged_paged_attention(
 def ragged_paged_attention_pool(
     q: jax.Array,
     kv_pool: jax.Array,
-    layer: int,
+    layer: int | jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
     query_start: jax.Array,
@@ -228,8 +228,8 @@ def ragged_paged_attention_pool(
 ) -> tuple[jax.Array, jax.Array]:
     """``ragged_paged_attention(q, kv_pool[layer, 0], kv_pool[layer, 1], ...)`` without the slice.
 
-    ``kv_pool[L, 2, P, S, H, D]`` is the whole layer-first pool, ``layer`` a static
-    Python int.  Returns ``(out, kv_pool)`` and the caller continues with the returned
+    ``kv_pool[L, 2, P, S, H, D]`` is the whole layer-first pool, ``layer`` a Python
+    int or a traced int32 scalar (the index of a layer scan).  Returns ``(out, kv_pool)`` and the caller continues with the returned
     pool: the reference threads the pool through its block loop (a loop that only
     closed over it would make XLA copy the donated pool every step); the Pallas
     kernel reads the layer in place and hands the pool back unchanged.

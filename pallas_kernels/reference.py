@@ -28,13 +28,14 @@ def gather_pages_reference(pool: jax.Array, page_ids: jax.Array) -> jax.Array:
 
 
 def write_kv_reference(
-    kv_pool: jax.Array, layer: int, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+    kv_pool: jax.Array, layer: int | jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 ) -> jax.Array:
     """Write new tokens' K/V of one layer into the full pool ``[L, 2, P, S, H, D]``.
 
     ``k, v: [T, H, D]``; ``slot_mapping[T]`` is page_id * page_size + offset; a slot
     outside the pool (padding tokens use ``num_pages * page_size``) is dropped.
-    ``layer`` is a static Python int.  The scatter targets the whole (donated) pool
+    ``layer`` is a Python int or a traced int32 scalar (the index of a layer scan):
+    either way one scatter into the whole pool.  The scatter targets the whole (donated) pool
     rather than a sliced layer so XLA updates it in place instead of copying a layer.
     (Advanced indices separated by a slice put the token axis first: ``new`` is
     ``[T, 2, H, D]``.)
@@ -100,7 +101,7 @@ def ragged_paged_attention_reference(
 def ragged_paged_attention_pool_reference(
     q: jax.Array,
     kv_pool: jax.Array,
-    layer: int,
+    layer: int | jax.Array,
     page_table: jax.Array,
     seq_lens: jax.Array,
     query_start: jax.Array,
@@ -109,7 +110,8 @@ def ragged_paged_attention_pool_reference(
     soft_cap: float | None = None,
     kv_block_tokens: int = 256,
 ) -> tuple[jax.Array, jax.Array]:
-    """``ragged_paged_attention_reference`` reading layer ``layer`` of the whole pool.
+    """``ragged_paged_attention_reference`` reading layer ``layer`` (a Python int or a
+    traced int32 scalar) of the whole pool.
 
     Returns ``(out, kv_pool)``: the caller must continue with the returned pool.
     Slicing ``kv_pool[layer, 0]`` outside the kernel would make XLA materialise the

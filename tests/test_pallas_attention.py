@@ -196,3 +196,59 @@ def test_mixed_query_and_kv_dtypes(q_dtype, kv_dtype):
     tol = dict(atol=2e-2, rtol=2e-2) if q_dtype == jnp.bfloat16 else dict(atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, **tol)
     np.testing.assert_allclose(np.asarray(ref, np.float32), want, **tol)
+
+
+def test_traced_layer_index_under_scan_reads_and_writes_each_layer():
+    """Inside ``jax.lax.scan`` the layer is a traced scalar: ``write_kv`` writes row l and
+    pool attention (interpret and reference) reads row l, for every l, like the model's step."""
+    import jax
+
+    import pallas_kernels
+
+    rng = np.random.default_rng(7)
+    layers = 3
+    args, host = make_batch(
+        rng, page_size=8, q_lens=(3, 1), ctx_lens=(9, 17), num_q_heads=4, num_kv_heads=2, head_dim=16,
+        pad_tokens=1, dtype=jnp.float32,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    # Layer l's K/V = the batch's K/V scaled by (l + 1); NaN elsewhere. The new tokens' K/V
+    # are written by write_kv inside the scan (their slots start out NaN).
+    scale = jnp.arange(1, layers + 1, dtype=jnp.float32)[:, None, None, None, None, None]
+    pool = jnp.stack([k, v])[None] * scale  # [L, 2, P, S, H, D]
+    page_size = k.shape[1]
+    slots, new_k, new_v = [], [], []
+    for b in range(len(seq_lens)):
+        n = int(qs[b + 1] - qs[b])
+        for pos in range(int(seq_lens[b]) - n, int(seq_lens[b])):
+            page = int(table[b, pos // page_size])
+            slots.append(page * page_size + pos % page_size)
+            new_k.append(np.asarray(k[page, pos % page_size]))
+            new_v.append(np.asarray(v[page, pos % page_size]))
+    slots += [pool.shape[2] * page_size] * (q.shape[0] - len(slots))  # padding tokens: dropped
+    pad = q.shape[0] - len(new_k)
+    new_k = jnp.asarray(np.stack(new_k + [np.zeros_like(new_k[0])] * pad))
+    new_v = jnp.asarray(np.stack(new_v + [np.zeros_like(new_v[0])] * pad))
+    slot_mapping = jnp.asarray(slots, jnp.int32)
+    flat = pool.reshape(layers, 2, -1, *k.shape[2:])
+    pool = flat.at[:, :, slot_mapping[: q.shape[0] - pad]].set(jnp.nan).reshape(pool.shape)
+
+    for backend in ("interpret", "reference"):
+
+        @jax.jit
+        def run(pool):
+            def body(pool, layer):
+                s = (layer + 1).astype(jnp.float32)
+                pool = pallas_kernels.write_kv(pool, layer, new_k * s, new_v * s, slot_mapping)
+                out, pool = dispatch.ragged_paged_attention_pool(
+                    q, pool, layer, table, seq_lens, qs, sm_scale=0.25, backend=backend
+                )
+                return pool, out
+
+            return jax.lax.scan(body, pool, jnp.arange(layers, dtype=jnp.int32))
+
+        _, outs = run(pool)
+        for layer in range(layers):
+            s = layer + 1
+            want = brute_force(host[0], host[1] * s, host[2] * s, *host[3:], 0.25, None)
+            np.testing.assert_allclose(np.asarray(outs[layer]), want, atol=2e-5, rtol=2e-5, err_msg=f"{backend} layer {layer}")

@@ -92,9 +92,11 @@ def test_pool_attention_lowers_without_copying_the_layer(platform):
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("tokens", [1, 5])  # decode bucket and extend bucket
-def test_engine_step_lowers_for_gpu_with_every_kernel_in_place(platform, tokens, monkeypatch):
-    """The whole jitted model step the engine runs on a GPU: one Triton attention call per
-    layer, the pool donated and aliased to the output, and no pool-sized copy or slice."""
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+def test_engine_step_lowers_for_gpu_with_every_kernel_in_place(platform, tokens, scan_layers, monkeypatch):
+    """The whole jitted model step the engine runs on a GPU: one Triton attention call in
+    the layer scan's body (one per layer when unrolled), the pool donated and aliased to
+    the output, and no pool-sized copy or slice."""
     from strata_jax.models.config import ModelConfig
     from strata_jax.models.weights import random_model
     from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
@@ -106,20 +108,24 @@ def test_engine_step_lowers_for_gpu_with_every_kernel_in_place(platform, tokens,
     )  # fmt: skip
     runner = ModelRunner(
         random_model(config),
-        RunnerConfig(page_size=16, num_device_pages=97, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128, kv_dtype="bfloat16"),
-    )
+        RunnerConfig(
+            page_size=16, num_device_pages=97, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128,
+            kv_dtype="bfloat16", scan_layers=scan_layers,
+        ),
+    )  # fmt: skip
     inputs = runner._pack([SeqInput(list(range(tokens)), 8, [3])])  # noqa: SLF001
     with gpu_lowering_target(platform):
         lowered = runner._step.trace(runner.state, runner.pool.kv, inputs, all_logits=False).lower(  # noqa: SLF001
             lowering_platforms=(platform,)
         )
     text = lowered.as_text()
-    assert text.count(TRITON_CALL) == config.num_layers
+    assert text.count(TRITON_CALL) == (1 if scan_layers else config.num_layers)
+    assert ("stablehlo.while" in text) == scan_layers
     assert "tf.aliasing_output" in text  # the donated pool comes back as an output buffer
     pool_type = "tensor<3x2x97x16x2x16xbf16>"
     pool_ops = {line.split("=")[1].split()[0] for line in text.splitlines() if "=" in line and pool_type in line.split("=")[1]}
     # no slice or copy of the pool; jax >= 0.11 adds a (free) Shardy annotation under the abstract mesh
-    allowed = {"stablehlo.reshape", "stablehlo.scatter", "stablehlo.custom_call", "call", "sdy.sharding_constraint"}
+    allowed = {"stablehlo.reshape", "stablehlo.scatter", "stablehlo.custom_call", "call", "func.call", "stablehlo.while", "sdy.sharding_constraint"}
     assert pool_ops <= allowed, pool_ops
 
 

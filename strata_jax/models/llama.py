@@ -6,8 +6,19 @@ token's K/V goes (``slot_mapping``) and which pages each sequence reads
 (``page_table``).  The KV pool is layer-first (see ``pallas_kernels.layout``) and is
 threaded through the layers functionally so a jitted caller can donate it.
 
-Parameter names mirror Hugging Face's (``model.layers.0.self_attn.q_proj``...), with
-linear kernels stored ``[in, out]``.
+Layers are *stacked*: ``model.layers`` is one ``DecoderLayer`` whose every parameter
+has a leading ``[num_layers]`` axis, and the forward runs it under ``jax.lax.scan``
+(one traced layer body, so compile time does not grow with depth).  The layer index
+reaching ``write_kv`` and attention is then a traced int32 scalar.  ``scan_layers=False``
+runs the same stacked parameters as an unrolled Python loop (static layer ints), kept
+for side-by-side step-time comparisons.
+
+Parameter paths mirror Hugging Face names with the layer number moved into the
+stacked axis: ``model.layers.{i}.self_attn.q_proj.weight [out, in]`` is
+``model.layers.self_attn.q_proj.kernel[i] [in, out]`` (linear kernels are stored
+transposed); norms, biases, ``model.embed_tokens.weight``, ``model.norm.weight`` and
+``lm_head.weight`` (-> ``lm_head.kernel``, transposed) keep their names.  See
+``docs/runtime.md`` for the full table.
 """
 
 from __future__ import annotations
@@ -78,7 +89,7 @@ class Attention(nnx.Module):
         positions: jax.Array,
         inv_freq: jax.Array,
         kv_pool: jax.Array,
-        layer: int,
+        layer: int | jax.Array,
         meta: AttentionMetadata,
     ) -> tuple[jax.Array, jax.Array]:
         tokens = x.shape[0]
@@ -136,10 +147,34 @@ class Embedding(nnx.Module):
         return jnp.take(self.weight[...], ids, axis=0)
 
 
+def stacked_layers(config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float) -> DecoderLayer:
+    """One ``DecoderLayer`` whose parameters carry a leading ``[num_layers]`` axis.
+
+    Layer ``i`` draws the same keys it would have drawn as the ``i``-th of a list of
+    layers built from ``rngs`` (so a seed gives the same weights as the unstacked model
+    always did), and ``rngs`` comes out advanced past all of them.
+    """
+    stream = rngs.params
+    base_key, start = stream.key[...], stream.count[...]
+    abstract = nnx.eval_shape(lambda: DecoderLayer(config, dtype, nnx.Rngs(params=0), std))
+    graphdef = nnx.graphdef(abstract)
+    draws_per_layer = sum(isinstance(node, Linear) for _, node in nnx.iter_graph(abstract))  # one key per Linear
+
+    def one(layer_idx):
+        layer_rngs = nnx.Rngs(params=0)
+        layer_rngs.params.key[...] = base_key
+        layer_rngs.params.count[...] = start + layer_idx * draws_per_layer
+        return nnx.state(DecoderLayer(config, dtype, layer_rngs, std))
+
+    state = jax.vmap(one)(jnp.arange(config.num_layers, dtype=jnp.uint32))
+    stream.count[...] = start + config.num_layers * draws_per_layer
+    return nnx.merge(graphdef, state)
+
+
 class DecoderModel(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, rngs, std)
-        self.layers = nnx.List([DecoderLayer(config, dtype, rngs, std) for _ in range(config.num_layers)])
+        self.layers = stacked_layers(config, dtype, rngs, std)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
@@ -156,12 +191,34 @@ class LlamaForCausalLM(nnx.Module):
         )
 
     def __call__(
-        self, input_ids: jax.Array, positions: jax.Array, kv_pool: jax.Array, meta: AttentionMetadata
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        kv_pool: jax.Array,
+        meta: AttentionMetadata,
+        *,
+        scan_layers: bool = True,
     ) -> tuple[jax.Array, jax.Array]:
+        """``scan_layers``: run the stacked layers under ``jax.lax.scan`` (default) or as an
+        unrolled Python loop (same parameters; XLA then sees one copy per layer)."""
         x = self.model.embed_tokens(input_ids)
         inv_freq = jnp.asarray(inverse_frequencies(self.config))  # a trace-time constant
-        for layer_idx, layer in enumerate(self.model.layers):
-            x, kv_pool = layer(x, positions, inv_freq, kv_pool, layer_idx, meta)
+        layer_graphdef, stacked = nnx.split(self.model.layers)
+
+        def one_layer(carry, layer_state, layer_idx):
+            x, kv_pool = carry
+            layer = nnx.merge(layer_graphdef, layer_state)
+            return layer(x, positions, inv_freq, kv_pool, layer_idx, meta)
+
+        carry = (x, kv_pool)
+        if scan_layers:
+            layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+            # The pool is a scan carry: each iteration updates it in place (donated by the runner).
+            carry, _ = jax.lax.scan(lambda c, xs: (one_layer(c, *xs), None), carry, (stacked, layer_ids))
+        else:
+            for layer_idx in range(self.config.num_layers):
+                carry = one_layer(carry, jax.tree.map(lambda a, i=layer_idx: a[i], stacked), layer_idx)
+        x, kv_pool = carry
         return self.model.norm(x), kv_pool
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -33,13 +33,35 @@ def random_model(config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: i
     return LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(params=seed))
 
 
-def _hf_name_to_path(name: str) -> tuple[tuple[str | int, ...], bool]:
-    """Map a HF tensor name to (our state path, transpose?)."""
-    parts: list[str | int] = [int(p) if p.isdigit() else p for p in name.split(".")]
-    is_linear = parts[-1] == "weight" and len(parts) >= 2 and str(parts[-2]).endswith("_proj")
-    if is_linear or parts[:1] == ["lm_head"]:
-        return tuple(parts[:-1]) + ("kernel",), True
-    return tuple(parts), False
+_LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def hf_name_to_param(name: str) -> tuple[tuple[str, ...], int | None, bool]:
+    """Map a HF tensor name to (our state path, layer index or None, transpose?).
+
+    ``model.layers.{i}.<rest>`` lands in row ``i`` of the stacked parameter
+    ``model.layers.<rest>``; ``*_proj.weight`` / ``lm_head.weight`` ``[out, in]`` become
+    ``...kernel`` ``[in, out]`` (transposed); every other name maps to itself.
+    """
+    layer: int | None = None
+    match = _LAYER_TENSOR.match(name)
+    if match:
+        layer, name = int(match.group(1)), "model.layers." + match.group(2)
+    parts = tuple(name.split("."))
+    is_linear = parts[-1] == "weight" and len(parts) >= 2 and parts[-2].endswith("_proj")
+    if is_linear or parts[:1] == ("lm_head",):
+        return parts[:-1] + ("kernel",), layer, True
+    return parts, layer, False
+
+
+@partial(jax.jit, donate_argnums=0, static_argnames=("transpose",))
+def _put_layer(stack: jax.Array, layer: jax.Array, tensor: jax.Array, *, transpose: bool) -> jax.Array:
+    """Write one layer's tensor into row ``layer`` of its (donated) stacked array, in place.
+
+    ``layer`` is traced, so one small program per parameter shape serves every layer.
+    """
+    value = (tensor.T if transpose else tensor).astype(stack.dtype)
+    return jax.lax.dynamic_update_index_in_dim(stack, value, layer, 0)
 
 
 @dataclass(frozen=True)
@@ -77,12 +99,18 @@ def load_named_tensors(
 
     Raises ``WeightLoadError`` naming the tensor for anything missing, unexpected or
     of the wrong shape; ``source`` names the checkpoint in those errors and the progress bar.
+    Stacked per-layer parameters are allocated once on the device and each layer's
+    tensor is written into its row in place (a donated update), so loading holds the
+    weights once plus one tensor in transit, never a second full copy.
     """
     abstract = nnx.eval_shape(lambda: random_model(config, dtype=dtype))
     graphdef, abstract_state = nnx.split(abstract)
     expected = {path: var for path, var in nnx.to_flat_state(abstract_state)}
+    num_layers = config.num_layers
+    stacked = {path for path in expected if path[:2] == ("model", "layers")}
+    values: dict[tuple, jax.Array] = {}
+    filled: dict[tuple, set[int]] = {path: set() for path in stacked}
     total = sum(t.nbytes for t in tensors)
-    loaded: dict[tuple, jax.Array] = {}
     bar = tqdm(
         total=total,
         unit="B",
@@ -96,26 +124,35 @@ def load_named_tensors(
             bar.update(tensor.nbytes)
             if _IGNORED.match(name):
                 continue
-            path, transpose = _hf_name_to_path(name)
-            if path not in expected:
+            path, layer, transpose = hf_name_to_param(name)
+            if path not in expected or (layer is None) != (path not in stacked) or (layer is not None and layer >= num_layers):
                 if config.tie_word_embeddings and name == "lm_head.weight":
                     continue  # a tied checkpoint may still store the (shared) head
                 raise WeightLoadError(f"unexpected tensor {name!r} in {tensor.origin} for a {config.model_type} model")
             array = tensor.get()
-            shape = tuple(array.shape)
-            if transpose:
-                array = array.T
-            want = expected[path].get_value().shape
-            if tuple(array.shape) != tuple(want):
+            want = tuple(expected[path].get_value().shape)
+            if layer is not None:
+                want = want[1:]
+            got = tuple(array.shape)[::-1] if transpose else tuple(array.shape)
+            if got != want:
                 raise WeightLoadError(
-                    f"tensor {name!r} in {tensor.origin} has shape {shape}, the config implies "
-                    f"{tuple(want)[::-1] if transpose else tuple(want)}"
+                    f"tensor {name!r} in {tensor.origin} has shape {tuple(array.shape)}, the config implies "
+                    f"{want[::-1] if transpose else want}"
                 )
-            loaded[path] = jnp.asarray(np.ascontiguousarray(array), dtype=dtype)
-    missing = [".".join(map(str, p)) for p in expected if p not in loaded]
+            if layer is None:
+                values[path] = jnp.asarray(np.ascontiguousarray(array.T if transpose else array), dtype=dtype)
+                continue
+            if path not in values:
+                values[path] = jnp.zeros((num_layers, *want), dtype)
+            values[path] = _put_layer(values[path], np.int32(layer), array, transpose=transpose)
+            filled[path].add(layer)
+    missing = [".".join(map(str, p)) for p in expected if p not in stacked and p not in values]
+    missing += [
+        f"model.layers.{i}.{'.'.join(p[2:])}" for p in expected if p in stacked for i in range(num_layers) if i not in filled[p]
+    ]
     if missing:
         raise WeightLoadError(f"checkpoint {source} lacks tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-    flat = [(path, var.replace(loaded[path])) for path, var in expected.items()]
+    flat = [(path, var.replace(values[path])) for path, var in expected.items()]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

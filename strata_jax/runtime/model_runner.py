@@ -36,6 +36,7 @@ class RunnerConfig:
     kv_dtype: str = "float32"
     min_token_bucket: int = 16
     kernel_backend: str = "auto"  # pallas_kernels backend for the model's attention (resolved at construction)
+    scan_layers: bool = True  # layers under jax.lax.scan (False: unrolled loop, for comparisons)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_device_pages", "max_batch_tokens", "max_batch_size", "max_context_tokens"):
@@ -124,7 +125,11 @@ class ModelRunner:
             min(config.min_token_bucket, config.max_batch_tokens), config.max_batch_tokens
         )
         self.batch_buckets = power_of_two_buckets(1, config.max_batch_size)
-        self._step = jax.jit(partial(_forward_step, self.graphdef), donate_argnums=(1,), static_argnames=("all_logits",))
+        self._step = jax.jit(
+            partial(_forward_step, self.graphdef, scan_layers=config.scan_layers),
+            donate_argnums=(1,),
+            static_argnames=("all_logits",),
+        )
         self.num_slots = config.num_device_pages * config.page_size
 
     # ---- compile accounting -------------------------------------------------------
@@ -221,9 +226,9 @@ class ModelRunner:
         return x
 
 
-def _forward_step(graphdef, state, kv_pool, inputs: dict, *, all_logits: bool):
+def _forward_step(graphdef, state, kv_pool, inputs: dict, *, all_logits: bool, scan_layers: bool):
     model = nnx.merge(graphdef, state)
-    hidden, kv_pool = model(inputs["input_ids"], inputs["positions"], kv_pool, inputs["meta"])
+    hidden, kv_pool = model(inputs["input_ids"], inputs["positions"], kv_pool, inputs["meta"], scan_layers=scan_layers)
     last_logits = model.logits(hidden[inputs["last_index"]])
     next_tokens = sample_tokens(last_logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["rng_keys"])
     logits = model.logits(hidden) if all_logits else None
