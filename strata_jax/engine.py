@@ -100,6 +100,7 @@ class Engine(EngineCore):
                 max_context_tokens=self.max_context_tokens,
                 kv_dtype=kv_dtype,
                 kernel_backend=self.platform.kernel_backend,
+                scan_layers=config.scan_layers,
             ),
             pool=self.ctl.device_pool,
         )

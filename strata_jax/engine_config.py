@@ -47,6 +47,8 @@ class EngineConfig:
     kernel_backend: attention and KV-transfer kernels: "auto" (default: Pallas on
         CUDA/ROCm, pure-JAX reference on CPU; $STRATA_KERNEL_BACKEND overrides auto),
         "pallas", "reference" or "interpret" (Pallas interpreted; slow, for tests).
+    scan_layers: run the decoder layers under ``jax.lax.scan`` (default: compile time
+        independent of depth); False unrolls them (for step-time comparisons).
     """
 
     model: str = "tiny"
@@ -71,6 +73,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
     show_progress: bool = True
     kernel_backend: str = "auto"
+    scan_layers: bool = True
     cache: CacheConfig | None = None
     scheduler: SchedulerConfig | None = None
 
