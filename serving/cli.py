@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from strata_jax.cli import build_parser, dispatch
+from strata_jax.cli import build_parser, dispatch, run_reporting_model_errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"`strata-jax serve` needs the serve extra ({missing} is missing): pip install 'strata-jax[serve]'")
         from serving.server_cli import run_serve
 
-        return run_serve(args)
-    return dispatch(args)
+        return run_reporting_model_errors(lambda: run_serve(args))
+    return run_reporting_model_errors(lambda: dispatch(args))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Command line of the engine: ``strata-jax generate``, ``demo``, ``info`` and ``bench NAME``.
+"""Command line of the engine: ``strata-jax generate``, ``demo``, ``info``, ``convert`` and ``bench NAME``.
 
 The console script lives in ``serving.cli`` (which adds ``serve``) so that this
 package never imports ``serving``.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from strata_jax.bench import BENCHMARKS, run_benchmark
 
@@ -34,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_info_arguments(info)
 
+    convert = sub.add_parser("convert", help="write the Hugging Face folder equivalent to a GGUF file (needs the gguf extra)")
+    convert.add_argument("gguf_file", help="the .gguf file (llama, mistral, qwen2 or qwen3 architecture)")
+    convert.add_argument("out_dir", help="output folder (created; must be empty if it exists)")
+    convert.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+        help="dtype of the dequantized weights in model.safetensors (default float32)",
+    )
+
     bench = sub.add_parser("bench", help="run a benchmark; `strata-jax bench NAME --help` lists its flags")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags of that benchmark")
@@ -53,12 +62,32 @@ def dispatch(args: argparse.Namespace) -> int:
         from strata_jax.info import run_info
 
         return run_info(args)
+
+    if args.command == "convert":
+        from strata_jax.models.gguf_model import convert_gguf
+
+        out = convert_gguf(args.gguf_file, args.out_dir, dtype=args.dtype)
+        print(f"wrote {out}: config.json, model.safetensors, tokenizer files, generation_config.json")
+        return 0
     if args.command == "bench":
         return run_benchmark(args.name, args.bench_args)
     raise SystemExit(f"unknown command {args.command!r}")
 
 
+def run_reporting_model_errors(command: Callable[[], int], prog: str = "strata-jax") -> int:
+    """Run a command; a model that cannot be loaded (bad file, unsupported config) is one clear
+    line on stderr and exit status 2, never a traceback."""
+    from strata_jax.models.config import ModelConfigError
+    from strata_jax.models.weights import WeightLoadError
+
+    try:
+        return command()
+    except (ModelConfigError, WeightLoadError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return dispatch(args)
+    return run_reporting_model_errors(lambda: dispatch(args))

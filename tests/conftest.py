@@ -32,6 +32,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """Path of the real model (SmolLM2-135M-Instruct, Q4_1 GGUF), fetched once; skips when it cannot be."""
+    pytest.importorskip("gguf", reason="the real-model tests need the gguf extra: pip install -e '.[gguf]'")
+    from real_model import FetchError, smollm2_gguf_path
+
+    try:
+        return str(smollm2_gguf_path())
+    except FetchError as exc:
+        pytest.skip(f"real model unavailable: {exc}")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     harness = sys.modules.get("serving_harness")
     if harness is not None:

@@ -1,4 +1,4 @@
-"""One entry point to get a servable model: ``load_model("tiny" | HF folder | orbax checkpoint)``."""
+"""One entry point to get a servable model: ``load_model("tiny" | HF folder | FILE.gguf | orbax checkpoint)``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ from strata_jax.models.weights import CONFIG_FILE, load_hf_weights, random_model
 from strata_jax.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TINY_SEED = 20260501
+GGUF_SUFFIX = ".gguf"
+
+
+def is_gguf_path(spec: str) -> bool:
+    return spec.lower().endswith(GGUF_SUFFIX)
 
 
 def tiny_config() -> ModelConfig:
@@ -53,14 +58,20 @@ class LoadedModel:
 
 
 def load_model(spec: str, *, dtype: jnp.dtype = jnp.float32, show_progress: bool = True) -> LoadedModel:
-    """``"tiny"``: embedded random model; a folder with config.json: HF checkpoint;
-    a folder with strata_model_config.json: orbax checkpoint saved by ``save_checkpoint``."""
+    """``"tiny"``: embedded random model; a folder with config.json: HF checkpoint; a ``.gguf``
+    file: llama.cpp model (dequantized to ``dtype``; needs the ``gguf`` extra); a folder with
+    strata_model_config.json: orbax checkpoint saved by ``save_checkpoint``."""
     if spec == "tiny":
         config = tiny_config()
         return LoadedModel("tiny", config, random_model(config, dtype=dtype, seed=TINY_SEED), ByteTokenizer())
+    if is_gguf_path(spec):
+        from strata_jax.models.gguf_model import load_gguf
+
+        config, model, tokenizer = load_gguf(spec, dtype=dtype, show_progress=show_progress)
+        return LoadedModel(Path(spec).stem, config, model, tokenizer)
     folder = Path(spec)
     if not folder.is_dir():
-        raise ModelConfigError(f"model {spec!r} is neither 'tiny' nor an existing directory")
+        raise ModelConfigError(f"model {spec!r} is neither 'tiny' nor an existing directory (nor a .gguf file)")
     tokenizer = HFTokenizer(folder) if (folder / "tokenizer.json").is_file() else None
     generation = GenerationDefaults.from_folder(folder)
     if (folder / CONFIG_FILE).is_file():

@@ -1,0 +1,356 @@
+"""Reading a llama.cpp GGUF file: its config, its tensors under Hugging Face names, dequantized lazily.
+
+The ``gguf`` package (an optional extra: ``pip install 'strata-jax[gguf]'``) parses the file and
+dequantizes the block formats; this module maps names and metadata onto what the rest of the
+loader expects (a HF ``config.json`` dict and ``NamedTensor``s), one tensor at a time, so loading
+never holds more than the model in the engine's dtype plus one tensor being converted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from dataclasses import dataclass
+from functools import cached_property, partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from strata_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfigError
+from strata_jax.models.weights import NamedTensor
+
+GGUF_MAGIC = b"GGUF"
+# Tensor types this loader dequantizes (all through ``gguf.quants``); the common llama.cpp formats.
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Architectures whose attention llama.cpp's converter permutes for its interleaved rope (``permute`` in
+# convert_hf_to_gguf.py); HF applies rope to halves, so q/k rows are put back in HF order here.
+PERMUTED_QK_ARCHS = ("llama", "mistral")
+# Rows per dequantization chunk are chosen so that a chunk's float32 copy stays under this size.
+DEQUANT_CHUNK_BYTES = 16 * 1024 * 1024
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+ROPE_FREQS = "rope_freqs.weight"  # llama3-style rope scaling, stored as per-frequency factors
+
+
+class GGUFError(ModelConfigError):
+    """A GGUF file this runtime cannot read or serve faithfully; the message names the file."""
+
+
+def require_gguf():
+    """The ``gguf`` package, or a clear error saying how to install it."""
+    try:
+        import gguf
+    except ModuleNotFoundError as exc:
+        raise GGUFError(
+            "loading a .gguf model needs the gguf package: pip install 'strata-jax[gguf]' (or pip install gguf)"
+        ) from exc
+    return gguf
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None when this loader does not know it."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.match(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: per head, rows (pair, half) -> (half, pair)."""
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    grouped = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(weight.shape)
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    type_name: str
+    hf_shape: tuple[int, ...]  # rows first, as HF stores it (GGUF lists dimensions innermost first)
+    offset: int  # absolute byte offset of its data in the file
+    nbytes: int
+
+
+# GGUF metadata value types -> struct formats (little-endian); 8 is a string, 9 an array.
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+MAX_STRING_BYTES = 64 * 1024 * 1024
+
+
+class _Cursor:
+    """Reads GGUF's little-endian header fields from a memory map, failing clearly past its end."""
+
+    def __init__(self, data: memoryview, path: Path):
+        self.data, self.pos, self.path = data, 0, path
+
+    def take(self, size: int) -> memoryview:
+        if size < 0 or self.pos + size > len(self.data):
+            raise GGUFError(f"{self.path} is truncated or corrupt: its header runs past the end of the file (offset {self.pos:,})")
+        chunk = self.data[self.pos : self.pos + size]
+        self.pos += size
+        return chunk
+
+    def scalar(self, fmt: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        size = self.scalar("<Q")
+        if size > MAX_STRING_BYTES:
+            raise GGUFError(f"{self.path} is corrupt: a {size:,}-byte string at offset {self.pos:,}")
+        raw = self.take(size)
+        try:
+            return str(raw, "utf-8")
+        except UnicodeDecodeError:
+            return bytes(raw).decode("utf-8", errors="replace")
+
+    def value(self, kind: int):
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, count = self.scalar("<I"), self.scalar("<Q")
+            if item in _NUMPY:
+                dtype = np.dtype(_NUMPY[item])
+                return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).tolist()
+            if count > len(self.data):
+                raise GGUFError(f"{self.path} is corrupt: an array of {count:,} items at offset {self.pos:,}")
+            return [self.value(item) for _ in range(count)]
+        raise GGUFError(f"{self.path} is corrupt: unknown metadata value type {kind} at offset {self.pos:,}")
+
+
+class GGUFFile:
+    """One opened GGUF file: its metadata, and its tensors memory-mapped until one is asked for."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._gguf = require_gguf()
+        if not self.path.is_file():
+            raise GGUFError(f"GGUF file {self.path} does not exist")
+        if self.path.stat().st_size < 24:
+            raise GGUFError(f"{self.path} is not a GGUF file (only {self.path.stat().st_size} bytes)")
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        cursor = _Cursor(memoryview(self._map), self.path)
+        magic = bytes(cursor.take(4))
+        if magic != GGUF_MAGIC:
+            raise GGUFError(f"{self.path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+        version = cursor.scalar("<I")
+        if version not in (2, 3):
+            raise GGUFError(f"{self.path}: GGUF version {version} is not supported (supported: 2, 3)")
+        tensor_count, kv_count = cursor.scalar("<Q"), cursor.scalar("<Q")
+        if tensor_count > len(self._map) or kv_count > len(self._map):
+            raise GGUFError(f"{self.path} is corrupt: it claims {tensor_count:,} tensors and {kv_count:,} metadata fields")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key = cursor.string()
+            self.metadata[key] = cursor.value(cursor.scalar("<I"))
+        raw_tensors = []
+        for _ in range(tensor_count):
+            name = cursor.string()
+            dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
+            raw_tensors.append((name, dims, cursor.scalar("<I"), cursor.scalar("<Q")))
+        alignment = int(self.metadata.get("general.alignment", 32))
+        data_start = -(-cursor.pos // alignment) * alignment
+        self.tensors: dict[str, GGUFTensorInfo] = {}
+        for name, dims, type_id, offset in raw_tensors:
+            self.tensors[name] = self._tensor_info(name, dims, type_id, data_start + offset)
+
+    def _tensor_info(self, name: str, dims: list[int], type_id: int, offset: int) -> GGUFTensorInfo:
+        gguf = self._gguf
+        try:
+            qtype = gguf.GGMLQuantizationType(type_id)
+        except ValueError:
+            raise GGUFError(f"{self.path}: tensor {name!r} has unknown tensor type id {type_id} (corrupt file?)") from None
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        if not dims or dims[0] % block:
+            raise GGUFError(f"{self.path} is corrupt: tensor {name!r} has shape {dims} for {qtype.name} blocks of {block}")
+        nbytes = math.prod(dims) // block * type_size
+        end = offset + nbytes
+        if end > len(self._map):
+            raise GGUFError(
+                f"{self.path} is truncated: tensor {name!r} needs bytes up to {end:,} but the file has {len(self._map):,}"
+            )
+        return GGUFTensorInfo(name, qtype.name, tuple(reversed(dims)), offset, nbytes)
+
+    # ---- metadata ------------------------------------------------------------------------------
+
+    def field(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def required(self, key: str) -> Any:
+        value = self.field(key)
+        if value is None:
+            raise GGUFError(f"{self.path} lacks the metadata field {key!r}")
+        return value
+
+    @cached_property
+    def architecture(self) -> str:
+        arch = self.required("general.architecture")
+        if arch not in SUPPORTED_MODEL_TYPES:
+            raise GGUFError(
+                f"{self.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        return arch
+
+    def hf_config(self) -> dict[str, Any]:
+        """The equivalent Hugging Face ``config.json`` as a dict."""
+        arch = self.architecture
+        key = lambda name: f"{arch}.{name}"  # noqa: E731
+        hidden = int(self.required(key("embedding_length")))
+        heads = int(self.required(key("attention.head_count")))
+        kv_heads = int(self.field(key("attention.head_count_kv"), heads))
+        head_dim = int(self.field(key("attention.key_length"), hidden // heads))
+        value_dim = int(self.field(key("attention.value_length"), head_dim))
+        if value_dim != head_dim:
+            raise GGUFError(f"{self.path}: attention.value_length={value_dim} differs from key_length={head_dim}")
+        tokens = self.field("tokenizer.ggml.tokens")
+        vocab = self.field(key("vocab_size")) or (len(tokens) if tokens else None) or self.tensors["token_embd.weight"].hf_shape[0]
+        config: dict[str, Any] = {
+            "architectures": [_HF_ARCHITECTURES[arch]],
+            "model_type": arch,
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(self.required(key("feed_forward_length"))),
+            "num_hidden_layers": int(self.required(key("block_count"))),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": head_dim,
+            "max_position_embeddings": int(self.field(key("context_length"), 4096)),
+            "rms_norm_eps": float(self.field(key("attention.layer_norm_rms_epsilon"), 1e-6)),
+            "rope_theta": float(self.field(key("rope.freq_base"), 10000.0)),
+            "hidden_act": "silu",
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "torch_dtype": "float32",
+        }
+        rope_dims = self.field(key("rope.dimension_count"))
+        if rope_dims is not None and int(rope_dims) != head_dim:
+            raise GGUFError(f"{self.path}: partial rotary embeddings (rope.dimension_count={rope_dims}, head_dim={head_dim}) are not supported")
+        scaling = self._rope_scaling(config)
+        if scaling is not None:
+            config["rope_scaling"] = scaling
+        if arch in ("qwen2", "qwen3"):
+            config["use_sliding_window"] = False
+        for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
+            value = self.field(f"tokenizer.ggml.{gguf_key}")
+            if value is not None:
+                config[hf_key] = int(value)
+        return config
+
+    def _rope_scaling(self, config: dict[str, Any]) -> dict[str, Any] | None:
+        arch = self.architecture
+        kind = self.field(f"{arch}.rope.scaling.type")
+        if ROPE_FREQS in self.tensors:
+            return self._llama3_scaling_from_factors(config)
+        if kind in (None, "none"):
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(self.required(f"{arch}.rope.scaling.factor"))}
+        raise GGUFError(f"{self.path}: rope scaling type {kind!r} is not supported (supported: none, linear, llama3)")
+
+    def _llama3_scaling_from_factors(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Llama 3.x files store llama3 rope scaling only as per-frequency divisors (``rope_freqs``);
+        find the published parameters that produce exactly those divisors."""
+        stored = self.dequantize(self.tensors[ROPE_FREQS], np.dtype(np.float32)).reshape(-1)
+        theta, head_dim = config["rope_theta"], config["head_dim"]
+        inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
+            for original in (8192, 4096, 2048, 16384, 32768, 131072):
+                candidate = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+                divisors = _llama3_divisors(inv_freq, candidate)
+                if divisors.shape == stored.shape and np.allclose(divisors, stored, rtol=1e-3):
+                    return candidate
+        raise GGUFError(f"{self.path}: its rope_freqs tensor matches no llama3 rope scaling this runtime knows")
+
+    # ---- tensors -------------------------------------------------------------------------------
+
+    def dequantize(self, info: GGUFTensorInfo, dtype: np.dtype) -> np.ndarray:
+        """One tensor in HF shape and ``dtype``, dequantized a chunk of rows at a time."""
+        gguf = self._gguf
+        if info.type_name not in SUPPORTED_TENSOR_TYPES:
+            raise GGUFError(
+                f"{self.path}: tensor {info.name!r} has type {info.type_name}, which this loader does not dequantize "
+                f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
+            )
+        qtype = gguf.GGMLQuantizationType[info.type_name]
+        row_elems = info.hf_shape[-1]
+        rows = math.prod(info.hf_shape[:-1])
+        data = self._map[info.offset : info.offset + info.nbytes].reshape(rows, info.nbytes // rows)
+        out = np.empty((rows, row_elems), dtype=dtype)
+        rows_per_chunk = max(1, DEQUANT_CHUNK_BYTES // (4 * row_elems))
+        for start in range(0, rows, rows_per_chunk):
+            chunk = gguf.quants.dequantize(data[start : start + rows_per_chunk], qtype)
+            if not np.isfinite(chunk).all():
+                raise GGUFError(f"{self.path}: tensor {info.name!r} holds NaN or infinite values (a corrupt file?)")
+            out[start : start + rows_per_chunk] = chunk
+        return out.reshape(info.hf_shape)
+
+    def named_tensors(self, dtype: np.dtype, num_heads: int, num_kv_heads: int) -> list[NamedTensor]:
+        """Every weight under its HF name, dequantized to ``dtype`` when ``get()`` is called."""
+        permute = self.architecture in PERMUTED_QK_ARCHS
+        named = []
+        for info in self.tensors.values():
+            if info.name == ROPE_FREQS:
+                continue  # folded into the config's rope scaling
+            hf_name = hf_tensor_name(info.name)
+            if hf_name is None:
+                raise GGUFError(f"{self.path}: unexpected tensor {info.name!r} for a {self.architecture} model")
+            heads = None
+            if permute and ".attn_q." in info.name:
+                heads = num_heads
+            elif permute and ".attn_k." in info.name:
+                heads = num_kv_heads
+            nbytes = math.prod(info.hf_shape) * np.dtype(dtype).itemsize
+            named.append(NamedTensor(hf_name, nbytes, partial(self._get, info, dtype, heads), self.path.name))
+        return named
+
+    def _get(self, info: GGUFTensorInfo, dtype: np.dtype, heads: int | None) -> np.ndarray:
+        array = self.dequantize(info, dtype)
+        return unpermute_qk(array, heads) if heads else array
+
+
+_HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _llama3_divisors(inv_freq: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
+    """How much llama3 scaling divides each rope frequency by (what llama.cpp stores in rope_freqs)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = original / low, original / high
+    smooth = (original / wavelen - low) / (high - low)
+    divisors = np.where(wavelen > low_wavelen, factor, 1.0)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return np.where(mid, 1.0 / ((1 - smooth) / factor + smooth), divisors).astype(np.float32)

@@ -1,0 +1,110 @@
+"""Writing GGUF files the way llama.cpp's converter does, from random Hugging Face models.
+
+The conventions (tensor names, metadata keys, the q/k row permutation of llama-architecture
+models) are restated here from llama.cpp's ``convert_hf_to_gguf.py`` independently of the
+loader under test, so a test compares the loader against the HF model the file was made from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+# HF model_type -> the architecture llama.cpp writes (Mistral is converted as llama)
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: interleave each head's two rope halves."""
+    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    parts = hf_name.split(".")
+    return f"blk.{parts[2]}.{_LAYER['.'.join(parts[3:])]}"
+
+
+def write_gguf(
+    hf_model: torch.nn.Module,
+    path: Path,
+    *,
+    tensor_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    arch: str | None = None,
+    tokenizer: dict | None = None,
+) -> Path:
+    """Write ``hf_model`` as llama.cpp would (2-D weights as ``tensor_type``, norms and biases F32)."""
+    cfg = hf_model.config
+    arch = arch or GGUF_ARCH[cfg.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    if tokenizer:
+        writer.add_tokenizer_model(tokenizer["model"])
+        writer.add_token_list(tokenizer["tokens"])
+        writer.add_token_types(tokenizer["types"])
+        if "merges" in tokenizer:
+            writer.add_token_merges(tokenizer["merges"])
+        if "scores" in tokenizer:
+            writer.add_token_scores(tokenizer["scores"])
+        writer.add_bos_token_id(tokenizer["bos"])
+        writer.add_eos_token_id(tokenizer["eos"])
+        if "chat_template" in tokenizer:
+            writer.add_chat_template(tokenizer["chat_template"])
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        array = tensor.detach().float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            array = llama_cpp_permute(array, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            array = llama_cpp_permute(array, cfg.num_key_value_heads)
+        block, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
+        if array.ndim == 2 and tensor_type != gguf.GGMLQuantizationType.F32 and array.shape[1] % block == 0:
+            try:
+                raw = gguf.quants.quantize(array, tensor_type)
+            except NotImplementedError:  # a type gguf-py cannot quantize: all-zero blocks are still valid data
+                raw = np.zeros((array.shape[0], array.shape[1] // block * type_size), dtype=np.uint8)
+            writer.add_tensor(gguf_name(name), raw, raw_dtype=tensor_type)
+        else:  # llama.cpp too keeps norms, biases and rows that are not whole blocks in F32
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

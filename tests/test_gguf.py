@@ -1,0 +1,231 @@
+"""GGUF files as --model: weights equal the HF model they came from, errors are clear, convert round-trips."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf", reason="needs the gguf extra: pip install -e '.[gguf]'")
+
+from gguf_reference import write_gguf  # noqa: E402
+from hf_reference import hf_logits, make_hf_model  # noqa: E402
+from strata_jax.models import gguf_file  # noqa: E402
+from strata_jax.models.gguf_file import GGUFError, GGUFFile  # noqa: E402
+from strata_jax.models.gguf_model import convert_gguf  # noqa: E402
+from strata_jax.models.loader import load_model  # noqa: E402
+from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+Q = gguf.GGMLQuantizationType
+
+
+def _logits(model, ids: list[int]) -> np.ndarray:
+    runner = ModelRunner(
+        model, RunnerConfig(page_size=16, num_device_pages=32, max_batch_tokens=128, max_batch_size=1, max_context_tokens=256)
+    )
+    return runner.step([SeqInput(ids, 0, list(range(-(-len(ids) // 16))))], all_logits=True).logits
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    built: dict[str, torch.nn.Module] = {}
+
+    def get(kind: str) -> torch.nn.Module:
+        if kind not in built:
+            built[kind] = make_hf_model(kind, tmp_path_factory.mktemp(kind))
+        return built[kind]
+
+    return get
+
+
+# llama_tied / mistral are written as arch "llama" (q/k permuted by the converter); qwen2 has qkv
+# biases, qwen3 q/k norms and a head_dim that is not hidden/heads.
+@pytest.mark.parametrize("kind", ["llama_tied", "mistral", "qwen2", "qwen3"])
+def test_gguf_logits_match_the_hf_model_it_came_from(hf_models, tmp_path, kind):
+    hf = hf_models(kind)
+    path = write_gguf(hf, tmp_path / f"{kind}.gguf")
+    loaded = load_model(str(path))
+    assert loaded.name == kind and loaded.tokenizer is None  # no tokenizer in the file: token ids only
+    assert loaded.config.tie_word_embeddings == hf.config.tie_word_embeddings
+    ids = np.random.default_rng(0).integers(0, hf.config.vocab_size, size=40).tolist()
+    ours, ref = _logits(loaded.model, ids), hf_logits(hf, ids).numpy()
+    assert np.abs(ours - ref).max() <= 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_without_the_qk_unpermutation_a_llama_gguf_would_be_wrong(hf_models, tmp_path, monkeypatch):
+    """Guards the test above: the permutation matters, so a loader that skipped it would fail."""
+    hf = hf_models("llama_tied")
+    path = write_gguf(hf, tmp_path / "llama.gguf")
+    monkeypatch.setattr(gguf_file, "PERMUTED_QK_ARCHS", ())
+    ids = np.random.default_rng(0).integers(0, hf.config.vocab_size, size=40).tolist()
+    assert np.abs(_logits(load_model(str(path)).model, ids) - hf_logits(hf, ids).numpy()).max() > 1e-3  # vs 1e-4 above
+
+
+# One 2-D tensor per GGUF type, dequantized by our loader (in row chunks) and by an independent
+# reference: transformers' own torch implementation of the formats, or a plain restatement of the
+# ones it lacks. Row width 256 = one K-block.
+_F16_FIELDS = {  # byte offsets of the float16 scales in each block (kept finite in the random data)
+    Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+}
+
+
+def _reference_dequantize(raw: np.ndarray, qtype, rows: int, width: int) -> np.ndarray:
+    """transformers' torch dequantizers; plain restatements of the formats it lacks."""
+    if qtype == Q.F16:
+        return raw.view(np.float16).astype(np.float32).reshape(rows, width)
+    if qtype == Q.BF16:  # bfloat16 is the top half of a float32
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(rows, width)
+    if qtype in (Q.Q5_0, Q.Q5_1):  # d (f16)[, m (f16)], qh: 32 high bits, qs: 16 bytes of nibbles
+        has_min = qtype == Q.Q5_1
+        blocks = raw.reshape(-1, 24 if has_min else 22)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32) if has_min else -16 * d
+        start = 4 if has_min else 2
+        qh = blocks[:, start : start + 4].copy().view("<u4")
+        qs = blocks[:, start + 4 :]
+        low = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.uint32)
+        high = (qh >> np.arange(32, dtype=np.uint32)) & 1
+        return ((low | (high << 4)) * d + m).reshape(rows, width)
+    from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+
+    return hf_dequantize(torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1), int(qtype)).reshape(rows, width).numpy()
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, *_F16_FIELDS], ids=lambda q: q.name)
+def test_every_supported_tensor_type_dequantizes_like_a_reference(tmp_path, monkeypatch, qtype):
+    rows, width = 24, 256
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    if qtype in (Q.F16, Q.BF16):
+        values = rng.standard_normal((rows, width)).astype(np.float32)
+        raw = gguf.quants.quantize(values, qtype)
+    else:
+        raw = rng.integers(0, 256, size=(rows, width // block, type_size), dtype=np.uint8)
+        for offset in _F16_FIELDS[qtype]:  # a small positive/negative float16 scale
+            raw[..., offset : offset + 2] = np.frombuffer(
+                rng.uniform(-0.05, 0.05, size=raw.shape[:2]).astype(np.float16).tobytes(), np.uint8
+            ).reshape(*raw.shape[:2], 2)
+        raw = raw.reshape(rows, -1)
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setattr(gguf_file, "DEQUANT_CHUNK_BYTES", 5 * width * 4)  # several chunks per tensor
+    file = GGUFFile(tmp_path / "t.gguf")
+    info = file.tensors["blk.0.ffn_up.weight"]
+    assert info.hf_shape == (rows, width) and info.type_name == qtype.name
+    ours = file.dequantize(info, np.dtype(np.float32))
+    ref = _reference_dequantize(raw, qtype, rows, width)
+    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_quantized_gguf_loads_within_quantization_error(hf_models, tmp_path):
+    hf = hf_models("qwen3")
+    loaded = load_model(str(write_gguf(hf, tmp_path / "q8.gguf", tensor_type=Q.Q8_0)))
+    ref = dict(hf.named_parameters())["model.layers.0.mlp.up_proj.weight"].detach().numpy()
+    ours = np.asarray(loaded.model.model.layers[0].mlp.up_proj.kernel.get_value()).T
+    scale = np.abs(ref).reshape(ref.shape[0], -1, 32).max(-1, keepdims=True) / 127  # Q8_0: 32-wide blocks
+    # half a step of rounding, plus the float16 rounding of the stored scale (127 * 2**-11 steps)
+    assert (np.abs(ours - ref).reshape(ref.shape[0], -1, 32) <= scale * 0.6 + 1e-7).all()
+    assert np.abs(ours - ref).max() > 0  # it really was quantized
+
+
+def test_convert_writes_a_folder_transformers_and_the_engine_load(hf_models, tmp_path):
+    import transformers
+
+    hf = hf_models("llama_tied")
+    path = write_gguf(hf, tmp_path / "m.gguf")
+    out = convert_gguf(path, tmp_path / "hf")
+    assert {"config.json", "model.safetensors", "generation_config.json"} <= {p.name for p in out.iterdir()}
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = np.random.default_rng(1).integers(0, hf.config.vocab_size, size=30).tolist()
+    np.testing.assert_allclose(hf_logits(again, ids).numpy(), hf_logits(hf, ids).numpy(), atol=1e-5)
+    np.testing.assert_allclose(_logits(load_model(str(out)).model, ids), hf_logits(hf, ids).numpy(), atol=1e-4)
+    with pytest.raises(GGUFError, match="not empty"):
+        convert_gguf(path, out)
+
+
+# ---- clear errors ------------------------------------------------------------------------------
+
+
+def _tiny_gguf(hf_models, tmp_path) -> Path:
+    return write_gguf(hf_models("qwen2"), tmp_path / "good.gguf")
+
+
+def test_truncated_and_corrupt_files_name_the_file(hf_models, tmp_path):
+    data = _tiny_gguf(hf_models, tmp_path).read_bytes()
+    cases = {
+        "truncated.gguf": (data[: len(data) - 1000], "truncated"),
+        "header-cut.gguf": (data[:200], "truncated or corrupt"),
+        "not-gguf.gguf": (b"PK\x03\x04" + data[4:], "not a GGUF file"),
+        "bad-count.gguf": (data[:8] + (2**62).to_bytes(8, "little") + data[16:], "corrupt"),
+    }
+    for name, (blob, message) in cases.items():
+        (tmp_path / name).write_bytes(blob)
+        with pytest.raises(GGUFError, match=message) as info:
+            load_model(str(tmp_path / name))
+        assert name in str(info.value)
+
+
+def test_unsupported_architecture_and_tensor_type_are_named(hf_models, tmp_path):
+    hf = hf_models("qwen2")
+    with pytest.raises(GGUFError, match=r"architecture 'phi3' is not supported.*llama") as info:
+        load_model(str(write_gguf(hf, tmp_path / "phi.gguf", arch="phi3")))
+    assert "phi.gguf" in str(info.value)
+    with pytest.raises(GGUFError, match=r"'token_embd.weight' has type IQ4_NL.*supported: F32"):
+        load_model(str(write_gguf(hf, tmp_path / "iq.gguf", tensor_type=Q.IQ4_NL)))
+
+
+def test_missing_gguf_package_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(GGUFError, match=r"pip install 'strata-jax\[gguf\]'"):
+        load_model(str(tmp_path / "m.gguf"))
+
+
+def test_cli_reports_a_bad_gguf_in_one_line_without_traceback(hf_models, tmp_path):
+    good = _tiny_gguf(hf_models, tmp_path)
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(good.read_bytes()[:5000])
+    unsupported = write_gguf(hf_models("qwen2"), tmp_path / "gpt2arch.gguf", arch="gpt2")
+    code = (
+        "import sys; from serving.cli import main; "
+        "sys.exit(max(main(['generate', '--model', sys.argv[1], '--prompt-ids', '1,2']), "
+        "main(['convert', sys.argv[2], sys.argv[3]])))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(bad), str(unsupported), str(tmp_path / "out")],
+        capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert any("broken.gguf is truncated" in line for line in lines), done.stderr
+    assert any("gpt2arch.gguf: architecture 'gpt2' is not supported" in line for line in lines), done.stderr
+    assert not (tmp_path / "out").exists()  # nothing written for a file that cannot be converted
+
+
+def test_config_json_of_convert_matches_transformers_reading_of_the_gguf(hf_models, tmp_path):
+    """transformers' own GGUF config parser is the reference for our metadata mapping."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    hf = hf_models("qwen3")
+    path = write_gguf(hf, tmp_path / "q3.gguf")
+    ours = json.loads((convert_gguf(path, tmp_path / "out") / "config.json").read_text())
+    ref = load_gguf_checkpoint(str(path))["config"]
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "rope_theta", "vocab_size", "tie_word_embeddings")
+    for key in keys:
+        assert ours[key] == pytest.approx(ref[key]), key
+    assert ours["head_dim"] == hf.config.head_dim == 32  # not hidden/heads: read from attention.key_length
+    assert ours["rms_norm_eps"] == pytest.approx(ref["rms_norm_eps"], rel=1e-6)
