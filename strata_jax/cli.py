@@ -62,7 +62,6 @@ def dispatch(args: argparse.Namespace) -> int:
         from strata_jax.info import run_info
 
         return run_info(args)
-
     if args.command == "convert":
         from strata_jax.models.gguf_model import convert_gguf
 

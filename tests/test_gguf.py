@@ -131,13 +131,18 @@ def test_every_supported_tensor_type_dequantizes_like_a_reference(tmp_path, monk
 
 def test_quantized_gguf_loads_within_quantization_error(hf_models, tmp_path):
     hf = hf_models("qwen3")
-    loaded = load_model(str(write_gguf(hf, tmp_path / "q8.gguf", tensor_type=Q.Q8_0)))
+    path = write_gguf(hf, tmp_path / "q8.gguf", tensor_type=Q.Q8_0)
+    file = GGUFFile(path)
+    assert file.tensors["blk.0.ffn_up.weight"].type_name == "Q8_0"
+    tensors = {t.name: t for t in file.named_tensors(np.dtype(np.float32), 4, 2)}
     ref = dict(hf.named_parameters())["model.layers.0.mlp.up_proj.weight"].detach().numpy()
-    ours = np.asarray(loaded.model.model.layers[0].mlp.up_proj.kernel.get_value()).T
+    ours = tensors["model.layers.0.mlp.up_proj.weight"].get()
     scale = np.abs(ref).reshape(ref.shape[0], -1, 32).max(-1, keepdims=True) / 127  # Q8_0: 32-wide blocks
     # half a step of rounding, plus the float16 rounding of the stored scale (127 * 2**-11 steps)
     assert (np.abs(ours - ref).reshape(ref.shape[0], -1, 32) <= scale * 0.6 + 1e-7).all()
     assert np.abs(ours - ref).max() > 0  # it really was quantized
+    ids = list(range(20))
+    assert (_logits(load_model(str(path)).model, ids).argmax(-1) == hf_logits(hf, ids).numpy().argmax(-1)).mean() > 0.9
 
 
 def test_convert_writes_a_folder_transformers_and_the_engine_load(hf_models, tmp_path):
