@@ -76,12 +76,13 @@ def ragged_paged_attention_reference(
     GQA: query head h reads KV head h // (num_q_heads // num_kv_heads).
     soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
 
-    Flash-style online softmax over KV blocks of ``kv_block_tokens``; the loop runs
-    only over the blocks the longest sequence needs (dynamic trip count), so a short
-    batch costs little even with a wide page table.  Two gather strategies, chosen
-    statically: when T == B (a decode batch) each token gathers its own sequence's
-    block; otherwise each sequence's block is gathered once and every token scores
-    against every sequence's block with a mask (matmul-friendly for few sequences).
+    Flash-style online softmax over KV blocks of ``kv_block_tokens``; loops run only
+    over the blocks that are needed (dynamic trip counts), so a short batch costs
+    little even with a wide page table.  Two gather strategies, chosen statically:
+    when T == B (a decode batch) each token gathers its own sequence's block;
+    otherwise sequences are walked one by one, each of its blocks gathered once and
+    scored by every token with a mask (matmul-friendly), so padding sequences of a
+    large batch bucket (seq_lens 0) cost nothing.
     """
     out, _ = _ragged_attention_core(
         q,
@@ -170,28 +171,13 @@ def _ragged_attention_core(
     table = jnp.pad(page_table, ((0, 0), (0, max_blocks * pages_per_block - max_pages)))
     table = table.reshape(batch, max_blocks, pages_per_block)
     block_tokens = pages_per_block * page_size
-    num_blocks = jnp.minimum(-(-jnp.max(kv_len) // block_tokens), max_blocks)
 
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    same_seq = seq_of_token[:, None] == jnp.arange(batch)[None, :]  # [T, B]
 
-    def body(block, carry):
-        acc, row_max, row_sum, src = carry
-        pages = jax.lax.dynamic_index_in_dim(table, block, axis=1, keepdims=False)  # [B, ppb]
-        kv_pos = block * block_tokens + jnp.arange(block_tokens)
-        visible = kv_pos[None, :] < kv_len[:, None]  # [T, K]
-        if per_token:
-            k, v = read_block(src, pages[seq_of_token])
-            k = k.reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
-            v = v.reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
-            scores = jnp.einsum("thgd,tkhd->thgk", qf, k.astype(jnp.float32))
-            v_safe = jnp.where(visible[:, :, None, None], v.astype(jnp.float32), 0.0)
-        else:
-            k, v = read_block(src, pages)
-            k = k.reshape(batch, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
-            v = v.reshape(batch, block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
-            all_scores = jnp.einsum("thgd,bkhd->thgbk", qf, k)
-            scores = jnp.sum(jnp.where(same_seq[:, None, None, :, None], all_scores, 0.0), axis=3)
+    def online_softmax(carry, scores, visible, value_product):
+        """One flash step: fold this block's scores into (acc, row_max, row_sum);
+        ``value_product(probs)`` is probs @ V for the block."""
+        acc, row_max, row_sum = carry
         scores = scores * sm_scale
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -201,22 +187,56 @@ def _ragged_attention_core(
         probs = jnp.where(visible[:, None, None, :], jnp.exp(scores - safe_max[..., None]), 0.0)
         correction = jnp.where(jnp.isfinite(row_max), jnp.exp(row_max - safe_max), 0.0)
         row_sum = row_sum * correction + probs.sum(axis=-1)
-        if per_token:
-            pv = jnp.einsum("thgk,tkhd->thgd", probs, v_safe)
-        else:
-            # Unwritten (e.g. NaN-poisoned) slots must not leak through 0 * NaN.
-            v = jnp.where(jnp.isfinite(v), v, 0.0)
-            masked = jnp.where(same_seq[:, None, None, :, None], probs[:, :, :, None, :], 0.0)
-            pv = jnp.einsum("thgbk,bkhd->thgd", masked, v)
-        acc = acc * correction[..., None] + pv
-        return acc, new_max, row_sum, src
+        acc = acc * correction[..., None] + value_product(probs)
+        return acc, new_max, row_sum
 
     init = (
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
         jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        kv_source,
     )
-    acc, _, row_sum, kv_source = jax.lax.fori_loop(0, num_blocks, body, init)
+
+    if per_token:
+        # Decode: each token gathers its own sequence's block.
+        num_blocks = jnp.minimum(-(-jnp.max(kv_len) // block_tokens), max_blocks)
+
+        def block_body(block, carry):
+            *stats, src = carry
+            pages = jax.lax.dynamic_index_in_dim(table, block, axis=1, keepdims=False)  # [B, ppb]
+            kv_pos = block * block_tokens + jnp.arange(block_tokens)
+            visible = kv_pos[None, :] < kv_len[:, None]  # [T, K]
+            k, v = read_block(src, pages[seq_of_token])
+            k = k.reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
+            v = v.reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
+            scores = jnp.einsum("thgd,tkhd->thgk", qf, k.astype(jnp.float32))
+            v_safe = jnp.where(visible[:, :, None, None], v.astype(jnp.float32), 0.0)
+            stats = online_softmax(stats, scores, visible, lambda p: jnp.einsum("thgk,tkhd->thgd", p, v_safe))
+            return (*stats, src)
+
+        acc, _, row_sum, kv_source = jax.lax.fori_loop(0, num_blocks, block_body, (*init, kv_source))
+    else:
+        # Extend: sequence by sequence, each block of sequence b is gathered once and
+        # scored by every token, masked to b's tokens.  Each sequence walks only its own
+        # blocks, so padding rows of the batch (seq_lens 0) cost nothing: the cost follows
+        # the real sequences, not the batch bucket.
+        seq_blocks = jnp.minimum(-(-seq_lens // block_tokens), max_blocks)
+
+        def seq_body(b, carry):
+            def block_body(block, carry):
+                *stats, src = carry
+                pages = jax.lax.dynamic_index_in_dim(table[b], block, axis=0, keepdims=False)  # [ppb]
+                kv_pos = block * block_tokens + jnp.arange(block_tokens)
+                visible = (seq_of_token == b)[:, None] & (kv_pos[None, :] < kv_len[:, None])  # [T, K]
+                k, v = read_block(src, pages)
+                k = k.reshape(block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+                v = v.reshape(block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
+                v = jnp.where(jnp.isfinite(v), v, 0.0)  # unwritten (e.g. NaN-poisoned) slots must not leak through 0 * NaN
+                scores = jnp.einsum("thgd,khd->thgk", qf, k)
+                stats = online_softmax(stats, scores, visible, lambda p: jnp.einsum("thgk,khd->thgd", p, v))
+                return (*stats, src)
+
+            return jax.lax.fori_loop(0, seq_blocks[b], block_body, carry)
+
+        acc, _, row_sum, kv_source = jax.lax.fori_loop(0, batch, seq_body, (*init, kv_source))
     out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype), kv_source

@@ -4,12 +4,16 @@ The runner owns the layer-first KV pool (``pallas_kernels.layout``) and donates 
 every step, so it is updated in place.  It never makes policy decisions: callers hand
 it sequences with the pages they may write (``SeqInput``) and get next tokens back.
 
-Shapes are bucketed (tokens, batch size) and compiled once at warm-up; the page
-table width is fixed by the maximum context, so no step after warm-up compiles.
+Shapes are bucketed and compiled once at warm-up: one decode program per batch
+bucket (``T == B``, powers of two up to ``max_batch_size``) and one extend program per
+token bucket (powers of two up to ``max_batch_tokens``) with a row count fixed by the
+bucket (``buckets.extend_rows``).  The page table width is fixed by the maximum
+context, so no step after warm-up compiles.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,7 +26,7 @@ from tqdm.auto import tqdm
 import pallas_kernels
 from pallas_kernels.layout import KVLayout
 from strata_jax.models.llama import AttentionMetadata, LlamaForCausalLM
-from strata_jax.runtime.buckets import pick_bucket, power_of_two_buckets
+from strata_jax.runtime.buckets import extend_rows, pick_bucket, power_of_two_buckets
 from strata_jax.runtime.sampling import sample_tokens
 
 
@@ -125,6 +129,11 @@ class ModelRunner:
             min(config.min_token_bucket, config.max_batch_tokens), config.max_batch_tokens
         )
         self.batch_buckets = power_of_two_buckets(1, config.max_batch_size)
+        # (tokens, rows) of every program: decodes, then one extend per token bucket.
+        self.decode_shapes = tuple((b, b) for b in self.batch_buckets)
+        self.extend_shapes = tuple(
+            (t, extend_rows(t, self.token_buckets[-1], config.max_batch_size)) for t in self.token_buckets if t >= 2
+        )
         self._step = jax.jit(
             partial(_forward_step, self.graphdef, scan_layers=config.scan_layers),
             donate_argnums=(1,),
@@ -138,12 +147,23 @@ class ModelRunner:
         """Number of distinct programs compiled so far (jit cache entries)."""
         return self._step._cache_size()  # noqa: SLF001
 
-    def warmup(self, *, show_progress: bool = True) -> int:
-        """Compile every (token bucket, batch bucket) pair a step can hit; returns compiles."""
-        shapes = [(b, b) for b in self.batch_buckets]  # decode: one token per sequence
-        shapes += [(t, b) for t in self.token_buckets for b in self.batch_buckets if b <= t and t > b]
-        for tokens, batch in tqdm(shapes, desc="compiling steps", disable=not show_progress):
+    @property
+    def program_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(tokens, rows) of every program a step can hit; warm-up compiles exactly these."""
+        return self.decode_shapes + self.extend_shapes
+
+    def warmup(self, *, show_progress: bool = True, progress: Callable[[int, int], None] | None = None) -> int:
+        """Compile every program a step can hit; returns compiles.
+
+        ``progress(done, total)`` is called before the first and after each program.
+        """
+        shapes = self.program_shapes
+        if progress is not None:
+            progress(0, len(shapes))
+        for done, (tokens, batch) in enumerate(tqdm(shapes, desc="compiling steps", disable=not show_progress), 1):
             self._run_padded(self._empty_inputs(tokens, batch), all_logits=False)
+            if progress is not None:
+                progress(done, len(shapes))
         return self.compile_count
 
     # ---- steps ----------------------------------------------------------------------
@@ -187,14 +207,24 @@ class ModelRunner:
             "rng_keys": np.zeros((batch, 2), np.uint32),
         }
 
+    def _shape_for(self, total_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The (tokens, rows) program of a batch: decode if one token per sequence, else
+        the smallest extend bucket holding both its tokens and its sequences."""
+        if total_tokens == num_seqs:
+            batch = pick_bucket(self.batch_buckets, num_seqs)
+            return batch, batch
+        for tokens, rows in self.extend_shapes:
+            if tokens >= total_tokens and rows >= num_seqs:
+                return tokens, rows
+        raise ValueError(f"no extend program holds {total_tokens} tokens of {num_seqs} sequences")  # excluded by the checks in _pack
+
     def _pack(self, seqs: list[SeqInput]) -> dict:
         total = sum(len(s.token_ids) for s in seqs)
         if total > self.config.max_batch_tokens:
             raise ValueError(f"batch of {total} tokens exceeds max_batch_tokens={self.config.max_batch_tokens}")
         if len(seqs) > self.config.max_batch_size:
             raise ValueError(f"batch of {len(seqs)} sequences exceeds max_batch_size={self.config.max_batch_size}")
-        batch = pick_bucket(self.batch_buckets, len(seqs))
-        tokens = batch if total == len(seqs) else pick_bucket(self.token_buckets, max(total, batch + 1))
+        tokens, batch = self._shape_for(total, len(seqs))
         x = self._empty_inputs(tokens, batch)
         meta = x["meta"]
         page_size = self.config.page_size
