@@ -2,7 +2,10 @@
 
 Shows what hierarchical caching buys a user: time to first token for the first
 question (document computed from scratch) versus later questions whose document
-prefix comes from the device (L1), host memory (L2) or storage (L3).
+prefix comes from the device (L1), host memory (L2) or storage (L3).  With a real
+model (one whose tokenizer has a chat template) the questions go through that
+template, the answers are printed, and the default document is a real text: an
+excerpt of a LooGLE document (``demo_data/loogle_picardo.json``) with its questions.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import argparse
 import json
 import random
 import tempfile
+import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from strata_jax.api import SamplingParams
@@ -24,6 +29,8 @@ QUESTIONS = (
     "List three places mentioned.",
     "What is the overall tone?",
 )
+LOOGLE_EXCERPT = Path(__file__).parent / "demo_data" / "loogle_picardo.json"
+TINY_MAX_TOKENS, CHAT_MAX_TOKENS = 16, 48
 _WORDS = "the of and a to in is was for on that with as by at from his her their city river year war school family work".split()
 
 
@@ -35,12 +42,26 @@ def synthetic_document(num_chars: int, seed: int = 0) -> str:
     return " ".join(words)[:num_chars]
 
 
+@dataclass(frozen=True)
+class Question:
+    text: str
+    reference: str | None = None  # the dataset's answer, shown beside the model's
+
+
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a local Hugging Face folder")
-    parser.add_argument("--doc-tokens", type=int, default=2048, help="document length in tokens (default 2048)")
-    parser.add_argument("--document", type=Path, default=None, help="text file to use as the document (default: synthetic)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="answer length per question (default 16)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the measurements to this JSON file")
+    parser.add_argument("--model", default="tiny", help="'tiny' (embedded default), a local Hugging Face folder or a .gguf file")
+    parser.add_argument("--doc-tokens", type=int, default=2048, help="cut the document to this many tokens (default 2048)")
+    parser.add_argument(
+        "--document", type=Path, default=None,
+        help="text file to use as the document (default: a LooGLE excerpt with its questions for chat models, "
+        "synthetic text for the tiny model)",
+    )
+    parser.add_argument("--question", action="append", default=None, help="a question to ask (repeatable; default: the document's or generic ones)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None,
+        help=f"answer length limit per question (default {TINY_MAX_TOKENS} for the tiny model, {CHAT_MAX_TOKENS} for chat models)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the measurements and answers to this JSON file")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -58,16 +79,40 @@ def run_demo(args: argparse.Namespace) -> int:
         finally:
             engine.shutdown()
     _print_table(rows, engine)
+    if rows[0]["chat"]:
+        _print_answers(rows)
     if args.json:
         args.json.write_text(json.dumps({"questions": rows}, indent=2))
     return 0
 
 
+def _document(args: argparse.Namespace, chat: bool) -> tuple[str, list[Question]]:
+    """The document text and the questions to ask about it."""
+    if args.document is not None:
+        text, questions = args.document.read_text(), [Question(q) for q in QUESTIONS]
+    elif chat:
+        excerpt = json.loads(LOOGLE_EXCERPT.read_text())
+        text, questions = excerpt["text"], [Question(q["question"], q["reference_answer"]) for q in excerpt["qa"]]
+    else:
+        text, questions = synthetic_document(args.doc_tokens * 6), [Question(q) for q in QUESTIONS]
+    if args.question:
+        questions = [Question(q) for q in args.question]
+    return text, questions
+
+
 def _ask(engine, args: argparse.Namespace) -> list[dict]:
     tok = engine.tokenizer
-    text = args.document.read_text() if args.document else synthetic_document(args.doc_tokens * 6)
+    chat = bool(getattr(tok, "chat_template", None))
+    text, questions = _document(args, chat)
     doc_ids = tok.encode(text)[: args.doc_tokens]
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    if chat:  # the document first, so every question shares the prefix "template header + document"
+        doc_text = tok.decode(doc_ids)
+        prompts = [tok.apply_chat_template([{"role": "user", "content": f"{doc_text}\n\nQuestion: {q.text}"}]) for q in questions]
+        max_tokens = args.max_tokens or CHAT_MAX_TOKENS
+        params = SamplingParams(max_tokens=max_tokens)
+    else:
+        prompts = [doc_ids + tok.encode("\n\nQuestion: " + q.text + "\nAnswer:")[1:] for q in questions]
+        params = SamplingParams(max_tokens=args.max_tokens or TINY_MAX_TOKENS, ignore_eos=True)
     plan = [("cold", None), ("L1", None), ("L1", None), ("L2", "device"), ("L3", "host"), ("L1", None)]
     rows = []
     for i, (label, flush) in enumerate(plan):
@@ -76,16 +121,19 @@ def _ask(engine, args: argparse.Namespace) -> list[dict]:
         elif flush == "host":
             engine.flush_cache("device")
             engine.flush_cache("host")
-        question = tok.encode("\n\nQuestion: " + QUESTIONS[i % len(QUESTIONS)] + "\nAnswer:")[1:]
+        question = questions[i % len(questions)]
         start = time.perf_counter()
-        out = engine.generate([doc_ids + question], params)[0]
+        out = engine.generate([prompts[i % len(prompts)]], params)[0]
         total = time.perf_counter() - start
         decode_tps = (len(out.token_ids) - 1) / max(total - out.ttft_s, 1e-9)
         rows.append(
             {
                 "question": i + 1,
+                "chat": chat,
+                "text": question.text,
+                "reference_answer": question.reference,
                 "expected_source": label,
-                "prompt_tokens": len(doc_ids) + len(question),
+                "prompt_tokens": len(out.prompt_token_ids),
                 "cached": out.cached_tokens,
                 "ttft_ms": out.ttft_s * 1e3,
                 "decode_tokens_per_s": decode_tps,
@@ -95,8 +143,17 @@ def _ask(engine, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _print_answers(rows: list[dict]) -> None:
+    print()
+    for r in rows:
+        print(f"Q{r['question']} ({r['expected_source']}): {r['text']}")
+        print(textwrap.fill(r["answer"].strip() or "(empty)", 100, initial_indent="    A: ", subsequent_indent="       "))
+        if r["reference_answer"]:
+            print(textwrap.fill(r["reference_answer"], 100, initial_indent="    reference: ", subsequent_indent="               "))
+
+
 def _print_table(rows: list[dict], engine) -> None:
-    print(f"\nmodel {engine.model_name}: one {rows[0]['prompt_tokens']}-token document, {len(rows)} questions\n")
+    print(f"\nmodel {engine.model_name}: one document, {len(rows)} questions ({rows[0]['prompt_tokens']}-token first prompt)\n")
     print(f"{'#':>2}  {'KV from':<8} {'L1 hit':>7} {'L2 hit':>7} {'L3 hit':>7} {'TTFT ms':>9} {'decode tok/s':>13}")
     for r in rows:
         c = r["cached"]
@@ -109,4 +166,5 @@ def _print_table(rows: list[dict], engine) -> None:
         hits = [r["ttft_ms"] for r in rows if r["expected_source"] == label]
         if hits:
             print(f"TTFT with the document from {label}: {min(hits):.1f} ms vs {cold:.1f} ms cold ({cold / min(hits):.1f}x faster)")
-    print("(the tiny model has random weights: its answers are noise; the timings are the point)")
+    if engine.model_name == "tiny":
+        print("(the tiny model has random weights: its answers are noise; the timings are the point)")
