@@ -9,6 +9,7 @@ never holds more than the model in the engine's dtype plus one tensor being conv
 from __future__ import annotations
 
 import math
+import mmap
 import re
 import struct
 from dataclasses import dataclass
@@ -310,7 +311,20 @@ class GGUFFile:
             if not np.isfinite(chunk).all():
                 raise GGUFError(f"{self.path}: tensor {info.name!r} holds NaN or infinite values (a corrupt file?)")
             out[start : start + rows_per_chunk] = chunk
+        self._release(info)
         return out.reshape(info.hf_shape)
+
+    def _release(self, info: GGUFTensorInfo) -> None:
+        """Drop the file pages of a tensor already converted, so they do not add to the loader's
+        resident memory (they are clean file-backed pages: the kernel re-reads them if needed)."""
+        raw = getattr(self._map, "_mmap", None)
+        if raw is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page
+        end = (info.offset + info.nbytes) // page * page
+        if end > start:
+            raw.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def named_tensors(self, dtype: np.dtype, num_heads: int, num_kv_heads: int) -> list[NamedTensor]:
         """Every weight under its HF name, dequantized to ``dtype`` when ``get()`` is called."""
