@@ -76,6 +76,8 @@ def write_gguf(
     writer.add_vocab_size(cfg.vocab_size)
     if tokenizer:
         writer.add_tokenizer_model(tokenizer["model"])
+        if "pre" in tokenizer:
+            writer.add_tokenizer_pre(tokenizer["pre"])
         writer.add_token_list(tokenizer["tokens"])
         writer.add_token_types(tokenizer["types"])
         if "merges" in tokenizer:

@@ -234,3 +234,47 @@ def test_config_json_of_convert_matches_transformers_reading_of_the_gguf(hf_mode
         assert ours[key] == pytest.approx(ref[key]), key
     assert ours["head_dim"] == hf.config.head_dim == 32  # not hidden/heads: read from attention.key_length
     assert ours["rms_norm_eps"] == pytest.approx(ref["rms_norm_eps"], rel=1e-6)
+
+
+# ---- tokenizers rebuilt from metadata, against transformers' own GGUF tokenizer conversion ----------
+
+_TEXTS = ["the cat sat on the mat", " the dog", "cats and dogs!  ü 2024", "hello\nworld\n\n  x", "</s>the cat<s>"]
+
+
+def _compare_with_transformers(path: Path) -> None:
+    import transformers
+
+    from strata_jax.models.gguf_tokenizer import build_tokenizer
+
+    ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ours, _ = build_tokenizer(GGUFFile(path))
+    for text in _TEXTS:
+        ids = ours.encode(text).ids
+        assert ids == ref(text).input_ids, text
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True), text
+
+
+def test_sentencepiece_tokenizer_matches_transformers(hf_models, tmp_path):
+    pieces = ["▁the", "▁a", "▁cat", "▁sat", "th", "he", "at", "▁t", "▁c", "▁s", "ca", "sa", "▁", "t", "h", "e", "a",
+              "c", "s", "o", "n", "▁on", "▁mat", "ma", "▁m", "m", "r", "i", "d", "▁d", "og", "▁dog", "g"]
+    tokenizer = {
+        "model": "llama",  # Llama 2 / Mistral: SentencePiece BPE, byte fallback, merges recovered from scores
+        "tokens": ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces,
+        "types": [2, 3, 3] + [6] * 256 + [1] * len(pieces),
+        "scores": [0.0] * 259 + [-float(i) - (10 if len(p) == 1 else 0) for i, p in enumerate(pieces)],
+        "bos": 1, "eos": 2,
+    }
+    _compare_with_transformers(write_gguf(hf_models("llama_tied"), tmp_path / "spm.gguf", tokenizer=tokenizer))
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_byte_level_tokenizer_matches_transformers(hf_models, tmp_path, pre):
+    from strata_jax.models.gguf_tokenizer import _byte_alphabet
+
+    alphabet = _byte_alphabet()
+    bytes_ = [alphabet[b] for b in range(256)]
+    merges = ["Ġ t", "h e", "Ġt he", "a t", "c at", "Ġ c", "Ġc at", "Ġ s", "Ġs at", "o n", "Ġ on", "Ġ d", "o g", "Ġd og", "2 0", "20 2"]
+    tokens = bytes_ + [m.replace(" ", "") for m in merges] + ["<s>", "</s>"]
+    tokenizer = {"model": "gpt2", "pre": pre, "tokens": tokens, "types": [1] * (len(tokens) - 2) + [3, 3],
+                 "merges": merges, "bos": len(tokens) - 2, "eos": len(tokens) - 1}
+    _compare_with_transformers(write_gguf(hf_models("qwen2"), tmp_path / f"{pre}.gguf", tokenizer=tokenizer))
