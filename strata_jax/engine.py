@@ -46,9 +46,11 @@ from strata_jax.engine_output import collect
 from strata_jax.engine_requests import TrackedRequest
 from strata_jax.engine_step import EngineCore
 from strata_jax.models.loader import load_model
+from strata_jax.runtime import compilation_cache
 from strata_jax.runtime.jax_executor import JaxExecutor
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig
 from strata_jax.runtime.platform import resolve as resolve_platform
+from strata_jax.runtime.warmup_progress import WarmupProgress
 from strata_jax.scheduler.cost_model import CostModel, CostPrior
 from strata_jax.scheduler.scheduler import Scheduler
 from strata_jax.tokenizer import IncrementalDetokenizer
@@ -66,12 +68,18 @@ class Engine(EngineCore):
     its own thread and offers the thread-safe public API.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, start: bool = True):
+    def __init__(
+        self, config: EngineConfig | None = None, *, start: bool = True, on_progress: WarmupProgress | None = None
+    ):
+        """``on_progress`` (optional) is told each start-up phase and the warm-up's
+        programs done / total (``serve`` shows it on /health while warming up)."""
         self.config = config = config or EngineConfig()
         self.platform = resolve_platform(dtype=config.dtype, kv_dtype=config.kv_dtype, kernel_backend=config.kernel_backend)
         dtype, kv_dtype = self.platform.dtype, self.platform.kv_dtype
-        if config.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+        progress = on_progress or WarmupProgress()
+        self.compilation_cache_dir = compilation_cache.configure(config.compilation_cache_dir)
+        compiles_before = compilation_cache.COUNTER.snapshot()
+        progress.phase("loading model")
         loaded = load_model(config.model, dtype=jnp.dtype(dtype), show_progress=config.show_progress)
         self.model_name = loaded.name
         self.model_config = loaded.config
@@ -121,9 +129,13 @@ class Engine(EngineCore):
         self.is_ready = False
         self.transfer_compiles_at_warmup = 0
         if config.warmup:
-            self.compiles_at_warmup = self.runner.warmup(show_progress=config.show_progress)
+            progress.phase("compiling")
+            self.compiles_at_warmup = self.runner.warmup(show_progress=config.show_progress, progress=progress.programs)
             self.ctl.warmup_transfers()  # or the first L2 hit compiles its scatter while serving
             self.transfer_compiles_at_warmup = self._transfer_compiles()
+        # XLA programs of the whole start-up (load + warm-up): compiled vs read from the persistent cache.
+        self.startup_compiles = compilation_cache.COUNTER.snapshot().minus(compiles_before)
+        progress.phase("ready")
         self.is_ready = True
         self._thread: threading.Thread | None = None
         if start:
@@ -402,6 +414,7 @@ class Engine(EngineCore):
             "storage": c.get("storage"),
             "compiles": self.runner.compile_count,
             "compiles_after_warmup": self.runner.compile_count - self.compiles_at_warmup,
+            "startup_xla": self.startup_compiles.as_dict(),
             "transfer_compiles_after_warmup": self._transfer_compiles() - self.transfer_compiles_at_warmup,
             "waiting": self.scheduler.num_waiting,
             "running": self.scheduler.num_running,

@@ -42,7 +42,11 @@ class EngineConfig:
     max_context_tokens: longest prompt + completion; None = the model's limit, capped
         at 16384 on CPU.
     warmup: compile every step shape at start-up (no compilation while serving).
-    compilation_cache_dir: persistent XLA compilation cache directory (None = off).
+    compilation_cache_dir: persistent XLA compilation cache: "auto" (default:
+        $XDG_CACHE_HOME/strata-jax/xla, else ~/.cache/strata-jax/xla), a directory, or
+        "none" (or None) to turn it off.  Entries are keyed by the program, device and
+        jax version, so another model or config never reuses a wrong one
+        (``strata_jax.runtime.compilation_cache``).
     show_progress: progress bars for loading and compiling.
     kernel_backend: attention and KV-transfer kernels: "auto" (default: Pallas on
         CUDA/ROCm, pure-JAX reference on CPU; $STRATA_KERNEL_BACKEND overrides auto),
@@ -70,7 +74,7 @@ class EngineConfig:
     max_waiting: int = 1024
     max_context_tokens: int | None = None
     warmup: bool = True
-    compilation_cache_dir: str | None = None
+    compilation_cache_dir: str | None = "auto"
     show_progress: bool = True
     kernel_backend: str = "auto"
     scan_layers: bool = True
