@@ -104,6 +104,7 @@ class Frontend:
         self._served_name = served_model_name
         self._in_flight: set[str] = set()
         self.failure: str | None = None
+        self.warmup_progress = None  # a strata_jax WarmupProgress while the engine starts (serve sets it)
 
     # ---- lifecycle ------------------------------------------------------
     @property

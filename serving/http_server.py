@@ -451,8 +451,12 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
     # ---- operations ----------------------------------------------------
     @app.get("/health")
     async def health() -> JSONResponse:
-        status = frontend.state.value
-        return JSONResponse({"status": status}, 200 if frontend.ready else 503)
+        """200 when ready; 503 otherwise, with the start-up progress while warming up
+        (``{"status": "warming", "progress": {"phase", "programs_done", "programs_total", ...}}``)."""
+        body: dict = {"status": frontend.state.value}
+        if not frontend.ready and frontend.warmup_progress is not None:
+            body["progress"] = frontend.warmup_progress.snapshot()
+        return JSONResponse(body, 200 if frontend.ready else 503)
 
     @app.get("/metrics", dependencies=auth)
     async def metrics() -> Response:

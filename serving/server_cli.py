@@ -230,5 +230,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         print(f"strata-jax serve: bad engine configuration: {exc}", file=sys.stderr)
         return 2
-    server = StrataServer(config, lambda: Engine(engine_config))
+    from strata_jax.runtime.warmup_progress import WarmupProgress
+
+    progress = WarmupProgress(log_progress=True)  # logged, and shown on /health (503) until ready
+    server = StrataServer(config, lambda: Engine(engine_config, on_progress=progress))
+    server.frontend.warmup_progress = progress
     return asyncio.run(server.serve(handle_signals=True))

@@ -32,8 +32,10 @@ def test_random_batches_after_warmup_compile_nothing_and_match_one_by_one():
     runner = ModelRunner(
         random_model(CONFIG), RunnerConfig(page_size=4, num_device_pages=256, max_batch_tokens=32, max_batch_size=4, max_context_tokens=64)
     )
-    compiled = runner.warmup(show_progress=False)
+    reports = []
+    compiled = runner.warmup(show_progress=False, progress=lambda done, total: reports.append((done, total)))
     assert compiled == len(runner.program_shapes)
+    assert reports == [(i, compiled) for i in range(compiled + 1)]
     rng = np.random.default_rng(0)
     next_page = 0
     for _ in range(8):
