@@ -401,6 +401,7 @@ class Engine(EngineCore):
             "locked_nodes": locked,
             "hit_tokens": dict(s.hit_tokens),
             "recomputed_tokens": s.recomputed_prompt_tokens,
+            "load_or_recompute": {"requests": s.load_or_recompute_recomputed, "tokens": s.load_or_recompute_tokens},
             "evictions": {"device": c["evicted_device_pages"], "host": c["evicted_host_pages"]},
             "transfers": {
                 "loaded_pages": c["loaded_pages"],

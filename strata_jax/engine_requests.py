@@ -93,7 +93,8 @@ class RequestPages:
         match, t.match = t.match, None
         handle = None
         try:
-            handle = self.ctl.load(match, t.request_id)
+            if not item.recomputed_cached_tokens:  # load-or-recompute chose to recompute the L2/L3 part
+                handle = self.ctl.load(match, t.request_id)
         except CacheFullError:
             log.warning("no device room to load the cached prefix of %s; recomputing it", t.request_id)
         pages = self.ctl.tree.device_pages_of(match.last_node)

@@ -36,14 +36,33 @@ log = logging.getLogger("strata_jax.engine")
 
 
 class _CacheView:
-    """The scheduler's read-only window on the cache (``strata_jax.scheduler.cache_view.CacheView``)."""
+    """The scheduler's read-only window on the cache (``strata_jax.scheduler.cache_view.CacheView``).
+
+    Matches are memoized per request until the tree changes (``HiRadixTree.version``):
+    the scheduler re-matches every waiting request every round, and a long prompt's
+    match costs a walk over all its tokens.  Not with L3, whose hits the tree does
+    not know.
+    """
 
     def __init__(self, ctl: CacheController):
         self.ctl = ctl
         self.page_size = ctl.page_size
+        self._memo: dict[str, tuple[int, tuple[int, ...], Any]] = {}
+        self._memo_version = -1
 
     def match(self, request: ScheduledRequest):
-        return self.ctl.match_prefix(request.prefill_tokens, request.namespace, requester=request.request_id, touch=False)
+        tree = self.ctl.tree
+        if self.ctl.storage is not None:
+            return self.ctl.match_prefix(request.prefill_tokens, request.namespace, requester=request.request_id, touch=False)
+        if tree.version != self._memo_version:
+            self._memo.clear()
+            self._memo_version = tree.version
+        seen = self._memo.get(request.request_id)
+        if seen is not None and seen[1] is request.prefill_tokens:
+            return seen[2]
+        m = self.ctl.match_prefix(request.prefill_tokens, request.namespace, requester=request.request_id, touch=False)
+        self._memo[request.request_id] = (tree.version, request.prefill_tokens, m)
+        return m
 
     def load_pending(self, request_id: str) -> bool:
         return self.ctl.load_pending(request_id)

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from strata_jax.cache.allocator import PageAllocator
 from strata_jax.cache.config import CacheConfig
 from strata_jax.cache.eviction import Eviction
-from strata_jax.cache.handles import CacheError, CacheFullError, PrefetchHandle, TransferHandle
+from strata_jax.cache.handles import CacheError, CacheFullError, PrefetchHandle, TransferHandle, TransferTimer
 from strata_jax.cache.radix_tree import HiRadixTree, InsertResult, PrefixMatch, TreeNode
 from strata_jax.cache.storage import StorageBackend, make_storage
 from strata_jax.cache.storage_io import StorageIO
@@ -67,6 +67,9 @@ class CacheController(Transfers, StorageIO, Eviction):
     ``layout=None`` (or ``move_data=False``) gives a bookkeeping-only controller
     (no arrays; transfers complete at once; storage objects have empty payloads):
     the no-model benchmarks and the simulator use it with the same policies.
+    With a ``timer`` (``TransferTimer``) its transfers land in virtual time instead
+    of at once (loads, backups and prefetches; the simulator), and ``page_bytes``
+    gives the size of a page it has no layout for.
     """
 
     def __init__(
@@ -78,6 +81,8 @@ class CacheController(Transfers, StorageIO, Eviction):
         move_data: bool | None = None,
         device: Any = None,
         clock: Callable[[], float] = time.perf_counter,
+        timer: TransferTimer | None = None,
+        page_bytes: int | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -87,8 +92,11 @@ class CacheController(Transfers, StorageIO, Eviction):
         if layout is not None and layout.page_size != config.page_size:
             raise CacheError(f"layout page_size {layout.page_size} != config page_size {config.page_size}")
         self.page_size = config.page_size
-        self.page_bytes = layout.page_bytes if layout is not None else 0
+        self.page_bytes = layout.page_bytes if layout is not None else (page_bytes or 0)
         self._clock = clock
+        if timer is not None and self.move_data:
+            raise CacheError("a TransferTimer is for bookkeeping-only controllers (move_data=False)")
+        self._timer = timer
         self.tree = HiRadixTree(config.page_size)
         self.device_alloc = PageAllocator(config.num_device_pages, "device")
         self.host_alloc = PageAllocator(config.num_host_pages(self.page_bytes or None), "host")

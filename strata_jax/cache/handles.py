@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from strata_jax.cache.radix_tree import TreeNode
@@ -77,4 +77,25 @@ class PrefetchHandle(TransferHandle):
     finished: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
     future: Future | None = None
+
+
+class TransferTimer(Protocol):
+    """Virtual time of transfers, for a bookkeeping-only controller (the simulator).
+
+    ``land_time(kind, num_pages, nbytes, issued_at)`` is when a transfer of that
+    kind ("load", "backup", "prefetch") issued at ``issued_at`` lands (the timer
+    models the link, its queueing and its path); ``wait_until(t)`` blocks the
+    caller until virtual time ``t`` (it advances the clock).
+    """
+
+    def land_time(self, kind: str, num_pages: int, nbytes: int, issued_at: float) -> float: ...
+
+    def wait_until(self, t: float) -> None: ...
+
+
+def land_at(handle: TransferHandle, when: float, clock: Callable[[], float], timer: TransferTimer) -> None:
+    """``handle`` lands at virtual time ``when`` of ``clock`` (waiting for it advances the clock)."""
+    handle.landed_at = when
+    handle._is_finished = lambda: clock() >= when
+    handle._block = lambda: timer.wait_until(when)
 

@@ -178,6 +178,8 @@ class HiRadixTree:
         self._next_id = 1
         self._clock = 0
         self.device_pages = 0  # pages of L1 owned by the tree
+        self.version = 0  # bumped by every mutation that can change a match (planning memos key on it)
+        self.locked_device_pages = 0  # of which in locked nodes (kept as locks move: evictable is O(1))
         self.host_pages = 0  # pages of L2 owned by the tree
 
     # ------------------------------------------------------------------ helpers
@@ -371,6 +373,7 @@ class HiRadixTree:
         * ``owner`` (no pages): every page not yet in the tree becomes an
           ``in_queue`` node owned by ``owner``; existing nodes are left alone.
         """
+        self.version += 1  # what a match returns may change
         modes = (device_pages is not None) + (host_pages is not None) + (owner is not None)
         if modes != 1:
             raise TreeError("insert needs exactly one of device_pages, host_pages, owner")
@@ -413,6 +416,8 @@ class HiRadixTree:
                     if child.device is None:
                         child.device = seg
                         self.device_pages += len(seg)
+                        if child.lock_ref:
+                            self.locked_device_pages += len(seg)
                         self._make_ready(child)
                     else:
                         unused.extend(p for p, q in zip(seg, child.device) if p != q)
@@ -441,6 +446,8 @@ class HiRadixTree:
                     raise TreeError("device insert below a node without device pages")
                 leaf.device = seg
                 self.device_pages += len(seg)
+                if leaf.lock_ref:
+                    self.locked_device_pages += len(seg)
             elif host_pages is not None:
                 leaf.host = seg
                 self.host_pages += len(seg)
@@ -455,6 +462,7 @@ class HiRadixTree:
     # ------------------------------------------------------------------ transient life cycle
     def mark_in_flight(self, owner: Hashable) -> int:
         """Owner's prefill was dispatched: its ``in_queue`` nodes become ``in_flight``; returns tokens."""
+        self.version += 1  # what a match returns may change
         total = 0
         for node in self._owned.get(owner, ()):
             node.state = IN_FLIGHT
@@ -472,6 +480,7 @@ class HiRadixTree:
         owner of its first child instead of being removed (that request will
         compute it).
         """
+        self.version += 1  # what a match returns may change
         removed = 0
         nodes = sorted(self._owned.get(owner, ()), key=self._depth, reverse=True)
         for node in nodes:
@@ -504,6 +513,8 @@ class HiRadixTree:
             raise TreeError("lock the deepest ready node (PrefixMatch.last_node), not a transient node")
         while node.parent is not None:
             node.lock_ref += 1
+            if node.lock_ref == 1 and node.device is not None:
+                self.locked_device_pages += len(node.device)
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
@@ -515,6 +526,8 @@ class HiRadixTree:
             x = x.parent
         while node.parent is not None:
             node.lock_ref -= 1
+            if node.lock_ref == 0 and node.device is not None:
+                self.locked_device_pages -= len(node.device)
             node = node.parent
 
     # ------------------------------------------------------------------ storage keys
@@ -591,6 +604,7 @@ class HiRadixTree:
 
     def set_device(self, node: TreeNode, pages: Sequence[int]) -> None:
         """Attach device pages to a host-only node whose parent is on the device (a load)."""
+        self.version += 1  # what a match returns may change
         if node.device is not None or node.host is None:
             raise TreeError("set_device needs a host-only node")
         if node.parent is not None and node.parent.parent is not None and node.parent.device is None:
@@ -599,9 +613,12 @@ class HiRadixTree:
             raise TreeError("wrong number of device pages")
         node.device = list(pages)
         self.device_pages += len(pages)
+        if node.lock_ref:
+            self.locked_device_pages += len(pages)
 
     def set_host(self, node: TreeNode, pages: Sequence[int]) -> None:
         """Attach host pages to a node with a device copy and no host copy (a backup)."""
+        self.version += 1  # what a match returns may change
         if node.host is not None or node.device is None:
             raise TreeError("set_host needs a device-only node")
         if len(pages) != len(node.key) // self.page_size:
@@ -637,6 +654,7 @@ class HiRadixTree:
         ``drop_host`` every unlocked device node can be freed, which is what
         ``evictable_device_pages`` counts and the scheduler plans with.
         """
+        self.version += 1  # what a match returns may change
         heap = [
             (n.last_access, n.node_id, n)
             for n in self.iter_nodes()
@@ -656,6 +674,8 @@ class HiRadixTree:
             if node.host is not None:
                 freed.extend(node.device)
                 self.device_pages -= len(node.device)
+                if node.lock_ref:  # a write-back just locked it for its copy
+                    self.locked_device_pages -= len(node.device)
                 node.device = None
             elif drop_host is not None or self._only_transient_below(node):
                 # The node goes with everything below it.  Waiting requests' queued (not
@@ -669,6 +689,8 @@ class HiRadixTree:
                     drop_host(dropped_host)
                 freed.extend(node.device)
                 self.device_pages -= len(node.device)
+                if node.lock_ref:  # a write-back just locked it for its copy
+                    self.locked_device_pages -= len(node.device)
                 node.device = None
                 self._delete(node)
             else:
@@ -699,7 +721,7 @@ class HiRadixTree:
 
     def evictable_device_pages(self) -> int:
         """Pages ``evict_device(..., drop_host=...)`` can free now: every unlocked device node."""
-        return sum(len(n.device) for n in self.iter_nodes() if n.device is not None and n.lock_ref == 0)
+        return self.device_pages - self.locked_device_pages
 
     def evict_host(self, num_pages: int, before_drop: Callable[[TreeNode], None] | None = None) -> list[int]:
         """Free at least ``num_pages`` L2 pages if possible; returns the freed page ids.
@@ -708,6 +730,7 @@ class HiRadixTree:
         skipping locked nodes; each is removed from the tree after
         ``before_drop(node)`` (e.g. a write-back to storage) has been called.
         """
+        self.version += 1  # what a match returns may change
         def candidate(n: TreeNode) -> bool:
             return n.host is not None and n.device is None and n.lock_ref == 0 and not n.children and n.parent is not None
 
@@ -731,6 +754,7 @@ class HiRadixTree:
 
     def drop_host_copy(self, node: TreeNode) -> list[int]:
         """Forget the host copy of a node that also has a device copy; returns its host pages."""
+        self.version += 1  # what a match returns may change
         if node.host is None or node.device is None:
             raise TreeError("drop_host_copy needs a node with both copies")
         pages, node.host = node.host, None
@@ -792,6 +816,8 @@ class HiRadixTree:
                 if node.device is not None:
                     assert parent.parent is None or parent.device is not None, "device tier not a prefix"
         assert len(dev_seen) == self.device_pages, "device page counter drifted"
+        locked = sum(len(n.device) for n in self.iter_nodes() if n.device is not None and n.lock_ref > 0)
+        assert locked == self.locked_device_pages, "locked device page counter drifted"
         assert len(host_seen) == self.host_pages, "host page counter drifted"
         assert owned_seen == {k: v for k, v in self._owned.items() if v}, "owner index out of sync"
         for seen, free, total, reserved in (

@@ -26,7 +26,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 
-from strata_jax.cache.handles import PrefetchHandle, TransferHandle
+from strata_jax.cache.handles import PrefetchHandle, TransferHandle, land_at
 from strata_jax.cache.hashing import chain_hashes
 from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
 
@@ -184,6 +184,8 @@ class StorageIO:
             handle.future = self._executor.submit(self._prefetch_worker, handle)  # type: ignore[union-attr]
             handle._is_finished = handle.future.done
             handle._block = handle.future.result
+        elif self._timer is not None:  # simulated: pages land evenly until landed_at
+            land_at(handle, self._timer.land_time("prefetch", n, handle.nbytes, now), self._clock, self._timer)
         else:  # bookkeeping only: batch_exists just said they are there
             handle.landed = n
         self._pending.append(handle)
@@ -218,6 +220,8 @@ class StorageIO:
         """
         if handle.finished:
             return handle.landed * self.page_size
+        if self._timer is not None:
+            return self._settle_prefetch(handle, self._simulated_landing(handle))
         if handle.future is not None:
             policy = self.config.prefetch_policy
             if policy == "wait_complete":
@@ -230,6 +234,19 @@ class StorageIO:
             handle.cancel.set()
             handle.future.result()  # the worker stops after its current chunk
         return self._settle_prefetch(handle, handle.landed)
+
+    def _simulated_landing(self, handle: PrefetchHandle) -> int:
+        """Pages of a simulated prefetch landed once its stop policy is applied in virtual time."""
+        policy = self.config.prefetch_policy
+        end = handle.landed_at if handle.landed_at is not None else handle.issued_at
+        if policy == "wait_complete":
+            self._timer.wait_until(end)  # type: ignore[union-attr]
+        elif policy == "timeout":
+            self._timer.wait_until(min(end, handle.deadline))  # type: ignore[union-attr]
+        now = self._clock()
+        if now >= end:
+            return handle.num_pages
+        return int(handle.num_pages * max(0.0, now - handle.issued_at) / max(end - handle.issued_at, 1e-12))
 
     def cancel_prefetch(self, handle: PrefetchHandle) -> None:
         """Stop a prefetch and drop everything it fetched."""

@@ -19,7 +19,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from strata_jax.cache.handles import CacheError, PrefetchHandle, TransferHandle, await_arrays
+from strata_jax.cache.handles import CacheError, PrefetchHandle, TransferHandle, await_arrays, land_at
 from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
 
 
@@ -59,6 +59,21 @@ class Transfers:
 
             await_arrays(handle, stagings)
             handle._on_done = on_done
+            for p in host_pages:
+                self._host_pending[p] = handle
+            self._pending.append(handle)
+        elif self._timer is not None:  # simulated: lands in virtual time, same bookkeeping as above
+
+            def on_landed() -> None:
+                for p in host_pages:
+                    self._host_pending.pop(p, None)
+                self.tree.unlock(node)
+                if keys is not None:
+                    self._write_storage_pages(keys, host_pages)
+                    node.storage_backed = True
+
+            land_at(handle, self._timer.land_time("backup", n, handle.nbytes, handle.issued_at), self._clock, self._timer)
+            handle._on_done = on_landed
             for p in host_pages:
                 self._host_pending[p] = handle
             self._pending.append(handle)
@@ -109,6 +124,11 @@ class Transfers:
                 handle.landed_at = self._clock()
 
             self._watcher.submit(stamp_landing)  # type: ignore[union-attr]
+            handle._on_done = lambda: self._measure(handle)
+            self._pending.append(handle)
+        elif self._timer is not None:  # simulated: lands in virtual time
+            self._wait_host(host_pages)
+            land_at(handle, self._timer.land_time("load", n, handle.nbytes, self._clock()), self._clock, self._timer)
             handle._on_done = lambda: self._measure(handle)
             self._pending.append(handle)
         else:
@@ -193,3 +213,8 @@ class Transfers:
         from strata_jax.cache.pools import chunk_pages_for
 
         return chunk_pages_for(self.page_bytes, self.config.transfer_chunk_bytes)
+
+    def next_landing(self) -> float | None:
+        """Earliest stamped landing time of a transfer still in flight (simulated runs know it ahead)."""
+        times = [h.landed_at for h in self._pending if not h.done and h.landed_at is not None]
+        return min(times) if times else None

@@ -32,6 +32,7 @@ class Candidate:
     host: int = 0
     storage: int = 0
     match: PrefixMatchLike | None = None
+    recomputed_cached: int = 0  # cached tokens (L2/L3) this candidate recomputes instead of loading
 
     @property
     def loads(self) -> bool:
@@ -48,6 +49,11 @@ class Candidate:
         host = min(match.host_tokens, start - device)
         storage = start - device - host
         return cls(request, start, device, host, storage, match)
+
+    def recomputing_cached(self, page_size: int) -> Candidate:
+        """The same request recomputing its L2/L3 part instead of loading it (device part kept)."""
+        start = (self.device // page_size) * page_size
+        return Candidate(self.request, start, start, 0, 0, self.match, recomputed_cached=self.host + self.storage)
 
     @classmethod
     def continuing(cls, request: ScheduledRequest) -> Candidate:
@@ -182,6 +188,7 @@ class BatchBuilder:
             load_host_tokens=cand.host,
             load_storage_tokens=cand.storage,
             match=cand.match,
+            recomputed_cached_tokens=cand.recomputed_cached,
             bundled=bundled,
             set_aside=set_aside,
         )

@@ -37,6 +37,12 @@ class SchedulerConfig:
         constant, about 100 on H200).
     enable_bubble_filling: Strata stage 3, run the decode batch before a prefill
         batch whose KV load has not landed and outlasts a decode step.
+    enable_load_or_recompute: a stage beyond the paper (off by default, like
+        Strata, which always loads): a request whose cached prefix would be
+        loaded from L2/L3 recomputes it instead when the estimated load time
+        (bytes over the measured link/storage bandwidth plus
+        ``CostPrior.transfer_overhead_s``) exceeds the estimated time to recompute
+        it (the fitted extend model).  Counted in ``SchedulerStats``.
     max_lookahead: queued requests examined (prefix-matched) per round, from the
         head; bounds the cost of one round under a long queue (bundle hits
         further back are found once they move up).
@@ -52,6 +58,7 @@ class SchedulerConfig:
     enable_balanced_batch: bool = True
     loading_bound_ratio: float | None = None
     enable_bubble_filling: bool = True
+    enable_load_or_recompute: bool = False
     max_lookahead: int = 1024
 
     def __post_init__(self) -> None:
@@ -68,7 +75,7 @@ class SchedulerConfig:
             r = self.loading_bound_ratio
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0 or r != r or r == float("inf"):
                 raise SchedulerConfigError(f"loading_bound_ratio must be a positive finite number or None, got {r!r}")
-        for name in ("enable_delay_hit", "enable_balanced_batch", "enable_bubble_filling"):
+        for name in ("enable_delay_hit", "enable_balanced_batch", "enable_bubble_filling", "enable_load_or_recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise SchedulerConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

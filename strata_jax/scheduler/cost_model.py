@@ -39,12 +39,15 @@ class CostPrior:
     window: int = 64
     prior_weight: float = 0.01
     bandwidth_ema: float = 0.3
+    transfer_overhead_s: float = 50e-6  # fixed cost of one load (issue, first byte, scatter launch)
 
     def __post_init__(self) -> None:
         if self.bytes_per_token <= 0 or self.link_bytes_per_s <= 0 or self.storage_bytes_per_s <= 0:
             raise ValueError("bytes_per_token and bandwidths must be positive")
         if any(c < 0 for c in self.extend_coeffs + self.decode_coeffs):
             raise ValueError("time model coefficients must be non-negative")
+        if not self.transfer_overhead_s >= 0:
+            raise ValueError("transfer_overhead_s must be non-negative")
         if self.window < 1 or self.prior_weight <= 0 or not 0 < self.bandwidth_ema <= 1:
             raise ValueError("window >= 1, prior_weight > 0 and 0 < bandwidth_ema <= 1 are required")
 
@@ -57,6 +60,10 @@ class _OnlineLinearModel:
         self._theta = prior
         self._weight = prior_weight
         self._samples: deque[tuple[tuple[float, float, float], float]] = deque(maxlen=window)
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
+        self._observed = 0
+        self._maxima: list[deque[tuple[int, float]]] = [deque() for _ in range(4)]  # window max of |x_j| and y
 
     @property
     def coeffs(self) -> tuple[float, float, float]:
@@ -72,24 +79,45 @@ class _OnlineLinearModel:
     def observe(self, x: tuple[float, float, float], y: float) -> None:
         if not (y >= 0.0 and y != float("inf")):
             return  # a bogus timing never poisons the model
+        if len(self._samples) == self._samples.maxlen:
+            self._accumulate(*self._samples[0], sign=-1.0)
         self._samples.append((x, y))
+        self._accumulate(x, y, sign=1.0)
+        self._observed += 1
+        self._track_maxima((abs(x[0]), abs(x[1]), abs(x[2]), y))
+        if self._observed % (4 * (self._samples.maxlen or 1)) == 0:  # bound the drift of the running sums
+            self._xx = [[0.0] * 3 for _ in range(3)]
+            self._xy = [0.0] * 3
+            for xs, ys in self._samples:
+                self._accumulate(xs, ys, sign=1.0)
         self._theta = self._fit()
+
+    def _track_maxima(self, values: tuple[float, float, float, float]) -> None:
+        """Sliding-window maxima (monotonic queues), so scaling a fit is O(1) too."""
+        oldest = self._observed - (self._samples.maxlen or 1)
+        for q, v in zip(self._maxima, values):
+            while q and q[-1][1] <= v:
+                q.pop()
+            q.append((self._observed, v))
+            while q[0][0] <= oldest:
+                q.popleft()
+
+    def _accumulate(self, x: tuple[float, float, float], y: float, sign: float) -> None:
+        """Running sums of x x^T and x y over the window (a fit costs O(1), not O(window))."""
+        for i in range(3):
+            self._xy[i] += sign * x[i] * y
+            row = self._xx[i]
+            for j in range(3):
+                row[j] += sign * x[i] * x[j]
 
     def _fit(self) -> tuple[float, float, float]:
         # Scale each feature so the prior regulariser is comparable across features.
-        scale = [max(1e-12, max(abs(x[j]) for x, _ in self._samples)) for j in range(3)]
-        y_scale = max(1e-12, max(y for _, y in self._samples))
+        scale = [max(1e-12, self._maxima[j][0][1]) for j in range(3)]
+        y_scale = max(1e-12, self._maxima[3][0][1])
         prior = [self._prior[j] * scale[j] / y_scale for j in range(3)]
         # Pseudo-observations of the prior: weight * (theta_j - prior_j)^2 per feature.
-        ata = [[0.0] * 3 for _ in range(3)]
-        aty = [0.0] * 3
-        for x, y in self._samples:
-            xs = [x[j] / scale[j] for j in range(3)]
-            ys = y / y_scale
-            for i in range(3):
-                aty[i] += xs[i] * ys
-                for j in range(3):
-                    ata[i][j] += xs[i] * xs[j]
+        ata = [[self._xx[i][j] / (scale[i] * scale[j]) for j in range(3)] for i in range(3)]
+        aty = [self._xy[i] / (scale[i] * y_scale) for i in range(3)]
         for j in range(3):
             ata[j][j] += self._weight
             aty[j] += self._weight * prior[j]
@@ -145,6 +173,7 @@ class CostModel:
         self.bytes_per_token = self.prior.bytes_per_token
         self.link_bytes_per_s = self.prior.link_bytes_per_s
         self.storage_bytes_per_s = self.prior.storage_bytes_per_s
+        self.transfer_overhead_s = self.prior.transfer_overhead_s
         self._extend = _OnlineLinearModel(self.prior.extend_coeffs, self.prior.window, self.prior.prior_weight)
         self._decode = _OnlineLinearModel(self.prior.decode_coeffs, self.prior.window, self.prior.prior_weight)
 

@@ -37,6 +37,7 @@ class PrefillItem:
     load_host_tokens: int = 0
     load_storage_tokens: int = 0
     match: PrefixMatchLike | None = None  # None for a continuing chunk (its prefix is already its own)
+    recomputed_cached_tokens: int = 0  # load-or-recompute chose to recompute these cached (L2/L3) tokens
     bundled: bool = False  # pulled in as a bundle hit (shares a load already in the batch)
     set_aside: bool = False  # admitted in Algorithm 1's backfill after being set aside
 
@@ -134,4 +135,6 @@ class SchedulerStats:
     retractions: int
     decode_first_rounds: int
     recomputed_prompt_tokens: int  # prompt tokens computed (not taken from any tier)
+    load_or_recompute_recomputed: int  # first chunks that recomputed a cached prefix instead of loading it
+    load_or_recompute_tokens: int  # cached (L2/L3) tokens recomputed by that choice
     hit_tokens: dict[str, int]  # per tier, taken by first chunks

@@ -3,7 +3,8 @@
 A policy is a function ``SchedulerConfig -> Stages`` in a small registry:
 
 * ``strata``: the stages the config enables (delay-hit deferral, balanced batch
-  formation = Strata Algorithm 1, bubble filling); each can be switched off.
+  formation = Strata Algorithm 1, bubble filling, and load-or-recompute, a stage
+  beyond the paper); each can be switched on or off.
 * ``fifo``: the baseline: take requests in order until the batch is full; no
   deferral, no set-aside, prefill before decode (as SGLang does).
 
@@ -41,10 +42,13 @@ class Stages:
     delay_hit: bool
     balanced_batch: bool
     bubble_filling: bool
+    load_or_recompute: bool = False
 
 
 def _strata(config: SchedulerConfig) -> Stages:
-    return Stages(config.enable_delay_hit, config.enable_balanced_batch, config.enable_bubble_filling)
+    return Stages(
+        config.enable_delay_hit, config.enable_balanced_batch, config.enable_bubble_filling, config.enable_load_or_recompute
+    )
 
 
 def _fifo(config: SchedulerConfig) -> Stages:

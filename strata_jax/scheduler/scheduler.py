@@ -55,6 +55,7 @@ class Scheduler:
         self._c = dict(
             finished=0, aborted=0, deferrals=0, deferred_rounds=0, set_asides=0, bundle_hits=0,
             retractions=0, decode_first_rounds=0, recomputed_prompt_tokens=0,
+            load_or_recompute_recomputed=0, load_or_recompute_tokens=0,
         )  # fmt: skip
         self._hits = {"device": 0, "host": 0, "storage": 0}
 
@@ -165,7 +166,24 @@ class Scheduler:
         if self.stages.delay_hit and match.transient_tokens > self.config.delay_hit_threshold:
             if any(self._blocks(owner, req) for owner in match.transient_owners):
                 return None
-        return Candidate.from_match(req, match, cache.page_size)
+        cand = Candidate.from_match(req, match, cache.page_size)
+        if self.stages.load_or_recompute and cand.loads and self._recompute_is_cheaper(cand):
+            return cand.recomputing_cached(cache.page_size)
+        return cand
+
+    def _recompute_is_cheaper(self, cand: Candidate) -> bool:
+        """Load-or-recompute: would recomputing ``cand``'s L2/L3 part beat loading it?
+
+        Load: bytes over the measured link (and storage) bandwidth plus a per-transfer
+        overhead.  Recompute: the extend model's extra time for computing those tokens
+        too, on top of the device-resident prefix, ahead of the rest of the prompt.
+        """
+        cost = self.cost
+        load = cost.load_seconds(cand.host, cand.storage) + cost.transfer_overhead_s
+        new = len(cand.request.prefill_tokens) - cand.start
+        keep = cand.device
+        recompute = cost.extend_seconds(new + cand.start - keep, keep) - cost.extend_seconds(new, cand.start)
+        return load > recompute
 
     def _blocks(self, owner_id: str, req: ScheduledRequest) -> bool:
         """Is ``owner_id`` a live, earlier request still computing the prefix ``req`` would reuse?"""
@@ -188,6 +206,9 @@ class Scheduler:
                 req.cached_tokens = hit
                 for tier, n in hit.items():
                     self._hits[tier] += n
+                if item.recomputed_cached_tokens:
+                    self._c["load_or_recompute_recomputed"] += 1
+                    self._c["load_or_recompute_tokens"] += item.recomputed_cached_tokens
         req.inflight_end = item.end
         prompt_part = max(0, min(item.end, len(req.prompt_token_ids)) - item.start)
         self._c["recomputed_prompt_tokens"] += prompt_part

@@ -1,0 +1,96 @@
+"""``SimCostModel``: how long a step or a transfer takes on a ``HardwareProfile`` for a ``ModelSpec``.
+
+* Extend (prefill) of a batch: FLOPs at the matmul rate (``2 x body params`` per
+  new token, the LM head once per sequence) plus attention over the cached
+  context (``4 x layers x heads x head_dim`` per attended query-key pair, with
+  ``n_i * (ctx_i + n_i / 2)`` pairs for ``n_i`` new tokens on ``ctx_i`` cached ones)
+  at the attention rate, plus the step overhead and TP all-reduces.
+* Decode step: the larger of bytes (weights + the KV read of every sequence) over
+  effective HBM bandwidth and FLOPs over the matmul rate, plus overheads.
+* Host<->device transfers by path: ``naive`` moves every page's K and V of every
+  layer as its own copy (``copies x (overhead + copy_bytes / peak)``: ~22% of
+  PCIe 5.0 for 64 KiB copies); ``coalesced`` moves one contiguous buffer at
+  ``coalesced_efficiency`` of peak after a fixed overhead.
+* Storage reads and writes at their bandwidths.
+All figures are per tensor-parallel rank (each rank has its own link).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from strata_jax.sim.model_spec import ModelSpec
+from strata_jax.sim.profile import HardwareProfile
+
+IO_PATHS = ("naive", "coalesced")
+
+
+class SimCostModel:
+    def __init__(self, profile: HardwareProfile, model: ModelSpec, page_size: int) -> None:
+        self.profile = profile
+        self.model = model
+        self.page_size = page_size
+        c = model.config
+        self._linear_flops_per_token = 2.0 * model.body_params / model.tp
+        self._head_flops = 2.0 * model.lm_head_params / model.tp
+        self._attn_flops_per_pair = 4.0 * c.num_layers * (c.num_heads / model.tp) * c.head_dim
+        self._mm_rate = profile.matmul_flops_per_s * profile.matmul_efficiency
+        self._attn_rate = profile.matmul_flops_per_s * profile.attention_efficiency
+        self._hbm_rate = profile.hbm_bytes_per_s * profile.hbm_efficiency
+        self._fixed = profile.step_overhead_s + (profile.tp_allreduce_s_per_layer * 2 * c.num_layers if model.tp > 1 else 0.0)
+
+    # -- compute -------------------------------------------------------------
+    def extend_seconds(self, items: Iterable[tuple[int, int]]) -> float:
+        """A prefill step over ``(new_tokens, cached_context)`` per sequence."""
+        new = seqs = 0
+        pairs = 0.0
+        for n, ctx in items:
+            new += n
+            seqs += 1
+            pairs += n * (ctx + n / 2.0)
+        if new == 0:
+            return 0.0
+        linear = (new * self._linear_flops_per_token + seqs * self._head_flops) / self._mm_rate
+        return self._fixed + linear + pairs * self._attn_flops_per_pair / self._attn_rate
+
+    def decode_seconds(self, batch: int, context_tokens: int) -> float:
+        """One decode step of ``batch`` sequences reading ``context_tokens`` KV tokens in all."""
+        if batch <= 0:
+            return 0.0
+        read = self.model.weight_bytes + context_tokens * self.model.kv_bytes_per_token
+        flops = batch * (self._linear_flops_per_token + self._head_flops)  # attention is in the KV read
+        return self._fixed + max(read / self._hbm_rate, flops / self._mm_rate)
+
+    # -- transfers -----------------------------------------------------------
+    def link_seconds(self, num_pages: int, path: str) -> float:
+        """Host<->device copy of ``num_pages`` pages over the ``naive`` or ``coalesced`` path."""
+        if num_pages <= 0:
+            return 0.0
+        p = self.profile
+        if path == "naive":
+            copies = num_pages * self.model.config.num_layers * 2
+            return copies * (p.naive_copy_overhead_s + self.model.copy_bytes(self.page_size) / p.link_peak_bytes_per_s)
+        if path == "coalesced":
+            nbytes = num_pages * self.model.page_bytes(self.page_size)
+            return p.transfer_overhead_s + nbytes / (p.link_peak_bytes_per_s * p.coalesced_efficiency)
+        raise ValueError(f"io path must be one of {IO_PATHS}, got {path!r}")
+
+    def link_efficiency(self, num_pages: int, path: str) -> float:
+        """Achieved share of link peak for a transfer of ``num_pages`` pages."""
+        t = self.link_seconds(num_pages, path)
+        return 0.0 if t == 0 else num_pages * self.model.page_bytes(self.page_size) / t / self.profile.link_peak_bytes_per_s
+
+    def storage_read_seconds(self, num_pages: int) -> float:
+        return num_pages * self.model.page_bytes(self.page_size) / self.profile.storage_read_bytes_per_s
+
+    # -- memory --------------------------------------------------------------
+    def device_kv_tokens(self) -> int:
+        """L1 capacity: HBM share for weights + KV, minus the weights, in tokens."""
+        p = self.profile
+        free = p.hbm_bytes * p.kv_memory_fraction - self.model.weight_bytes
+        if free <= 0:
+            raise ValueError(f"{self.model.name} (tp={self.model.tp}) does not fit in {p.name}'s HBM")
+        return int(free // self.model.kv_bytes_per_token)
+
+    def host_kv_tokens(self) -> int:
+        return int(self.profile.host_kv_bytes // self.model.kv_bytes_per_token)

@@ -1,0 +1,199 @@
+"""``SimExecutor``: the ``strata_jax.executor.Executor`` of a simulated machine, on a virtual clock.
+
+Resources: the GPU (one stream: extend and decode steps queue on it), the
+host->device link, the device->host link (PCIe is full duplex) and the storage
+link, each a FIFO (``Link``).  ``SimTimer`` is the controller's
+``TransferTimer``: a transfer's landing time is when its link gets to it plus its
+modelled duration.
+
+An extend step waits for the loads of its batch: with ``layerwise`` overlap
+(layer ``l + 1`` loads while layer ``l`` computes) it ends at
+``max(start + compute, landed + compute / layers)``, without it at
+``max(start, landed) + compute``.  The time it waited beyond its compute is its
+*load stall*; ``stats.stall_s / stats.prefill_s`` is the share of prefill time
+stalled on loading.  While a coalesced transfer (a layout-conversion kernel on the
+GPU) overlaps a step, the step is slowed by ``transfer_kernel_slowdown`` over the
+overlapped part.  Step times can also come from a ``StepTimes`` replay (the
+measured times of a real run), so the scheduler sees exactly what it saw there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+from strata_jax.cache.handles import TransferHandle
+from strata_jax.executor import SeqWork, StepOutput
+from strata_jax.sim.cost import SimCostModel
+
+
+class SimClock:
+    """Virtual seconds; only moves forward."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance_to(self, t: float) -> None:
+        if t > self.t:
+            self.t = t
+
+
+class Link:
+    """A FIFO transfer resource: a transfer starts when the link is free."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+        self.busy_s = 0.0
+
+    def reserve(self, issued_at: float, seconds: float) -> tuple[float, float]:
+        start = max(issued_at, self.free_at)
+        self.free_at = start + seconds
+        self.busy_s += seconds
+        return start, self.free_at
+
+
+class SimTimer:
+    """``TransferTimer`` over the simulated links; remembers coalesced transfers for the slowdown."""
+
+    def __init__(self, clock: SimClock, cost: SimCostModel, io_path: str) -> None:
+        self.clock = clock
+        self.cost = cost
+        self.io_path = io_path
+        self.h2d, self.d2h, self.storage = Link(), Link(), Link()
+        self.kernel_intervals: list[tuple[float, float]] = []  # GPU-side conversion kernels (coalesced path)
+
+    def land_time(self, kind: str, num_pages: int, nbytes: int, issued_at: float) -> float:
+        if kind == "prefetch":
+            return self.storage.reserve(issued_at, self.cost.storage_read_seconds(num_pages))[1]
+        link = self.h2d if kind == "load" else self.d2h
+        start, end = link.reserve(issued_at, self.cost.link_seconds(num_pages, self.io_path))
+        if self.io_path == "coalesced":
+            self.kernel_intervals.append((start, end))
+        return end
+
+    def wait_until(self, t: float) -> None:
+        self.clock.advance_to(t)
+
+    def overlap(self, start: float, end: float) -> float:
+        """Seconds of [start, end) during which a conversion kernel ran (intervals before start are dropped)."""
+        keep = [(a, b) for a, b in self.kernel_intervals if b > start]
+        self.kernel_intervals = keep
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in keep)
+
+
+@dataclass
+class SimStats:
+    prefill_s: float = 0.0  # extend steps, start to end (stalls included)
+    stall_s: float = 0.0  # of which waiting for loads beyond the compute
+    decode_s: float = 0.0
+    extend_steps: int = 0
+    decode_steps: int = 0
+    idle_s: float = 0.0
+
+
+class StepTimes:
+    """Measured step times replayed in order (``extend`` and ``decode`` separately)."""
+
+    def __init__(self, extend: Sequence[float], decode: Sequence[float]) -> None:
+        self.extend = list(extend)
+        self.decode = list(decode)
+
+    def next(self, kind: str) -> float:
+        seq = self.extend if kind == "extend" else self.decode
+        if not seq:
+            raise RuntimeError(f"the replayed run had fewer {kind} steps than this one")
+        return seq.pop(0)
+
+
+class SimExecutor:
+    def __init__(
+        self,
+        clock: SimClock,
+        cost: SimCostModel,
+        timer: SimTimer,
+        *,
+        layerwise: bool,
+        token_for: Callable[[str, int], int],
+        next_event: Callable[[], float | None] = lambda: None,
+        replay: StepTimes | None = None,
+    ) -> None:
+        self.clock = clock
+        self.cost = cost
+        self.timer = timer
+        self.layerwise = layerwise
+        self.token_for = token_for
+        self.next_event = next_event
+        self.replay = replay
+        self.gpu_free_at = 0.0
+        self.stats = SimStats()
+        self._layers = cost.model.config.num_layers
+        self._slowdown = cost.profile.transfer_kernel_slowdown
+
+    def now(self) -> float:
+        return self.clock.t
+
+    def span(self, name: str) -> nullcontext:
+        return nullcontext()
+
+    def idle(self) -> None:
+        """Nothing ran: jump to the next event (an arrival or a landing), or a millisecond on."""
+        nxt = self.next_event()
+        now = self.clock.t
+        target = nxt if nxt is not None and nxt > now else now + 1e-3
+        self.stats.idle_s += target - now
+        self.clock.advance_to(target)
+
+    def _tokens(self, seqs: list[SeqWork]) -> dict[str, int]:
+        return {w.request_id: self.token_for(w.request_id, w.sample_index) for w in seqs}
+
+    def extend(self, seqs: list[SeqWork], loads: Sequence[TransferHandle]) -> StepOutput:
+        issued = self.clock.t
+        start = max(issued, self.gpu_free_at)
+        landed = max((h.landed_at for h in loads if h.landed_at is not None), default=start)
+        if self.replay is not None:
+            end = start + self.replay.next("extend")
+            stall = 0.0
+        else:
+            compute = self.cost.extend_seconds((len(w.token_ids), w.start_pos) for w in seqs)
+            end = self._end(start, compute, landed)
+            if self._slowdown:
+                compute *= 1 + self._slowdown * min(1.0, self.timer.overlap(start, end) / max(compute, 1e-12))
+                end = self._end(start, compute, landed)
+            stall = end - start - compute
+        self.stats.prefill_s += end - start
+        self.stats.stall_s += stall
+        self.stats.extend_steps += 1
+        self.gpu_free_at = end
+        self.clock.advance_to(end)
+        return StepOutput(self._tokens(seqs), end - issued)
+
+    def _end(self, start: float, compute: float, landed: float) -> float:
+        if landed <= start:
+            return start + compute
+        if self.layerwise:
+            return max(start + compute, landed + compute / self._layers)
+        return landed + compute
+
+    def dispatch_decode(self, seqs: list[SeqWork]) -> tuple[list[SeqWork], float, float]:
+        issued = self.clock.t
+        start = max(issued, self.gpu_free_at)
+        if self.replay is not None:
+            seconds = self.replay.next("decode")
+        else:
+            seconds = self.cost.decode_seconds(len(seqs), sum(w.start_pos + 1 for w in seqs))
+            if self._slowdown:
+                seconds *= 1 + self._slowdown * min(1.0, self.timer.overlap(start, start + seconds) / max(seconds, 1e-12))
+        end = start + seconds
+        self.gpu_free_at = end
+        self.stats.decode_s += seconds
+        self.stats.decode_steps += 1
+        return seqs, end, issued
+
+    def finish_decode(self, pending: tuple[list[SeqWork], float, float]) -> StepOutput:
+        seqs, end, issued = pending
+        self.clock.advance_to(end)
+        return StepOutput(self._tokens(seqs), end - issued)

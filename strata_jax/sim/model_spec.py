@@ -1,0 +1,74 @@
+"""``ModelSpec``: the shape of the simulated model (a ``ModelConfig``) and its tensor-parallel degree.
+
+Built-ins: ``llama-3.1-8b``, ``qwen2.5-14b``, ``llama-3.1-70b-tp4`` (their published
+``config.json`` shapes); or a path to any supported ``config.json`` (with ``--tp``).
+KV is bf16 (2 bytes), as on GPUs.  Per-rank figures divide heads and weights by ``tp``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from strata_jax.models.config import ModelConfig
+
+KV_DTYPE_BYTES = 2
+
+BUILTIN_MODELS: dict[str, tuple[ModelConfig, int]] = {
+    "llama-3.1-8b": (ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, max_position_embeddings=131072), 1),
+    "qwen2.5-14b": (ModelConfig("qwen2", 152064, 5120, 13824, 48, 40, 8, 128, max_position_embeddings=131072, attention_bias=True), 1),
+    "llama-3.1-70b-tp4": (ModelConfig("llama", 128256, 8192, 28672, 80, 64, 8, 128, max_position_embeddings=131072), 4),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    config: ModelConfig
+    tp: int = 1
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, per rank."""
+        c = self.config
+        return c.num_layers * 2 * max(1, c.num_kv_heads // self.tp) * c.head_dim * KV_DTYPE_BYTES
+
+    def page_bytes(self, page_size: int) -> int:
+        return self.kv_bytes_per_token * page_size
+
+    def copy_bytes(self, page_size: int) -> int:
+        """One layer's K (or V) of one page, per rank: the unit of the naive copy path."""
+        c = self.config
+        return page_size * max(1, c.num_kv_heads // self.tp) * c.head_dim * KV_DTYPE_BYTES
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.config.num_parameters * 2 / self.tp
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.config.vocab_size * self.config.hidden_size
+
+    @property
+    def body_params(self) -> int:
+        """Parameters every token multiplies through (embedding lookup excluded, LM head separate)."""
+        c = self.config
+        embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+        return c.num_parameters - embed
+
+
+def load_model_spec(name_or_path: str, tp: int | None = None) -> ModelSpec:
+    if name_or_path in BUILTIN_MODELS:
+        config, default_tp = BUILTIN_MODELS[name_or_path]
+        return ModelSpec(name_or_path, config, tp or default_tp)
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--model {name_or_path!r}: not a built-in ({', '.join(BUILTIN_MODELS)}) nor a config.json path")
+    try:
+        config = ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    return ModelSpec(path.parent.name or str(path), config, tp or 1)

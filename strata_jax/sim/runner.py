@@ -1,0 +1,208 @@
+"""Drive one simulated run: a workload through ``EngineCore`` on a ``SimExecutor``.
+
+The same ``Scheduler``, ``CacheController`` (bookkeeping-only, its transfers
+landing in virtual time) and engine step the real engine runs; requests are
+submitted when their arrival time has come (multi-turn turns once their previous
+turn finished), and time jumps to the next event when nothing can run.  Nothing
+here imports jax.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from strata_jax.api import SamplingParams, StreamChunk
+from strata_jax.cache.config import CacheConfig
+from strata_jax.cache.controller import CacheController
+from strata_jax.engine_io import OutputSink
+from strata_jax.engine_requests import TrackedRequest
+from strata_jax.engine_step import EngineCore
+from strata_jax.scheduler.config import SchedulerConfig
+from strata_jax.scheduler.cost_model import CostModel, CostPrior
+from strata_jax.scheduler.scheduler import Scheduler
+from strata_jax.sim.cost import SimCostModel
+from strata_jax.sim.executor import SimClock, SimExecutor, SimTimer, StepTimes
+from strata_jax.sim.model_spec import ModelSpec
+from strata_jax.sim.profile import HardwareProfile
+from strata_jax.sim.systems import SystemSpec
+from strata_jax.sim.workloads import SimRequest
+
+_OUTPUT_BASE = 1 << 40  # output token ids: far from every prompt id, unique per request and position
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    """Machine, model and cache sizing of a simulation (``None``: derived from the profile)."""
+
+    model: ModelSpec
+    profile: HardwareProfile
+    page_size: int = 32
+    device_tokens: int | None = None
+    host_tokens: int | None = None
+    write_policy: str = "write_through"
+    max_batch_tokens: int = 8192
+
+
+@dataclass
+class RunResult:
+    system: str
+    rate: float
+    ttft_mean: float
+    ttft_p99: float
+    throughput_rps: float
+    output_tps: float
+    load_stall_fraction: float
+    hit_rate: float
+    finished: int = 0
+    simulated_s: float = 0.0
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def row(self) -> dict:
+        keys = ("system", "rate", "ttft_mean", "ttft_p99", "throughput_rps", "output_tps", "load_stall_fraction", "hit_rate")
+        return {k: getattr(self, k) for k in keys} | {"finished": self.finished, "simulated_s": self.simulated_s, **self.extra}
+
+
+class _Sink(OutputSink):
+    def __init__(self, on_finish: Callable[[StreamChunk], None]) -> None:
+        self.on_finish = on_finish
+
+    def push(self, chunk: StreamChunk) -> None:
+        if chunk.finished:
+            self.on_finish(chunk)
+
+    def fail(self, exc: BaseException) -> None:
+        raise RuntimeError(f"a simulated request failed: {exc}") from exc
+
+
+def build_core(
+    system: SystemSpec, setup: SimSetup, *, token_for: Callable[[str, int], int], next_arrival: Callable[[], float | None],
+    replay: StepTimes | None = None, cost_prior: CostPrior | None = None, scheduler_overrides: dict | None = None,
+) -> tuple[EngineCore, SimExecutor, SimTimer]:
+    clock = SimClock()
+    cost = SimCostModel(setup.profile, setup.model, setup.page_size)
+    timer = SimTimer(clock, cost, system.io_path)
+    page_bytes = setup.model.page_bytes(setup.page_size)
+    device_tokens = setup.device_tokens or cost.device_kv_tokens()
+    host_tokens = setup.host_tokens if setup.host_tokens is not None else cost.host_kv_tokens()
+    cache_config = CacheConfig(
+        page_size=setup.page_size,
+        device_tokens=device_tokens // setup.page_size * setup.page_size,
+        host_bytes=max(1, host_tokens // setup.page_size) * page_bytes,
+        tiers=system.tiers,
+        write_policy=setup.write_policy,
+    )
+    ctl = CacheController(cache_config, None, clock=clock.now, timer=timer, page_bytes=page_bytes)
+    prior = cost_prior or CostPrior(
+        bytes_per_token=setup.model.kv_bytes_per_token,
+        link_bytes_per_s=setup.profile.link_peak_bytes_per_s * setup.profile.coalesced_efficiency,
+        storage_bytes_per_s=setup.profile.storage_read_bytes_per_s,
+        transfer_overhead_s=setup.profile.transfer_overhead_s,
+    )
+    sched_cfg = SchedulerConfig(**{"max_batch_tokens": setup.max_batch_tokens, "max_waiting": 1 << 30, **system.scheduler_kwargs(), **(scheduler_overrides or {})})
+    scheduler = Scheduler(sched_cfg, CostModel(prior))
+
+    def next_event() -> float | None:
+        times = [t for t in (next_arrival(), ctl.next_landing()) if t is not None]
+        return min(times) if times else None
+
+    executor = SimExecutor(clock, cost, timer, layerwise=system.layerwise, token_for=token_for, next_event=next_event, replay=replay)
+    core = EngineCore(scheduler, ctl, executor, eos_token_ids=(), max_context_tokens=setup.model.config.max_context_tokens)
+    return core, executor, timer
+
+
+def simulate(
+    requests: list[SimRequest], system: SystemSpec, setup: SimSetup, rate: float, *, progress: Callable[[int], None] | None = None,
+) -> RunResult:
+    """Run ``requests`` (arrival times already set) through ``system``; returns the run's metrics."""
+    wall0 = time.perf_counter()
+    n = len(requests)
+    heap: list[tuple[float, int]] = [(r.arrival_s, i) for i, r in enumerate(requests) if r.depends_on is None]
+    heapq.heapify(heap)
+    dependents: dict[int, list[int]] = {}
+    for i, r in enumerate(requests):
+        if r.depends_on is not None:
+            dependents.setdefault(r.depends_on, []).append(i)
+    prompts: dict[int, list[int]] = {i: r.prompt for i, r in enumerate(requests) if r.depends_on is None}
+    outputs: dict[int, list[int]] = {}
+    ttft: list[float] = []
+    finished_at: list[float] = []
+    out_tokens = 0
+    prompt_tokens = 0
+
+    def token_for(rid: str, index: int) -> int:
+        return _OUTPUT_BASE + int(rid[1:]) * (1 << 20) + index
+
+    core, executor, _ = build_core(system, setup, token_for=token_for, next_arrival=lambda: heap[0][0] if heap else None)
+    clock = executor.clock
+
+    def on_finish(i: int, chunk: StreamChunk) -> None:
+        nonlocal out_tokens
+        ttft.append(chunk.ttft_s)  # type: ignore[attr-defined]
+        finished_at.append(clock.t)
+        out_tokens += chunk.completion_tokens
+        outputs[i] = [token_for(f"r{i}", k) for k in range(chunk.completion_tokens)]
+        for j in dependents.pop(i, ()):
+            prompts[j] = prompts[i] + outputs[i] + requests[j].new_tokens
+            heapq.heappush(heap, (max(requests[j].arrival_s, clock.t), j))
+        if progress is not None:
+            progress(1)
+
+    while heap or core._tracked:
+        while heap and heap[0][0] <= clock.t:
+            arrival, i = heapq.heappop(heap)
+            prompt = prompts[i] if requests[i].depends_on is None else prompts.pop(i)
+            prompt_tokens += len(prompt)
+            t = TrackedRequest(
+                request_id=f"r{i}", prompt_ids=prompt, namespace="",
+                params=SamplingParams(max_tokens=requests[i].output_len, ignore_eos=True),
+                sink=_Sink(lambda chunk, i=i: on_finish(i, chunk)), detok=None, submitted_at=arrival,
+            )  # fmt: skip
+            core._admit(t)
+            if requests[i].depends_on is None and i not in dependents:
+                prompts.pop(i, None)
+        if core.scheduler.has_work():
+            core.step()
+        elif heap:
+            executor.stats.idle_s += max(0.0, heap[0][0] - clock.t)
+            clock.advance_to(heap[0][0])
+    first = min((r.arrival_s for r in requests), default=0.0)
+    span = max(1e-9, (max(finished_at) if finished_at else first) - first)
+    s = core.scheduler.stats()
+    hits = sum(s.hit_tokens.values())
+    ttft_sorted = sorted(ttft)
+    p99 = ttft_sorted[min(len(ttft_sorted) - 1, math.ceil(0.99 * len(ttft_sorted)) - 1)] if ttft_sorted else 0.0
+    st = executor.stats
+    return RunResult(
+        system=system.name,
+        rate=rate,
+        ttft_mean=sum(ttft) / len(ttft) if ttft else 0.0,
+        ttft_p99=p99,
+        throughput_rps=len(finished_at) / span,
+        output_tps=out_tokens / span,
+        load_stall_fraction=st.stall_s / st.prefill_s if st.prefill_s else 0.0,
+        hit_rate=hits / prompt_tokens if prompt_tokens else 0.0,
+        finished=len(finished_at),
+        simulated_s=clock.t,
+        wall_s=time.perf_counter() - wall0,
+        extra={
+            "hit_tokens": dict(s.hit_tokens),
+            "deferrals": s.deferrals,
+            "set_asides": s.set_asides,
+            "bundle_hits": s.bundle_hits,
+            "decode_first_rounds": s.decode_first_rounds,
+            "load_or_recompute_requests": s.load_or_recompute_recomputed,
+            "load_or_recompute_tokens": s.load_or_recompute_tokens,
+            "prefill_busy_s": st.prefill_s,
+            "prefill_stall_s": st.stall_s,
+            "decode_busy_s": st.decode_s,
+            "h2d_link_busy_s": executor.timer.h2d.busy_s,
+            "loaded_pages": core.ctl.counters["loaded_pages"],
+            "backed_up_pages": core.ctl.counters["backed_up_pages"],
+            "requests": n,
+        },
+    )

@@ -1,0 +1,196 @@
+"""Simulated request streams: LooGLE-like document QA, multi-turn chat, Mooncake replay, ShareGPT-like.
+
+Token ids are synthetic (a document or trace block is a run of ids unique to
+it; only equality matters to the cache).  Every generator is deterministic in its seed.
+
+* ``loogle``: documents with the length and question-count distribution of
+  ``<data>/loogle/*.jsonl`` (document tokens ~ characters / 4, Llama-3-like),
+  ``docs`` of them; each pass over the documents asks every document its number
+  of questions (drawn from the data), until ``num_requests``.  Cache distance
+  orders the questions: ``min`` (a document's questions back to back), ``max``
+  (round robin over documents: the farthest reuse), ``shuffle`` (random).
+* ``multiturn``: the SGLang HiCache benchmark shape: ``clients`` conversations of
+  ``rounds`` turns, each turn appends ``request_length`` new tokens to the
+  history (which includes the previous answers); a turn is sent once the previous
+  one finished and its Poisson arrival time has come.
+* ``mooncake``: a Mooncake trace (``hash_ids`` = 512-token blocks, equal leading
+  ids = shared prefix), timestamps honoured and divided by ``speedup``.
+* ``sharegpt``: short chats (16-1024 token prompts, 16-512 token answers) with no
+  shared prefix.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WORKLOADS = ("loogle", "multiturn", "mooncake", "sharegpt")
+CACHE_DISTANCES = ("min", "shuffle", "max")
+MOONCAKE_BLOCK = 512
+CHARS_PER_TOKEN = 4.0
+
+
+def find_data_dir(explicit: str | Path | None = None) -> Path:
+    """``explicit``, else ``../shared/data`` next to the repository (or its parent)."""
+    if explicit is not None:
+        path = Path(explicit)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--data-dir {path} is not a directory")
+        return path
+    repo = Path(__file__).resolve().parents[2]
+    for cand in (repo.parent / "shared" / "data", repo.parent.parent / "shared" / "data", repo / "shared" / "data"):
+        if cand.is_dir():
+            return cand
+    raise FileNotFoundError("no shared/data next to the repository; pass --data-dir")
+
+
+@dataclass
+class SimRequest:
+    prompt: list[int]
+    output_len: int
+    arrival_s: float = 0.0
+    depends_on: int | None = None  # multiturn: the previous turn; its answer is spliced into this prompt
+    new_tokens: list[int] = field(default_factory=list)  # multiturn: this turn's own message
+    group: str = ""
+
+
+class _Ids:
+    """Fresh runs of token ids (no two runs share an id)."""
+
+    def __init__(self) -> None:
+        self.next = 1
+
+    def run(self, n: int) -> list[int]:
+        out = list(range(self.next, self.next + n))
+        self.next += n
+        return out
+
+
+def poisson(requests: list[SimRequest], rate: float, seed: int) -> None:
+    rng = random.Random(seed)
+    t = 0.0
+    for r in requests:
+        if not math.isinf(rate):
+            t += rng.expovariate(rate)
+        r.arrival_s = t
+
+
+def loogle_shape(data_dir: Path) -> list[tuple[int, int, int]]:
+    """(document tokens, questions, mean question tokens) of each LooGLE document in the data."""
+    out = []
+    for name in ("shortdep_qa.jsonl", "longdep_qa.jsonl"):
+        path = data_dir / "loogle" / name
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            qa = ast.literal_eval(row["qa_pairs"]) if isinstance(row["qa_pairs"], str) else row["qa_pairs"]
+            q_tokens = sum(len(q["Q"]) for q in qa) / max(1, len(qa)) / CHARS_PER_TOKEN
+            out.append((int(len(row["input"]) / CHARS_PER_TOKEN), len(qa), max(4, int(q_tokens))))
+    if not out:
+        raise FileNotFoundError(f"no LooGLE data under {data_dir / 'loogle'} (pass --data-dir)")
+    return out
+
+
+def loogle(
+    *, num_requests: int, rate: float, seed: int, data_dir: Path, docs: int = 100, distance: str = "max",
+    output_len: int = 32, max_doc_tokens: int = 120_000,
+) -> list[SimRequest]:
+    if distance not in CACHE_DISTANCES:
+        raise ValueError(f"cache distance must be one of {CACHE_DISTANCES}, got {distance!r}")
+    shape = loogle_shape(data_dir)
+    rng = random.Random(seed)
+    ids = _Ids()
+    documents = []
+    for d in range(docs):
+        tokens, questions, q_tokens = shape[d % len(shape)] if d < len(shape) else rng.choice(shape)
+        tokens = min(max_doc_tokens, int(tokens * rng.uniform(0.8, 1.2)) if d >= len(shape) else tokens)
+        documents.append((f"doc{d}", ids.run(tokens), questions, q_tokens))
+    passes: list[list[list[SimRequest]]] = []  # pass -> document -> its questions
+    total = 0
+    while total < num_requests:
+        this = []
+        for name, doc, questions, q_tokens in documents:
+            qs = []
+            for _ in range(questions):
+                if total >= num_requests:
+                    break
+                qs.append(SimRequest(doc + ids.run(max(4, int(q_tokens * rng.uniform(0.5, 1.5)))), output_len, group=name))
+                total += 1
+            this.append(qs)
+        passes.append(this)
+    out: list[SimRequest] = []
+    for this in passes:
+        if distance == "min":
+            out.extend(r for qs in this for r in qs)
+        elif distance == "max":
+            depth = max(len(qs) for qs in this)
+            out.extend(qs[k] for k in range(depth) for qs in this if k < len(qs))
+        else:
+            flat = [r for qs in this for r in qs]
+            rng.shuffle(flat)
+            out.extend(flat)
+    poisson(out, rate, seed + 1)
+    return out
+
+
+def multiturn(
+    *, num_requests: int, rate: float, seed: int, rounds: int = 5, request_length: int = 512, output_len: int = 64,
+) -> list[SimRequest]:
+    clients = max(1, num_requests // rounds)
+    ids = _Ids()
+    out: list[SimRequest] = []
+    last: dict[int, int] = {}
+    for _ in range(rounds):
+        for c in range(clients):
+            if len(out) >= num_requests:
+                break
+            new = ids.run(request_length)
+            out.append(SimRequest([], output_len, depends_on=last.get(c), new_tokens=new, group=f"client{c}"))
+            last[c] = len(out) - 1
+    poisson(out, rate, seed)
+    return out
+
+
+def mooncake(*, num_requests: int, path: Path, speedup: float = 1.0, max_input_tokens: int = 131_072, max_output: int | None = None) -> list[SimRequest]:
+    if not speedup > 0:
+        raise ValueError("--speedup must be > 0")
+    if not path.is_file():
+        raise FileNotFoundError(f"Mooncake trace {path} does not exist (pass --trace)")
+    out: list[SimRequest] = []
+    with open(path) as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            ids: list[int] = []
+            for h in row["hash_ids"]:
+                base = 1 + int(h) * MOONCAKE_BLOCK
+                ids.extend(range(base, base + MOONCAKE_BLOCK))
+            ids = ids[: min(int(row["input_length"]), max_input_tokens)]
+            if not ids:
+                continue
+            out_len = max(1, int(row["output_length"]))
+            if max_output is not None:
+                out_len = min(out_len, max_output)
+            out.append(SimRequest(ids, out_len, arrival_s=row["timestamp"] / 1000.0 / speedup))
+            if len(out) >= num_requests:
+                break
+    return out
+
+
+def sharegpt(*, num_requests: int, rate: float, seed: int) -> list[SimRequest]:
+    rng = random.Random(seed)
+    ids = _Ids()
+    out = [
+        SimRequest(ids.run(int(min(1024, max(16, rng.lognormvariate(5.3, 0.8))))), int(min(512, max(16, rng.lognormvariate(5.0, 0.7)))))
+        for _ in range(num_requests)
+    ]
+    poisson(out, rate, seed + 1)
+    return out
