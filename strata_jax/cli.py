@@ -1,4 +1,4 @@
-"""Command line of the engine: ``strata-jax generate``, ``demo``, ``info``, ``convert`` and ``bench NAME``.
+"""Command line of the engine: ``strata-jax generate``, ``demo``, ``info``, ``convert``, ``simulate`` and ``bench NAME``.
 
 The console script lives in ``serving.cli`` (which adds ``serve``) so that this
 package never imports ``serving``.
@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the dequantized weights in model.safetensors (default float32)",
     )
 
+    simulate = sub.add_parser("simulate", help="TTFT vs throughput of several systems on a simulated machine (H200, GH200, ...)")
+    from strata_jax.sim.cli import add_simulate_arguments
+
+    add_simulate_arguments(simulate)
+
     bench = sub.add_parser("bench", help="run a benchmark; `strata-jax bench NAME --help` lists its flags")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags of that benchmark")
@@ -68,6 +73,11 @@ def dispatch(args: argparse.Namespace) -> int:
         out = convert_gguf(args.gguf_file, args.out_dir, dtype=args.dtype)
         print(f"wrote {out}: config.json, model.safetensors, tokenizer files, generation_config.json")
         return 0
+
+    if args.command == "simulate":
+        from strata_jax.sim.cli import run_simulate
+
+        return run_simulate(args)
     if args.command == "bench":
         return run_benchmark(args.name, args.bench_args)
     raise SystemExit(f"unknown command {args.command!r}")

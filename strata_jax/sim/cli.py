@@ -1,0 +1,120 @@
+"""``strata-jax simulate``: TTFT-vs-throughput curves of several systems on a simulated machine.
+
+Runs each ``--systems`` entry at each ``--rates`` entry (requests/s; for
+``mooncake`` the trace's speed-up factor) over the same workload, prints a table
+and an ablation table (sustained rate at ``--ttft-target``), and optionally writes
+``--json`` and ``--plot``.  ``--calibrate PATH`` instead measures this machine and
+writes a profile.  See docs/study.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from strata_jax.sim import workloads as W
+from strata_jax.sim.model_spec import BUILTIN_MODELS, load_model_spec
+from strata_jax.sim.profile import available_profiles, load_profile
+from strata_jax.sim.runner import RunResult, SimSetup, simulate
+from strata_jax.sim.systems import SYSTEMS, get_system
+
+
+def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=W.WORKLOADS, default="loogle", help="request stream (default loogle)")
+    p.add_argument("--model", default="llama-3.1-8b", help=f"{' | '.join(BUILTIN_MODELS)} or a config.json path (default llama-3.1-8b)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree for a config.json model (built-ins carry theirs)")
+    p.add_argument("--profile", default="h200", help=f"hardware profile: {' | '.join(available_profiles())} or a JSON path (default h200)")
+    p.add_argument("--systems", default="hicache,strata", help=f"comma-separated, from: {', '.join(SYSTEMS)} (default hicache,strata)")
+    p.add_argument("--rates", default="1,2,4,8", help="comma-separated request rates in req/s (mooncake: speed-up factors); inf = all at t=0")
+    p.add_argument("--num-requests", type=int, default=1000, help="requests per run (default 1000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-distance", choices=W.CACHE_DISTANCES, default="max", help="loogle: order of a document's questions (default max)")
+    p.add_argument("--docs", type=int, default=100, help="loogle: number of documents (default 100: more than L1 holds, less than L2)")
+    p.add_argument("--output-len", type=int, default=None, help="output tokens per request (default: 32 loogle, 64 multiturn)")
+    p.add_argument("--data-dir", default=None, help="where loogle/ and mooncake/ live (default ../shared/data next to the repo)")
+    p.add_argument("--trace", default=None, help="mooncake trace JSONL (default <data-dir>/mooncake/conversation_trace.jsonl)")
+    p.add_argument("--page-size", type=int, default=32, help="KV page size in tokens (default 32, as in Strata)")
+    p.add_argument("--device-kv-tokens", type=int, default=None, help="L1 size in tokens (default: HBM left after weights)")
+    p.add_argument("--host-kv-tokens", type=int, default=None, help="L2 size in tokens (default: the profile's host_kv_bytes)")
+    p.add_argument("--write-policy", choices=("write_through", "write_through_selective", "write_back"), default="write_through")
+    p.add_argument("--ttft-target", type=float, default=2.0, help="mean TTFT for the sustained-rate table, seconds (default 2)")
+    p.add_argument("--json", default=None, help="write the runs as JSON here")
+    p.add_argument("--plot", default=None, help="write a TTFT-vs-throughput PNG here (needs the sim extra: matplotlib)")
+    p.add_argument("--calibrate", default=None, metavar="PATH", help="measure this machine and write a profile JSON to PATH (needs jax)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _requests(args: argparse.Namespace, rate: float) -> list[W.SimRequest]:
+    n = args.num_requests
+    if args.workload == "loogle":
+        return W.loogle(num_requests=n, rate=rate, seed=args.seed, data_dir=W.find_data_dir(args.data_dir), docs=args.docs,
+                        distance=args.cache_distance, output_len=args.output_len or 32)  # fmt: skip
+    if args.workload == "multiturn":
+        return W.multiturn(num_requests=n, rate=rate, seed=args.seed, output_len=args.output_len or 64)
+    if args.workload == "mooncake":
+        trace = Path(args.trace) if args.trace else W.find_data_dir(args.data_dir) / "mooncake" / "conversation_trace.jsonl"
+        return W.mooncake(num_requests=n, path=trace, speedup=rate, max_output=args.output_len)
+    return W.sharegpt(num_requests=n, rate=rate, seed=args.seed)
+
+
+def _parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--rates: not a list of numbers: {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise SystemExit("--rates must be positive numbers")
+    return rates
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        from strata_jax.sim.calibrate import calibrate
+
+        profile = calibrate(base=load_profile(args.profile), progress=not args.no_progress)
+        Path(args.calibrate).write_text(profile.to_json() + "\n")
+        print(f"wrote {args.calibrate}")
+        return 0
+    if args.num_requests < 1:
+        raise SystemExit("--num-requests must be >= 1")
+    systems = [get_system(s.strip()) for s in args.systems.split(",") if s.strip()]
+    rates = _parse_rates(args.rates)
+    setup = SimSetup(
+        model=load_model_spec(args.model, args.tp), profile=load_profile(args.profile), page_size=args.page_size,
+        device_tokens=args.device_kv_tokens, host_tokens=args.host_kv_tokens, write_policy=args.write_policy,
+    )  # fmt: skip
+    wall0 = time.perf_counter()
+    runs: list[RunResult] = []
+    bar = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(systems) * len(rates) * args.num_requests, unit="req", desc="simulating", file=sys.stderr)
+    for system in systems:
+        for rate in rates:
+            requests = _requests(args, math.inf if rate == math.inf else rate)
+            if bar is not None:
+                bar.set_postfix_str(f"{system.name} @ {rate:g}")
+            runs.append(simulate(requests, system, setup, rate, progress=bar.update if bar is not None else None))
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - wall0
+    from strata_jax.sim.report import ablation_table, plot, table
+
+    by_system: dict[str, list[RunResult]] = {}
+    for r in runs:
+        by_system.setdefault(r.system, []).append(r)
+    print(f"{args.workload} on {setup.profile.name}, {setup.model.name} (tp={setup.model.tp}), {args.num_requests} requests per run")
+    print(table(runs))
+    print()
+    print(ablation_table(by_system, args.ttft_target, baseline=systems[0].name))
+    print(f"\nwall {wall:.1f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": [r.row() for r in runs], "wall_s": wall}, indent=2) + "\n")
+    if args.plot:
+        plot(by_system, Path(args.plot), f"{args.workload}, {setup.model.name}, {setup.profile.name}")
+    return 0
