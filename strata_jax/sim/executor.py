@@ -163,7 +163,7 @@ class SimExecutor:
             if self._slowdown:
                 compute *= 1 + self._slowdown * min(1.0, self.timer.overlap(start, end) / max(compute, 1e-12))
                 end = self._end(start, compute, landed)
-            stall = end - start - compute
+            stall = max(0.0, end - start - compute)
         self.stats.prefill_s += end - start
         self.stats.stall_s += stall
         self.stats.extend_steps += 1

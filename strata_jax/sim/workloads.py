@@ -119,8 +119,6 @@ def loogle(
         for name, doc, questions, q_tokens in documents:
             qs = []
             for _ in range(questions):
-                if total >= num_requests:
-                    break
                 qs.append(SimRequest(doc + ids.run(max(4, int(q_tokens * rng.uniform(0.5, 1.5)))), output_len, group=name))
                 total += 1
             this.append(qs)
@@ -136,6 +134,7 @@ def loogle(
             flat = [r for qs in this for r in qs]
             rng.shuffle(flat)
             out.extend(flat)
+    out = out[:num_requests]  # the last pass is ordered whole, then cut
     poisson(out, rate, seed + 1)
     return out
 
