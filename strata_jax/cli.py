@@ -73,7 +73,6 @@ def dispatch(args: argparse.Namespace) -> int:
         out = convert_gguf(args.gguf_file, args.out_dir, dtype=args.dtype)
         print(f"wrote {out}: config.json, model.safetensors, tokenizer files, generation_config.json")
         return 0
-
     if args.command == "simulate":
         from strata_jax.sim.cli import run_simulate
 
