@@ -130,3 +130,27 @@ def test_http_chat_completion_answers_too(engine):
         assert "Paris" in choice["message"]["content"] and choice["finish_reason"] == "stop"
     finally:
         srv.stop(30.0)
+
+
+@pytest.mark.slow  # writes and reloads the 538 MB float32 folder
+def test_convert_gives_a_folder_transformers_loads_with_the_same_model(smollm2_gguf, hf_model, hf_tokenizer, tmp_path):
+    import json
+
+    import transformers
+
+    from strata_jax.models.gguf_model import convert_gguf
+
+    out = convert_gguf(smollm2_gguf, tmp_path / "smollm2")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == hf_tokenizer.eos_token_id
+    assert (out / "chat_template.jinja").read_text() == hf_tokenizer.chat_template
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "In 2024, 12,345 people visited Zürich.\n<|im_start|>user"
+    assert tok(text).input_ids == hf_tokenizer(text).input_ids
+    assert tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False) == hf_tokenizer.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=False
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = hf_tokenizer(text).input_ids
+    with torch.no_grad():
+        ours, ref = model(torch.tensor([ids])).logits, hf_model(torch.tensor([ids])).logits
+    assert (ours - ref).abs().max() <= 1e-4
