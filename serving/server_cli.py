@@ -131,7 +131,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``strata-jax serve``."""
     d = ServerConfig()
     srv = parser.add_argument_group("server")
-    srv.add_argument("--model", default="tiny", help="'tiny' (built-in test model) or a Hugging Face model folder")
+    srv.add_argument("--model", default="tiny", help="'tiny' (built-in test model), a Hugging Face model folder or a .gguf file (needs the gguf extra)")
     srv.add_argument("--served-model-name", default=None, help="model name clients must send (default: the engine's)")
     srv.add_argument("--host", default=d.host, help="address to bind; anything off loopback needs --api-key")
     srv.add_argument("--port", type=int, default=d.port, help="HTTP (OpenAI-compatible) port; 0 picks a free one")

@@ -10,7 +10,7 @@ from strata_jax.api import InvalidRequestError, SamplingParams
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny' (embedded random default) or a local Hugging Face folder")
+    parser.add_argument("--model", default="tiny", help="'tiny' (embedded random default), a local Hugging Face folder or a .gguf file")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
     source.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
