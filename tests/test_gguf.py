@@ -13,13 +13,14 @@ import torch
 
 gguf = pytest.importorskip("gguf", reason="needs the gguf extra: pip install -e '.[gguf]'")
 
-from gguf_reference import write_gguf  # noqa: E402
-from hf_reference import hf_logits, make_hf_model  # noqa: E402
-from strata_jax.models import gguf_file  # noqa: E402
-from strata_jax.models.gguf_file import GGUFError, GGUFFile  # noqa: E402
-from strata_jax.models.gguf_model import convert_gguf  # noqa: E402
-from strata_jax.models.loader import load_model  # noqa: E402
-from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput  # noqa: E402
+from gguf_reference import write_gguf
+from hf_reference import hf_logits, make_hf_model
+
+from strata_jax.models import gguf_file
+from strata_jax.models.gguf_file import GGUFError, GGUFFile
+from strata_jax.models.gguf_model import convert_gguf
+from strata_jax.models.loader import load_model
+from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
 
 REPO = Path(__file__).resolve().parents[1]
 Q = gguf.GGMLQuantizationType
@@ -210,7 +211,7 @@ def test_cli_reports_a_bad_gguf_in_one_line_without_traceback(hf_models, tmp_pat
     )
     done = subprocess.run(
         [sys.executable, "-c", code, str(bad), str(unsupported), str(tmp_path / "out")],
-        capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        check=False, capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
     )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr

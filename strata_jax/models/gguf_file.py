@@ -223,7 +223,10 @@ class GGUFFile:
     def hf_config(self) -> dict[str, Any]:
         """The equivalent Hugging Face ``config.json`` as a dict."""
         arch = self.architecture
-        key = lambda name: f"{arch}.{name}"  # noqa: E731
+
+        def key(name: str) -> str:
+            return f"{arch}.{name}"
+
         hidden = int(self.required(key("embedding_length")))
         heads = int(self.required(key("attention.head_count")))
         kv_heads = int(self.field(key("attention.head_count_kv"), heads))
