@@ -81,6 +81,7 @@ class Engine(EngineCore):
         compiles_before = compilation_cache.COUNTER.snapshot()
         progress.phase("loading model")
         loaded = load_model(config.model, dtype=jnp.dtype(dtype), show_progress=config.show_progress)
+        progress.phase("allocating KV pools")
         self.model_name = loaded.name
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer

@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "match": "strata_jax.bench.match",
     "probe": "strata_jax.bench.probe",
     "serve": "strata_jax.bench.serve",
+    "startup": "strata_jax.bench.startup",
 }
 
 
