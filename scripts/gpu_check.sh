@@ -6,8 +6,8 @@
 # Installs nothing; needs a Python with jax for CUDA or ROCm, flax, numpy, tqdm, pytest and
 # hypothesis (set PYTHON to pick the interpreter; default python3).  Writes into
 # OUT_DIR: devices.txt, tests.txt + tests.xml (pytest), transfer.json + transfer.txt,
-# attention.json + attention.txt, summary.txt.  Each step has its own time limit so
-# the whole run ends in under 8 minutes on one GPU; a failing step is recorded and
+# attention.json + attention.txt, startup.json + startup.txt, summary.txt.  Each step has its own time limit so
+# the whole run ends in under 13 minutes on one GPU; a failing step is recorded and
 # the next one still runs.  Exit status: 0 if every step passed, else 1.
 set -uo pipefail
 
@@ -45,6 +45,10 @@ step tests 270 "$OUT_DIR/tests.txt" \
   --junitxml "$OUT_DIR/tests.xml"
 step transfer 120 "$OUT_DIR/transfer.txt" "${BENCH[@]}" transfer --json "$OUT_DIR/transfer.json"
 step attention 60 "$OUT_DIR/attention.txt" "${BENCH[@]}" attention --json "$OUT_DIR/attention.json"
+# Issue 10: a 32-layer Llama-3.1-8B-width model (random bf16 weights, 16 GB): compile time of
+# its decode + extend programs and their step times, layers under scan vs the unrolled loop.
+step startup 300 "$OUT_DIR/startup.txt" "${BENCH[@]}" startup --step-times 32 --width llama-3.1-8b \
+  --step-reps 10 --json "$OUT_DIR/startup.json"
 
 {
   echo "--- tests"
@@ -53,6 +57,8 @@ step attention 60 "$OUT_DIR/attention.txt" "${BENCH[@]}" attention --json "$OUT_
   cat "$OUT_DIR/transfer.txt"
   echo "--- attention"
   cat "$OUT_DIR/attention.txt"
+  echo "--- startup (32-layer 8B width: compile time, scan vs unrolled step times)"
+  cat "$OUT_DIR/startup.txt"
 } >>"$OUT_DIR/summary.txt"
 cat "$OUT_DIR/summary.txt"
 exit "$status"

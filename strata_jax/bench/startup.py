@@ -29,15 +29,18 @@ import numpy as np
 
 DESCRIPTION = "start-up benchmark: time to ready and programs compiled, cold and warm, per model depth"
 
-# The width of SmolLM2-135M (Llama architecture): the issue's real model.
-WIDTH = {
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-}
+# Model widths (Llama architecture); the default is SmolLM2-135M's, the issue's real model.
+WIDTHS = {
+    "smollm2-135m": {
+        "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+    },
+    "llama-3.1-8b": {
+        "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    },
+}  # fmt: skip
+WIDTH = WIDTHS["smollm2-135m"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,19 +62,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: time decode and extend steps with layers under scan vs the unrolled loop, "
         "side by side in one process, for these depths (comma-separated, e.g. 8,32)",
     )  # fmt: skip
+    parser.add_argument("--width", choices=sorted(WIDTHS), default="smollm2-135m", help="--step-times: model width (default smollm2-135m)")
     parser.add_argument("--step-reps", type=int, default=20, help="--step-times: timed repetitions per step kind (default 20)")
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
 
 
-def write_random_model(folder: Path, num_layers: int, *, seed: int = 0) -> Path:
+def write_random_model(folder: Path, num_layers: int, *, seed: int = 0, width: dict = WIDTH) -> Path:
     """A random Llama HF folder (config.json + one float32 model.safetensors), no tokenizer."""
     from safetensors.numpy import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    h, i, d = WIDTH["hidden_size"], WIDTH["intermediate_size"], WIDTH["head_dim"]
-    q, kv = WIDTH["num_attention_heads"] * d, WIDTH["num_key_value_heads"] * d
+    h, i, d = width["hidden_size"], width["intermediate_size"], width["head_dim"]
+    q, kv = width["num_attention_heads"] * d, width["num_key_value_heads"] * d
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **WIDTH, "num_hidden_layers": num_layers,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **width, "num_hidden_layers": num_layers,
         "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
         "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
     }  # fmt: skip
@@ -81,7 +85,7 @@ def write_random_model(folder: Path, num_layers: int, *, seed: int = 0) -> Path:
     def normal(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
 
-    tensors = {"model.embed_tokens.weight": normal(WIDTH["vocab_size"], h), "model.norm.weight": np.ones(h, np.float32)}
+    tensors = {"model.embed_tokens.weight": normal(width["vocab_size"], h), "model.norm.weight": np.ones(h, np.float32)}
     for layer in range(num_layers):
         p = f"model.layers.{layer}."
         tensors.update({
@@ -225,11 +229,14 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
-def step_times(num_layers: int, reps: int) -> dict:
+def step_times(num_layers: int, reps: int, width: dict = WIDTH) -> dict:
     """Median decode (8 sequences x 1 token over 256-token contexts) and extend (one
-    256-token chunk on a 256-token prefix) step times, scan vs unrolled, interleaved."""
+    256-token chunk on a 256-token prefix) step times, scan vs unrolled, interleaved;
+    plus each variant's compile time of those two programs (first calls).  Weights are
+    float32 on CPU, bfloat16 elsewhere."""
     import statistics
 
+    import jax
     import jax.numpy as jnp
 
     from strata_jax.models.config import ModelConfig
@@ -237,15 +244,19 @@ def step_times(num_layers: int, reps: int) -> dict:
     from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
 
     config = ModelConfig(
-        model_type="llama", vocab_size=WIDTH["vocab_size"], hidden_size=WIDTH["hidden_size"],
-        intermediate_size=WIDTH["intermediate_size"], num_layers=num_layers, num_heads=WIDTH["num_attention_heads"],
-        num_kv_heads=WIDTH["num_key_value_heads"], head_dim=WIDTH["head_dim"], tie_word_embeddings=True,
+        model_type="llama", vocab_size=width["vocab_size"], hidden_size=width["hidden_size"],
+        intermediate_size=width["intermediate_size"], num_layers=num_layers, num_heads=width["num_attention_heads"],
+        num_kv_heads=width["num_key_value_heads"], head_dim=width["head_dim"], tie_word_embeddings=True,
     )  # fmt: skip
-    model = random_model(config, dtype=jnp.float32)
+    on_cpu = jax.default_backend() == "cpu"
+    model = random_model(config, dtype=jnp.float32 if on_cpu else jnp.bfloat16)
     pages_per_seq = 512 // 16
     runners = {}
     for scan in (True, False):
-        rc = RunnerConfig(page_size=16, num_device_pages=8 * pages_per_seq + 1, max_batch_tokens=512, max_batch_size=8, max_context_tokens=512, scan_layers=scan)
+        rc = RunnerConfig(
+            page_size=16, num_device_pages=8 * pages_per_seq + 1, max_batch_tokens=512, max_batch_size=8,
+            max_context_tokens=512, scan_layers=scan, kv_dtype="float32" if on_cpu else "bfloat16",
+        )  # fmt: skip
         runners["scan" if scan else "unrolled"] = ModelRunner(model, rc)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, config.vocab_size, size=256)]
@@ -256,18 +267,21 @@ def step_times(num_layers: int, reps: int) -> dict:
     decode = [SeqInput([int(rng.integers(0, config.vocab_size))], 256, pages(i)) for i in range(8)]
     extend = [SeqInput(prompt, 256, pages(0))]
     times: dict[str, dict[str, list[float]]] = {name: {"decode": [], "extend": []} for name in runners}
-    for runner in runners.values():  # fill contexts and compile the two programs
-        for i in range(8):
-            runner.step([SeqInput(prompt, 0, pages(i))])
+    compile_s = {}
+    for name, runner in runners.items():  # compile the two programs, then fill the contexts
+        start = time.perf_counter()
         runner.step(decode)
         runner.step(extend)
+        compile_s[name] = time.perf_counter() - start
+        for i in range(8):
+            runner.step([SeqInput(prompt, 0, pages(i))])
     for _ in range(reps):
         for name, runner in runners.items():
             for kind, batch in (("decode", decode), ("extend", extend)):
                 start = time.perf_counter()
                 runner.step(batch)
                 times[name][kind].append(time.perf_counter() - start)
-    out: dict = {"layers": num_layers}
+    out: dict = {"layers": num_layers, "compile_s": compile_s}
     for kind in ("decode", "extend"):
         scan_s = statistics.median(times["scan"][kind])
         loop_s = statistics.median(times["unrolled"][kind])
@@ -276,7 +290,10 @@ def step_times(num_layers: int, reps: int) -> dict:
 
 
 def run_step_times(args: argparse.Namespace) -> int:
-    rows = [step_times(int(n), args.step_reps) for n in args.step_times.split(",") if n.strip()]
+    rows = [step_times(int(n), args.step_reps, WIDTHS[args.width]) for n in args.step_times.split(",") if n.strip()]
+    for row in rows:
+        c = row["compile_s"]
+        print(f"{row['layers']} layers ({args.width}): decode+extend programs compiled in {c['scan']:.1f} s with scan, {c['unrolled']:.1f} s unrolled")
     print(f"{'layers':>6} {'kind':<7}{'scan ms':>10}{'unrolled ms':>13}{'scan/unrolled':>15}")
     for row in rows:
         for kind in ("decode", "extend"):
