@@ -38,6 +38,28 @@ def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def llama_cpp_rope_freqs(cfg, head_dim: int) -> np.ndarray | None:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: llama3 rope scaling as one
+    divisor per rope frequency (the ``rope_freqs`` tensor), None for other rope types."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if params.get("rope_type", params.get("type")) != "llama3":
+        return None
+    base = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old = params["original_max_position_embeddings"]
+    divisors = []
+    for freq in 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            divisors.append(1.0)
+        elif wavelen > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
 def gguf_name(hf_name: str) -> str:
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight"
@@ -70,6 +92,9 @@ def write_gguf(
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    rope_freqs = llama_cpp_rope_freqs(cfg, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)

@@ -17,6 +17,7 @@ from gguf_reference import write_gguf
 from hf_reference import hf_logits, make_hf_model
 
 from strata_jax.models import gguf_file
+from strata_jax.models.config import RopeScaling
 from strata_jax.models.gguf_file import GGUFError, GGUFFile
 from strata_jax.models.gguf_model import convert_gguf
 from strata_jax.models.loader import load_model
@@ -45,16 +46,19 @@ def hf_models(tmp_path_factory):
     return get
 
 
-# llama_tied / mistral are written as arch "llama" (q/k permuted by the converter); qwen2 has qkv
-# biases, qwen3 q/k norms and a head_dim that is not hidden/heads.
-@pytest.mark.parametrize("kind", ["llama_tied", "mistral", "qwen2", "qwen3"])
+# llama_tied / mistral / llama3_scaled are written as arch "llama" (q/k permuted by the converter;
+# llama3 rope scaling only as the rope_freqs tensor); qwen2 has qkv biases, qwen3 q/k norms and a
+# head_dim that is not hidden/heads.
+@pytest.mark.parametrize("kind", ["llama_tied", "mistral", "llama3_scaled", "qwen2", "qwen3"])
 def test_gguf_logits_match_the_hf_model_it_came_from(hf_models, tmp_path, kind):
     hf = hf_models(kind)
     path = write_gguf(hf, tmp_path / f"{kind}.gguf")
     loaded = load_model(str(path))
     assert loaded.name == kind and loaded.tokenizer is None  # no tokenizer in the file: token ids only
     assert loaded.config.tie_word_embeddings == hf.config.tie_word_embeddings
-    ids = np.random.default_rng(0).integers(0, hf.config.vocab_size, size=40).tolist()
+    if kind == "llama3_scaled":  # recovered from rope_freqs alone
+        assert loaded.config.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 32)
+    ids = np.random.default_rng(0).integers(0, hf.config.vocab_size, size=100).tolist()  # > llama3_scaled's 32
     ours, ref = _logits(loaded.model, ids), hf_logits(hf, ids).numpy()
     assert np.abs(ours - ref).max() <= 1e-4
     assert (ours.argmax(-1) == ref.argmax(-1)).all()

@@ -278,19 +278,22 @@ class GGUFFile:
             return {"rope_type": "linear", "factor": float(self.required(f"{arch}.rope.scaling.factor"))}
         raise GGUFError(f"{self.path}: rope scaling type {kind!r} is not supported (supported: none, linear, llama3)")
 
-    def _llama3_scaling_from_factors(self, config: dict[str, Any]) -> dict[str, Any]:
+    def _llama3_scaling_from_factors(self, config: dict[str, Any]) -> dict[str, Any] | None:
         """Llama 3.x files store llama3 rope scaling only as per-frequency divisors (``rope_freqs``);
-        find the published parameters that produce exactly those divisors."""
+        find the parameters that produce exactly those divisors: the largest divisor is the
+        factor, low/high frequency factors are Llama 3's 1 and 4, the original context a power of two."""
         stored = self.dequantize(self.tensors[ROPE_FREQS], np.dtype(np.float32)).reshape(-1)
         theta, head_dim = config["rope_theta"], config["head_dim"]
         inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-        for factor in (8.0, 16.0, 32.0, 4.0, 2.0):
-            for original in (8192, 4096, 2048, 16384, 32768, 131072):
-                candidate = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": original}
-                divisors = _llama3_divisors(inv_freq, candidate)
-                if divisors.shape == stored.shape and np.allclose(divisors, stored, rtol=1e-3):
-                    return candidate
+        if stored.size and float(stored.min()) == float(stored.max()) == 1.0:
+            return None  # all ones: no scaling
+        factor = float(stored.max())
+        for original in (2**k for k in range(4, 21)):
+            candidate = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+            divisors = _llama3_divisors(inv_freq, candidate)
+            if divisors.shape == stored.shape and np.allclose(divisors, stored, rtol=1e-3):
+                return candidate
         raise GGUFError(f"{self.path}: its rope_freqs tensor matches no llama3 rope scaling this runtime knows")
 
     # ---- tensors -------------------------------------------------------------------------------
