@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+GENERATION_CONFIG_CHOICES = ("auto", "none")
 
 
 def is_loopback(host: str) -> bool:
@@ -35,6 +36,7 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20  # HTTP bodies and gRPC messages
     max_batch_prompts: int = 64  # prompts in one /v1/completions request
     default_chat_max_tokens: int = 256  # chat requests without max_tokens
+    generation_config: str = "auto"  # "auto": the model's generation_config.json sampling defaults; "none": ignore them
     grace_s: float = 10.0  # SIGTERM: time to finish in-flight work
     profile_dir: str | None = None  # default dir for StartProfile / admin route
     profile_on_start: bool = False  # trace from warm-up to shutdown into profile_dir
@@ -50,6 +52,8 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.max_batch_prompts < 1 or self.default_chat_max_tokens < 1:
             raise ValueError("max_batch_prompts and default_chat_max_tokens must be positive")
+        if self.generation_config not in GENERATION_CONFIG_CHOICES:
+            raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {self.generation_config!r}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.api_key is not None and not self.api_key:

@@ -124,7 +124,7 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
                 raise InvalidRequestError("prompt is empty: set `text` or `token_ids`")
             prompt = request.text if kind == "text" else list(request.token_ids.ids)
             engine = self._frontend.engine_or_none
-            defaults = getattr(engine, "generation_defaults", None)
+            defaults = getattr(engine, "generation_defaults", None) if self._config.generation_config == "auto" else None
             params = params_from_proto(request.params, defaults.sampling_defaults() if defaults is not None else None)
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             self._frontend.count_rejected("grpc", exc)

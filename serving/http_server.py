@@ -245,6 +245,10 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="strata-jax", docs_url=None, redoc_url=None, openapi_url=None)
     limit = config.max_body_bytes
 
+    def model_defaults(engine: Any) -> Any:
+        """The engine's generation_config.json defaults, unless --generation-config none."""
+        return getattr(engine, "generation_defaults", None) if config.generation_config == "auto" else None
+
     async def require_key(request: Request) -> None:
         if config.api_key is None:
             return
@@ -303,7 +307,7 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
                 raise InvalidRequestError("streaming supports exactly one prompt")
             params = req.sampling_params(
                 16 if req.max_tokens is None else req.max_tokens,
-                _sampling_defaults(getattr(engine, "generation_defaults", None)),
+                _sampling_defaults(model_defaults(engine)),
             )
             for p in prompts:  # all prompts are checked before any runs: one bad prompt refuses the request
                 check_prompt(p, engine.vocab_size)
@@ -367,7 +371,7 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
                 chat_template_kwargs=req.chat_template_kwargs,
             )
             prompt_ids = tokenizer.encode(prompt, add_special_tokens=bool(req.add_special_tokens))
-            defaults = getattr(engine, "generation_defaults", None)
+            defaults = model_defaults(engine)
             max_tokens = req.max_output_tokens()
             if max_tokens is None:  # the model's max_new_tokens, else the server's default, within the context
                 room = engine.max_context_tokens - len(prompt_ids)

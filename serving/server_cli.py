@@ -148,6 +148,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.default_chat_max_tokens,
         help="max_tokens for chat requests that do not set it",
     )
+    srv.add_argument(
+        "--generation-config",
+        choices=("auto", "none"),
+        default=d.generation_config,
+        help="auto: sampling fields a request leaves unset take the model's generation_config.json values "
+        "(temperature, top_p, top_k, repetition_penalty, max_new_tokens for chat); none: ignore them and use "
+        "the server defaults (its EOS ids still stop generation)",
+    )
     srv.add_argument("--grace-s", type=float, default=d.grace_s, help="SIGTERM: seconds to finish in-flight work")
     srv.add_argument("--profile-dir", default=None, help="where jax.profiler traces go (StartProfile / admin route)")
     srv.add_argument(
@@ -203,6 +211,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         default_chat_max_tokens=args.default_chat_max_tokens,
+        generation_config=args.generation_config,
         grace_s=args.grace_s,
         profile_dir=args.profile_dir,
         profile_on_start=args.profile_on_start,

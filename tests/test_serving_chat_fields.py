@@ -33,8 +33,7 @@ def folder(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def server(folder):
+def _start(folder, **config) -> ThreadedServer:
     from serving_fake_engine import FakeEngine, FakeEngineConfig
 
     seen: list[tuple[list[int], object]] = []
@@ -53,8 +52,14 @@ def server(folder):
         engine.stream = recording_stream
         return engine
 
-    srv = ThreadedServer(ServerConfig(port=0, grpc_port=0, grace_s=1.0, default_chat_max_tokens=11), build).start()
+    srv = ThreadedServer(ServerConfig(port=0, grpc_port=0, grace_s=1.0, default_chat_max_tokens=11, **config), build).start()
     srv.seen = seen
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    srv = _start(folder)
     yield srv
     srv.stop()
 
@@ -124,3 +129,23 @@ def test_max_completion_tokens_and_sampling_defaults_precedence(server):
     # completions too take the model's sampling defaults (max_tokens keeps OpenAI's 16)
     r = httpx.post(server.http_url + "/v1/completions", json={"model": model, "prompt": "hello"}, timeout=30)
     assert r.status_code == 200 and (_last(server)[1].temperature, _last(server)[1].max_tokens) == (0.6, 16)
+
+
+def test_grpc_unset_sampling_fields_take_the_models_defaults(server):
+    from serving.grpc_client import StrataClient
+
+    with StrataClient(server.grpc_target) as client:
+        assert list(client.generate("hello", max_tokens=2))[-1].finished
+        assert (_last(server)[1].temperature, _last(server)[1].top_p) == (0.6, 0.9)
+        assert list(client.generate("hello", max_tokens=2, temperature=0.0, top_p=0.5))[-1].finished
+        assert (_last(server)[1].temperature, _last(server)[1].top_p) == (0.0, 0.5)
+
+
+def test_generation_config_none_uses_the_server_defaults(folder):
+    srv = _start(folder, generation_config="none")
+    try:
+        assert _chat(srv).status_code == 200
+        params = _last(srv)[1]
+        assert (params.temperature, params.top_p, params.max_tokens) == (1.0, 1.0, 11)  # OpenAI's, --default-chat-max-tokens
+    finally:
+        srv.stop()
