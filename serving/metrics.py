@@ -14,7 +14,7 @@ import logging
 import re
 from typing import Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -188,6 +188,9 @@ class EngineStatsCollector(Collector):
 
 def build_metrics(get_engine: Callable[[], object | None]) -> ServingMetrics:
     """A fresh registry holding the request metrics and the engine collector."""
+    # No `<counter>_created` timestamp samples (a process-wide switch of prometheus_client, which vLLM
+    # flips too): scrapers that do not know them, such as aiperf, read them as counter resets.
+    disable_created_metrics()
     registry = CollectorRegistry()
     metrics = ServingMetrics(registry)
     registry.register(EngineStatsCollector(get_engine))
