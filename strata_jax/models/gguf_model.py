@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from strata_jax.models.config import ModelConfig
+from strata_jax.models.generation_config import GenerationDefaults
 from strata_jax.models.gguf_file import GGUFError, GGUFFile, hf_tensor_name
 from strata_jax.models.gguf_tokenizer import has_tokenizer, write_tokenizer_files
 from strata_jax.models.llama import LlamaForCausalLM
@@ -33,11 +34,12 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
 
 def load_gguf(
     path: str | Path, *, dtype: jnp.dtype = jnp.float32, show_progress: bool = True
-) -> tuple[ModelConfig, LlamaForCausalLM, HFTokenizer | None]:
-    """Config, weights (dequantized to ``dtype``, one tensor at a time) and tokenizer of a GGUF file
-    (None when the file carries no tokenizer: the model then takes token ids only)."""
+) -> tuple[ModelConfig, LlamaForCausalLM, HFTokenizer | None, GenerationDefaults]:
+    """Config, weights (dequantized to ``dtype``, one tensor at a time), tokenizer (None when the file
+    carries none: the model then takes token ids only) and generation defaults of a GGUF file."""
     gguf = GGUFFile(path)
     config = model_config(gguf)
+    generation = GenerationDefaults.from_dict(generation_config(gguf.hf_config()), source=str(gguf.path))
     tensors = gguf.named_tensors(np.dtype(dtype), config.num_heads, config.num_kv_heads)
     tokenizer = None
     if has_tokenizer(gguf):
@@ -45,7 +47,7 @@ def load_gguf(
             write_tokenizer_files(gguf, Path(folder))
             tokenizer = HFTokenizer(folder)
     model = load_named_tensors(tensors, config, dtype=dtype, show_progress=show_progress, source=str(gguf.path))
-    return config, model, tokenizer
+    return config, model, tokenizer, generation
 
 
 def generation_config(hf_config: dict[str, Any]) -> dict[str, Any]:

@@ -67,8 +67,8 @@ def load_model(spec: str, *, dtype: jnp.dtype = jnp.float32, show_progress: bool
     if is_gguf_path(spec):
         from strata_jax.models.gguf_model import load_gguf
 
-        config, model, tokenizer = load_gguf(spec, dtype=dtype, show_progress=show_progress)
-        return LoadedModel(Path(spec).stem, config, model, tokenizer)
+        config, model, tokenizer, generation = load_gguf(spec, dtype=dtype, show_progress=show_progress)
+        return LoadedModel(Path(spec).stem, config, model, tokenizer, generation)
     folder = Path(spec)
     if not folder.is_dir():
         raise ModelConfigError(f"model {spec!r} is neither 'tiny' nor an existing directory (nor a .gguf file)")
