@@ -20,6 +20,7 @@ from pallas_kernels.dispatch import (
     resolve_backend,
     scatter_pages,
     use_backend,
+    write_kv,
 )
 from pallas_kernels.layout import KVLayout
 from pallas_kernels.reference import (
@@ -28,9 +29,6 @@ from pallas_kernels.reference import (
     scatter_pages_reference,
     write_kv_reference,
 )
-
-# write_kv has no Pallas kernel: one small XLA scatter on every platform.
-write_kv = write_kv_reference
 
 __all__ = [
     "BACKENDS",

@@ -23,17 +23,23 @@ DEFAULT_DEVICE_KIND: Mapping[str, str] = MappingProxyType({"cuda": "NVIDIA H200"
 
 
 @contextlib.contextmanager
-def gpu_lowering_target(platform: str, device_kind: str | None = None) -> Iterator[None]:
+def gpu_lowering_target(
+    platform: str, device_kind: str | None = None, *, mesh_axes: Mapping[str, int] | None = None
+) -> Iterator[None]:
     """Make ``platform`` ("cuda" or "rocm") kernels lowerable on this host.
 
     ``device_kind`` is what the device would report (``"NVIDIA H100"``, ``"gfx90a"``);
     it picks the compute capability / architecture Triton is lowered for.
+    ``mesh_axes`` (e.g. ``{"tp": 2}``): lower a program sharded over a mesh of that
+    shape (the abstract GPU mesh then has those axes; ``pallas_kernels.sharded`` runs
+    its per-shard kernels on it).
     """
     if platform not in DEFAULT_DEVICE_KIND:
         raise ValueError(f"gpu_lowering_target: platform must be one of {sorted(DEFAULT_DEVICE_KIND)}, got {platform!r}")
     kind = device_kind or DEFAULT_DEVICE_KIND[platform]
     device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform=platform)
-    mesh = jax.sharding.AbstractMesh((1,), ("aot",), abstract_device=device)
+    axes = dict(mesh_axes) if mesh_axes else {"aot": 1}
+    mesh = jax.sharding.AbstractMesh(tuple(axes.values()), tuple(axes), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
         yield
 

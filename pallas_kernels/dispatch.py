@@ -20,6 +20,10 @@ backend even if the environment changes later.
 ``"pallas"`` raises instead.
 
 ``write_kv`` has no Pallas kernel: it is one small XLA scatter on every platform.
+
+Inside ``pallas_kernels.sharded.use_head_sharding(mesh)`` (tensor parallelism) every
+entry point below runs its implementation per shard of the KV heads under
+``shard_map``; the pool's and the page-first staging's head axis is 4.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from types import MappingProxyType
 
 import jax
 
+from pallas_kernels import sharded
 from pallas_kernels.attention import (
     attention_supported,
     ragged_paged_attention_pallas,
@@ -44,6 +49,7 @@ from pallas_kernels.reference import (
     ragged_paged_attention_pool_reference,
     ragged_paged_attention_reference,
     scatter_pages_reference,
+    write_kv_reference,
 )
 from pallas_kernels.transfer import gather_pages_pallas, scatter_pages_pallas
 
@@ -168,12 +174,19 @@ def scatter_pages(
     Out-of-range ids are dropped.  Donate ``pool`` (``jax.jit(..., donate_argnums=...)``)
     so the update is in place.  See ``pallas_kernels.reference.scatter_pages_reference``.
     """
-    return get_implementation("scatter_pages", backend)(pool, staging, page_ids)
+    impl = get_implementation("scatter_pages", backend)
+    return sharded.per_head_shard(impl, (pool, staging, page_ids), (4, 4, None), 4)
 
 
 def gather_pages(pool: jax.Array, page_ids: jax.Array, *, backend: str | KernelConfig | None = None) -> jax.Array:
     """Read ``pool[L, 2, P, S, H, D]`` pages ``page_ids[n]`` into page-first ``[n, L, 2, S, H, D]``."""
-    return get_implementation("gather_pages", backend)(pool, page_ids)
+    impl = get_implementation("gather_pages", backend)
+    return sharded.per_head_shard(impl, (pool, page_ids), (4, None), 4)
+
+
+def write_kv(kv_pool: jax.Array, layer: int | jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Write new tokens' K/V ``[T, H, D]`` of one layer into the pool (``write_kv_reference``)."""
+    return sharded.per_head_shard(write_kv_reference, (kv_pool, layer, k, v, slot_mapping), (4, None, 1, 1, None), 4)
 
 
 def _attention_backend(head_dim: int, backend: str | KernelConfig | None) -> str:
@@ -238,8 +251,14 @@ def ragged_paged_attention_pool(
     impl = _IMPLEMENTATIONS["ragged_paged_attention_pool"][name]
     args = (q, kv_pool, layer, page_table, seq_lens, query_start)
     if name == "reference":
-        return impl(*args, sm_scale=sm_scale, soft_cap=soft_cap)
-    return impl(*args, sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len), kv_pool
+        call = functools.partial(impl, sm_scale=sm_scale, soft_cap=soft_cap)
+    else:
+
+        def call(*a):  # noqa: ANN002, ANN202
+            return impl(*a, sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len), a[1]
+
+    # Heads: q's axis 1 and the pool's axis 4 (a shard's q heads attend its own KV heads).
+    return sharded.per_head_shard(call, args, (1, 4, None, None, None, None), (1, 4))
 
 
 __all__ = [
@@ -258,4 +277,5 @@ __all__ = [
     "resolve_backend",
     "scatter_pages",
     "use_backend",
+    "write_kv",
 ]

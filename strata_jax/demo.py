@@ -62,6 +62,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"answer length limit per question (default {TINY_MAX_TOKENS} for the tiny model, {CHAT_MAX_TOKENS} for chat models)",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the measurements and answers to this JSON file")
+    from strata_jax.generate_cli import add_tp_argument
+
+    add_tp_argument(parser)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -70,7 +73,7 @@ def run_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="strata-demo-kv-") as storage_dir:
         engine = Engine(
             EngineConfig(
-                model=args.model, tiers="L1+L2+L3", storage_dir=storage_dir, max_batch_size=1, max_batch_tokens=512,
+                model=args.model, tp=args.tp, tiers="L1+L2+L3", storage_dir=storage_dir, max_batch_size=1, max_batch_tokens=512,
                 prefetch_policy="wait_complete", prefetch_min_tokens=0,
             )
         )

@@ -47,6 +47,7 @@ from strata_jax.engine_requests import TrackedRequest
 from strata_jax.engine_step import EngineCore
 from strata_jax.models.loader import load_model
 from strata_jax.runtime import compilation_cache
+from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.jax_executor import JaxExecutor
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig
 from strata_jax.runtime.platform import resolve as resolve_platform
@@ -79,8 +80,10 @@ class Engine(EngineCore):
         progress = on_progress or WarmupProgress()
         self.compilation_cache_dir = compilation_cache.configure(config.compilation_cache_dir)
         compiles_before = compilation_cache.COUNTER.snapshot()
+        self.mesh = tp_sharding.make_mesh(config.tp) if config.tp > 1 else None  # before loading: fail fast
         progress.phase("loading model")
         loaded = load_model(config.model, dtype=jnp.dtype(dtype), show_progress=config.show_progress)
+        tp_sharding.check_model(loaded.config, config.tp)
         progress.phase("allocating KV pools")
         self.model_name = loaded.name
         self.model_config = loaded.config
@@ -98,7 +101,9 @@ class Engine(EngineCore):
         cache_config = config.cache_config(self.max_context_tokens)
         self.page_size = cache_config.page_size
         layout = KVLayout(loaded.config.num_layers, loaded.config.num_kv_heads, loaded.config.head_dim, self.page_size, kv_dtype)
-        self.ctl = CacheController(cache_config, layout)
+        # tp: the L1 pool is split on its KV heads; host pages and L3 objects stay whole pages.
+        pool_device = tp_sharding.pool_sharding(self.mesh) if self.mesh is not None else None
+        self.ctl = CacheController(cache_config, layout, device=pool_device)
         self.runner = ModelRunner(
             loaded.model,
             RunnerConfig(
@@ -112,6 +117,7 @@ class Engine(EngineCore):
                 scan_layers=config.scan_layers,
             ),
             pool=self.ctl.device_pool,
+            mesh=self.mesh,
         )
         cost = CostModel(CostPrior(bytes_per_token=layout.token_bytes, link_bytes_per_s=self.ctl.link_bandwidth))
         EngineCore.__init__(

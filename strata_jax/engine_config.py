@@ -53,6 +53,10 @@ class EngineConfig:
         "pallas", "reference" or "interpret" (Pallas interpreted; slow, for tests).
     scan_layers: run the decoder layers under ``jax.lax.scan`` (default: compile time
         independent of depth); False unrolls them (for step-time comparisons).
+    tp: tensor-parallel size (default 1): the model and the KV pool are split over the
+        first ``tp`` devices (attention heads, KV heads and MLP columns; see
+        ``strata_jax.runtime.sharding``).  Must divide the model's attention heads, KV
+        heads and intermediate size, and not exceed its KV heads or the device count.
     """
 
     model: str = "tiny"
@@ -78,11 +82,12 @@ class EngineConfig:
     show_progress: bool = True
     kernel_backend: str = "auto"
     scan_layers: bool = True
+    tp: int = 1
     cache: CacheConfig | None = None
     scheduler: SchedulerConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_batch_tokens", "max_batch_size", "max_waiting"):
+        for name in ("page_size", "max_batch_tokens", "max_batch_size", "max_waiting", "tp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"EngineConfig.{name} must be a positive integer, got {value!r}")

@@ -21,7 +21,18 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sampling seed for reproducible output")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="weights/KV dtype (default: float32 on CPU, bfloat16 on GPU)")
+    add_tp_argument(parser)
     parser.add_argument("--json", action="store_true", help='print only {"token_ids": [...], "text": "..."} on stdout')
+
+
+def add_tp_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size: split the model and KV pool over this many devices (default 1; "
+        "must divide the attention heads, KV heads and intermediate size; see docs/runtime.md)",
+    )
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -50,7 +61,11 @@ def run_generate(args: argparse.Namespace) -> int:
     except InvalidRequestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, warmup=False, show_progress=not args.json))
+    try:
+        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, tp=args.tp, warmup=False, show_progress=not args.json))
+    except InvalidRequestError as exc:  # e.g. --tp above the device count or not dividing the heads
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         out = engine.generate([prompt], params)[0]
     except InvalidRequestError as exc:

@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "probe": "strata_jax.bench.probe",
     "serve": "strata_jax.bench.serve",
     "startup": "strata_jax.bench.startup",
+    "tp": "strata_jax.bench.tp",
 }
 
 

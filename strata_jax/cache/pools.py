@@ -7,6 +7,9 @@ which page belongs to whom is the allocators' and the tree's business.
   ``load_pages``) *donates* it and stores the result back with ``replace``.
   Reads (``gather_pages``) are ordered before later writes by JAX's data flow, so
   a device page may be freed as soon as a gather out of it is dispatched.
+* Under tensor parallelism the device pool is split on its KV-head axis (each device
+  moves its own heads of a page); host pages and L3 objects stay whole pages in the
+  page-first layout, so they are the same bytes whatever the tp size.
 * ``HostPool.data`` is plain numpy ``[num_pages, L, 2, page_size, H, D]`` (pinned
   host memory on GPU is future work, see docs/cache.md); one page is one
   contiguous block.
@@ -92,29 +95,54 @@ class HostPool:
             self.data[np.asarray(pages, dtype=np.int64)] = values[:n]
 
 
-_JITTED: dict[str, tuple] = {}
+_JITTED: dict[tuple, tuple] = {}
 
 
-def _jitted_transfers(backend: str) -> tuple:
+def _jitted_transfers(backend: str, sharding=None) -> tuple:  # noqa: ANN001
     """The jitted scatter (pool donated) and gather for a concrete kernel backend, shared
-    by every pool using it (one compile per shape and backend)."""
-    if backend not in _JITTED:  # a cache of compiled functions, not state: pools stay independent
+    by every pool using it (one compile per shape and backend).
+
+    With a head-sharded ``sharding`` (tensor parallelism, ``strata_jax.runtime.sharding``)
+    pool, staging and gathered pages are split on the KV heads and the kernels run per
+    shard (``pallas_kernels.sharded``): each device scatters / gathers only its heads.
+    """
+    key = (backend, sharding)
+    if key not in _JITTED:  # a cache of compiled functions, not state: pools stay independent
         import jax
 
         import pallas_kernels
+        from pallas_kernels.sharded import use_head_sharding
+
+        mesh = sharding.mesh if sharding is not None else None
 
         def _scatter(pool, staging, ids):  # noqa: ANN001, ANN202
-            return pallas_kernels.scatter_pages(pool, staging, ids, backend=backend)
+            with use_head_sharding(mesh):
+                return pallas_kernels.scatter_pages(pool, staging, ids, backend=backend)
 
         def _gather(pool, ids):  # noqa: ANN001, ANN202
-            return pallas_kernels.gather_pages(pool, ids, backend=backend)
+            with use_head_sharding(mesh):
+                return pallas_kernels.gather_pages(pool, ids, backend=backend)
 
-        _JITTED[backend] = (jax.jit(_scatter, donate_argnums=0), jax.jit(_gather))
-    return _JITTED[backend]
+        if sharding is None:
+            _JITTED[key] = (jax.jit(_scatter, donate_argnums=0), jax.jit(_gather))
+        else:
+            ids = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            _JITTED[key] = (
+                jax.jit(_scatter, donate_argnums=0, in_shardings=(sharding, sharding, ids), out_shardings=sharding),
+                jax.jit(_gather, in_shardings=(sharding, ids), out_shardings=sharding),
+            )
+    return _JITTED[key]
 
 
 class DevicePool:
-    """Layer-first L1 pool ``kv[L, 2, num_pages, S, H, D]`` with donated page transfers."""
+    """Layer-first L1 pool ``kv[L, 2, num_pages, S, H, D]`` with donated page transfers.
+
+    ``device``: a device, or a sharding; a ``NamedSharding`` splitting axis 4 (the KV
+    heads) over a ``tp`` mesh axis (``strata_jax.runtime.sharding.pool_sharding``)
+    makes a tensor-parallel pool: each device holds its heads of every page, a load
+    ``device_put``s a whole-page staging buffer with the same sharding (each device
+    receives its heads' bytes only) and a backup's gather comes back as whole pages.
+    """
 
     def __init__(self, layout: KVLayout, num_pages: int, device=None, *, kernel_backend: str = "auto") -> None:  # noqa: ANN001
         import jax
@@ -125,12 +153,17 @@ class DevicePool:
         self.layout = layout
         self.num_pages = num_pages
         self._device = device
-        kv = jnp.zeros(layout.device_pool_shape(num_pages), dtype=layout.dtype)
-        self.kv = jax.device_put(kv, device) if device is not None else kv
+        shape = layout.device_pool_shape(num_pages)
+        if isinstance(device, jax.sharding.Sharding):  # allocated in place, shard by shard
+            self.kv = jax.jit(lambda: jnp.zeros(shape, dtype=layout.dtype), out_shardings=device)()
+        else:
+            kv = jnp.zeros(shape, dtype=layout.dtype)
+            self.kv = jax.device_put(kv, device) if device is not None else kv
 
         # Resolved now (argument, then $STRATA_KERNEL_BACKEND, then platform) and fixed for the pool's life.
         self.kernel_backend = pallas_kernels.resolve_backend(kernel_backend)
-        self._scatter, self._gather = _jitted_transfers(self.kernel_backend)
+        head_sharded = isinstance(device, jax.sharding.NamedSharding) and len(device.mesh.devices.flat) > 1
+        self._scatter, self._gather = _jitted_transfers(self.kernel_backend, device if head_sharded else None)
 
     def replace(self, kv) -> None:  # noqa: ANN001
         """Store the pool returned by a step that donated ``self.kv``."""

@@ -25,7 +25,9 @@ from tqdm.auto import tqdm
 
 import pallas_kernels
 from pallas_kernels.layout import KVLayout
+from pallas_kernels.sharded import use_head_sharding
 from strata_jax.models.llama import AttentionMetadata, LlamaForCausalLM
+from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.buckets import extend_rows, pick_bucket, power_of_two_buckets
 from strata_jax.runtime.sampling import sample_tokens
 
@@ -105,9 +107,24 @@ class _OwnPool:
 
 class ModelRunner:
     """Runs steps over a KV pool held by ``pool`` (any object with a ``kv`` attribute,
-    e.g. the cache controller's ``DevicePool``); without one the runner makes its own."""
+    e.g. the cache controller's ``DevicePool``); without one the runner makes its own.
 
-    def __init__(self, model: LlamaForCausalLM, config: RunnerConfig, *, pool: object | None = None):
+    ``mesh`` (a ``strata_jax.runtime.sharding.make_mesh`` mesh with a ``tp`` axis):
+    tensor parallelism.  The parameters are placed by the sharding rules, the pool
+    must be split on its KV heads (``sharding.pool_sharding``), and the step is jitted
+    with those shardings explicitly (pool still donated); attention and the KV write
+    run per shard (``pallas_kernels.sharded``).  ``vocab_parallel`` also splits the
+    embedding and LM head on the vocabulary (default: replicated, see ``sharding``)."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: RunnerConfig,
+        *,
+        pool: object | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        vocab_parallel: bool = tp_sharding.VOCAB_PARALLEL,
+    ):
         self.model_config = model.config
         self.config = config
         self.layout = KVLayout(
@@ -120,10 +137,20 @@ class ModelRunner:
         # Fixed now, so every program this runner traces uses the same kernels.
         self.kernel_backend = pallas_kernels.resolve_backend(config.kernel_backend)
         self.graphdef, self.state = nnx.split(model)
+        self.mesh = mesh if mesh is not None and mesh.shape[tp_sharding.TP_AXIS] > 1 else None
+        pool_shape = self.layout.device_pool_shape(config.num_device_pages)
+        if self.mesh is not None:
+            tp_sharding.check_model(model.config, self.mesh.shape[tp_sharding.TP_AXIS], vocab_parallel=vocab_parallel)
+            state_sh = tp_sharding.state_shardings(self.state, self.mesh, vocab_parallel=vocab_parallel)
+            self.state = jax.device_put(self.state, state_sh)
+            pool_sh, rep = tp_sharding.pool_sharding(self.mesh), tp_sharding.replicated(self.mesh)
         if pool is None:
-            pool = _OwnPool(jnp.zeros(self.layout.device_pool_shape(config.num_device_pages), jnp.dtype(config.kv_dtype)))
-        elif tuple(pool.kv.shape) != self.layout.device_pool_shape(config.num_device_pages):
+            zeros = partial(jnp.zeros, pool_shape, jnp.dtype(config.kv_dtype))
+            pool = _OwnPool(jax.jit(zeros, out_shardings=pool_sh)() if self.mesh is not None else zeros())
+        elif tuple(pool.kv.shape) != pool_shape:
             raise ValueError(f"pool shape {tuple(pool.kv.shape)} does not match the runner's layout")
+        elif self.mesh is not None and not pool.kv.sharding.is_equivalent_to(pool_sh, len(pool_shape)):
+            raise ValueError(f"tensor parallel runner needs a pool split on its KV heads ({pool_sh}), got {pool.kv.sharding}")
         self.pool = pool
         self.token_buckets = power_of_two_buckets(
             min(config.min_token_bucket, config.max_batch_tokens), config.max_batch_tokens
@@ -134,10 +161,15 @@ class ModelRunner:
         self.extend_shapes = tuple(
             (t, extend_rows(t, self.token_buckets[-1], config.max_batch_size)) for t in self.token_buckets if t >= 2
         )
+        shardings = {}
+        if self.mesh is not None:  # explicit: params by the rules, pool by heads, the rest replicated
+            shardings = {"in_shardings": (state_sh, pool_sh, rep), "out_shardings": (rep, rep, pool_sh)}
         self._step = jax.jit(
-            partial(_forward_step, self.graphdef, scan_layers=config.scan_layers),
+            # all_logits positional-static: jit takes no keyword arguments once in_shardings are set
+            partial(_forward_step, self.graphdef, self.mesh, scan_layers=config.scan_layers),
             donate_argnums=(1,),
-            static_argnames=("all_logits",),
+            static_argnums=(3,),
+            **shardings,
         )
         self.num_slots = config.num_device_pages * config.page_size
 
@@ -182,7 +214,7 @@ class ModelRunner:
 
     def _run_padded(self, inputs: dict, *, all_logits: bool):
         with pallas_kernels.use_backend(self.kernel_backend):  # in effect when a new shape is traced
-            next_tokens, logits, self.pool.kv = self._step(self.state, self.pool.kv, inputs, all_logits=all_logits)
+            next_tokens, logits, self.pool.kv = self._step(self.state, self.pool.kv, inputs, all_logits)
         return next_tokens, logits
 
     @property
@@ -256,9 +288,10 @@ class ModelRunner:
         return x
 
 
-def _forward_step(graphdef, state, kv_pool, inputs: dict, *, all_logits: bool, scan_layers: bool):
+def _forward_step(graphdef, mesh, state, kv_pool, inputs: dict, all_logits: bool, *, scan_layers: bool):
     model = nnx.merge(graphdef, state)
-    hidden, kv_pool = model(inputs["input_ids"], inputs["positions"], kv_pool, inputs["meta"], scan_layers=scan_layers)
+    with use_head_sharding(mesh):  # attention and the KV write per shard of the heads (tp)
+        hidden, kv_pool = model(inputs["input_ids"], inputs["positions"], kv_pool, inputs["meta"], scan_layers=scan_layers)
     last_logits = model.logits(hidden[inputs["last_index"]])
     next_tokens = sample_tokens(last_logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["rng_keys"])
     logits = model.logits(hidden) if all_logits else None
