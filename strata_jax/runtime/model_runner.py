@@ -92,10 +92,17 @@ class PendingStep:
 
     def result(self) -> StepResult:
         """Wait for the step and fetch its sampled tokens (and logits if requested)."""
-        out = StepResult(next_tokens=np.asarray(self.next_tokens)[: self.num_seqs])
+        out = StepResult(next_tokens=_host_copy(self.next_tokens)[: self.num_seqs])
         if self.logits is not None:
-            out.logits = np.asarray(self.logits)[: self.num_tokens]
+            out.logits = _host_copy(self.logits)[: self.num_tokens]
         return out
+
+
+def _host_copy(x: jax.Array) -> np.ndarray:
+    """A replicated step output on the host.  On a mesh spanning processes
+    (docs/multihost.md) the array has shards this process cannot address and
+    ``np.asarray`` refuses it; every local shard holds the whole value."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
 class _OwnPool:
