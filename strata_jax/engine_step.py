@@ -203,11 +203,15 @@ class EngineCore:
             for item in prefill:
                 t = self._tracked[item.request_id]
                 work.append(self._work(t, list(item.request.prefill_tokens[t.computed : item.end]), t.computed))
+            landed = all(self.ctl.is_ready(h) for h in loads)  # nothing to wait for: a clean compute timing
             out = self.executor.extend(work, loads)
             for item in prefill:
                 self._tracked[item.request_id].computed = item.end
         self.counters["prefill_steps"] += 1
-        self.scheduler.cost.observe_extend([(it.new_tokens, it.start) for it in prefill], out.seconds)
+        if landed:
+            # A step that waited for its loads timed the link as much as the compute: fitting
+            # it would teach the extend model that compute is dear and tokens are cheap.
+            self.scheduler.cost.observe_extend([(it.new_tokens, it.start) for it in prefill], out.seconds)
         return {it.request_id: out.tokens[it.request_id] for it in prefill if it.is_last_chunk}
 
     def _dispatch_decode(self, decode: list[ScheduledRequest]) -> Any:

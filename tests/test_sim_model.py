@@ -178,3 +178,21 @@ def test_workload_shapes():
     assert trace[0].prompt[:512] == trace[1].prompt[:512]  # equal leading hash ids share a prefix
     mt = W.multiturn(num_requests=20, rate=1.0, seed=0, rounds=4)
     assert sum(r.depends_on is None for r in mt) == 5
+
+
+def test_simulate_cli_writes_the_documented_json_and_plot(tmp_path, capsys):
+    from strata_jax.cli import main
+
+    out, png = tmp_path / "runs.json", tmp_path / "fig.png"
+    argv = ["simulate", "--workload", "sharegpt", "--num-requests", "30", "--rates", "2,8", "--systems", "hicache,strata",
+            "--json", str(out), "--no-progress"]  # fmt: skip
+    pytest.importorskip("matplotlib")
+    assert main(argv + ["--plot", str(png)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) >= {"runs", "wall_s"} and len(doc["runs"]) == 4
+    keys = {"system", "rate", "ttft_mean", "ttft_p99", "throughput_rps", "output_tps", "load_stall_fraction", "hit_rate"}
+    assert all(keys <= set(r) and r["finished"] == 30 for r in doc["runs"])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "sustained rate" in capsys.readouterr().out
+    assert main(["simulate", "--systems", "vllm", "--no-progress"]) == 2
+    assert "unknown system 'vllm'" in capsys.readouterr().err

@@ -72,6 +72,15 @@ def _parse_rates(text: str) -> list[float]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    """Bad input (an unknown system, profile or model; missing data) is one line on stderr, exit 2."""
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as exc:  # ProfileError is a ValueError
+        print(f"strata-jax simulate: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.calibrate:
         from strata_jax.sim.calibrate import calibrate
 
@@ -87,7 +96,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         model=load_model_spec(args.model, args.tp), profile=load_profile(args.profile), page_size=args.page_size,
         device_tokens=args.device_kv_tokens, host_tokens=args.host_kv_tokens, write_policy=args.write_policy,
     )  # fmt: skip
-    wall0 = time.perf_counter()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     runs: list[RunResult] = []
     bar = None
     if not args.no_progress:
@@ -102,7 +111,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             runs.append(simulate(requests, system, setup, rate, progress=bar.update if bar is not None else None))
     if bar is not None:
         bar.close()
-    wall = time.perf_counter() - wall0
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     from strata_jax.sim.report import ablation_table, plot, table
 
     by_system: dict[str, list[RunResult]] = {}
@@ -112,9 +121,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     print(table(runs))
     print()
     print(ablation_table(by_system, args.ttft_target, baseline=systems[0].name))
-    print(f"\nwall {wall:.1f} s")
+    print(f"\nwall {wall:.1f} s (CPU {cpu:.1f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": [r.row() for r in runs], "wall_s": wall}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"runs": [r.row() for r in runs], "wall_s": wall, "cpu_s": cpu}, indent=2) + "\n")
     if args.plot:
         plot(by_system, Path(args.plot), f"{args.workload}, {setup.model.name}, {setup.profile.name}")
     return 0
