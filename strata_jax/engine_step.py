@@ -154,8 +154,8 @@ class EngineCore:
 
     def _poll(self) -> None:
         for handle in self.ctl.poll():
-            if handle.kind == "load" and handle.seconds is not None:
-                self.scheduler.cost.observe_load(handle.num_pages * self.page_size, handle.seconds, tier="host")
+            if handle.kind == "load" and handle.service_seconds is not None:
+                self.scheduler.cost.observe_load(handle.num_pages * self.page_size, handle.service_seconds, tier="host")
 
     def _pin_and_make_room(self, plan: StepPlan) -> set[str]:
         """Retractions; pin each first chunk's cached prefix; evict; pages for the decodes.

@@ -126,6 +126,7 @@ class CacheController(Transfers, StorageIO, Eviction):
         self._recent_writes: dict[bytes, float] = {}  # keys this instance wrote to L3 lately
         self._bandwidth = float(config.initial_bandwidth_bytes_per_s)
         self._bandwidth_samples = 0
+        self._link_free_at = float("-inf")  # when the last measured load landed
         self.counters = {
             "loaded_pages": 0,
             "backed_up_pages": 0,

@@ -50,6 +50,7 @@ class TransferHandle:
     done: bool = False
     completed_at: float | None = None  # when poll/is_ready/wait noticed it
     landed_at: float | None = None  # when it landed, stamped by a watcher thread (loads)
+    service_seconds: float | None = None  # loads: time on the link, queue in front excluded (set on completion)
     _is_finished: Callable[[], bool] = field(default=lambda: True, repr=False)
     _block: Callable[[], None] = field(default=lambda: None, repr=False)
     _on_done: Callable[[], None] = field(default=lambda: None, repr=False)

@@ -142,8 +142,18 @@ class Transfers:
         return handle
 
     def _measure(self, handle: TransferHandle) -> None:
-        elapsed = handle.seconds
-        if handle.nbytes > 0 and elapsed is not None:
+        """Bandwidth from the load's *service* time on the link: from when it could start
+        (issued, and the previous load landed: loads share one link, first in first out)
+        to its landing.  Issue-to-landing would count the queue in front of it, and a
+        backlog would read as a slow link (the scheduler then sees loads as dearer)."""
+        end = handle.landed_at if handle.landed_at is not None else handle.completed_at
+        if end is None:
+            return
+        start = max(handle.issued_at, self._link_free_at)
+        self._link_free_at = max(self._link_free_at, end)
+        elapsed = max(end - start, 1e-9)
+        handle.service_seconds = elapsed
+        if handle.nbytes > 0:
             sample = handle.nbytes / elapsed
             a = self.config.bandwidth_ema
             self._bandwidth = sample if self._bandwidth_samples == 0 else (1 - a) * self._bandwidth + a * sample
