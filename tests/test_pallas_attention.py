@@ -236,12 +236,12 @@ def test_traced_layer_index_under_scan_reads_and_writes_each_layer():
     for backend in ("interpret", "reference"):
 
         @jax.jit
-        def run(pool):
-            def body(pool, layer):
-                s = (layer + 1).astype(jnp.float32)
-                pool = pallas_kernels.write_kv(pool, layer, new_k * s, new_v * s, slot_mapping)
+        def run(pool, backend=backend):
+            def body(pool, layer_idx):
+                s = (layer_idx + 1).astype(jnp.float32)
+                pool = pallas_kernels.write_kv(pool, layer_idx, new_k * s, new_v * s, slot_mapping)
                 out, pool = dispatch.ragged_paged_attention_pool(
-                    q, pool, layer, table, seq_lens, qs, sm_scale=0.25, backend=backend
+                    q, pool, layer_idx, table, seq_lens, qs, sm_scale=0.25, backend=backend
                 )
                 return pool, out
 

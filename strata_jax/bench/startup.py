@@ -188,7 +188,7 @@ def start_once(args: argparse.Namespace, model: str, xdg_cache: Path) -> dict:
     env["STRATA_BENCH_ENGINE"] = json.dumps(engine_kwargs(args, model))
     env["STRATA_BENCH_SPAWN"] = repr(time.time())
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD], env=env, cwd=str(xdg_cache.parent), capture_output=True, text=True, timeout=args.timeout
+        [sys.executable, "-c", CHILD], env=env, cwd=str(xdg_cache.parent), capture_output=True, text=True, timeout=args.timeout, check=False
     )
     for line in proc.stdout.splitlines():
         if line.startswith("STRATA_BENCH_RESULT "):
