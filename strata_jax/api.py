@@ -6,6 +6,8 @@ Everything a user passes in is validated here and rejected with
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -32,6 +34,9 @@ class RequestAbortedError(StrataError):
 
 MAX_STOP_STRINGS = 16
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's limit)
+MAX_N = 16  # choices per request (n / best_of); documented in docs/serving.md
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,21 @@ class SamplingParams:
     ``seed`` makes sampling reproducible per request.  Generation stops at
     ``max_tokens``, on the model's EOS (unless ``ignore_eos``), on any of
     ``stop_token_ids``, or when the text ends with one of ``stop`` (the stop string
-    is not included in the returned text).
+    is not included in the returned text).  ``max_tokens`` 0 generates nothing (only
+    useful with ``prompt_logprobs``: scoring a prompt).
+
+    Logprobs (log-softmax of the model's raw logits, before penalties/bias/temperature):
+    ``logprobs`` N returns, per generated token, its logprob and the N most likely
+    alternatives (0: the token's own only); ``prompt_logprobs`` N the same for every
+    prompt token after the first.  Both are None (off) by default, at most 20.
+
+    Penalties and biases (applied on the device, in this order, before temperature):
+    ``logit_bias`` {token id: value in [-100, 100]} added to the logits; ``min_tokens``
+    masks EOS and ``stop_token_ids`` until that many tokens were generated;
+    ``repetition_penalty`` (HF's: every token seen in prompt or output has a positive
+    logit divided by it, a negative one multiplied; 1 is off); ``frequency_penalty`` and
+    ``presence_penalty`` in [-2, 2] (OpenAI's: logit - count * frequency -
+    (count > 0) * presence, over generated tokens).
     """
 
     max_tokens: int = 16
@@ -54,13 +73,28 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        _check_int("max_tokens", self.max_tokens, 0, MAX_TOKENS_LIMIT)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_int("min_tokens", self.min_tokens, 0, MAX_TOKENS_LIMIT)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        self._check_logit_bias()
         _check_float("temperature", self.temperature, 0.0, 100.0)
         _check_int("top_k", self.top_k, 0, 1 << 31)
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
@@ -75,9 +109,60 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, 0, 1 << 31)
 
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError(f"logit_bias must be a map of token id to bias, got {type(self.logit_bias).__name__}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+        checked: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            token = _token_key(key)
+            _check_float(f"logit_bias[{token}]", value, -100.0, 100.0)
+            checked[token] = float(value)
+        object.__setattr__(self, "logit_bias", checked)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the params name must exist in the model's vocabulary."""
+        for token in self.logit_bias:
+            if token >= vocab_size:
+                raise InvalidRequestError(f"logit_bias names token id {token}, outside the vocabulary [0, {vocab_size})")
+        for token in self.stop_token_ids:
+            if token >= vocab_size:
+                raise InvalidRequestError(f"stop_token_ids names token id {token}, outside the vocabulary [0, {vocab_size})")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Params of choice ``index`` of an n > 1 request.  Choice 0 is the request as
+        sent (so n=1 and choice 0 agree); a seeded request gives every other choice a
+        distinct seed derived from it (reproducible); unseeded choices differ anyway
+        (their request ids key their randomness)."""
+        if index == 0 or self.seed is None:
+            return self
+        digest = hashlib.sha256(f"{self.seed}:choice:{index}".encode()).digest()
+        return dataclasses.replace(self, seed=int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+    @property
+    def needs_sampling_state(self) -> bool:
+        """Whether a device-side state row (penalties, bias, min_tokens) is needed."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+            or self.min_tokens
+        )
+
+
+def _token_key(key: object) -> int:
+    """logit_bias keys: ints, or decimal strings (JSON object keys are strings)."""
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
@@ -102,6 +187,15 @@ def empty_tier_counts() -> dict[str, int]:
     return {"device": 0, "host": 0, "storage": 0}
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's logprob: the token there and, best first, the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """The finished result of one request."""
@@ -114,6 +208,8 @@ class RequestOutput:
     cached_tokens: dict[str, int] = field(default_factory=empty_tier_counts)  # per tier
     ttft_s: float = 0.0  # time to first token, seconds from submission
     latency_s: float = 0.0
+    logprobs: list[TokenLogprob] | None = None  # one per generated token when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
 
     @property
     def num_cached_tokens(self) -> int:
@@ -136,3 +232,5 @@ class StreamChunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: dict[str, int] = field(default_factory=empty_tier_counts)
+    logprobs: list[TokenLogprob] | None = None  # for this chunk's token_ids, when asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, when asked

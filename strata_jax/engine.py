@@ -17,6 +17,7 @@ seam), ``runtime/jax_executor.py`` (the real executor).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 from strata_jax.api import (
     EngineUnavailableError,
     InvalidRequestError,
+    MAX_N,
     OverloadedError,
     RequestAbortedError,
     RequestOutput,
@@ -124,7 +126,7 @@ class Engine(EngineCore):
             self,
             Scheduler(config.scheduler_config(), cost),
             self.ctl,
-            JaxExecutor(self.runner),
+            JaxExecutor(self.runner, eos_token_ids=self.eos_token_ids),
             eos_token_ids=self.eos_token_ids,
             max_context_tokens=self.max_context_tokens,
         )
@@ -175,6 +177,36 @@ class Engine(EngineCore):
             outputs.append(out)
         return outputs
 
+    def generate_choices(
+        self, prompt: str | Sequence[int], params: SamplingParams, n: int, cache_salt: str | None = None
+    ) -> list[RequestOutput]:
+        """``n`` choices of one prompt (OpenAI's ``n``): one prefill, then n decodes over
+        the prompt's pages shared through the tree (choice i > 0 follows choice 0)."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+        ids = self._prompt_ids(prompt)
+        sinks = []
+        leader: str | None = None
+        for i in range(n):
+            sink = CollectingSink()
+            p = params.for_choice(i)
+            if i > 0 and p.prompt_logprobs is not None:  # the same for every choice: computed once
+                p = dataclasses.replace(p, prompt_logprobs=None)
+            rid = self.submit(ids, p, cache_salt=cache_salt, sink=sink, follows=leader)
+            leader = leader or rid
+            sinks.append((rid, sink))
+        outputs = []
+        for rid, sink in sinks:
+            sink.wait()
+            if sink.error is not None:
+                raise sink.error
+            out = collect(rid, sink.chunks)
+            out.prompt_token_ids = ids
+            outputs.append(out)
+        for out in outputs[1:]:
+            out.prompt_logprobs = outputs[0].prompt_logprobs
+        return outputs
+
     async def stream(
         self,
         prompt: str | Sequence[int],
@@ -182,10 +214,16 @@ class Engine(EngineCore):
         *,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        follows: str | None = None,
     ) -> AsyncIterator[StreamChunk]:
-        """Yield a request's chunks as they are produced; closing the iterator aborts it."""
+        """Yield a request's chunks as they are produced; closing the iterator aborts it.
+
+        ``follows``: the id of a request with the same prompt (another choice of it,
+        n > 1) whose prefill this one waits for, so it reuses its pages."""
         sink = AsyncQueueSink(asyncio.get_running_loop())
-        rid = self.submit(prompt, params or SamplingParams(), cache_salt=cache_salt, request_id=request_id, sink=sink)
+        rid = self.submit(
+            prompt, params or SamplingParams(), cache_salt=cache_salt, request_id=request_id, sink=sink, follows=follows
+        )
         finished = False
         try:
             while True:
@@ -209,8 +247,12 @@ class Engine(EngineCore):
         cache_salt: str | None = None,
         request_id: str | None = None,
         sink: OutputSink | None = None,
+        follows: str | None = None,
     ) -> str:
-        """Validate and queue one request; returns its id.  Raises on bad input or overload."""
+        """Validate and queue one request; returns its id.  Raises on bad input or overload.
+
+        ``follows`` (n > 1): admit this request only after the prefill of request
+        ``follows`` (same prompt) has put the prompt's pages in the tree."""
         if self._stopping or not self.is_ready:
             raise EngineUnavailableError("the engine is not accepting requests (warming up or shutting down)")
         params = params or SamplingParams()
@@ -235,6 +277,7 @@ class Engine(EngineCore):
             sink=sink or CollectingSink(),
             detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
             submitted_at=self.executor.now(),
+            follows=follows,
         )
         self._post(lambda: self._admit(tracked))
         return rid
@@ -324,8 +367,7 @@ class Engine(EngineCore):
             raise InvalidRequestError(
                 f"request needs {pages} KV pages; the device pool has {self.ctl.device_alloc.num_pages}"
             )
-        if params.repetition_penalty != 1.0:
-            raise InvalidRequestError("repetition_penalty is not supported yet (use 1.0)")
+        params.check_vocab(self.vocab_size)
 
     # ------------------------------------------------------------------ inbox (engine thread side)
     def _post(self, fn: Callable[[], None]) -> None:

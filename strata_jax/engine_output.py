@@ -23,14 +23,16 @@ def append_token(
         t.first_token_at = now
     p = t.params
     finish: str | None = None
-    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+    if len(t.output_ids) < p.min_tokens:
+        pass  # below min_tokens no stop rule ends the request (EOS/stop ids are masked on device too)
+    elif token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
         finish = "stop"
-    elif len(t.output_ids) >= p.max_tokens or len(t.prompt_ids) + len(t.output_ids) >= max_context_tokens:
+    if finish is None and (len(t.output_ids) >= p.max_tokens or len(t.prompt_ids) + len(t.output_ids) >= max_context_tokens):
         finish = "length"
     delta = t.detok.push([token]) if t.detok is not None else ""
     if finish is not None and t.detok is not None:
         delta += t.detok.flush()
-    if p.stop and t.detok is not None:
+    if p.stop and t.detok is not None and len(t.output_ids) >= p.min_tokens:
         full = t.text + delta
         hit = find_stop(full, p.stop, len(t.text))
         if hit is not None:
@@ -58,9 +60,26 @@ def append_token(
     )
 
 
+def finish_without_token(t: TrackedRequest, *, now: float) -> StreamChunk:
+    """The end of a ``max_tokens=0`` request (prompt scoring): no token, finish ``length``."""
+    t.first_token_at = now
+    return StreamChunk(
+        request_id=t.request_id,
+        token_ids=[],
+        text="",
+        finished=True,
+        finish_reason="length",
+        prompt_tokens=len(t.prompt_ids),
+        completion_tokens=0,
+        cached_tokens=dict(t.cached),
+    )
+
+
 def collect(rid: str, chunks: list[StreamChunk]) -> RequestOutput:
     """One request's chunks as a ``RequestOutput``."""
     last = chunks[-1]
+    logprobs = [lp for c in chunks for lp in (c.logprobs or [])] if any(c.logprobs for c in chunks) else None
+    prompt_logprobs = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
     return RequestOutput(
         request_id=rid,
         prompt_token_ids=[],
@@ -70,6 +89,8 @@ def collect(rid: str, chunks: list[StreamChunk]) -> RequestOutput:
         cached_tokens=dict(last.cached_tokens),
         ttft_s=getattr(last, "ttft_s", 0.0),
         latency_s=getattr(last, "latency_s", 0.0),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -18,11 +18,12 @@ controller, so the rules about who owns which page live in one place:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from strata_jax.api import SamplingParams, empty_tier_counts
+from strata_jax.api import SamplingParams, TokenLogprob, empty_tier_counts
 from strata_jax.cache.controller import CacheController
 from strata_jax.cache.handles import CacheFullError, PrefetchHandle, TransferHandle
 from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
@@ -62,6 +63,28 @@ class TrackedRequest:
     first_token_at: float | None = None
     text: str = ""
     emitted_tokens: int = 0
+    has_sampling_state: bool = False  # holds an executor slot (penalties, logit_bias, min_tokens)
+    # prompt logprobs: collected over the prefill chunks, delivered with the first chunk
+    prompt_logprobs: list[TokenLogprob] | None = None
+    # n > 1: a follower (another choice of the same prompt) is admitted only once its
+    # leader's prefill has published the prompt's pages, so it hits them instead of
+    # computing the same prefix beside it
+    follows: str | None = None
+    followers: list[TrackedRequest] = field(default_factory=list)
+    prefix_published: bool = False
+
+    @property
+    def bypasses_cache(self) -> bool:
+        """Prompt logprobs need logits at every prompt position, which a cache hit skips:
+        such a request recomputes its whole prompt (it still publishes its KV)."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
+
+    def prompt_logprob_targets(self, start: int, end: int) -> list[int] | None:
+        """For prefill positions [start, end): the next prompt token, -1 past the prompt."""
+        if not self.bypasses_cache:
+            return None
+        n = len(self.prompt_ids)
+        return [self.prompt_ids[p + 1] if p + 1 < n else -1 for p in range(start, end)]
 
 
 class RequestPages:
@@ -76,6 +99,8 @@ class RequestPages:
         full = len(t.prompt_ids) // self.page_size * self.page_size
         if full:
             self.ctl.insert_transient(t.prompt_ids[:full], t.namespace, t.request_id)
+            if t.bypasses_cache:
+                return
             match = self.ctl.match_prefix(t.prompt_ids, t.namespace, requester=t.request_id, touch=False)
             t.prefetch = self.ctl.prefetch(t.prompt_ids, t.namespace, match, t.request_id)
 
@@ -85,6 +110,8 @@ class RequestPages:
             self.ctl.finish_prefetch(t.prefetch)
             t.prefetch = None
         t.match = self.ctl.match_prefix(item.request.prefill_tokens, t.namespace, requester=t.request_id)
+        if t.bypasses_cache:
+            t.match = without_cache(t.match, self.ctl.tree.root(t.namespace))
         self.ctl.lock(t.match.last_node)
         t.locked = t.match.last_node
 
@@ -148,3 +175,11 @@ class RequestPages:
         full = len(t.prompt_ids + t.output_ids) // self.page_size * self.page_size
         if full:
             self.ctl.insert_transient((t.prompt_ids + t.output_ids)[:full], t.namespace, t.request_id)
+
+
+def without_cache(match: PrefixMatch, root: TreeNode) -> PrefixMatch:
+    """The match of a request that must not read the cache: nothing hit, nothing to wait for."""
+    return dataclasses.replace(
+        match, device_tokens=0, host_tokens=0, storage_tokens=0, transient_tokens=0,
+        transient_owners=(), device_page_ids=(), last_node=root, storage_keys=(),
+    )  # fmt: skip

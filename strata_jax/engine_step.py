@@ -18,15 +18,16 @@ computes, the controller owns pages and transfers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from strata_jax.api import EngineUnavailableError, InvalidRequestError, OverloadedError
+from strata_jax.api import EngineUnavailableError, InvalidRequestError, OverloadedError, TokenLogprob
 from strata_jax.cache.controller import CacheController
 from strata_jax.cache.handles import CacheFullError, TransferHandle
-from strata_jax.engine_output import append_token
-from strata_jax.engine_requests import RequestPages, TrackedRequest
+from strata_jax.engine_output import append_token, finish_without_token
+from strata_jax.engine_requests import RequestPages, TrackedRequest, without_cache
 from strata_jax.executor import Executor, SeqWork
 from strata_jax.scheduler.plan import PrefillItem, StepPlan
 from strata_jax.scheduler.request import RequestStatus, ScheduledRequest
@@ -44,13 +45,20 @@ class _CacheView:
     not know.
     """
 
-    def __init__(self, ctl: CacheController):
+    def __init__(self, ctl: CacheController, bypasses_cache: Callable[[str], bool]):
         self.ctl = ctl
         self.page_size = ctl.page_size
         self._memo: dict[str, tuple[int, tuple[int, ...], Any]] = {}
         self._memo_version = -1
+        self.bypasses_cache = bypasses_cache
 
     def match(self, request: ScheduledRequest):
+        m = self._match(request)
+        if self.bypasses_cache(request.request_id):  # prompt logprobs: nothing may come from the cache
+            return without_cache(m, self.ctl.tree.root(request.namespace))
+        return m
+
+    def _match(self, request: ScheduledRequest):
         tree = self.ctl.tree
         if self.ctl.storage is not None:
             return self.ctl.match_prefix(request.prefill_tokens, request.namespace, requester=request.request_id, touch=False)
@@ -105,8 +113,10 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.max_context_tokens = max_context_tokens
         self.pages = RequestPages(ctl)
-        self._view = _CacheView(ctl)
+        self._view = _CacheView(ctl, lambda rid: rid in self._tracked and self._tracked[rid].bypasses_cache)
         self._tracked: dict[str, TrackedRequest] = {}
+        self._parked: deque[TrackedRequest] = deque()  # waiting for a sampling-state slot
+        self._logprobs: dict[str, TokenLogprob] = {}  # this step's sampled-token logprobs, by request
         self._stopping = False
         self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "finished": 0, "aborted": 0, "failed": 0}
         self.plan_log: list[PlanRecord] | None = None  # set to [] to record every step's decisions
@@ -192,8 +202,9 @@ class EngineCore:
                     loads.append(handle)
         return self._allocate([(item.request_id, item.end) for item in prefill])
 
-    def _work(self, t: TrackedRequest, tokens: list[int], start: int) -> SeqWork:
-        return SeqWork(t.request_id, tokens, start, t.page_table, t.params, len(t.output_ids))
+    def _work(self, t: TrackedRequest, tokens: list[int], start: int, *, keep_sample: bool = True) -> SeqWork:
+        targets = t.prompt_logprob_targets(start, start + len(tokens))
+        return SeqWork(t.request_id, tokens, start, t.page_table, t.params, len(t.output_ids), keep_sample, targets)
 
     def _run_extend(self, prefill: list[PrefillItem], loads: list[TransferHandle]) -> dict[str, int]:
         if not prefill:
@@ -202,16 +213,21 @@ class EngineCore:
             work = []
             for item in prefill:
                 t = self._tracked[item.request_id]
-                work.append(self._work(t, list(item.request.prefill_tokens[t.computed : item.end]), t.computed))
+                tokens = list(item.request.prefill_tokens[t.computed : item.end])
+                work.append(self._work(t, tokens, t.computed, keep_sample=item.is_last_chunk))
             landed = all(self.ctl.is_ready(h) for h in loads)  # nothing to wait for: a clean compute timing
             out = self.executor.extend(work, loads)
             for item in prefill:
-                self._tracked[item.request_id].computed = item.end
+                t = self._tracked[item.request_id]
+                t.computed = item.end
+                if item.request_id in out.prompt_logprobs:
+                    t.prompt_logprobs = (t.prompt_logprobs or []) + out.prompt_logprobs[item.request_id]
         self.counters["prefill_steps"] += 1
         if landed:
             # A step that waited for its loads timed the link as much as the compute: fitting
             # it would teach the extend model that compute is dear and tokens are cheap.
             self.scheduler.cost.observe_extend([(it.new_tokens, it.start) for it in prefill], out.seconds)
+        self._logprobs.update(out.logprobs)
         return {it.request_id: out.tokens[it.request_id] for it in prefill if it.is_last_chunk}
 
     def _dispatch_decode(self, decode: list[ScheduledRequest]) -> Any:
@@ -233,9 +249,16 @@ class EngineCore:
                 self._tracked[req.request_id].computed += 1
         self.counters["decode_steps"] += 1
         self.scheduler.cost.observe_decode(len(decode), sum(r.seq_len for r in decode), out.seconds)
+        self._logprobs.update(out.logprobs)
         return {req.request_id: out.tokens[req.request_id] for req in decode}
 
     def _postprocess(self, prefill: list[PrefillItem], decode: list[ScheduledRequest], produced: dict[str, int]) -> None:
+        try:
+            self._postprocess_tokens(prefill, decode, produced)
+        finally:
+            self._logprobs.clear()
+
+    def _postprocess_tokens(self, prefill: list[PrefillItem], decode: list[ScheduledRequest], produced: dict[str, int]) -> None:
         for item in prefill:
             t = self._tracked[item.request_id]
             token = produced.get(item.request_id)
@@ -243,6 +266,7 @@ class EngineCore:
             if status is RequestStatus.DECODING:
                 with self.executor.span("backup"):
                     self.pages.publish_prefix(t, item.request.prefill_tokens)
+                self._admit_followers(t)
                 self._accept_token(t, token)
         for req in decode:
             t = self._tracked[req.request_id]
@@ -253,11 +277,23 @@ class EngineCore:
     # ------------------------------------------------------------------ tokens out
     def _accept_token(self, t: TrackedRequest, token: int) -> None:
         now = self.executor.now()
-        chunk = append_token(t, token, eos_token_ids=self.eos_token_ids, max_context_tokens=self.max_context_tokens, now=now)
+        prompt_lps = t.prompt_logprobs
+        if prompt_lps is not None and not t.output_ids:
+            t.prompt_logprobs = None  # delivered once, with the first chunk
+        if t.params.max_tokens == 0:  # scoring only: the prefill ran, nothing is generated
+            chunk = finish_without_token(t, now=now)
+        else:
+            chunk = append_token(t, token, eos_token_ids=self.eos_token_ids, max_context_tokens=self.max_context_tokens, now=now)
+            if t.params.logprobs is not None and t.request_id in self._logprobs:
+                chunk.logprobs = [self._logprobs[t.request_id]]
+        if prompt_lps is not None:
+            chunk.prompt_logprobs = [None, *prompt_lps]
         if chunk.finished:
             self.scheduler.finish(t.request_id)
             self.pages.release(t, keep=True)
+            self._close_state(t)
             del self._tracked[t.request_id]
+            self._admit_followers(t)
             self.counters["finished"] += 1
             chunk.ttft_s = t.first_token_at - t.submitted_at  # type: ignore[attr-defined,operator]
             chunk.latency_s = now - t.submitted_at  # type: ignore[attr-defined]
@@ -268,30 +304,74 @@ class EngineCore:
         if self._stopping:
             t.sink.fail(EngineUnavailableError("the engine is shutting down"))
             return
+        if t.follows is not None:
+            leader = self._tracked.get(t.follows)
+            if leader is not None and not leader.prefix_published:
+                leader.followers.append(t)  # admitted when the leader's prompt pages are in the tree
+                return
+        if t.params.needs_sampling_state and not t.has_sampling_state:
+            if self._parked or not self.executor.open_sampling_state(t.request_id, t.prompt_ids, t.output_ids, t.params):
+                self._parked.append(t)  # admitted when a slot frees (FIFO)
+                return
+            t.has_sampling_state = True
         try:
             self.scheduler.submit(t.request_id, t.prompt_ids, namespace=t.namespace)
         except (OverloadedError, InvalidRequestError) as exc:
+            self._close_state(t)
             t.sink.fail(exc)
             return
         self._tracked[t.request_id] = t
         self.pages.admit(t)
 
+    def _admit_followers(self, t: TrackedRequest) -> None:
+        """The leader's prompt is in the tree (or the leader is gone): admit its followers."""
+        t.prefix_published = True
+        followers, t.followers = t.followers, []
+        for f in followers:
+            self._admit(f)
+
+    def _close_state(self, t: TrackedRequest) -> None:
+        """Give back a request's sampling-state slot and admit parked requests it makes room for."""
+        if not t.has_sampling_state:
+            return
+        self.executor.close_sampling_state(t.request_id)
+        t.has_sampling_state = False
+        while self._parked and not self._stopping:
+            head = self._parked[0]
+            if not self.executor.open_sampling_state(head.request_id, head.prompt_ids, head.output_ids, head.params):
+                return
+            self._parked.popleft()
+            head.has_sampling_state = True
+            self._admit(head)
+
     def _abort(self, request_id: str, exc: BaseException) -> bool:
         t = self._tracked.pop(request_id, None)
         if t is None:
-            return False
+            parked = next((p for p in self._parked if p.request_id == request_id), None)
+            if parked is None:
+                return False
+            self._parked.remove(parked)
+            self.counters["aborted"] += 1
+            parked.sink.fail(exc)
+            return True
         self.scheduler.abort(request_id)
         self.pages.release(t, keep=False)
+        self._close_state(t)
+        if not self._stopping:
+            self._admit_followers(t)  # they compute the prompt themselves
+        else:
+            for f in t.followers:
+                f.sink.fail(exc)
         self.counters["aborted"] += 1
         t.sink.fail(exc)
         return True
 
     def _abort_all(self) -> None:
-        for rid in list(self._tracked):
+        for rid in [p.request_id for p in self._parked] + list(self._tracked):
             self._abort(rid, EngineUnavailableError("the engine shut down before the request finished"))
 
     def _fail_all(self, exc: Exception) -> None:
-        for rid in list(self._tracked):
+        for rid in [p.request_id for p in self._parked] + list(self._tracked):
             self._abort(rid, exc)
             self.counters["failed"] += 1
 

@@ -23,17 +23,21 @@ both.  Contract:
 * ``idle()``: nothing could run this step (everything waits on a transfer or a
   deferral); sleep a little, or advance virtual time to the next event.
 * ``span(name)``: a profiler span around a phase of the step.
+* ``open_sampling_state(rid, prompt_ids, output_ids, params)`` gives a request
+  that asked for penalties/logit_bias/min_tokens its per-sequence state (False when
+  none is free: the engine parks the request until ``close_sampling_state`` of
+  another); an executor without device state accepts and ignores it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from strata_jax.api import SamplingParams
+    from strata_jax.api import SamplingParams, TokenLogprob
     from strata_jax.cache.handles import TransferHandle
 
 
@@ -45,6 +49,10 @@ class SeqWork:
     are already in the KV pool, ``page_ids`` its device pages in order (caller-owned:
     no other sequence writes them), ``sample_index`` how many tokens the request has
     sampled so far (it keys the request's sampling randomness).
+    ``keep_sample``: the token sampled at the last position is kept (False for a
+    prefill chunk that is not the prompt's last: the penalty counts skip it).
+    ``prompt_logprob_targets``: per new token, the prompt token after it whose
+    logprob is wanted (-1: none); None when the request did not ask.
     """
 
     request_id: str
@@ -53,14 +61,20 @@ class SeqWork:
     page_ids: Sequence[int]
     params: SamplingParams
     sample_index: int
+    keep_sample: bool = True
+    prompt_logprob_targets: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Sampled token per request id, and the seconds the step took."""
+    """Sampled token per request id, and the seconds the step took; the sampled
+    token's logprob for requests that asked, and the prompt logprobs of the
+    chunk's positions (one per new token) for requests that asked."""
 
     tokens: dict[str, int]
     seconds: float
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class Executor(Protocol):
@@ -75,3 +89,9 @@ class Executor(Protocol):
     def idle(self) -> None: ...
 
     def span(self, name: str) -> AbstractContextManager[Any]: ...
+
+    def open_sampling_state(
+        self, request_id: str, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams
+    ) -> bool: ...
+
+    def close_sampling_state(self, request_id: str) -> None: ...

@@ -43,4 +43,4 @@ def test_hidden_variant_runs_the_head_inside_the_branch():
     targets = jnp.asarray(rng.integers(0, 40, 6), jnp.int32)
     out = hidden_logprobs_if(jnp.ones(6, bool), hidden, lambda h: h @ w, targets, 4)
     ref = torch.log_softmax(torch.tensor(np.array(hidden @ w)), dim=-1)
-    np.testing.assert_allclose(np.asarray(out.chosen), ref[np.arange(6), np.asarray(targets)].numpy(), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.chosen), ref[np.arange(6), np.array(targets)].numpy(), atol=1e-5)

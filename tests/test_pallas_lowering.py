@@ -115,7 +115,7 @@ def test_engine_step_lowers_for_gpu_with_every_kernel_in_place(platform, tokens,
     )  # fmt: skip
     inputs = runner._pack([SeqInput(list(range(tokens)), 8, [3])])  # noqa: SLF001
     with gpu_lowering_target(platform):
-        lowered = runner._step.trace(runner.state, runner.pool.kv, inputs, False).lower(  # noqa: SLF001
+        lowered = runner._step.trace(runner.state, runner.pool.kv, runner.sampling.bias, runner.sampling.flags, inputs, False).lower(  # noqa: SLF001
             lowering_platforms=(platform,)
         )
     text = lowered.as_text()

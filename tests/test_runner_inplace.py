@@ -28,7 +28,7 @@ def test_step_program_never_copies_the_pool(tokens, tp):
     )
     seq = SeqInput(list(range(tokens)), 8, list(range(4)))
     inputs = runner._pack([seq])  # noqa: SLF001
-    hlo = runner._step.lower(runner.state, runner.pool.kv, inputs, False).compile().as_text()  # noqa: SLF001
+    hlo = runner._step.lower(runner.state, runner.pool.kv, runner.sampling.bias, runner.sampling.flags, inputs, False).compile().as_text()  # noqa: SLF001
     heads = CONFIG.num_kv_heads // tp  # a device's shard of the pool
     pool_shapes = {f"3,2,97,4,{heads},16", f"3,2,388,{heads},16"}  # the pool and its flat-slot view
     pool_lines = [line for line in hlo.splitlines() if any(f"[{s}]" in line for s in pool_shapes)]

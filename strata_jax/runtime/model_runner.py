@@ -27,9 +27,10 @@ import pallas_kernels
 from pallas_kernels.layout import KVLayout
 from pallas_kernels.sharded import use_head_sharding
 from strata_jax.models.llama import AttentionMetadata, LlamaForCausalLM
+from strata_jax.runtime import sampling_step
 from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.buckets import extend_rows, pick_bucket, power_of_two_buckets
-from strata_jax.runtime.sampling import sample_tokens
+from strata_jax.runtime.sampling_state import SamplingState
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class RunnerConfig:
     min_token_bucket: int = 16
     kernel_backend: str = "auto"  # pallas_kernels backend for the model's attention (resolved at construction)
     scan_layers: bool = True  # layers under jax.lax.scan (False: unrolled loop, for comparisons)
+    sampling_slots: int = 0  # sequences holding penalty/bias/min_tokens state at once (0: max_batch_size)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_device_pages", "max_batch_tokens", "max_batch_size", "max_context_tokens"):
@@ -73,12 +75,24 @@ class SeqInput:
     top_k: int = 0
     top_p: float = 1.0
     rng_key: tuple[int, int] = (0, 0)
+    # sampling extras (runtime/sampling_step.py); the defaults ask for nothing
+    sampling_slot: int | None = None  # held SamplingState slot (penalties, logit_bias, min_tokens)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_tokens_active: bool = False  # EOS/stop ids masked this step
+    count_sample: bool = True  # the sampled token is kept (False for a chunk that is not the prompt's last)
+    logprobs: bool = False  # return the sampled token's logprob and the top alternatives
+    prompt_logprob_targets: list[int] | None = None  # per new token: next prompt token id, -1 for none
 
 
 @dataclass
 class StepResult:
     next_tokens: np.ndarray  # [len(seqs)] sampled from each sequence's last position
     logits: np.ndarray | None = None  # [num_logit_rows, V] when requested
+    # (chosen [N], top ids [N, K], top logprobs [N, K]) when some sequence asked:
+    sample_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # N = sequences
+    prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # N = packed tokens
 
 
 @dataclass
@@ -89,12 +103,18 @@ class PendingStep:
     logits: jax.Array | None
     num_seqs: int
     num_tokens: int
+    sample_logprobs: sampling_step.TokenLogprobs | None = None  # set only when some sequence asked
+    prompt_logprobs: sampling_step.TokenLogprobs | None = None
 
     def result(self) -> StepResult:
-        """Wait for the step and fetch its sampled tokens (and logits if requested)."""
+        """Wait for the step and fetch its sampled tokens (and logits/logprobs if requested)."""
         out = StepResult(next_tokens=_host_copy(self.next_tokens)[: self.num_seqs])
         if self.logits is not None:
             out.logits = _host_copy(self.logits)[: self.num_tokens]
+        if self.sample_logprobs is not None:
+            out.sample_logprobs = sampling_step.fetch_logprobs(self.sample_logprobs, self.num_seqs, _host_copy)
+        if self.prompt_logprobs is not None:
+            out.prompt_logprobs = sampling_step.fetch_logprobs(self.prompt_logprobs, self.num_tokens, _host_copy)
         return out
 
 
@@ -170,15 +190,23 @@ class ModelRunner:
         )
         shardings = {}
         if self.mesh is not None:  # explicit: params by the rules, pool by heads, the rest replicated
-            shardings = {"in_shardings": (state_sh, pool_sh, rep), "out_shardings": (rep, rep, pool_sh)}
+            shardings = {
+                "in_shardings": (state_sh, pool_sh, rep, rep, rep),  # state, pool, bias, flags, inputs
+                "out_shardings": (rep, rep, rep, rep, pool_sh, rep),  # tokens, logits, logprobs x2, pool, flags
+            }
         self._step = jax.jit(
             # all_logits positional-static: jit takes no keyword arguments once in_shardings are set
             partial(_forward_step, self.graphdef, self.mesh, scan_layers=config.scan_layers),
-            donate_argnums=(1,),
-            static_argnums=(3,),
+            donate_argnums=(1, 3),  # the KV pool and the sampling flags table, updated in place
+            static_argnums=(5,),
             **shardings,
         )
         self.num_slots = config.num_device_pages * config.page_size
+        self.sampling = SamplingState(
+            config.sampling_slots or config.max_batch_size,
+            model.config.vocab_size,
+            sharding=tp_sharding.replicated(self.mesh) if self.mesh is not None else None,
+        )
 
     # ---- compile accounting -------------------------------------------------------
     @property
@@ -203,6 +231,7 @@ class ModelRunner:
             self._run_padded(self._empty_inputs(tokens, batch), all_logits=False)
             if progress is not None:
                 progress(done, len(shapes))
+        self.sampling.warmup()  # its one row-writing program, or the first penalised request compiles it
         return self.compile_count
 
     # ---- steps ----------------------------------------------------------------------
@@ -216,13 +245,22 @@ class ModelRunner:
         if not seqs:
             raise ValueError("empty batch")
         inputs = self._pack(seqs)
-        next_tokens, logits = self._run_padded(inputs, all_logits=all_logits)
-        return PendingStep(next_tokens, logits if all_logits else None, len(seqs), sum(len(s.token_ids) for s in seqs))
+        next_tokens, logits, sample_lp, prompt_lp = self._run_padded(inputs, all_logits=all_logits)
+        return PendingStep(
+            next_tokens,
+            logits if all_logits else None,
+            len(seqs),
+            sum(len(s.token_ids) for s in seqs),
+            sample_logprobs=sample_lp if any(s.logprobs for s in seqs) else None,
+            prompt_logprobs=prompt_lp if any(s.prompt_logprob_targets is not None for s in seqs) else None,
+        )
 
     def _run_padded(self, inputs: dict, *, all_logits: bool):
+        sampling = self.sampling
         with pallas_kernels.use_backend(self.kernel_backend):  # in effect when a new shape is traced
-            next_tokens, logits, self.pool.kv = self._step(self.state, self.pool.kv, inputs, all_logits)
-        return next_tokens, logits
+            out = self._step(self.state, self.pool.kv, sampling.bias, sampling.flags, inputs, all_logits)
+        next_tokens, logits, sample_lp, prompt_lp, self.pool.kv, sampling.flags = out
+        return next_tokens, logits, sample_lp, prompt_lp
 
     @property
     def kv_pool(self) -> jax.Array:
@@ -244,6 +282,7 @@ class ModelRunner:
             "top_k": np.zeros(batch, np.int32),
             "top_p": np.ones(batch, np.float32),
             "rng_keys": np.zeros((batch, 2), np.uint32),
+            **sampling_step.empty_extras(tokens, batch, self.sampling.no_slot),
         }
 
     def _shape_for(self, total_tokens: int, num_seqs: int) -> tuple[int, int]:
@@ -290,16 +329,20 @@ class ModelRunner:
             x["top_k"][i] = s.top_k
             x["top_p"][i] = s.top_p
             x["rng_keys"][i] = s.rng_key
+            sampling_step.pack_row(x, i, s, self.sampling.no_slot)
+            sampling_step.pack_targets(x, offset, s)
             offset += n
         meta.query_start[len(seqs) + 1 :] = offset
         return x
 
 
-def _forward_step(graphdef, mesh, state, kv_pool, inputs: dict, all_logits: bool, *, scan_layers: bool):
+def _forward_step(graphdef, mesh, state, kv_pool, bias_table, flags_table, inputs: dict, all_logits: bool, *, scan_layers: bool):
     model = nnx.merge(graphdef, state)
     with use_head_sharding(mesh):  # attention and the KV write per shard of the heads (tp)
         hidden, kv_pool = model(inputs["input_ids"], inputs["positions"], kv_pool, inputs["meta"], scan_layers=scan_layers)
     last_logits = model.logits(hidden[inputs["last_index"]])
-    next_tokens = sample_tokens(last_logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["rng_keys"])
+    next_tokens, sample_lp, prompt_lp, flags_table = sampling_step.sample_with_extras(
+        last_logits, hidden, model.logits, inputs, flags_table, bias_table
+    )
     logits = model.logits(hidden) if all_logits else None
-    return next_tokens, logits, kv_pool
+    return next_tokens, logits, sample_lp, prompt_lp, kv_pool, flags_table

@@ -23,13 +23,16 @@ class NoFreeSlotError(RuntimeError):
 class SamplingState:
     """The two ``[S, V]`` tables plus a free list of slots (host bookkeeping only)."""
 
-    def __init__(self, num_slots: int, vocab_size: int):
+    def __init__(self, num_slots: int, vocab_size: int, *, sharding: jax.sharding.Sharding | None = None):
+        """``sharding``: where the tables live (replicated over a tensor-parallel mesh)."""
         if num_slots <= 0:
             raise ValueError(f"sampling state needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
         self.vocab_size = vocab_size
         self.flags = jnp.zeros((num_slots, vocab_size), jnp.int32)
         self.bias = jnp.zeros((num_slots, vocab_size), jnp.float32)
+        if sharding is not None:
+            self.flags, self.bias = jax.device_put((self.flags, self.bias), sharding)
         self._free = list(range(num_slots - 1, -1, -1))
         self._seed = jax.jit(_seed_row, donate_argnums=(0, 1))
 
@@ -51,6 +54,13 @@ class SamplingState:
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise ValueError(f"slot {slot} is not held")
         self._free.append(slot)
+
+    def warmup(self) -> None:
+        """Compile ``seed``'s program (writes zeros into a free slot: no state changes)."""
+        if not self._free:
+            return
+        slot = self._free[-1]
+        self.seed(slot, np.zeros(self.vocab_size, np.int32), np.zeros(self.vocab_size, np.float32))
 
     def seed(self, slot: int, flags_row: np.ndarray, bias_row: np.ndarray) -> None:
         """Write a held slot's rows (one small program, one shape: compiled once)."""

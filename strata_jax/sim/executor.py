@@ -139,6 +139,12 @@ class SimExecutor:
     def span(self, name: str) -> nullcontext:
         return nullcontext()
 
+    def open_sampling_state(self, request_id: str, prompt_ids, output_ids, params) -> bool:
+        return True  # penalties / logit_bias are not modelled: tokens come from token_for
+
+    def close_sampling_state(self, request_id: str) -> None:
+        return None
+
     def idle(self) -> None:
         """Nothing ran: jump to the next event (an arrival or a landing), or a millisecond on."""
         nxt = self.next_event()

@@ -1,0 +1,103 @@
+"""The sampling head of the jitted step: processors, sampling, logprobs, state update.
+
+``ModelRunner`` packs, per sequence, a few small arrays next to temperature/top-k/top-p
+(``pack_row``/``pack_targets``) and calls ``sample_with_extras`` inside its one jitted
+program, so logprobs, penalties, biases and min_tokens add inputs, not programs:
+
+    slot       [B] int32    the sequence's sampling-state slot, ``no_slot`` when none
+    penalties  [B, 3] f32   repetition, frequency, presence (neutral: 1, 0, 0)
+    row_bits   [B] int32    MIN_TOKENS_ACTIVE | COUNT_SAMPLE | WANT_LOGPROBS
+    targets    [T] int32    per packed token: the id whose prompt logprob is wanted
+                            (the next prompt token), -1 when not asked
+
+Each extra sits under a ``lax.cond`` on "any row asked", so a batch that asked for
+nothing runs only the predicates and a B-element scatter into a dropped row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strata_jax.api import TokenLogprob
+from strata_jax.runtime.logits_processors import process_logits, record_sampled
+from strata_jax.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs, hidden_logprobs_if, token_logprobs_if
+from strata_jax.runtime.sampling import sample_tokens
+from strata_jax.runtime.sampling_state import gather_rows
+
+MIN_TOKENS_ACTIVE = 1
+COUNT_SAMPLE = 2
+WANT_LOGPROBS = 4
+NO_TARGET = -1
+
+
+def empty_extras(tokens: int, batch: int, no_slot: int) -> dict[str, np.ndarray]:
+    return {
+        "slot": np.full(batch, no_slot, np.int32),
+        "penalties": np.tile(np.asarray([1.0, 0.0, 0.0], np.float32), (batch, 1)),
+        "row_bits": np.zeros(batch, np.int32),
+        "targets": np.full(tokens, NO_TARGET, np.int32),
+    }
+
+
+def pack_row(x: dict, i: int, seq, no_slot: int) -> None:
+    """Row ``i`` of the extras from a ``SeqInput``; token targets from its offset on."""
+    x["slot"][i] = no_slot if seq.sampling_slot is None else seq.sampling_slot
+    x["penalties"][i] = (seq.repetition_penalty, seq.frequency_penalty, seq.presence_penalty)
+    bits = 0
+    if seq.min_tokens_active:
+        bits |= MIN_TOKENS_ACTIVE
+    if seq.count_sample:
+        bits |= COUNT_SAMPLE
+    if seq.logprobs:
+        bits |= WANT_LOGPROBS
+    x["row_bits"][i] = bits
+
+
+def pack_targets(x: dict, offset: int, seq) -> None:
+    if seq.prompt_logprob_targets is not None:
+        targets = seq.prompt_logprob_targets
+        if len(targets) != len(seq.token_ids):
+            raise ValueError(f"{len(targets)} prompt logprob targets for {len(seq.token_ids)} tokens")
+        x["targets"][offset : offset + len(targets)] = targets
+
+
+def sample_with_extras(
+    last_logits: jax.Array,
+    hidden: jax.Array,
+    head: Callable[[jax.Array], jax.Array],
+    inputs: dict,
+    flags_table: jax.Array,
+    bias_table: jax.Array,
+) -> tuple[jax.Array, TokenLogprobs, TokenLogprobs, jax.Array]:
+    """Next tokens [B], their logprobs [B], prompt logprobs [T], the updated flags table."""
+    slot, bits, pen = inputs["slot"], inputs["row_bits"], inputs["penalties"]
+    held = slot < flags_table.shape[0]
+
+    def processed() -> jax.Array:
+        flags = gather_rows(flags_table, slot)
+        bias = gather_rows(bias_table, slot)
+        return process_logits(last_logits, flags, bias, pen[:, 0], pen[:, 1], pen[:, 2], (bits & MIN_TOKENS_ACTIVE) != 0)
+
+    logits = jax.lax.cond(jnp.any(held), processed, lambda: last_logits)
+    next_tokens = sample_tokens(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["rng_keys"])
+    sampled_lp = token_logprobs_if((bits & WANT_LOGPROBS) != 0, last_logits, next_tokens, MAX_TOP_LOGPROBS)
+    targets = inputs["targets"]
+    prompt_lp = hidden_logprobs_if(targets >= 0, hidden, head, jnp.maximum(targets, 0), MAX_TOP_LOGPROBS)
+    flags_table = record_sampled(flags_table, slot, next_tokens, held & ((bits & COUNT_SAMPLE) != 0))
+    return next_tokens, sampled_lp, prompt_lp, flags_table
+
+
+def fetch_logprobs(
+    lp: TokenLogprobs, rows: int, host_copy: Callable[[jax.Array], np.ndarray] = np.asarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return host_copy(lp.chosen)[:rows], host_copy(lp.top_ids)[:rows], host_copy(lp.top_logprobs)[:rows]
+
+
+def to_token_logprob(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], row: int, token_id: int, k: int) -> TokenLogprob:
+    chosen, ids, lps = arrays
+    top = tuple((int(t), float(v)) for t, v in zip(ids[row, :k], lps[row, :k]))
+    return TokenLogprob(token_id=int(token_id), logprob=float(chosen[row]), top=top)
