@@ -189,8 +189,12 @@ class Frontend:
         api: str,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        follows: str | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream one request's chunks; closing this generator early aborts the request.
+
+        ``follows``: another choice (n > 1) of the same prompt whose prefill this
+        request waits for, so it reuses the prompt's pages (``Engine.submit``).
 
         Errors from admission (``InvalidRequestError``, ``OverloadedError``,
         ``EngineUnavailableError``) surface on the first ``__anext__``.  The request
@@ -220,7 +224,8 @@ class Frontend:
                 rid = None
                 raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
             self._in_flight.add(rid)
-            engine_stream = engine.stream(checked, params, cache_salt=cache_salt or None, request_id=rid)
+            extra = {"follows": follows} if follows is not None else {}
+            engine_stream = engine.stream(checked, params, cache_salt=cache_salt or None, request_id=rid, **extra)
             last = None
             async for chunk in engine_stream:
                 now = time.perf_counter()

@@ -35,6 +35,7 @@ from strata_jax.api import (
     RequestAbortedError,
     SamplingParams,
     StreamChunk,
+    TokenLogprob,
 )
 
 from serving.config import ServerConfig
@@ -64,9 +65,14 @@ def params_from_proto(msg: strata_pb2.SamplingParams, model_defaults: Mapping[st
     """``SamplingParams`` from the proto.  An unset field takes ``model_defaults`` (the model's
     generation_config.json), else ``SamplingParams``' default (greedy, no filters)."""
     kwargs: dict = dict(model_defaults or {})
-    for name in ("max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty"):
+    for name in (
+        "max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty",
+        "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "min_tokens",
+    ):  # fmt: skip
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
     if msg.stop:
         kwargs["stop"] = tuple(msg.stop)
     if msg.stop_token_ids:
@@ -79,6 +85,11 @@ def _tiers(counts: dict[str, int]) -> strata_pb2.TierCounts:
     return strata_pb2.TierCounts(**{t: int(counts.get(t, 0)) for t in TIERS})
 
 
+def _logprob(x: TokenLogprob) -> strata_pb2.TokenLogprob:
+    top = [strata_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in x.top]
+    return strata_pb2.TokenLogprob(token_id=x.token_id, logprob=x.logprob, top=top)
+
+
 def chunk_to_proto(chunk: StreamChunk) -> strata_pb2.GenerateResponse:
     """One ``StreamChunk`` as a ``GenerateResponse`` (usage on the final one)."""
     msg = strata_pb2.GenerateResponse(
@@ -88,6 +99,10 @@ def chunk_to_proto(chunk: StreamChunk) -> strata_pb2.GenerateResponse:
         finished=chunk.finished,
         cached_tokens=_tiers(chunk.cached_tokens),
     )
+    if chunk.logprobs:
+        msg.logprobs.extend(_logprob(x) for x in chunk.logprobs)
+    if chunk.prompt_logprobs:
+        msg.prompt_logprobs.extend(_logprob(x) for x in chunk.prompt_logprobs if x is not None)
     if chunk.finished:
         msg.finish_reason = chunk.finish_reason or "stop"
         msg.usage.CopyFrom(

@@ -18,6 +18,7 @@ disconnect closes the SSE generator, which aborts the engine request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -38,6 +39,7 @@ from strata_jax.api import (
     StreamChunk,
 )
 
+from serving import openai_logprobs as olp
 from serving import openai_protocol as oai
 from serving.config import ServerConfig
 from serving.frontend import TIERS, Frontend, PromptTooLongError, check_prompt
@@ -188,9 +190,15 @@ class _Totals:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached: dict[str, int] = {t: 0 for t in TIERS}
+        self.logprobs: list = []
+        self.prompt_logprobs: list | None = None
 
     def add(self, chunk: StreamChunk) -> None:
         self.text.append(chunk.text)
+        if chunk.logprobs:
+            self.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
         self.completion_tokens = chunk.completion_tokens or self.completion_tokens
         if chunk.cached_tokens:
@@ -233,6 +241,70 @@ async def _first(stream: AsyncIterator[StreamChunk]) -> StreamChunk | None:
     except BaseException:
         await stream.aclose()
         raise
+
+
+def _choice_streams(
+    frontend: Frontend, prompt: Any, params: SamplingParams, n: int, *, cache_salt: str | None, request_id: str | None
+) -> list[AsyncIterator[StreamChunk]]:
+    """n choices of one prompt: choice 0 runs the prefill, the others follow it (they wait
+    for its pages in the tree instead of recomputing the prompt) with distinct seeds.
+    Only choice 0 computes prompt logprobs (the same for every choice)."""
+    if n == 1:
+        return [frontend.stream(prompt, params, api="http", cache_salt=cache_salt, request_id=request_id)]
+    base = request_id or oai.new_id("choice")
+    streams = []
+    for i in range(n):
+        p = params.for_choice(i)
+        if i > 0 and p.prompt_logprobs is not None:
+            p = dataclasses.replace(p, prompt_logprobs=None)
+        follows = f"{base}-0" if i > 0 else None
+        streams.append(frontend.stream(prompt, p, api="http", cache_salt=cache_salt, request_id=f"{base}-{i}", follows=follows))
+    return streams
+
+
+async def _merged(streams: list[AsyncIterator[StreamChunk]]) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """Chunks of several streams as they come, tagged with the stream's index; closing
+    this generator closes (aborts) every stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncIterator[StreamChunk]) -> None:
+        try:
+            async for chunk in s:
+                await queue.put((i, chunk))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+
+
+def _usage_of(totals: dict[int, _Totals]) -> dict:
+    """Usage over the choices so far: the prompt once (choice 0's), completions summed."""
+    lead = totals.get(0) or next(iter(totals.values()))
+    return oai.usage(lead.prompt_tokens, sum(t.completion_tokens for t in totals.values()), lead.cached)
+
+
+def decode_ids(engine: Any, ids: list[int]) -> str:
+    tokenizer = getattr(engine, "tokenizer", None)
+    return tokenizer.decode(list(ids)) if tokenizer is not None else ""
 
 
 def _sampling_defaults(defaults: Any) -> dict[str, Any]:
@@ -293,6 +365,18 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         return engine
 
     # ---- OpenAI routes -------------------------------------------------
+    def _decoder(engine: Any) -> Callable[[int], str]:
+        tokenizer = getattr(engine, "tokenizer", None)
+        if tokenizer is None:
+            return olp.token_text(lambda t: f"<{t}>")
+        return olp.token_text(lambda t: tokenizer.decode([t]))
+
+    def _prompt_ids(engine: Any, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            tokenizer = getattr(engine, "tokenizer", None)
+            return tokenizer.encode(prompt) if tokenizer is not None else []
+        return list(prompt)
+
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
         # Phase 1: everything that can refuse the request before the frontend sees it (counted by `refuse`).
@@ -309,49 +393,88 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
                 16 if req.max_tokens is None else req.max_tokens,
                 _sampling_defaults(model_defaults(engine)),
             )
+            params.check_vocab(engine.vocab_size)
             for p in prompts:  # all prompts are checked before any runs: one bad prompt refuses the request
                 check_prompt(p, engine.vocab_size)
         except Exception as exc:  # noqa: BLE001
             return refuse(request, exc)
         # Phase 2: the frontend counts each prompt's request from here on.
         rid = oai.new_id("cmpl")
+        candidates = req.num_candidates
         try:
             if req.stream:
-                return await _stream_completion(request, req, prompts[0], params, rid)
-            streams = [
-                frontend.stream(
-                    p, params, api="http", cache_salt=req.cache_salt,
+                return await _stream_completion(request, req, engine, prompts[0], params, rid)
+            streams = []
+            for p in prompts:
+                streams += _choice_streams(
+                    frontend, p, params, candidates, cache_salt=req.cache_salt,
                     request_id=req.request_id if len(prompts) == 1 else None,
-                )
-                for p in prompts
-            ]
+                )  # fmt: skip
             results = await until_disconnect(request, _collect_all(streams))
         except Exception as exc:  # noqa: BLE001
             return map_error(exc).response()
-        choices = [
-            {"index": i, "text": "".join(r.text), "finish_reason": r.finish_reason, "logprobs": None}
-            for i, r in enumerate(results)
-        ]
+        decode = _decoder(engine)
+        choices = []
+        for k, prompt in enumerate(prompts):
+            group = results[k * candidates : (k + 1) * candidates]
+            prompt_ids = _prompt_ids(engine, prompt) if req.echo else []
+            echo_text = (prompt if isinstance(prompt, str) else decode_ids(engine, prompt)) if req.echo else ""
+            prompt_lps = group[0].prompt_logprobs
+            if candidates > req.num_choices:  # best_of: keep the n best by logprob per token
+                group = sorted(group, key=lambda r: olp.mean_logprob(r.logprobs), reverse=True)[: req.num_choices]
+            for r in group:
+                logprobs = None
+                if req.logprobs is not None:
+                    builder = olp.CompletionLogprobs(decode, req.logprobs)
+                    parts = []
+                    if req.echo and prompt_lps is not None:
+                        parts.append(builder.build(prompt_lps, prompt_ids[:1]))
+                    parts.append(builder.build(r.logprobs))
+                    logprobs = olp.merge_completion_logprobs(parts)
+                text = echo_text + "".join(r.text)
+                choices.append({"index": len(choices), "text": text, "finish_reason": r.finish_reason, "logprobs": logprobs})
+        leaders = results[::candidates]
         total = oai.usage(
-            sum(r.prompt_tokens for r in results),
+            sum(r.prompt_tokens for r in leaders),  # the prompt once, however many choices
             sum(r.completion_tokens for r in results),
-            {t: sum(r.cached.get(t, 0) for r in results) for t in TIERS},
+            {t: sum(r.cached.get(t, 0) for r in leaders) for t in TIERS},
         )
         return JSONResponse(oai.completion_response(rid, frontend.model_name, choices, total))
 
     async def _stream_completion(
-        request: Request, req: oai.CompletionRequest, prompt: Any, params: SamplingParams, rid: str
+        request: Request, req: oai.CompletionRequest, engine: Any, prompt: Any, params: SamplingParams, rid: str
     ) -> Response:
-        stream = frontend.stream(prompt, params, api="http", cache_salt=req.cache_salt, request_id=req.request_id)
-        first = await until_disconnect(request, _first(stream))
+        streams = _choice_streams(frontend, prompt, params, req.num_choices, cache_salt=req.cache_salt, request_id=req.request_id)
+        merged = _merged(streams)
+        first = await until_disconnect(request, _first(merged))
         model, created = frontend.model_name, int(time.time())
+        decode = _decoder(engine)
+        builders = [olp.CompletionLogprobs(decode, req.logprobs or 0) for _ in streams]
+        echo_pending = [bool(req.echo)] * len(streams)
+        prompt_ids = _prompt_ids(engine, prompt) if req.echo else []
+        echo_text = (prompt if isinstance(prompt, str) else decode_ids(engine, prompt)) if req.echo else ""
+        prompt_lps: list = []
 
-        def on_chunk(chunk: StreamChunk) -> list[dict]:
+        def on_chunk(index: int, chunk: StreamChunk) -> list[dict]:
             reason = (chunk.finish_reason or "stop") if chunk.finished else None
-            return [oai.completion_chunk(rid, model, chunk.text, reason, created)]
+            text, parts = chunk.text, []
+            if chunk.prompt_logprobs is not None:
+                prompt_lps[:] = [chunk.prompt_logprobs]
+            if echo_pending[index]:
+                echo_pending[index] = False
+                text = echo_text + text
+                if req.logprobs is not None and prompt_lps:
+                    parts.append(builders[index].build(prompt_lps[0], prompt_ids[:1]))
+            logprobs = None
+            if req.logprobs is not None:
+                parts.append(builders[index].build(chunk.logprobs or []))
+                logprobs = olp.merge_completion_logprobs(parts)
+            event = oai.completion_chunk(rid, model, text, reason, created)
+            event["choices"][0].update(index=index, logprobs=logprobs)
+            return [event]
 
         usage = (lambda totals: oai.usage_chunk(rid, model, "text_completion", created, totals)) if req.include_usage else None
-        return _sse_response(stream, first, [], on_chunk, usage)
+        return _sse_response(merged, first, [], on_chunk, usage, continuous_usage=req.continuous_usage)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
@@ -378,63 +501,97 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
                 default = getattr(defaults, "max_new_tokens", None) or config.default_chat_max_tokens
                 max_tokens = max(1, min(default, room))
             params = req.sampling_params(max_tokens, _sampling_defaults(defaults))
+            params.check_vocab(engine.vocab_size)
             frontend.check_fits(len(prompt_ids), max_tokens)
         except Exception as exc:  # noqa: BLE001
             return refuse(request, exc)
         # Phase 2: the frontend counts the request from here on.
         rid = oai.new_id("chatcmpl")
         try:
-            stream = frontend.stream(prompt_ids, params, api="http", cache_salt=req.cache_salt, request_id=req.request_id)
+            streams = _choice_streams(
+                frontend, prompt_ids, params, req.num_choices, cache_salt=req.cache_salt, request_id=req.request_id
+            )
             if req.stream:
-                return await _stream_chat(request, req, stream, rid)
-            (result,) = await until_disconnect(request, _collect_all([stream]))
+                return await _stream_chat(request, req, engine, streams, rid)
+            results = await until_disconnect(request, _collect_all(streams))
         except Exception as exc:  # noqa: BLE001
             return map_error(exc).response()
-        return JSONResponse(
-            oai.chat_response(rid, frontend.model_name, "".join(result.text), result.finish_reason, result.usage())
+        decode = _decoder(engine)
+        body = oai.chat_response(rid, frontend.model_name, "".join(results[0].text), results[0].finish_reason, results[0].usage())
+        choices = []
+        for i, r in enumerate(results):
+            choice = {
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(r.text)},
+                "finish_reason": r.finish_reason,
+                "logprobs": olp.chat_logprobs(r.logprobs, decode, req.top_logprobs or 0) if req.logprobs else None,
+            }
+            choices.append(choice)
+        body["choices"] = choices
+        body["usage"] = oai.usage(
+            results[0].prompt_tokens, sum(r.completion_tokens for r in results), results[0].cached
         )
+        return JSONResponse(body)
 
     async def _stream_chat(
-        request: Request, req: oai.ChatCompletionRequest, stream: AsyncIterator[StreamChunk], rid: str
+        request: Request, req: oai.ChatCompletionRequest, engine: Any, streams: list[AsyncIterator[StreamChunk]], rid: str
     ) -> Response:
-        first = await until_disconnect(request, _first(stream))
+        merged = _merged(streams)
+        first = await until_disconnect(request, _first(merged))
         model, created = frontend.model_name, int(time.time())
+        decode = _decoder(engine)
 
-        def on_chunk(chunk: StreamChunk) -> list[dict]:
-            out = [oai.chat_chunk(rid, model, {"content": chunk.text}, None, created)] if chunk.text else []
+        def on_chunk(index: int, chunk: StreamChunk) -> list[dict]:
+            out = []
+            if chunk.text or chunk.logprobs:
+                event = oai.chat_chunk(rid, model, {"content": chunk.text}, None, created)
+                logprobs = olp.chat_logprobs(chunk.logprobs or [], decode, req.top_logprobs or 0) if req.logprobs else None
+                event["choices"][0].update(index=index, logprobs=logprobs)
+                out.append(event)
             if chunk.finished:
-                out.append(oai.chat_chunk(rid, model, {}, chunk.finish_reason or "stop", created))
+                event = oai.chat_chunk(rid, model, {}, chunk.finish_reason or "stop", created)
+                event["choices"][0]["index"] = index
+                out.append(event)
             return out
 
-        role = oai.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created)
+        opening = []
+        for i in range(len(streams)):
+            role = oai.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created)
+            role["choices"][0]["index"] = i
+            opening.append(role)
         usage = (lambda totals: oai.usage_chunk(rid, model, "chat.completion.chunk", created, totals)) if req.include_usage else None
-        return _sse_response(stream, first, [role], on_chunk, usage)
+        return _sse_response(merged, first, opening, on_chunk, usage, continuous_usage=req.continuous_usage)
 
     def _sse_response(
-        stream: AsyncIterator[StreamChunk],
-        first: StreamChunk | None,
+        stream: AsyncIterator[tuple[int, StreamChunk]],
+        first: tuple[int, StreamChunk] | None,
         opening: list[dict],
-        on_chunk: Callable[[StreamChunk], list[dict]],
+        on_chunk: Callable[[int, StreamChunk], list[dict]],
         usage_chunk: Callable[[dict], dict] | None,
+        *,
+        continuous_usage: bool = False,
     ) -> Response:
-        """An SSE response over an engine stream: ``opening`` events, the events ``on_chunk``
-        makes of each chunk, the usage event (if the client asked for one), then ``[DONE]``."""
+        """An SSE response over merged choice streams: ``opening`` events, the events
+        ``on_chunk`` makes of each chunk (each with the usage so far when
+        ``continuous_usage``), the usage event (if the client asked for one), then ``[DONE]``.
+        Usage counts the prompt once, whatever the number of choices."""
 
         async def events() -> AsyncIterator[str]:
-            totals = _Totals()
+            totals: dict[int, _Totals] = {}
             try:
                 for event in opening:
                     yield _sse(event)
-                chunk = first
-                while chunk is not None:
-                    totals.add(chunk)
-                    for event in on_chunk(chunk):
+                item = first
+                while item is not None:
+                    index, chunk = item
+                    totals.setdefault(index, _Totals()).add(chunk)
+                    for event in on_chunk(index, chunk):
+                        if continuous_usage:
+                            event["usage"] = _usage_of(totals)
                         yield _sse(event)
-                    if chunk.finished:
-                        break
-                    chunk = await anext(stream, None)
+                    item = await anext(stream, None)
                 if usage_chunk is not None:
-                    yield _sse(usage_chunk(totals.usage()))
+                    yield _sse(usage_chunk(_usage_of(totals)))
                 yield "data: [DONE]\n\n"
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
                 err = map_error(exc)

@@ -3,9 +3,12 @@
 Requests are parsed with pydantic in strict mode, so wrong JSON types (a string
 for ``max_tokens``, a number for ``prompt``) are rejected with a message naming
 the field.  Fields of the OpenAI API that this server does not implement are
-accepted only with their neutral value (e.g. ``n=1``, ``logprobs=null``,
-``presence_penalty=0``) and rejected otherwise, so nothing is silently ignored.
-Extensions: ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``cache_salt``,
+accepted only with their neutral value (e.g. ``suffix``, ``tools``) and rejected
+otherwise, so nothing is silently ignored.  Implemented sampling fields: ``n``,
+``best_of`` (completions), ``logprobs``/``top_logprobs``, ``echo`` (completions),
+``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``, and
+``stream_options`` (``include_usage``, ``continuous_usage_stats``).
+Extensions: ``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``cache_salt``,
 ``stop_token_ids``, ``request_id``; for chat also vLLM's ``chat_template`` (the name of one
 of the model's templates), ``chat_template_kwargs``, ``add_generation_prompt``,
 ``continue_final_message`` and ``add_special_tokens``.
@@ -17,13 +20,14 @@ Sampling fields a request leaves unset take, in order: the model's
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from strata_jax.api import InvalidRequestError, SamplingParams
+from strata_jax.api import MAX_LOGPROBS, MAX_N, InvalidRequestError, SamplingParams
 
 from serving.frontend import TIERS
 
@@ -36,6 +40,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _CommonRequest(_Strict):
@@ -54,20 +59,21 @@ class _CommonRequest(_Strict):
     # extensions
     top_k: int | None = None
     repetition_penalty: float | None = None
+    min_tokens: int | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
     request_id: str | None = None
 
     def check_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise InvalidRequestError(f"only n=1 is supported, got n={self.n}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise InvalidRequestError(f"{name} is not supported (use repetition_penalty); got {value}")
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError("stream_options is only allowed with stream: true")
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     def sampling_params(self, max_tokens: int, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """``SamplingParams`` for this request (raises ``InvalidRequestError``).
@@ -76,10 +82,12 @@ class _CommonRequest(_Strict):
         else OpenAI's default (temperature 1.0; the rest off)."""
         kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 1.0}  # OpenAI's default temperature
         kwargs.update(model_defaults or {})
-        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "presence_penalty", "frequency_penalty", "min_tokens"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
+        if self.logit_bias:
+            kwargs["logit_bias"] = dict(self.logit_bias)
         if self.stop is not None:
             kwargs["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if self.stop_token_ids:
@@ -90,6 +98,10 @@ class _CommonRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_CommonRequest):
@@ -115,14 +127,28 @@ class CompletionRequest(_CommonRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise InvalidRequestError("echo is not supported")
-        if self.logprobs is not None:
-            raise InvalidRequestError("logprobs is not supported")
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError("best_of is not supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.best_of is not None:
+            if not self.num_choices <= self.best_of <= MAX_N:
+                raise InvalidRequestError(f"best_of must be in [n, {MAX_N}] (n={self.num_choices}), got {self.best_of}")
+            if self.stream and self.best_of > self.num_choices:
+                raise InvalidRequestError("best_of > n cannot be streamed (the best choices are known only at the end)")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported")
+
+    @property
+    def num_candidates(self) -> int:
+        """Choices to generate: best_of (the best n are returned), else n."""
+        return max(self.best_of or 1, self.num_choices)
+
+    def sampling_params(self, max_tokens: int, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, model_defaults)
+        logprobs = self.logprobs
+        if logprobs is None and self.num_candidates > self.num_choices:
+            logprobs = 0  # best_of ranks candidates by their logprobs
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return dataclasses.replace(params, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class TextPart(_Strict):
@@ -171,15 +197,19 @@ class ChatCompletionRequest(_CommonRequest):
         super().check_unsupported()
         if not self.messages:
             raise InvalidRequestError("messages must not be empty")
-        if self.logprobs or self.top_logprobs:
-            raise InvalidRequestError("logprobs is not supported")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise InvalidRequestError("top_logprobs requires logprobs: true")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         if self.tools:
             raise InvalidRequestError("tools are not supported")
         if self.response_format and self.response_format.get("type") != "text":
             raise InvalidRequestError("only response_format type 'text' is supported")
         if self.add_generation_prompt and self.continue_final_message:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        self.max_output_tokens()  # the two spellings must agree
+        if self.max_output_tokens() == 0:  # the two spellings must agree
+            raise InvalidRequestError("max_tokens must be at least 1 for chat completions")
 
     @property
     def wants_generation_prompt(self) -> bool:
@@ -194,6 +224,10 @@ class ChatCompletionRequest(_CommonRequest):
         if a is not None and b is not None and a != b:
             raise InvalidRequestError(f"max_completion_tokens ({a}) and max_tokens ({b}) disagree; send one of them")
         return a if a is not None else b
+
+    def sampling_params(self, max_tokens: int, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, model_defaults)
+        return dataclasses.replace(params, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.for_template() for m in self.messages]

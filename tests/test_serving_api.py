@@ -199,7 +199,8 @@ def _bad_http_requests(model: str, context: int) -> list[tuple[str, object, int]
         (c, {"model": model, "prompt": "hi", "repetition_penalty": 0}, 400),
         (c, {"model": model, "prompt": [[1, 2], []]}, 400),
         (c, {"model": model, "prompt": "hi", "stream": "yes"}, 400),
-        (c, {"model": model, "prompt": "hi", "n": 3}, 400),
+        (c, {"model": model, "prompt": "hi", "n": 0}, 400),
+        (c, {"model": model, "prompt": "hi", "n": 17}, 400),
         (c, {"model": model}, 400),
         (c, ["not", "an", "object"], 400),
         (c, b"{not json", 400),
@@ -265,7 +266,8 @@ def test_fuzzed_fields_never_break_the_server(server):
     }
     fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stop",
               "seed", "stream_options", "presence_penalty", "logit_bias", "ignore_eos", "cache_salt",
-              "request_id", "stop_token_ids", "max_completion_tokens", "logprobs"]
+              "request_id", "stop_token_ids", "max_completion_tokens", "logprobs",
+              "echo", "best_of", "frequency_penalty", "top_logprobs", "min_tokens", "repetition_penalty"]
     seen: dict[int, int] = {}
     with httpx.Client(base_url=server.http_url, timeout=60) as http:
         for path, base in bases.items():
@@ -293,7 +295,9 @@ def test_bad_grpc_input_gets_status_codes(server, grpc_client):
         (strata_pb2.GenerateRequest(text="x " * (engine.max_context_tokens * 2)), grpc.StatusCode.INVALID_ARGUMENT),
         (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(temperature=math.nan)), grpc.StatusCode.INVALID_ARGUMENT),
         (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(temperature=-2)), grpc.StatusCode.INVALID_ARGUMENT),
-        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT),
+        # max_tokens=0 is valid now (prompt scoring with prompt_logprobs); logprobs > 20 is not
+        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(logprobs=21)), grpc.StatusCode.INVALID_ARGUMENT),
+        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(presence_penalty=3)), grpc.StatusCode.INVALID_ARGUMENT),
         (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(max_tokens=4_000_000_000)), grpc.StatusCode.INVALID_ARGUMENT),
         (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(top_p=float("inf"))), grpc.StatusCode.INVALID_ARGUMENT),
         (strata_pb2.GenerateRequest(text="hi", request_id="bad\nid"), grpc.StatusCode.INVALID_ARGUMENT),

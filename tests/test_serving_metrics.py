@@ -122,7 +122,7 @@ def test_http_refusals_are_counted_by_reason_before_and_inside_the_frontend(serv
     msgs = [{"role": "user", "content": "hi"}]
     cases = [
         (c, b"{not json", 400, "invalid_request"),  # refused while reading the body
-        (c, {"model": model, "prompt": "hi", "n": 3}, 400, "invalid_request"),  # unsupported field
+        (c, {"model": model, "prompt": "hi", "n": 0}, 400, "invalid_request"),  # a bad value
         (c, {"model": model, "prompt": [1, 10**9]}, 400, "invalid_request"),  # refused by the frontend
         (ch, {"model": model, "messages": msgs, "max_tokens": 0}, 400, "invalid_request"),
         (c, {"model": model, "prompt": "x" * (CONTEXT - 10), "max_tokens": 20}, 400, "too_long"),
