@@ -46,11 +46,14 @@ def _warm(model_config: ModelConfig) -> compilation_cache.CompileCounts:
 
 def test_second_start_compiles_nothing_and_other_models_do_not_reuse(tmp_path, restore_cache_setting):
     compilation_cache.configure(str(tmp_path))
-    programs = len(ModelRunner(random_model(CONFIG), RUNNER).program_shapes)
+    steps = len(ModelRunner(random_model(CONFIG), RUNNER).program_shapes)
+    programs = steps + 1  # + the sampling tables' row-writing program, compiled at warm-up too
     cold = _warm(CONFIG)
     assert cold.requests == programs and cold.compiled == programs and cold.cache_hits == 0
     assert any(compilation_cache.resolve(str(tmp_path)).iterdir())  # entries were written
     warm = _warm(CONFIG)
     assert warm.requests == programs and warm.compiled == 0 and warm.cache_hits == programs
-    deeper = _warm(ModelConfig(**{**CONFIG.__dict__, "num_layers": 3}))  # other weights' shapes: other programs
-    assert deeper.compiled == programs and deeper.cache_hits == 0
+    # Other weights' shapes: every step program is new.  The row-writing program depends only
+    # on the vocabulary and slot count, which are the same, so it alone may be reused.
+    deeper = _warm(ModelConfig(**{**CONFIG.__dict__, "num_layers": 3}))
+    assert deeper.requests == programs and deeper.compiled == steps and deeper.cache_hits == 1
