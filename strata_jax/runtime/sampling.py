@@ -16,8 +16,22 @@ def sample_tokens(
     temperature[B] == 0 selects argmax; top_k[B] == 0 and top_p[B] == 1 disable
     those filters; keys[B, 2] (uint32 raw PRNG keys) make sampling reproducible per
     request.  Ties in greedy decoding resolve to the lowest id (as ``argmax``).
+    A batch with no sampling row skips the filters' vocabulary-wide sort (a
+    ``lax.cond``): the same tokens, without the sort's cost on greedy batches.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    any_sampled = jnp.any(temperature > 0)
+    return jax.lax.cond(
+        any_sampled,
+        lambda: jnp.where(temperature > 0, _sample_filtered(logits, temperature, top_k, top_p, keys), greedy),
+        lambda: greedy,
+    )
+
+
+def _sample_filtered(
+    logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array, keys: jax.Array
+) -> jax.Array:
+    """Temperature, top-k and top-p filtering, then a Gumbel-max draw per row."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
     sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]
@@ -32,8 +46,7 @@ def sample_tokens(
     threshold = jnp.maximum(kth, p_threshold)
     filtered = jnp.where(scaled >= threshold, scaled, -jnp.inf)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(jax.random.wrap_key_data(key), (vocab,)))(keys)
-    sampled = jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return jnp.argmax(filtered + gumbel, axis=-1).astype(jnp.int32)
 
 
 def request_rng_key(seed: int | None, request_id: str, step: int) -> tuple[int, int]:
