@@ -1,7 +1,7 @@
 """Decode step time with and without the sampling extras, side by side with a base commit.
 
     python scripts/bench_sampling_extras.py [--model PATH|tiny] [--batch 16] [--steps 40]
-        [--base-checkout DIR] [--rounds 3]
+        [--base-checkout DIR] [--rounds 3] [--temperature T]
 
 Three variants, reported as medians and ratios:
 
@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _child(model: str, batch: int, steps: int, variants: list[str]) -> dict[str, float]:
+def _child(model: str, batch: int, steps: int, variants: list[str], temperature: float) -> dict[str, float]:
     import time
 
     import jax
@@ -44,7 +44,8 @@ def _child(model: str, batch: int, steps: int, variants: list[str]) -> dict[str,
                        max_batch_size=batch, max_context_tokens=context)  # fmt: skip
     runner = ModelRunner(loaded.model, cfg)
     vocab = loaded.config.vocab_size
-    kws: dict[str, list[dict]] = {"none": [{} for _ in range(batch)]}
+    sampling = {"temperature": temperature, "rng_key": (1, 2)} if temperature > 0 else {}
+    kws: dict[str, list[dict]] = {"none": [dict(sampling) for _ in range(batch)]}
     if "all" in variants:
         from strata_jax.runtime.logits_processors import initial_bias, initial_flags
 
@@ -53,7 +54,7 @@ def _child(model: str, batch: int, steps: int, variants: list[str]) -> dict[str,
             slot = runner.sampling.acquire()
             runner.sampling.seed(slot, initial_flags(vocab, list(range(i, i + 64)), [0]), initial_bias(vocab, {5: 1.0, 7: -2.0}))
             kws["all"].append(dict(sampling_slot=slot, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
-                                   min_tokens_active=True, logprobs=True))  # fmt: skip
+                                   min_tokens_active=True, logprobs=True, **sampling))  # fmt: skip
     tokens = [1] * batch
     pos = 64
 
@@ -85,11 +86,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="every row samples at this temperature (0: greedy)")
     ap.add_argument("--base-checkout", default=None, help="a checkout of the base commit (git worktree)")
     ap.add_argument("--child", choices=["base", "new"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(_child(args.model, args.batch, args.steps, ["none"] if args.child == "base" else ["none", "all"])))
+        print(json.dumps(_child(args.model, args.batch, args.steps, ["none"] if args.child == "base" else ["none", "all"], args.temperature)))
         return
     procs = [("new", REPO)]
     if args.base_checkout:
@@ -99,7 +101,7 @@ def main() -> None:
         for child, root in procs:
             env = dict(os.environ, PYTHONPATH=str(root))
             cmd = [sys.executable, str(REPO / "scripts" / "bench_sampling_extras.py"), "--child", child,
-                   "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps)]  # fmt: skip
+                   "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps), "--temperature", str(args.temperature)]  # fmt: skip
             out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True)
             for name, value in json.loads(out.stdout.strip().splitlines()[-1]).items():
                 key = "base" if child == "base" else name
