@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face models saved to disk, used as independent references."""
+"""Hugging Face references: tiny random models saved to disk, and transformers' own load of a GGUF file."""
 
 from __future__ import annotations
 
@@ -59,3 +59,17 @@ def make_hf_model(kind: str, folder: Path, seed: int = 0) -> torch.nn.Module:
 def hf_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_model_from_gguf(gguf_path: str) -> torch.nn.Module:
+    """transformers' Llama model from a GGUF file (float32, its own dequantization and q/k un-permutation)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = transformers.LlamaConfig(**load_gguf_checkpoint(gguf_path)["config"])
+    with torch.device("meta"):
+        skeleton = transformers.LlamaForCausalLM(config)
+    state = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=skeleton)["tensors"]
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    model.load_state_dict(state, strict=False)  # tied: lm_head is the embedding
+    model.tie_weights()
+    return model.eval()

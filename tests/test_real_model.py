@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_reference import hf_model_from_gguf
 from strata_jax.api import SamplingParams
 from strata_jax.engine import Engine, EngineConfig
 
@@ -31,18 +32,8 @@ def hf_tokenizer(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_gguf):
-    """transformers' model from the same GGUF file (float32, its own dequantization and q/k un-permutation)."""
-    import transformers
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = transformers.LlamaConfig(**load_gguf_checkpoint(smollm2_gguf)["config"])
-    with torch.device("meta"):
-        skeleton = transformers.LlamaForCausalLM(config)
-    state = load_gguf_checkpoint(smollm2_gguf, return_tensors=True, model_to_load=skeleton)["tensors"]
-    model = transformers.LlamaForCausalLM(config).to(torch.float32)
-    model.load_state_dict(state, strict=False)  # tied: lm_head is the embedding
-    model.tie_weights()
-    return model.eval()
+    """transformers' model from the same GGUF file."""
+    return hf_model_from_gguf(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")
