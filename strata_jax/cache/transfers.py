@@ -50,41 +50,35 @@ class Transfers:
             def on_done() -> None:
                 for s, staging in zip(starts, stagings):
                     self.host_pool.write(host_pages[s : s + chunk], np.asarray(staging))  # type: ignore[union-attr]
-                for p in host_pages:
-                    self._host_pending.pop(p, None)
-                self.tree.unlock(node)
-                if keys is not None:
-                    self._write_storage_pages(keys, host_pages)
-                    node.storage_backed = True
+                self._backup_landed(node, host_pages, keys)
 
             await_arrays(handle, stagings)
             handle._on_done = on_done
-            for p in host_pages:
-                self._host_pending[p] = handle
-            self._pending.append(handle)
+            self._track_backup(handle, host_pages)
         elif self._timer is not None:  # simulated: lands in virtual time, same bookkeeping as above
-
-            def on_landed() -> None:
-                for p in host_pages:
-                    self._host_pending.pop(p, None)
-                self.tree.unlock(node)
-                if keys is not None:
-                    self._write_storage_pages(keys, host_pages)
-                    node.storage_backed = True
-
             land_at(handle, self._timer.land_time("backup", n, handle.nbytes, handle.issued_at), self._clock, self._timer)
-            handle._on_done = on_landed
-            for p in host_pages:
-                self._host_pending[p] = handle
-            self._pending.append(handle)
+            handle._on_done = lambda: self._backup_landed(node, host_pages, keys)
+            self._track_backup(handle, host_pages)
         else:
-            self.tree.unlock(node)
-            if keys is not None:
-                self._write_storage_pages(keys, host_pages)
-                node.storage_backed = True
+            self._backup_landed(node, host_pages, keys)
             self._complete(handle)
         self.counters["backed_up_pages"] += n
         return handle
+
+    def _track_backup(self, handle: TransferHandle, host_pages: list[int]) -> None:
+        """Register an in-flight backup: its host pages are not read until it lands."""
+        for p in host_pages:
+            self._host_pending[p] = handle
+        self._pending.append(handle)
+
+    def _backup_landed(self, node: TreeNode, host_pages: list[int], keys: list | None) -> None:
+        """A backup's host copy is complete: release its pages and lock, then write L3 if asked."""
+        for p in host_pages:
+            self._host_pending.pop(p, None)
+        self.tree.unlock(node)
+        if keys is not None:
+            self._write_storage_pages(keys, host_pages)
+            node.storage_backed = True
 
     def _wait_host(self, host_pages: Sequence[int]) -> None:
         for p in host_pages:
