@@ -13,7 +13,8 @@ from strata_jax.api import InvalidRequestError
 from strata_jax.models.config import ModelConfig, ModelConfigError
 from strata_jax.models.loader import load_model, tiny_config
 from strata_jax.models.safetensors_io import SafetensorsError
-from strata_jax.models.weights import WeightLoadError, restore_checkpoint, save_checkpoint
+from strata_jax.models.checkpoint import restore_checkpoint, save_checkpoint
+from strata_jax.models.weights import WeightLoadError
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
 
 
@@ -45,6 +46,39 @@ def test_orbax_round_trip_gives_identical_logits(hf_folder, tmp_path):
     assert load_model(str(tmp_path / "ckpt")).config == loaded.config
     with pytest.raises(FileExistsError):
         save_checkpoint(loaded.model, tmp_path / "ckpt")
+
+
+def test_per_layer_checkpoint_from_before_stacking_is_converted(hf_folder, tmp_path, caplog):
+    """Checkpoints saved before layers were stacked (one ``model.layers.<i>`` subtree per
+    layer, as commit 561822c wrote them) still load, with a warning, to the same weights."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from strata_jax.models.checkpoint import CONFIG_FILE
+
+    loaded = load_model(str(hf_folder))
+    stacked = {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(loaded.model))}
+    legacy: dict = {}
+    for path, array in stacked.items():
+        rows = [(("model", "layers", str(i)) + path[2:], array[i]) for i in range(len(array))] if path[:2] == ("model", "layers") else [(path, array)]
+        for keys, value in rows:
+            node = legacy
+            for key in keys:
+                node = node.setdefault(key, {})
+            node["value"] = value
+    folder = tmp_path / "old"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(folder / "state", legacy)
+    shutil.copy(save_checkpoint(loaded.model, tmp_path / "new") / CONFIG_FILE, folder / CONFIG_FILE)
+    with caplog.at_level("WARNING"):
+        restored = load_model(str(folder)).model
+    assert "one subtree per layer" in caplog.text
+    got = {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(restored))}
+    assert got.keys() == stacked.keys()
+    for path in stacked:
+        np.testing.assert_array_equal(got[path], stacked[path], err_msg=str(path))
+    ids = list(range(3, 40))
+    np.testing.assert_array_equal(_logits(restored, ids), _logits(loaded.model, ids))
 
 
 def test_sharded_checkpoint_loads_like_single_file(hf_folder, tmp_path):
@@ -159,3 +193,88 @@ def test_hf_tokenizer_and_chat_template(tmp_path):
     detok = IncrementalDetokenizer(load_model("tiny").tokenizer)
     pieces = [detok.push([b]) for b in "é✓".encode()]
     assert "".join(pieces) == "é✓" and pieces[0] == ""  # incomplete characters are held back
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_host_and_device_staging_load_the_checkpoint_exactly(hf_folder, dtype):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from safetensors.numpy import load_file
+
+    from strata_jax.models.weights import default_staging, hf_name_to_param, load_hf_weights
+
+    config = ModelConfig.from_pretrained(hf_folder)
+    raw = load_file(str(hf_folder / "model.safetensors"))
+    states = {}
+    for staging in ("host", "device"):
+        model = load_hf_weights(hf_folder, config, dtype=jnp.dtype(dtype), show_progress=False, staging=staging)
+        states[staging] = {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(model))}
+    for name, tensor in raw.items():
+        path, layer, transpose = hf_name_to_param(name)
+        if path not in states["host"]:
+            continue  # the tied lm_head
+        want = (tensor.T if transpose else tensor).astype(jnp.dtype(dtype))
+        for staging, state in states.items():
+            got = state[path] if layer is None else state[path][layer]
+            np.testing.assert_array_equal(got, want, err_msg=f"{staging}: {name}")
+    assert states["host"].keys() == states["device"].keys()
+    assert all(states["host"][p].dtype == jnp.dtype(dtype) for p in states["host"])
+    with pytest.raises(ValueError, match="staging"):
+        load_hf_weights(hf_folder, config, show_progress=False, staging="disk")
+    assert default_staging() == ("host" if jax.devices()[0].platform == "cpu" else "device")
+
+
+_MEMORY_PROBE = r"""
+import json, sys, threading, time
+from pathlib import Path
+def rss_anon():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+import jax, jax.numpy as jnp
+from strata_jax.bench.startup import write_random_model
+from strata_jax.models.loader import load_model
+folder = write_random_model(Path(sys.argv[1]), int(sys.argv[2])) if not Path(sys.argv[1]).exists() else Path(sys.argv[1])
+if len(sys.argv) > 3:  # save an orbax checkpoint of it (in this process), to be measured by the next
+    from strata_jax.models.checkpoint import save_checkpoint
+    save_checkpoint(load_model(str(folder), show_progress=False).model, sys.argv[3])
+    sys.exit(0)
+jnp.zeros(4).block_until_ready()
+peak = {"on": True, "value": 0}
+def sample():
+    while peak["on"]:
+        peak["value"] = max(peak["value"], rss_anon()); time.sleep(0.002)
+base = rss_anon()
+sampler = threading.Thread(target=sample); sampler.start()
+model = load_model(str(folder), show_progress=False).model
+after = rss_anon(); peak["on"] = False; sampler.join()
+from flax import nnx
+weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+print(json.dumps({"weights": weights, "peak": max(peak["value"], after) - base, "after": after - base}))
+"""
+
+
+def _probe(*args: str) -> dict | None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, *args], env=env, capture_output=True, text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else None
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "orbax"])
+def test_cpu_load_holds_the_weights_once(tmp_path, kind):
+    """Issue 10: peak memory while loading <= 1.3x the weights' bytes (8 layers of SmolLM2's
+    width), from HF safetensors and from an orbax checkpoint of the same model."""
+    folder = str(tmp_path / "m8")
+    if kind == "orbax":
+        _probe(folder, "8", str(tmp_path / "ckpt"))
+        folder = str(tmp_path / "ckpt")
+    result = _probe(folder, "8")
+    assert result["weights"] > 200e6
+    assert result["after"] <= 1.1 * result["weights"], result
+    assert result["peak"] <= 1.3 * result["weights"], result

@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 from strata_jax.api import InvalidRequestError, SamplingParams
 from strata_jax.engine import Engine, EngineConfig
 from strata_jax.models.config import ModelConfig
-from strata_jax.models.weights import random_model, save_checkpoint
+from strata_jax.models.checkpoint import save_checkpoint
+from strata_jax.models.weights import random_model
 from strata_jax.runtime import sharding
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from strata_jax.models.config import ModelConfig, ModelConfigError
 from strata_jax.models.generation_config import GenerationDefaults
 from strata_jax.models.llama import LlamaForCausalLM
-from strata_jax.models.weights import CONFIG_FILE, load_hf_weights, random_model, restore_checkpoint
+from strata_jax.models.checkpoint import CONFIG_FILE, restore_checkpoint
+from strata_jax.models.weights import load_hf_weights, random_model
 from strata_jax.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TINY_SEED = 20260501

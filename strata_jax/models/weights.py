@@ -1,11 +1,11 @@
-"""Building models: random (embedded tiny default), from HF safetensors, from orbax checkpoints."""
+"""Building models: random (embedded tiny default) and from tensors named as in HF checkpoints
+(safetensors here, GGUF via ``gguf_model``); orbax checkpoints are ``checkpoint``'s."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from strata_jax.models.config import ModelConfig, RopeScaling
+from strata_jax.models.config import ModelConfig
 from strata_jax.models.llama import LlamaForCausalLM
 from strata_jax.models.safetensors_io import checkpoint_files, iter_tensors
 
@@ -64,6 +64,72 @@ def _put_layer(stack: jax.Array, layer: jax.Array, tensor: jax.Array, *, transpo
     return jax.lax.dynamic_update_index_in_dim(stack, value, layer, 0)
 
 
+# XLA:CPU aliases (instead of copying) a host buffer aligned to this many bytes.
+_CPU_ZERO_COPY_ALIGNMENT = 64
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised host array whose data starts on a ``_CPU_ZERO_COPY_ALIGNMENT`` boundary."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _CPU_ZERO_COPY_ALIGNMENT, np.uint8)
+    offset = -raw.ctypes.data % _CPU_ZERO_COPY_ALIGNMENT
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+class HostStaging:
+    """Builds every parameter in host memory, then hands it to the (CPU) device without a copy.
+
+    On CPU the device's memory is host memory: each tensor is cast and transposed by numpy
+    straight into its row of an aligned host array, and ``jax.device_put`` of an aligned
+    array aliases it.  Loading holds the weights once plus nothing (safetensors are
+    memory-mapped; GGUF holds one dequantized tensor), and compiles no programs.
+    """
+
+    def __init__(self, num_layers: int, dtype: jnp.dtype):
+        self.num_layers, self.dtype = num_layers, np.dtype(dtype)
+        self.arrays: dict[tuple, np.ndarray] = {}
+
+    def put(self, path: tuple, layer: int | None, array: np.ndarray, *, shape: tuple[int, ...], transpose: bool) -> None:
+        if layer is None:
+            target = self.arrays[path] = aligned_empty(shape, self.dtype)
+        else:
+            if path not in self.arrays:
+                self.arrays[path] = aligned_empty((self.num_layers, *shape), self.dtype)
+            target = self.arrays[path][layer]
+        np.copyto(target, array.T if transpose else array, casting="unsafe")
+
+    def finish(self) -> dict[tuple, jax.Array]:
+        arrays, self.arrays = self.arrays, {}
+        return {path: jax.device_put(array) for path, array in arrays.items()}
+
+
+class _DeviceStaging:
+    """Allocates stacked parameters on an accelerator once and writes each layer's tensor into
+    its row by a donated update: device memory holds the weights once plus one tensor in
+    transit, and host memory one tensor."""
+
+    def __init__(self, num_layers: int, dtype: jnp.dtype):
+        self.num_layers, self.dtype = num_layers, dtype
+        self.arrays: dict[tuple, jax.Array] = {}
+
+    def put(self, path: tuple, layer: int | None, array: np.ndarray, *, shape: tuple[int, ...], transpose: bool) -> None:
+        if layer is None:
+            self.arrays[path] = jnp.asarray(np.ascontiguousarray(array.T if transpose else array), dtype=self.dtype)
+            return
+        if path not in self.arrays:
+            self.arrays[path] = jnp.zeros((self.num_layers, *shape), self.dtype)
+        self.arrays[path] = _put_layer(self.arrays[path], np.int32(layer), array, transpose=transpose)
+
+    def finish(self) -> dict[tuple, jax.Array]:
+        arrays, self.arrays = self.arrays, {}
+        return arrays
+
+
+def default_staging() -> str:
+    """``"host"`` when the default device is a CPU (its memory is host memory), else ``"device"``."""
+    return "host" if jax.devices()[0].platform == "cpu" else "device"
+
+
 @dataclass(frozen=True)
 class NamedTensor:
     """One checkpoint tensor under its Hugging Face name, read only when ``get()`` is called.
@@ -79,12 +145,18 @@ class NamedTensor:
 
 
 def load_hf_weights(
-    folder: str | Path, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, show_progress: bool = True
+    folder: str | Path,
+    config: ModelConfig,
+    *,
+    dtype: jnp.dtype = jnp.float32,
+    show_progress: bool = True,
+    staging: str | None = None,
 ) -> LlamaForCausalLM:
-    """Load HF safetensors (single or sharded) into a model, casting to ``dtype``."""
+    """Load HF safetensors (single or sharded) into a model, casting to ``dtype``
+    (``staging``: see ``load_named_tensors``)."""
     files = checkpoint_files(folder)
     tensors = [NamedTensor(name, st.nbytes(name), partial(st.get, name), st.path.name) for name, st in iter_tensors(files)]
-    return load_named_tensors(tensors, config, dtype=dtype, show_progress=show_progress, source=str(folder))
+    return load_named_tensors(tensors, config, dtype=dtype, show_progress=show_progress, source=str(folder), staging=staging)
 
 
 def load_named_tensors(
@@ -94,21 +166,27 @@ def load_named_tensors(
     dtype: jnp.dtype = jnp.float32,
     show_progress: bool = True,
     source: str,
+    staging: str | None = None,
 ) -> LlamaForCausalLM:
     """Build a model from tensors named as in Hugging Face checkpoints, casting to ``dtype``.
 
     Raises ``WeightLoadError`` naming the tensor for anything missing, unexpected or
     of the wrong shape; ``source`` names the checkpoint in those errors and the progress bar.
-    Stacked per-layer parameters are allocated once on the device and each layer's
-    tensor is written into its row in place (a donated update), so loading holds the
-    weights once plus one tensor in transit, never a second full copy.
+    Per-layer tensors land in rows of the stacked parameters, never in a second full
+    copy of the weights; ``staging`` (default ``default_staging()``) picks how:
+    ``"host"`` builds them in aligned host memory that the CPU device then aliases,
+    ``"device"`` writes each row into a device array by a donated update.
     """
+    staging = staging or default_staging()
+    if staging not in ("host", "device"):
+        raise ValueError(f"staging must be 'host' or 'device', got {staging!r}")
+    stage = (HostStaging if staging == "host" else _DeviceStaging)(config.num_layers, dtype)
     abstract = nnx.eval_shape(lambda: random_model(config, dtype=dtype))
     graphdef, abstract_state = nnx.split(abstract)
     expected = {path: var for path, var in nnx.to_flat_state(abstract_state)}
     num_layers = config.num_layers
     stacked = {path for path in expected if path[:2] == ("model", "layers")}
-    values: dict[tuple, jax.Array] = {}
+    loaded: set[tuple] = set()
     filled: dict[tuple, set[int]] = {path: set() for path in stacked}
     total = sum(t.nbytes for t in tensors)
     bar = tqdm(
@@ -139,53 +217,18 @@ def load_named_tensors(
                     f"tensor {name!r} in {tensor.origin} has shape {tuple(array.shape)}, the config implies "
                     f"{want[::-1] if transpose else want}"
                 )
+            stage.put(path, layer, array, shape=want, transpose=transpose)
+            del array  # a dequantized GGUF tensor: free it before the next one
             if layer is None:
-                values[path] = jnp.asarray(np.ascontiguousarray(array.T if transpose else array), dtype=dtype)
-                continue
-            if path not in values:
-                values[path] = jnp.zeros((num_layers, *want), dtype)
-            values[path] = _put_layer(values[path], np.int32(layer), array, transpose=transpose)
-            filled[path].add(layer)
-    missing = [".".join(map(str, p)) for p in expected if p not in stacked and p not in values]
+                loaded.add(path)
+            else:
+                filled[path].add(layer)
+    missing = [".".join(map(str, p)) for p in expected if p not in stacked and p not in loaded]
     missing += [
         f"model.layers.{i}.{'.'.join(p[2:])}" for p in expected if p in stacked for i in range(num_layers) if i not in filled[p]
     ]
     if missing:
         raise WeightLoadError(f"checkpoint {source} lacks tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    values = stage.finish()
     flat = [(path, var.replace(values[path])) for path, var in expected.items()]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-CONFIG_FILE = "strata_model_config.json"
-
-
-def save_checkpoint(model: LlamaForCausalLM, directory: str | Path) -> Path:
-    """Save the model's state with orbax plus its config; ``directory`` must not exist."""
-    import orbax.checkpoint as ocp
-
-    directory = Path(directory).absolute()
-    if directory.exists():
-        raise FileExistsError(f"checkpoint directory {directory} already exists")
-    _, state = nnx.split(model)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(directory / "state", state)
-    (directory / CONFIG_FILE).write_text(json.dumps(asdict(model.config), indent=2))
-    return directory
-
-
-def restore_checkpoint(directory: str | Path, *, dtype: jnp.dtype = jnp.float32) -> LlamaForCausalLM:
-    import orbax.checkpoint as ocp
-
-    directory = Path(directory).absolute()
-    config_file = directory / CONFIG_FILE
-    if not config_file.is_file():
-        raise WeightLoadError(f"{directory} is not a strata-jax checkpoint (no {CONFIG_FILE})")
-    raw = json.loads(config_file.read_text())
-    raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
-    raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
-    config = ModelConfig(**raw)
-    abstract = nnx.eval_shape(lambda: random_model(config, dtype=dtype))
-    graphdef, abstract_state = nnx.split(abstract)
-    with ocp.StandardCheckpointer() as ckptr:
-        state = ckptr.restore(directory / "state", abstract_state)
-    return nnx.merge(graphdef, state)
