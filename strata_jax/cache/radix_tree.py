@@ -181,6 +181,10 @@ class HiRadixTree:
         self.version = 0  # bumped by every mutation that can change a match (planning memos key on it)
         self.locked_device_pages = 0  # of which in locked nodes (kept as locks move: evictable is O(1))
         self.host_pages = 0  # pages of L2 owned by the tree
+        # Nodes holding pages of each tier (eviction scans these, not the whole tree:
+        # L1 holds a few dozen nodes while L2 holds thousands).
+        self._device_nodes: set[TreeNode] = set()
+        self._host_nodes: set[TreeNode] = set()
 
     # ------------------------------------------------------------------ helpers
     def _tick(self) -> int:
@@ -242,8 +246,10 @@ class HiRadixTree:
         upper.storage_backed = node.storage_backed
         if node.device is not None:
             upper.device, node.device = node.device[:pages], node.device[pages:]
+            self._device_nodes.add(upper)
         if node.host is not None:
             upper.host, node.host = node.host[:pages], node.host[pages:]
+            self._host_nodes.add(upper)
         if node.hashes is not None:
             upper.hashes, node.hashes = node.hashes[:pages], node.hashes[pages:]
         if node.owner is not None and node.is_transient:
@@ -270,6 +276,8 @@ class HiRadixTree:
             self._make_ready(node)
         del node.parent.children[node.key[: self.page_size]]
         node.parent = None
+        self._device_nodes.discard(node)  # (callers clear its pages first; a detached node is indexed nowhere)
+        self._host_nodes.discard(node)
 
     # ------------------------------------------------------------------ match
     def match_prefix(
@@ -415,6 +423,7 @@ class HiRadixTree:
                 if device_pages is not None:
                     if child.device is None:
                         child.device = seg
+                        self._device_nodes.add(child)
                         self.device_pages += len(seg)
                         if child.lock_ref:
                             self.locked_device_pages += len(seg)
@@ -424,6 +433,7 @@ class HiRadixTree:
                 else:
                     if child.host is None and (child.device is not None or child.is_transient):
                         child.host = seg
+                        self._host_nodes.add(child)
                         self.host_pages += len(seg)
                         self._make_ready(child)
                     elif child.host is None:  # pragma: no cover - a ready node has data
@@ -445,11 +455,13 @@ class HiRadixTree:
                 if node is not root and node.device is None:
                     raise TreeError("device insert below a node without device pages")
                 leaf.device = seg
+                self._device_nodes.add(leaf)
                 self.device_pages += len(seg)
                 if leaf.lock_ref:
                     self.locked_device_pages += len(seg)
             elif host_pages is not None:
                 leaf.host = seg
+                self._host_nodes.add(leaf)
                 self.host_pages += len(seg)
             else:
                 leaf.state = IN_QUEUE
@@ -612,6 +624,7 @@ class HiRadixTree:
         if len(pages) != len(node.key) // self.page_size:
             raise TreeError("wrong number of device pages")
         node.device = list(pages)
+        self._device_nodes.add(node)
         self.device_pages += len(pages)
         if node.lock_ref:
             self.locked_device_pages += len(pages)
@@ -624,6 +637,7 @@ class HiRadixTree:
         if len(pages) != len(node.key) // self.page_size:
             raise TreeError("wrong number of host pages")
         node.host = list(pages)
+        self._host_nodes.add(node)
         self.host_pages += len(pages)
 
     def iter_nodes(self) -> Iterator[TreeNode]:
@@ -657,8 +671,8 @@ class HiRadixTree:
         self.version += 1  # what a match returns may change
         heap = [
             (n.last_access, n.node_id, n)
-            for n in self.iter_nodes()
-            if n.device is not None and n.lock_ref == 0 and not any(c.device is not None for c in n.children.values())
+            for n in self._device_nodes
+            if n.lock_ref == 0 and not any(c.device is not None for c in n.children.values())
         ]
         heapq.heapify(heap)
         freed: list[int] = []
@@ -677,6 +691,7 @@ class HiRadixTree:
                 if node.lock_ref:  # a write-back just locked it for its copy
                     self.locked_device_pages -= len(node.device)
                 node.device = None
+                self._device_nodes.discard(node)
             elif drop_host is not None or self._only_transient_below(node):
                 # The node goes with everything below it.  Waiting requests' queued (not
                 # computed) continuations must not pin the prefix in L1: their owners
@@ -692,6 +707,7 @@ class HiRadixTree:
                 if node.lock_ref:  # a write-back just locked it for its copy
                     self.locked_device_pages -= len(node.device)
                 node.device = None
+                self._device_nodes.discard(node)
                 self._delete(node)
             else:
                 continue
@@ -716,6 +732,7 @@ class HiRadixTree:
                 host.extend(child.host)
                 self.host_pages -= len(child.host)
                 child.host = None
+                self._host_nodes.discard(child)
             self._delete(child)
         return host
 
@@ -734,7 +751,7 @@ class HiRadixTree:
         def candidate(n: TreeNode) -> bool:
             return n.host is not None and n.device is None and n.lock_ref == 0 and not n.children and n.parent is not None
 
-        heap = [(n.last_access, n.node_id, n) for n in self.iter_nodes() if candidate(n)]
+        heap = [(n.last_access, n.node_id, n) for n in self._host_nodes if candidate(n)]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
@@ -747,6 +764,7 @@ class HiRadixTree:
             freed.extend(node.host)  # type: ignore[arg-type]
             self.host_pages -= len(node.host)  # type: ignore[arg-type]
             node.host = None
+            self._host_nodes.discard(node)
             self._delete(node)
             if candidate(parent):  # type: ignore[arg-type]
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))  # type: ignore[union-attr]
@@ -758,6 +776,7 @@ class HiRadixTree:
         if node.host is None or node.device is None:
             raise TreeError("drop_host_copy needs a node with both copies")
         pages, node.host = node.host, None
+        self._host_nodes.discard(node)
         self.host_pages -= len(pages)
         return pages
 
@@ -819,6 +838,8 @@ class HiRadixTree:
         locked = sum(len(n.device) for n in self.iter_nodes() if n.device is not None and n.lock_ref > 0)
         assert locked == self.locked_device_pages, "locked device page counter drifted"
         assert len(host_seen) == self.host_pages, "host page counter drifted"
+        assert self._device_nodes == {n for n in self.iter_nodes() if n.device is not None}, "device node index out of sync"
+        assert self._host_nodes == {n for n in self.iter_nodes() if n.host is not None}, "host node index out of sync"
         assert owned_seen == {k: v for k, v in self._owned.items() if v}, "owner index out of sync"
         for seen, free, total, reserved in (
             (dev_seen, device_free, device_total, device_reserved),
