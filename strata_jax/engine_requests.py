@@ -109,7 +109,8 @@ class RequestPages:
         if t.prefetch is not None:
             self.ctl.finish_prefetch(t.prefetch)
             t.prefetch = None
-        t.match = self.ctl.match_prefix(item.request.prefill_tokens, t.namespace, requester=t.request_id)
+        hint = item.match if isinstance(item.match, PrefixMatch) else None  # the plan's match of the same tokens
+        t.match = self.ctl.match_prefix(item.request.prefill_tokens, t.namespace, requester=t.request_id, hint=hint)
         if t.bypasses_cache:
             t.match = without_cache(t.match, self.ctl.tree.root(t.namespace))
         self.ctl.lock(t.match.last_node)

@@ -42,13 +42,16 @@ class _CacheView:
     Matches are memoized per request until the tree changes (``HiRadixTree.version``):
     the scheduler re-matches every waiting request every round, and a long prompt's
     match costs a walk over all its tokens.  Not with L3, whose hits the tree does
-    not know.
+    not know.  After a change the previous generation's matches are the re-match's
+    hints (``HiRadixTree.match_prefix(hint=)``: the path is re-checked node by
+    node, not token by token); a request not matched for a generation loses its.
     """
 
     def __init__(self, ctl: CacheController, bypasses_cache: Callable[[str], bool]):
         self.ctl = ctl
         self.page_size = ctl.page_size
         self._memo: dict[str, tuple[int, tuple[int, ...], Any]] = {}
+        self._hints: dict[str, tuple[int, tuple[int, ...], Any]] = {}  # the generation before
         self._memo_version = -1
         self.bypasses_cache = bypasses_cache
 
@@ -63,12 +66,17 @@ class _CacheView:
         if self.ctl.storage is not None:
             return self.ctl.match_prefix(request.prefill_tokens, request.namespace, requester=request.request_id, touch=False)
         if tree.version != self._memo_version:
-            self._memo.clear()
+            self._hints = self._memo
+            self._memo = {}
             self._memo_version = tree.version
         seen = self._memo.get(request.request_id)
         if seen is not None and seen[1] is request.prefill_tokens:
             return seen[2]
-        m = self.ctl.match_prefix(request.prefill_tokens, request.namespace, requester=request.request_id, touch=False)
+        old = self._hints.get(request.request_id)
+        hint = old[2] if old is not None and old[1] is request.prefill_tokens else None
+        m = self.ctl.match_prefix(
+            request.prefill_tokens, request.namespace, requester=request.request_id, touch=False, hint=hint
+        )
         self._memo[request.request_id] = (tree.version, request.prefill_tokens, m)
         return m
 

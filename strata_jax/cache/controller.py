@@ -141,16 +141,18 @@ class CacheController(Transfers, StorageIO, Eviction):
 
     # ------------------------------------------------------------------ queries
     def match_prefix(
-        self, tokens: Sequence[int], namespace: str = "", *, requester: Hashable | None = None, touch: bool = True
+        self, tokens: Sequence[int], namespace: str = "", *, requester: Hashable | None = None, touch: bool = True,
+        hint: PrefixMatch | None = None,
     ) -> PrefixMatch:
         """Tree match plus the L3 pages the backend holds right after the tree's data prefix.
 
         ``storage_tokens`` counts consecutive backend hits (``batch_exists`` on the
         hash chain) starting at ``device_tokens + host_tokens``; the transient part
         is then counted beyond it.  With ``touch`` and ``write_through_selective``
-        nodes reaching the hit threshold are backed up to L2 here.
+        nodes reaching the hit threshold are backed up to L2 here.  ``hint``: an
+        earlier match of the same tokens object (``HiRadixTree.match_prefix``).
         """
-        m = self.tree.match_prefix(tokens, namespace, requester=requester, touch=touch)
+        m = self.tree.match_prefix(tokens, namespace, requester=requester, touch=touch, hint=hint)
         if touch and self.config.write_policy == "write_through_selective" and self.config.has_host:
             node = m.last_node
             path = []
@@ -226,8 +228,8 @@ class CacheController(Transfers, StorageIO, Eviction):
         the request must switch the full-page part of its page table to
         ``page_table`` before its next step (its own duplicates are gone).
         """
-        self.insert(tokens, namespace, device_pages)
-        node = self.tree.match_prefix(tokens, namespace, touch=False).last_node
+        node = self.insert(tokens, namespace, device_pages).last_node
+        assert node is not None
         self.tree.lock(node)
         self.tree.unlock(locked)
         return node, self.tree.device_pages_of(node)
@@ -257,7 +259,8 @@ class CacheController(Transfers, StorageIO, Eviction):
         if res.unused_pages:
             self.device_alloc.free(res.unused_pages)
         if self.config.write_policy == "write_through" and self.config.has_host:
-            last = self.tree.match_prefix(tokens, namespace, touch=False).last_node
+            last = res.last_node  # the deepest node of the path (all of it on the device now)
+            assert last is not None
             path = []
             while last.parent is not None:
                 path.append(last)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from strata_jax.cache.hashing import chain_hashes, namespace_seed
 
@@ -138,6 +138,11 @@ class PrefixMatch:
     device_page_ids: tuple[int, ...]
     last_node: TreeNode
     storage_keys: tuple[bytes, ...] = ()
+    # The walk behind this match, for ``match_prefix(..., hint=this)`` with the same
+    # tokens object: the path's nodes and their key lengths, root-first.
+    walk_tokens: object = field(default=None, repr=False, compare=False)
+    walk_path: tuple[TreeNode, ...] = field(default=(), repr=False, compare=False)
+    walk_lens: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def cached_tokens(self) -> int:
@@ -151,12 +156,16 @@ class InsertResult:
 
     ``existing_tokens``: tokens that were already present (any state) before the
     call; ``unused_pages``: caller page ids the tree did not adopt (the caller
-    frees them); ``new_nodes``: nodes created by this call, root-first.
+    frees them); ``new_nodes``: nodes created by this call, root-first;
+    ``last_node``: the node ending at the last inserted page (the namespace root
+    when no full page was given).  After a device insert every node on that path
+    has device pages, so it is what ``match_prefix(tokens).last_node`` returns.
     """
 
     existing_tokens: int
     unused_pages: tuple[int, ...]
     new_nodes: tuple[TreeNode, ...]
+    last_node: TreeNode | None = None
 
 
 class TreeError(ValueError):
@@ -210,21 +219,30 @@ class HiRadixTree:
     def namespaces(self) -> list[str]:
         return list(self._roots)
 
-    def _key(self, tokens: Sequence[int]) -> tuple[int, ...]:
-        n = len(tokens) - len(tokens) % self.page_size
+    def _key(self, tokens: Sequence[int]) -> tuple[tuple[int, ...], int]:
+        """``tokens`` as a tuple (not copied when it is one) and its full-page length."""
         key = tokens if isinstance(tokens, tuple) else tuple(tokens)
-        return key[:n] if n != len(key) else key
+        return key, len(key) - len(key) % self.page_size
 
-    def _common_pages(self, node_key: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
-        """Tokens (page-aligned) that ``node_key`` shares with ``key[pos:]``; first page known equal."""
+    def _common_pages(self, node_key: tuple[int, ...], key: tuple[int, ...], pos: int, n: int) -> int:
+        """Tokens (page-aligned) that ``node_key`` shares with ``key[pos:n]``; first page known equal.
+
+        Binary search over whole pages with C-speed slice compares (a long prompt
+        leaving a long node costs log(pages) compares, not one per page).
+        """
         ps = self.page_size
-        limit = min(len(node_key), len(key) - pos)
+        limit = min(len(node_key), n - pos)
+        limit -= limit % ps
         if key[pos : pos + limit] == node_key[:limit]:
-            return limit - limit % ps
-        m = ps
-        while m + ps <= limit and key[pos + m : pos + m + ps] == node_key[m : m + ps]:
-            m += ps
-        return m
+            return limit
+        lo, hi = ps, limit  # pages [0, lo) equal, [0, hi) not
+        while hi - lo > ps:
+            mid = lo + (hi - lo) // ps // 2 * ps
+            if key[pos + lo : pos + mid] == node_key[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _split(self, node: TreeNode, tokens: int) -> TreeNode:
         """Split ``node`` after ``tokens`` tokens; returns the new upper node.
@@ -287,6 +305,7 @@ class HiRadixTree:
         *,
         requester: Hashable | None = None,
         touch: bool = True,
+        hint: PrefixMatch | None = None,
     ) -> PrefixMatch:
         """Longest cached (or transient) page-aligned prefix of ``tokens`` in ``namespace``.
 
@@ -296,15 +315,29 @@ class HiRadixTree:
         ``touch=False`` for read-only planning queries).  The transient part stops
         at the first node owned by ``requester`` (a request never waits for
         itself).  ``storage_tokens`` is 0 here.
+
+        ``hint``: an earlier match of the *same tokens object* (a tuple; anything
+        else is ignored).  The walk re-checks that hint's path node by node (each
+        node still hangs below the previous one with the same key length: keys
+        change only by splits, which also re-parent) instead of re-comparing its
+        tokens, then walks on as usual, so the result is exactly a fresh walk's.
         """
         root = self.root(namespace)
-        key = self._key(tokens)
-        n = len(key)
+        key, n = self._key(tokens)
         ps = self.page_size
         path: list[TreeNode] = []
+        lens: list[int] = []
         node = root
         pos = 0
-        children = root.children
+        if hint is not None and hint.walk_tokens is tokens and hint.namespace == namespace:
+            for child, klen in zip(hint.walk_path, hint.walk_lens):
+                if child.parent is not node or len(child.key) != klen:
+                    break
+                path.append(child)
+                lens.append(klen)
+                pos += klen
+                node = child
+        children = node.children
         while pos < n:
             child = children.get(key[pos : pos + ps])
             if child is None:
@@ -313,10 +346,11 @@ class HiRadixTree:
             if pos + klen <= n and key[pos : pos + klen] == child.key:
                 pos += klen
             else:
-                m = self._common_pages(child.key, key, pos)
-                child = self._split(child, m)
-                pos += m
+                klen = self._common_pages(child.key, key, pos, n)
+                child = self._split(child, klen)
+                pos += klen
             path.append(child)
+            lens.append(klen)
             children = child.children
         now = self._tick() if touch else 0
         device = host = transient = 0
@@ -356,6 +390,9 @@ class HiRadixTree:
             transient_owners=tuple(owners),
             device_page_ids=tuple(device_pages),
             last_node=last,
+            walk_tokens=key,
+            walk_path=tuple(path),
+            walk_lens=tuple(lens),
         )
 
     # ------------------------------------------------------------------ insert
@@ -385,8 +422,7 @@ class HiRadixTree:
         modes = (device_pages is not None) + (host_pages is not None) + (owner is not None)
         if modes != 1:
             raise TreeError("insert needs exactly one of device_pages, host_pages, owner")
-        key = self._key(tokens)
-        n = len(key)
+        key, n = self._key(tokens)
         ps = self.page_size
         npages = n // ps
         given = device_pages if device_pages is not None else host_pages
@@ -408,7 +444,7 @@ class HiRadixTree:
             child = node.children.get(key[pos : pos + ps])
             if child is None:
                 break
-            m = self._common_pages(child.key, key, pos)
+            m = self._common_pages(child.key, key, pos, n)
             if m < len(child.key):
                 child = self._split(child, m)
             if pos < start_tok < pos + m:
@@ -448,7 +484,7 @@ class HiRadixTree:
                 raise TreeError("insert with start_page: the prefix before start_page is not cached")
             if given is not None and node.is_transient:
                 raise TreeError("cannot insert data below a transient node; insert its prefix first")
-            leaf = self._new_node(key[pos:], node, namespace)
+            leaf = self._new_node(key[pos:n], node, namespace)
             leaf.last_access = now
             seg = list(given[(pos - start_tok) // ps :]) if given is not None else None
             if device_pages is not None:
@@ -469,7 +505,8 @@ class HiRadixTree:
                 self._owned.setdefault(owner, set()).add(leaf)
             node.children[leaf.key[:ps]] = leaf
             new_nodes.append(leaf)
-        return InsertResult(existing_tokens=existing, unused_pages=tuple(unused), new_nodes=tuple(new_nodes))
+            node = leaf
+        return InsertResult(existing_tokens=existing, unused_pages=tuple(unused), new_nodes=tuple(new_nodes), last_node=node)
 
     # ------------------------------------------------------------------ transient life cycle
     def mark_in_flight(self, owner: Hashable) -> int:
