@@ -174,6 +174,29 @@ def test_a_small_loogle_run_finishes_every_request_with_exact_accounting(shared_
     assert results["hicache"].load_stall_fraction > results["strata"].load_stall_fraction
 
 
+def test_warmup_computes_every_document_once_and_is_left_out_of_the_metrics(shared_data):
+    from strata_jax.sim import workloads as W
+    from strata_jax.sim.runner import SimSetup, simulate
+    from strata_jax.sim.systems import get_system
+
+    setup = SimSetup(LLAMA8B, H200, device_tokens=120_000, host_tokens=2_000_000)
+    cold = W.loogle(num_requests=80, rate=4.0, seed=1, data_dir=shared_data, docs=8, distance="max")
+    warm = W.loogle(num_requests=80, rate=4.0, seed=1, data_dir=shared_data, docs=8, distance="max", warmup=True)
+    assert [r.warmup for r in warm] == [True] * 8 + [False] * 80
+    assert [(r.prompt, r.arrival_s, r.group) for r in warm[8:]] == [(r.prompt, r.arrival_s, r.group) for r in cold]
+    docs = {r.group: r.prompt for r in warm[:8]}
+    assert all(r.output_len == 1 for r in warm[:8]) and len(docs) == 8
+    assert all(r.prompt[: len(docs[r.group])] == docs[r.group] for r in cold)
+    for name in ("hicache", "strata"):
+        c, w = simulate(cold, get_system(name), setup, 4.0), simulate(warm, get_system(name), setup, 4.0)
+        assert w.finished == c.finished == 80 and w.extra["warmup_requests"] == 8 and w.extra["warmup_s"] > 0
+        # every measured question finds its whole document cached (page-aligned): nothing is recomputed
+        expected_hits = sum(len(docs[r.group]) // setup.page_size * setup.page_size for r in cold)
+        assert sum(w.extra["hit_tokens"].values()) == expected_hits
+        assert w.hit_rate == pytest.approx(expected_hits / sum(len(r.prompt) for r in cold))
+        assert w.hit_rate > c.hit_rate and w.ttft_mean < c.ttft_mean
+
+
 def test_workload_shapes(shared_data):
     from strata_jax.sim import workloads as W
 

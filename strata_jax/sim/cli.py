@@ -33,6 +33,11 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=1000, help="requests per run (default 1000)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-distance", choices=W.CACHE_DISTANCES, default="max", help="loogle: order of a document's questions (default max)")
+    p.add_argument(
+        "--warmup", action="store_true",
+        help="loogle: first compute every document once (unmeasured, all at t=0), so the measured stream meets "
+        "the cache of a long-running server instead of a cold one",
+    )  # fmt: skip
     p.add_argument("--docs", type=int, default=100, help="loogle: number of documents (default 100: more than L1 holds, less than L2)")
     p.add_argument("--output-len", type=int, default=None, help="output tokens per request (default: 32 loogle, 64 multiturn)")
     p.add_argument("--data-dir", default=None, help="where loogle/ and mooncake/ live (default ../shared/data next to the repo)")
@@ -52,7 +57,9 @@ def _requests(args: argparse.Namespace, rate: float) -> list[W.SimRequest]:
     n = args.num_requests
     if args.workload == "loogle":
         return W.loogle(num_requests=n, rate=rate, seed=args.seed, data_dir=W.find_data_dir(args.data_dir), docs=args.docs,
-                        distance=args.cache_distance, output_len=args.output_len or 32)  # fmt: skip
+                        distance=args.cache_distance, output_len=args.output_len or 32, warmup=args.warmup)  # fmt: skip
+    if args.warmup:
+        raise ValueError(f"--warmup applies to the loogle workload, not {args.workload}")
     if args.workload == "multiturn":
         return W.multiturn(num_requests=n, rate=rate, seed=args.seed, output_len=args.output_len or 64)
     if args.workload == "mooncake":
@@ -117,7 +124,8 @@ def _run(args: argparse.Namespace) -> int:
     by_system: dict[str, list[RunResult]] = {}
     for r in runs:
         by_system.setdefault(r.system, []).append(r)
-    print(f"{args.workload} on {setup.profile.name}, {setup.model.name} (tp={setup.model.tp}), {args.num_requests} requests per run")
+    warm = ", after a warm-up pass over the documents" if args.warmup else ""
+    print(f"{args.workload} on {setup.profile.name}, {setup.model.name} (tp={setup.model.tp}), {args.num_requests} requests per run{warm}")
     print(table(runs))
     print()
     print(ablation_table(by_system, args.ttft_target, baseline=systems[0].name))

@@ -118,17 +118,22 @@ def build_core(
 def simulate(
     requests: list[SimRequest], system: SystemSpec, setup: SimSetup, rate: float, *, progress: Callable[[int], None] | None = None,
 ) -> RunResult:
-    """Run ``requests`` (arrival times already set) through ``system``; returns the run's metrics."""
+    """Run ``requests`` (arrival times already set) through ``system``; returns the run's metrics.
+
+    Warm-up requests (``SimRequest.warmup``) run first, all at t=0, until they drain;
+    the measured requests' arrival times then count from that moment, and every
+    metric (TTFT, throughput, hit rate, stall share, counters) covers them alone.
+    """
     wall0 = time.perf_counter()
-    n = len(requests)
-    heap: list[tuple[float, int]] = [(r.arrival_s, i) for i, r in enumerate(requests) if r.depends_on is None]
-    heapq.heapify(heap)
+    measured = [i for i, r in enumerate(requests) if not r.warmup]
     dependents: dict[int, list[int]] = {}
     for i, r in enumerate(requests):
         if r.depends_on is not None:
             dependents.setdefault(r.depends_on, []).append(i)
     prompts: dict[int, list[int]] = {i: r.prompt for i, r in enumerate(requests) if r.depends_on is None}
     outputs: dict[int, list[int]] = {}
+    heap: list[tuple[float, int]] = [(0.0, i) for i, r in enumerate(requests) if r.warmup]
+    offset = 0.0  # when the measured stream starts on the virtual clock
     ttft: list[float] = []
     finished_at: list[float] = []
     out_tokens = 0
@@ -142,41 +147,52 @@ def simulate(
 
     def on_finish(i: int, chunk: StreamChunk) -> None:
         nonlocal out_tokens
-        ttft.append(chunk.ttft_s)  # type: ignore[attr-defined]
-        finished_at.append(clock.t)
-        out_tokens += chunk.completion_tokens
         outputs[i] = [token_for(f"r{i}", k) for k in range(chunk.completion_tokens)]
         for j in dependents.pop(i, ()):
             prompts[j] = prompts[i] + outputs[i] + requests[j].new_tokens
-            heapq.heappush(heap, (max(requests[j].arrival_s, clock.t), j))
+            heapq.heappush(heap, (max(requests[j].arrival_s + offset, clock.t), j))
+        if requests[i].warmup:
+            return
+        ttft.append(chunk.ttft_s)  # type: ignore[attr-defined]
+        finished_at.append(clock.t)
+        out_tokens += chunk.completion_tokens
         if progress is not None:
             progress(1)
 
-    while heap or core._tracked:
-        while heap and heap[0][0] <= clock.t:
-            arrival, i = heapq.heappop(heap)
-            prompt = prompts[i] if requests[i].depends_on is None else prompts.pop(i)
-            prompt_tokens += len(prompt)
-            t = TrackedRequest(
-                request_id=f"r{i}", prompt_ids=prompt, namespace="",
-                params=SamplingParams(max_tokens=requests[i].output_len, ignore_eos=True),
-                sink=_Sink(lambda chunk, i=i: on_finish(i, chunk)), detok=None, submitted_at=arrival,
-            )  # fmt: skip
-            core._admit(t)
-            if requests[i].depends_on is None and i not in dependents:
-                prompts.pop(i, None)
-        if core.scheduler.has_work():
-            core.step()
-        elif heap:
-            executor.stats.idle_s += max(0.0, heap[0][0] - clock.t)
-            clock.advance_to(heap[0][0])
-    first = min((r.arrival_s for r in requests), default=0.0)
+    def drain() -> None:
+        nonlocal prompt_tokens
+        heapq.heapify(heap)
+        while heap or core._tracked:
+            while heap and heap[0][0] <= clock.t:
+                arrival, i = heapq.heappop(heap)
+                prompt = prompts[i] if requests[i].depends_on is None else prompts.pop(i)
+                if not requests[i].warmup:
+                    prompt_tokens += len(prompt)
+                t = TrackedRequest(
+                    request_id=f"r{i}", prompt_ids=prompt, namespace="",
+                    params=SamplingParams(max_tokens=requests[i].output_len, ignore_eos=True),
+                    sink=_Sink(lambda chunk, i=i: on_finish(i, chunk)), detok=None, submitted_at=arrival,
+                )  # fmt: skip
+                core._admit(t)
+                if requests[i].depends_on is None and i not in dependents:
+                    prompts.pop(i, None)
+            if core.scheduler.has_work():
+                core.step()
+            elif heap:
+                executor.stats.idle_s += max(0.0, heap[0][0] - clock.t)
+                clock.advance_to(heap[0][0])
+
+    drain()  # the warm-up, if any
+    offset = clock.t
+    before = _Counters.read(core, executor)
+    heap[:] = [(requests[i].arrival_s + offset, i) for i in measured if requests[i].depends_on is None]
+    drain()
+    c = _Counters.read(core, executor).minus(before)
+    first = min((requests[i].arrival_s for i in measured), default=0.0) + offset
     span = max(1e-9, (max(finished_at) if finished_at else first) - first)
-    s = core.scheduler.stats()
-    hits = sum(s.hit_tokens.values())
     ttft_sorted = sorted(ttft)
     p99 = ttft_sorted[min(len(ttft_sorted) - 1, math.ceil(0.99 * len(ttft_sorted)) - 1)] if ttft_sorted else 0.0
-    st = executor.stats
+    hits = sum(c.hit_tokens.values())
     return RunResult(
         system=system.name,
         rate=rate,
@@ -184,25 +200,64 @@ def simulate(
         ttft_p99=p99,
         throughput_rps=len(finished_at) / span,
         output_tps=out_tokens / span,
-        load_stall_fraction=st.stall_s / st.prefill_s if st.prefill_s else 0.0,
+        load_stall_fraction=c.stall_s / c.prefill_s if c.prefill_s else 0.0,
         hit_rate=hits / prompt_tokens if prompt_tokens else 0.0,
         finished=len(finished_at),
-        simulated_s=clock.t,
+        simulated_s=clock.t - offset,
         wall_s=time.perf_counter() - wall0,
         extra={
-            "hit_tokens": dict(s.hit_tokens),
-            "deferrals": s.deferrals,
-            "set_asides": s.set_asides,
-            "bundle_hits": s.bundle_hits,
-            "decode_first_rounds": s.decode_first_rounds,
-            "load_or_recompute_requests": s.load_or_recompute_recomputed,
-            "load_or_recompute_tokens": s.load_or_recompute_tokens,
-            "prefill_busy_s": st.prefill_s,
-            "prefill_stall_s": st.stall_s,
-            "decode_busy_s": st.decode_s,
-            "h2d_link_busy_s": executor.timer.h2d.busy_s,
-            "loaded_pages": core.ctl.counters["loaded_pages"],
-            "backed_up_pages": core.ctl.counters["backed_up_pages"],
-            "requests": n,
+            "hit_tokens": dict(c.hit_tokens),
+            "deferrals": c.deferrals,
+            "set_asides": c.set_asides,
+            "bundle_hits": c.bundle_hits,
+            "decode_first_rounds": c.decode_first_rounds,
+            "load_or_recompute_requests": c.load_or_recompute_requests,
+            "load_or_recompute_tokens": c.load_or_recompute_tokens,
+            "prefill_busy_s": c.prefill_s,
+            "prefill_stall_s": c.stall_s,
+            "decode_busy_s": c.decode_s,
+            "h2d_link_busy_s": c.h2d_busy_s,
+            "loaded_pages": c.loaded_pages,
+            "backed_up_pages": c.backed_up_pages,
+            "requests": len(measured),
+            "warmup_requests": len(requests) - len(measured),
+            "warmup_s": offset,
         },
     )
+
+
+@dataclass(frozen=True)
+class _Counters:
+    """The run's cumulative counters at one moment; ``minus`` gives a phase's share."""
+
+    hit_tokens: dict
+    deferrals: int
+    set_asides: int
+    bundle_hits: int
+    decode_first_rounds: int
+    load_or_recompute_requests: int
+    load_or_recompute_tokens: int
+    prefill_s: float
+    stall_s: float
+    decode_s: float
+    h2d_busy_s: float
+    loaded_pages: int
+    backed_up_pages: int
+
+    @classmethod
+    def read(cls, core: EngineCore, executor: SimExecutor) -> _Counters:
+        s, st = core.scheduler.stats(), executor.stats
+        return cls(
+            hit_tokens=dict(s.hit_tokens), deferrals=s.deferrals, set_asides=s.set_asides, bundle_hits=s.bundle_hits,
+            decode_first_rounds=s.decode_first_rounds, load_or_recompute_requests=s.load_or_recompute_recomputed,
+            load_or_recompute_tokens=s.load_or_recompute_tokens, prefill_s=st.prefill_s, stall_s=st.stall_s,
+            decode_s=st.decode_s, h2d_busy_s=executor.timer.h2d.busy_s,
+            loaded_pages=core.ctl.counters["loaded_pages"], backed_up_pages=core.ctl.counters["backed_up_pages"],
+        )  # fmt: skip
+
+    def minus(self, earlier: _Counters) -> _Counters:
+        values = {}
+        for name in self.__dataclass_fields__:
+            now, then = getattr(self, name), getattr(earlier, name)
+            values[name] = {k: v - then.get(k, 0) for k, v in now.items()} if isinstance(now, dict) else now - then
+        return _Counters(**values)

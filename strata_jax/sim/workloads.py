@@ -9,6 +9,9 @@ it; only equality matters to the cache).  Every generator is deterministic in it
   of questions (drawn from the data), until ``num_requests``.  Cache distance
   orders the questions: ``min`` (a document's questions back to back), ``max``
   (round robin over documents: the farthest reuse), ``shuffle`` (random).
+  ``warmup=True`` puts one unmeasured request per document (the document alone,
+  one output token) before the stream: the cache then starts as a long-running
+  server's would, every document already computed once.
 * ``multiturn``: the SGLang HiCache benchmark shape: ``clients`` conversations of
   ``rounds`` turns, each turn appends ``request_length`` new tokens to the
   history (which includes the previous answers); a turn is sent once the previous
@@ -56,6 +59,7 @@ class SimRequest:
     depends_on: int | None = None  # multiturn: the previous turn; its answer is spliced into this prompt
     new_tokens: list[int] = field(default_factory=list)  # multiturn: this turn's own message
     group: str = ""
+    warmup: bool = False  # run before the measured stream (all at t=0), excluded from every metric
 
 
 class _Ids:
@@ -100,7 +104,7 @@ def loogle_shape(data_dir: Path) -> list[tuple[int, int, int]]:
 
 def loogle(
     *, num_requests: int, rate: float, seed: int, data_dir: Path, docs: int = 100, distance: str = "max",
-    output_len: int = 32, max_doc_tokens: int = 120_000,
+    output_len: int = 32, max_doc_tokens: int = 120_000, warmup: bool = False,
 ) -> list[SimRequest]:
     if distance not in CACHE_DISTANCES:
         raise ValueError(f"cache distance must be one of {CACHE_DISTANCES}, got {distance!r}")
@@ -136,6 +140,8 @@ def loogle(
             out.extend(flat)
     out = out[:num_requests]  # the last pass is ordered whole, then cut
     poisson(out, rate, seed + 1)
+    if warmup:
+        out = [SimRequest(list(doc), 1, group=name, warmup=True) for name, doc, _, _ in documents] + out
     return out
 
 
