@@ -230,3 +230,44 @@ def test_simulate_cli_writes_the_documented_json_and_plot(tmp_path, capsys):
     assert "sustained rate" in capsys.readouterr().out
     assert main(["simulate", "--systems", "vllm", "--no-progress"]) == 2
     assert "unknown system 'vllm'" in capsys.readouterr().err
+
+
+def test_calibrate_turns_its_timings_into_the_profile_fields(monkeypatch):
+    """--calibrate: each profile field is the documented formula over the measured times
+    (timings replaced by known values), and the profile round-trips through load_profile."""
+    pytest.importorskip("jax")
+    from strata_jax.sim import calibrate as C
+
+    times = iter([2e-2, 1e-2, 512 * 5e-5, 4e-3, 1e-3])  # coalesced, peak, 512 naive copies, matmul, elementwise
+    monkeypatch.setattr(C, "_median", lambda fn, repeats=5: next(times))
+    prof = C.calibrate(H200, progress=False)
+    page_bytes = 8 * 2 * 32 * 8 * 128 * 4  # 8 layers x K,V x page 32 x 8 heads x dim 128, float32 on CPU
+    nbytes, block = 256 * page_bytes, 32 * 8 * 128 * 4
+    peak = nbytes / 1e-2
+    assert prof.link_peak_bytes_per_s == pytest.approx(peak)
+    assert prof.coalesced_efficiency == pytest.approx(min(1.0, nbytes / 2e-2 / peak)) == pytest.approx(0.5)
+    assert prof.naive_copy_overhead_s == pytest.approx(5e-5 - block / peak)
+    assert prof.matmul_flops_per_s == pytest.approx(2 * 1024**3 / 4e-3)
+    assert prof.hbm_bytes_per_s == pytest.approx(2 * (64 << 20) / 1e-3)
+    assert prof.attention_efficiency == pytest.approx(H200.attention_efficiency / H200.matmul_efficiency)
+    assert (prof.host_kv_bytes, prof.step_overhead_s) == (H200.host_kv_bytes, H200.step_overhead_s)
+    assert prof.name.startswith("calibrated:")
+
+
+def test_calibrate_cli_writes_a_profile_the_simulator_runs_on(tmp_path):
+    """The real measurement on this machine: a loadable profile with sane values, usable by simulate."""
+    pytest.importorskip("jax")
+    from strata_jax.cli import main
+    from strata_jax.sim import workloads as W
+    from strata_jax.sim.runner import SimSetup, simulate
+    from strata_jax.sim.systems import get_system
+
+    path = tmp_path / "calibrated.json"
+    assert main(["simulate", "--calibrate", str(path), "--no-progress"]) == 0
+    prof = load_profile(str(path))
+    assert 0 < prof.coalesced_efficiency <= 1 and prof.naive_copy_overhead_s >= 0
+    assert 1e8 < prof.link_peak_bytes_per_s < 1e13 and 1e8 < prof.hbm_bytes_per_s < 1e13
+    assert 1e8 < prof.matmul_flops_per_s < 1e15
+    reqs = W.sharegpt(num_requests=20, rate=4.0, seed=0)
+    result = simulate(reqs, get_system("strata"), SimSetup(LLAMA8B, prof), 4.0)
+    assert result.finished == 20 and result.ttft_mean > 0
