@@ -110,7 +110,12 @@ def _ask(engine, args: argparse.Namespace) -> list[dict]:
     doc_ids = tok.encode(text)[: args.doc_tokens]
     if chat:  # the document first, so every question shares the prefix "template header + document"
         doc_text = tok.decode(doc_ids)
-        prompts = [tok.apply_chat_template([{"role": "user", "content": f"{doc_text}\n\nQuestion: {q.text}"}]) for q in questions]
+        # the rendered template carries its own special tokens (a BOS, if the model has one): encode
+        # it without adding more, as transformers' apply_chat_template(tokenize=True) does
+        prompts = [
+            tok.encode(tok.apply_chat_template([{"role": "user", "content": f"{doc_text}\n\nQuestion: {q.text}"}]), add_special_tokens=False)
+            for q in questions
+        ]
         max_tokens = args.max_tokens or CHAT_MAX_TOKENS
         params = SamplingParams(max_tokens=max_tokens)
     else:

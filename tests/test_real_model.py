@@ -78,7 +78,7 @@ def test_greedy_tokens_match_transformers_from_every_tier(engine, hf_model):
     long_ids = tok.encode((REPO / "README.md").read_text() * 3)[:LONG_PROMPT_TOKENS]
     assert len(long_ids) == LONG_PROMPT_TOKENS
     prompts = [
-        tok.encode(tok.apply_chat_template(QUESTION)),
+        tok.encode(tok.apply_chat_template(QUESTION), add_special_tokens=False),
         tok.encode("Gravity is the force by which a planet or other body draws objects toward its center."),
         long_ids,
     ]
@@ -100,7 +100,8 @@ def test_greedy_tokens_match_transformers_from_every_tier(engine, hf_model):
 
 
 def test_chat_answers_a_factual_question(engine):
-    prompt = engine.tokenizer.apply_chat_template(QUESTION)
+    tok = engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template(QUESTION), add_special_tokens=False)
     out = engine.generate([prompt], SamplingParams(max_tokens=24))[0]
     assert "Paris" in out.text, out.text
     assert out.finish_reason == "stop"  # ended at <|im_end|>, the GGUF's eos
