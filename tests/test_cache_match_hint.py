@@ -165,6 +165,6 @@ def test_hint_of_other_tokens_or_namespace_is_ignored() -> None:
     tree.insert(a, "other", device_pages=[10, 11, 12])
     m = tree.match_prefix(a, "other", touch=False, hint=hint_a)
     assert m.device_page_ids == (10, 11, 12)
-    same_content = tuple(list(a))
+    same_content = a[:3] + a[3:]
     assert same_content is not a
     assert tree.match_prefix(same_content, touch=False, hint=hint_a).device_page_ids == (0, 1, 2)

@@ -2,7 +2,8 @@
 
 Files (one job each):
 
-* ``radix_tree.py``  HiRadixTree, PrefixMatch, InsertResult (pure Python, no jax)
+* ``radix_tree.py``  HiRadixTree (pure Python, no jax), built from ``tree_node.py`` (TreeNode,
+  PrefixMatch, InsertResult) and ``tree_tiers.py`` (per-tier attach, eviction, check)
 * ``allocator.py``   O(1) page allocator (pure Python)
 * ``hashing.py``     SHA-256 page-key chain seeded by the namespace (pure Python)
 * ``config.py``      CacheConfig (frozen; every default documented)

@@ -4,12 +4,11 @@ Pure Python bookkeeping (no jax, no arrays): the tree stores *page ids* of the
 device pool (L1) and the host pool (L2) plus, lazily, the storage (L3) key of
 every page.  The cache controller owns the allocators and moves the data.
 
-Node states (DESIGN §3.4):
-
-* ``ready``: the KV of the node's tokens exists in L1 and/or L2 (``device`` /
-  ``host`` page lists);
-* ``in_queue``: a waiting request (``owner``) will compute these tokens; no data;
-* ``in_flight``: the owner's prefill that computes them is running; no data.
+Three modules: ``tree_node.py`` (``TreeNode``, node states, ``PrefixMatch``,
+``InsertResult``, ``TreeError``; re-exported here), this one (the structure:
+match, insert, split, transient life cycle, locks, storage keys) and
+``tree_tiers.py`` (the ``TierBookkeeping`` mixin: what each tier holds, per-tier
+LRU eviction, ``check``).
 
 Invariants (asserted by :meth:`HiRadixTree.check`):
 
@@ -35,144 +34,34 @@ Contract for callers (who must lock what before using returned page ids):
   ``InsertResult.unused_pages`` and the caller must free them.
 * ``evict_device``/``evict_host`` return page ids that the tree no longer owns;
   the caller returns them to its allocator (after any in-flight copy out of them).
+* ``match_prefix(..., hint=m)``: ``m`` must be a match of the same tokens object
+  (a tuple; the tree ignores any other hint), e.g. the previous round's.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterator, Sequence
 
 from strata_jax.cache.hashing import chain_hashes, namespace_seed
+from strata_jax.cache.tree_node import (
+    IN_FLIGHT,
+    IN_QUEUE,
+    READY,
+    TRANSIENT_STATES,
+    InsertResult,
+    PrefixMatch,
+    TreeError,
+    TreeNode,
+)
+from strata_jax.cache.tree_tiers import TierBookkeeping
 
-READY = "ready"
-IN_QUEUE = "in_queue"
-IN_FLIGHT = "in_flight"
-TRANSIENT_STATES = (IN_QUEUE, IN_FLIGHT)
-
-
-class TreeNode:
-    """One edge of the radix tree: ``key`` tokens (a multiple of the page size)."""
-
-    __slots__ = (
-        "key",
-        "children",
-        "parent",
-        "namespace",
-        "device",
-        "host",
-        "hashes",
-        "state",
-        "owner",
-        "lock_ref",
-        "hit_count",
-        "last_access",
-        "storage_backed",
-        "node_id",
-    )
-
-    def __init__(self, key: tuple[int, ...], parent: TreeNode | None, namespace: str, node_id: int) -> None:
-        self.key = key
-        self.children: dict[tuple[int, ...], TreeNode] = {}
-        self.parent = parent
-        self.namespace = namespace
-        self.device: list[int] | None = None
-        self.host: list[int] | None = None
-        self.hashes: list[bytes] | None = None
-        self.state = READY
-        self.owner: Hashable | None = None
-        self.lock_ref = 0
-        self.hit_count = 0
-        self.last_access = 0
-        self.storage_backed = False
-        self.node_id = node_id
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def is_transient(self) -> bool:
-        return self.state != READY
-
-    @property
-    def has_data(self) -> bool:
-        return self.device is not None or self.host is not None
-
-    def __repr__(self) -> str:  # pragma: no cover - debugging aid
-        return (
-            f"TreeNode(id={self.node_id}, ns={self.namespace!r}, tokens={len(self.key)}, state={self.state}, "
-            f"dev={self.device is not None}, host={self.host is not None}, lock={self.lock_ref})"
-        )
+__all__ = [
+    "IN_FLIGHT", "IN_QUEUE", "READY", "TRANSIENT_STATES",
+    "HiRadixTree", "InsertResult", "PrefixMatch", "TreeError", "TreeNode",
+]  # fmt: skip
 
 
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Result of matching a prompt against the cache, one walk.
-
-    All lengths are in tokens and page-aligned.  Along the prompt, in order:
-
-    * ``device_tokens``: prefix whose KV is in L1 (usable right away);
-    * ``host_tokens``: *additional* tokens right after it whose KV is in L2 only
-      (needs a load L2->L1);
-    * ``storage_tokens``: *additional* tokens after those found in L3 (needs a
-      prefetch L3->L2 and a load); always 0 from the tree alone, filled in by
-      ``CacheController.match_prefix`` with ``batch_exists``;
-    * ``transient_tokens``: *additional* tokens after those that other (or the
-      same) requests have queued or are computing right now (no data yet);
-    * ``transient_owners``: owner ids of those transient nodes, in path order,
-      without duplicates.
-
-    ``device_page_ids`` are the L1 page ids of the ``device_tokens`` prefix (valid
-    until the next eviction unless ``last_node`` is locked).  ``last_node`` is the
-    deepest node with data (device or host) on the path: the handle to ``lock``.
-    ``storage_keys`` are the L3 keys of the ``storage_tokens`` pages (controller).
-    """
-
-    namespace: str
-    device_tokens: int
-    host_tokens: int
-    storage_tokens: int
-    transient_tokens: int
-    transient_owners: tuple[Hashable, ...]
-    device_page_ids: tuple[int, ...]
-    last_node: TreeNode
-    storage_keys: tuple[bytes, ...] = ()
-    # The walk behind this match, for ``match_prefix(..., hint=this)`` with the same
-    # tokens object: the path's nodes and their key lengths, root-first.
-    walk_tokens: object = field(default=None, repr=False, compare=False)
-    walk_path: tuple[TreeNode, ...] = field(default=(), repr=False, compare=False)
-    walk_lens: tuple[int, ...] = field(default=(), repr=False, compare=False)
-
-    @property
-    def cached_tokens(self) -> int:
-        """Tokens whose KV exists in some tier (device + host + storage)."""
-        return self.device_tokens + self.host_tokens + self.storage_tokens
-
-
-@dataclass(frozen=True)
-class InsertResult:
-    """What ``insert`` did.
-
-    ``existing_tokens``: tokens that were already present (any state) before the
-    call; ``unused_pages``: caller page ids the tree did not adopt (the caller
-    frees them); ``new_nodes``: nodes created by this call, root-first;
-    ``last_node``: the node ending at the last inserted page (the namespace root
-    when no full page was given).  After a device insert every node on that path
-    has device pages, so it is what ``match_prefix(tokens).last_node`` returns.
-    """
-
-    existing_tokens: int
-    unused_pages: tuple[int, ...]
-    new_nodes: tuple[TreeNode, ...]
-    last_node: TreeNode | None = None
-
-
-class TreeError(ValueError):
-    """Bad input to a tree operation (wrong lengths, unknown node, unbalanced unlock)."""
-
-
-class HiRadixTree:
+class HiRadixTree(TierBookkeeping):
     """Radix tree of cached prefixes across the device and host tiers.
 
     Not thread-safe: one owner (the engine thread / the controller) calls it.
@@ -625,58 +514,6 @@ class HiRadixTree:
             node = node.parent
         return namespace_seed(node.namespace)
 
-    # ------------------------------------------------------------------ tier views
-    def device_pages_of(self, node: TreeNode) -> list[int]:
-        """Device page ids of the path root -> ``node``, up to its first node without a device copy.
-
-        Device copies are closed upward, so this is the device prefix of the path
-        (all of it after a successful ``load``).
-        """
-        parts: list[list[int] | None] = []
-        while node.parent is not None:
-            parts.append(node.device)
-            node = node.parent
-        out: list[int] = []
-        for p in reversed(parts):
-            if p is None:
-                break
-            out.extend(p)
-        return out
-
-    def host_only_path(self, node: TreeNode) -> list[TreeNode]:
-        """Nodes on root -> ``node`` that have a host copy but no device copy, root-first."""
-        out = []
-        while node.parent is not None and node.device is None:
-            out.append(node)
-            node = node.parent
-        return out[::-1]
-
-    def set_device(self, node: TreeNode, pages: Sequence[int]) -> None:
-        """Attach device pages to a host-only node whose parent is on the device (a load)."""
-        self.version += 1  # what a match returns may change
-        if node.device is not None or node.host is None:
-            raise TreeError("set_device needs a host-only node")
-        if node.parent is not None and node.parent.parent is not None and node.parent.device is None:
-            raise TreeError("load parents first (device copies are closed upward)")
-        if len(pages) != len(node.key) // self.page_size:
-            raise TreeError("wrong number of device pages")
-        node.device = list(pages)
-        self._device_nodes.add(node)
-        self.device_pages += len(pages)
-        if node.lock_ref:
-            self.locked_device_pages += len(pages)
-
-    def set_host(self, node: TreeNode, pages: Sequence[int]) -> None:
-        """Attach host pages to a node with a device copy and no host copy (a backup)."""
-        self.version += 1  # what a match returns may change
-        if node.host is not None or node.device is None:
-            raise TreeError("set_host needs a device-only node")
-        if len(pages) != len(node.key) // self.page_size:
-            raise TreeError("wrong number of host pages")
-        node.host = list(pages)
-        self._host_nodes.add(node)
-        self.host_pages += len(pages)
-
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children."""
         stack = list(self._roots.values())
@@ -686,206 +523,3 @@ class HiRadixTree:
                 yield node
             stack.extend(node.children.values())
 
-    # ------------------------------------------------------------------ eviction
-    def evict_device(
-        self,
-        num_pages: int,
-        backup: Callable[[TreeNode], Sequence[int] | None] | None = None,
-        drop_host: Callable[[list[int]], None] | None = None,
-    ) -> list[int]:
-        """Free at least ``num_pages`` L1 pages if possible; returns the freed page ids.
-
-        LRU over device leaves (nodes with device pages and no child with device
-        pages), skipping locked nodes.  A leaf with a host copy stays as
-        host-only.  Without one, ``backup(node)`` may return host page ids holding
-        (or about to hold) its data; otherwise the node is removed together with
-        any transient (queued, not computed) descendants.  When host-only nodes
-        hang below it too, they are removed with it and their host pages handed to
-        ``drop_host`` (without ``drop_host`` such a node is kept).  With
-        ``drop_host`` every unlocked device node can be freed, which is what
-        ``evictable_device_pages`` counts and the scheduler plans with.
-        """
-        self.version += 1  # what a match returns may change
-        heap = [
-            (n.last_access, n.node_id, n)
-            for n in self._device_nodes
-            if n.lock_ref == 0 and not any(c.device is not None for c in n.children.values())
-        ]
-        heapq.heapify(heap)
-        freed: list[int] = []
-        while len(freed) < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
-            if node.device is None or node.lock_ref or node.parent is None:
-                continue
-            if node.host is None and backup is not None:
-                pages = backup(node)
-                if pages is not None:
-                    self.set_host(node, pages)
-            parent = node.parent
-            if node.host is not None:
-                freed.extend(node.device)
-                self.device_pages -= len(node.device)
-                if node.lock_ref:  # a write-back just locked it for its copy
-                    self.locked_device_pages -= len(node.device)
-                node.device = None
-                self._device_nodes.discard(node)
-            elif drop_host is not None or self._only_transient_below(node):
-                # The node goes with everything below it.  Waiting requests' queued (not
-                # computed) continuations must not pin the prefix in L1: their owners
-                # match less next round and insert their KV when they compute it.
-                # Host-only nodes (only with ``drop_host``) would pin it for as long as
-                # they stay in L2; they are no newer than it (a match through them
-                # touches it), so LRU drops them with it.
-                dropped_host = self._drop_descendants(node)
-                if drop_host is not None:
-                    drop_host(dropped_host)
-                freed.extend(node.device)
-                self.device_pages -= len(node.device)
-                if node.lock_ref:  # a write-back just locked it for its copy
-                    self.locked_device_pages -= len(node.device)
-                node.device = None
-                self._device_nodes.discard(node)
-                self._delete(node)
-            else:
-                continue
-            if (
-                parent.parent is not None
-                and parent.device is not None
-                and parent.lock_ref == 0
-                and not any(c.device is not None for c in parent.children.values())
-            ):
-                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
-        return freed
-
-    def _only_transient_below(self, node: TreeNode) -> bool:
-        return all(c.is_transient and self._only_transient_below(c) for c in node.children.values())
-
-    def _drop_descendants(self, node: TreeNode) -> list[int]:
-        """Remove every node below ``node`` (none holds device pages); returns their host pages."""
-        host: list[int] = []
-        for child in list(node.children.values()):
-            host.extend(self._drop_descendants(child))
-            if child.host is not None:
-                host.extend(child.host)
-                self.host_pages -= len(child.host)
-                child.host = None
-                self._host_nodes.discard(child)
-            self._delete(child)
-        return host
-
-    def evictable_device_pages(self) -> int:
-        """Pages ``evict_device(..., drop_host=...)`` can free now: every unlocked device node."""
-        return self.device_pages - self.locked_device_pages
-
-    def evict_host(self, num_pages: int, before_drop: Callable[[TreeNode], None] | None = None) -> list[int]:
-        """Free at least ``num_pages`` L2 pages if possible; returns the freed page ids.
-
-        LRU over host-only leaves (host copy, no device copy, no children),
-        skipping locked nodes; each is removed from the tree after
-        ``before_drop(node)`` (e.g. a write-back to storage) has been called.
-        """
-        self.version += 1  # what a match returns may change
-        def candidate(n: TreeNode) -> bool:
-            return n.host is not None and n.device is None and n.lock_ref == 0 and not n.children and n.parent is not None
-
-        heap = [(n.last_access, n.node_id, n) for n in self._host_nodes if candidate(n)]
-        heapq.heapify(heap)
-        freed: list[int] = []
-        while len(freed) < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
-            if not candidate(node):
-                continue
-            if before_drop is not None:
-                before_drop(node)
-            parent = node.parent
-            freed.extend(node.host)  # type: ignore[arg-type]
-            self.host_pages -= len(node.host)  # type: ignore[arg-type]
-            node.host = None
-            self._host_nodes.discard(node)
-            self._delete(node)
-            if candidate(parent):  # type: ignore[arg-type]
-                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))  # type: ignore[union-attr]
-        return freed
-
-    def drop_host_copy(self, node: TreeNode) -> list[int]:
-        """Forget the host copy of a node that also has a device copy; returns its host pages."""
-        self.version += 1  # what a match returns may change
-        if node.host is None or node.device is None:
-            raise TreeError("drop_host_copy needs a node with both copies")
-        pages, node.host = node.host, None
-        self._host_nodes.discard(node)
-        self.host_pages -= len(pages)
-        return pages
-
-    # ------------------------------------------------------------------ invariants
-    def check(
-        self,
-        device_free: Sequence[int] | None = None,
-        device_total: int | None = None,
-        host_free: Sequence[int] | None = None,
-        host_total: int | None = None,
-        device_reserved: Sequence[int] = (),
-        host_reserved: Sequence[int] = (),
-    ) -> None:
-        """Assert every invariant; with allocator views also owned + free + reserved == total."""
-        ps = self.page_size
-        dev_seen: set[int] = set()
-        host_seen: set[int] = set()
-        owned_seen: dict[Hashable, set[TreeNode]] = {}
-        for ns, root in self._roots.items():
-            assert root.parent is None and root.namespace == ns and root.key == ()
-            stack = [root]
-            while stack:
-                node = stack.pop()
-                child_locks = 0
-                for first, child in node.children.items():
-                    assert child.parent is node, "broken parent link"
-                    assert child.namespace == ns, "node crossed namespaces"
-                    assert child.key[:ps] == first, "child indexed under the wrong first page"
-                    child_locks += child.lock_ref
-                    stack.append(child)
-                if node.parent is None:
-                    continue
-                assert len(node.key) > 0 and len(node.key) % ps == 0, "key not page-aligned"
-                npg = len(node.key) // ps
-                assert node.lock_ref >= child_locks >= 0, "lock_ref below its children's"
-                for pages, seen in ((node.device, dev_seen), (node.host, host_seen)):
-                    if pages is not None:
-                        assert len(pages) == npg, "page list length differs from key"
-                        for p in pages:
-                            assert p not in seen, f"page {p} owned twice"
-                            seen.add(p)
-                if node.hashes is not None:
-                    assert len(node.hashes) == npg
-                parent = node.parent
-                if node.is_transient:
-                    assert node.state in TRANSIENT_STATES
-                    assert node.device is None and node.host is None, "transient node holds data"
-                    assert node.owner is not None
-                    owned_seen.setdefault(node.owner, set()).add(node)
-                    assert node.lock_ref == child_locks, "transient node locked directly"
-                else:
-                    assert node.state == READY and node.owner is None
-                    assert node.has_data, "ready node without data"
-                    assert parent.parent is None or not parent.is_transient, "ready node below a transient one"
-                    assert parent.parent is None or parent.has_data, "data not closed upward"
-                if node.device is not None:
-                    assert parent.parent is None or parent.device is not None, "device tier not a prefix"
-        assert len(dev_seen) == self.device_pages, "device page counter drifted"
-        locked = sum(len(n.device) for n in self.iter_nodes() if n.device is not None and n.lock_ref > 0)
-        assert locked == self.locked_device_pages, "locked device page counter drifted"
-        assert len(host_seen) == self.host_pages, "host page counter drifted"
-        assert self._device_nodes == {n for n in self.iter_nodes() if n.device is not None}, "device node index out of sync"
-        assert self._host_nodes == {n for n in self.iter_nodes() if n.host is not None}, "host node index out of sync"
-        assert owned_seen == {k: v for k, v in self._owned.items() if v}, "owner index out of sync"
-        for seen, free, total, reserved in (
-            (dev_seen, device_free, device_total, device_reserved),
-            (host_seen, host_free, host_total, host_reserved),
-        ):
-            if free is None or total is None:
-                continue
-            free_set = set(free)
-            res = set(reserved)
-            assert len(free_set) == len(free), "page freed twice"
-            assert not (free_set & seen) and not (res & seen) and not (free_set & res), "page both owned and free"
-            assert len(free_set) + len(seen) + len(res) == total, "pages leaked"
