@@ -86,11 +86,15 @@ def run_reporting_model_errors(command: Callable[[], int], prog: str = "strata-j
     """Run a command; a model that cannot be loaded (bad file, unsupported config) is one clear
     line on stderr and exit status 2, never a traceback."""
     from strata_jax.models.config import ModelConfigError
-    from strata_jax.models.weights import WeightLoadError
 
     try:
         return command()
-    except (ModelConfigError, WeightLoadError) as exc:
+    except ValueError as exc:
+        # A WeightLoadError can only come from a loaded weights module: importing it here
+        # would import jax (~2 s) for commands that never touch weights (simulate).
+        weights = sys.modules.get("strata_jax.models.weights")
+        if not isinstance(exc, ModelConfigError) and (weights is None or not isinstance(exc, weights.WeightLoadError)):
+            raise
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
 
