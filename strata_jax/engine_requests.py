@@ -98,11 +98,12 @@ class RequestPages:
         """A new request: its uncomputed full pages become transient nodes it owns; L3 prefetch starts."""
         full = len(t.prompt_ids) // self.page_size * self.page_size
         if full:
-            self.ctl.insert_transient(t.prompt_ids[:full], t.namespace, t.request_id)
+            prompt = tuple(t.prompt_ids)  # converted once, not by each tree walk
+            self.ctl.insert_transient(prompt[:full], t.namespace, t.request_id)
             if t.bypasses_cache:
                 return
-            match = self.ctl.match_prefix(t.prompt_ids, t.namespace, requester=t.request_id, touch=False)
-            t.prefetch = self.ctl.prefetch(t.prompt_ids, t.namespace, match, t.request_id)
+            match = self.ctl.match_prefix(prompt, t.namespace, requester=t.request_id, touch=False)
+            t.prefetch = self.ctl.prefetch(prompt, t.namespace, match, t.request_id)
 
     def pin_prefix(self, t: TrackedRequest, item: PrefillItem) -> None:
         """First chunk: land the L3->L2 prefetch (per its stop policy), re-match, lock the prefix."""
@@ -155,9 +156,10 @@ class RequestPages:
         """Give back a request's pages: keep=True hands computed full pages to the tree."""
         ps = self.page_size
         if keep and t.computed:
-            tokens = (t.prompt_ids + t.output_ids)[: t.computed]
             full = t.computed // ps
-            self.ctl.insert(tokens[: full * ps], t.namespace, t.page_table[:full])
+            n, prompt = full * ps, t.prompt_ids
+            tokens = tuple(prompt[:n]) if n <= len(prompt) else tuple(prompt) + tuple(t.output_ids[: n - len(prompt)])
+            self.ctl.insert(tokens, t.namespace, t.page_table[:full])
             self.ctl.free_device(t.page_table[full:])
         else:
             self.ctl.free_device(t.page_table[t.shared_pages :])

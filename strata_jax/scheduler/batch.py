@@ -124,6 +124,9 @@ class BatchBuilder:
     need_tokens: int = 0  # device tokens to allocate
     _prefixes: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
     _computed: int = 0
+    # (a, b, limit) -> shared tokens: one round asks the same pairs again and again
+    # (every candidate's cost against every member); prompts do not change within it.
+    _shared_memo: dict[tuple[str, str, int], int] = field(default_factory=dict)
 
     # -- queries -----------------------------------------------------------
     @property
@@ -216,8 +219,12 @@ class BatchBuilder:
         """Tokens (whole pages) of common prefix of ``a`` and ``b`` in one namespace, at most ``limit``."""
         if a.namespace != b.namespace:
             return 0
-        ps = self.page_size
-        return shared_pages(a.page_keys(ps), b.page_keys(ps), limit // ps) * ps
+        memo_key = (a.request_id, b.request_id, limit)
+        hit = self._shared_memo.get(memo_key)
+        if hit is None:
+            ps = self.page_size
+            hit = self._shared_memo[memo_key] = shared_pages(a.page_keys(ps), b.page_keys(ps), limit // ps) * ps
+        return hit
 
     def _pages(self, lo: int, hi: int) -> int:
         """Device tokens (whole pages) to hold positions [lo, hi) when [0, lo) is already held."""
