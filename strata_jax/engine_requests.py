@@ -94,16 +94,24 @@ class RequestPages:
         self.ctl = ctl
         self.page_size = ctl.page_size
 
-    def admit(self, t: TrackedRequest) -> None:
-        """A new request: its uncomputed full pages become transient nodes it owns; L3 prefetch starts."""
+    def admit(self, t: TrackedRequest, prompt: tuple[int, ...] | None = None) -> PrefixMatch | None:
+        """A new request: its uncomputed full pages become transient nodes it owns; L3 prefetch starts.
+
+        ``prompt``: ``t.prompt_ids`` as a tuple if the caller has one (the scheduler's
+        ``prefill_tokens``: the returned match is then a hint for its later matches).
+        Returns the admission match (None if there is no full page or it bypasses the cache).
+        """
         full = len(t.prompt_ids) // self.page_size * self.page_size
-        if full:
+        if not full:
+            return None
+        if prompt is None:
             prompt = tuple(t.prompt_ids)  # converted once, not by each tree walk
-            self.ctl.insert_transient(prompt[:full], t.namespace, t.request_id)
-            if t.bypasses_cache:
-                return
-            match = self.ctl.match_prefix(prompt, t.namespace, requester=t.request_id, touch=False)
-            t.prefetch = self.ctl.prefetch(prompt, t.namespace, match, t.request_id)
+        self.ctl.insert_transient(prompt[:full], t.namespace, t.request_id)
+        if t.bypasses_cache:
+            return None
+        match = self.ctl.match_prefix(prompt, t.namespace, requester=t.request_id, touch=False)
+        t.prefetch = self.ctl.prefetch(prompt, t.namespace, match, t.request_id)
+        return match
 
     def pin_prefix(self, t: TrackedRequest, item: PrefillItem) -> None:
         """First chunk: land the L3->L2 prefetch (per its stop policy), re-match, lock the prefix."""

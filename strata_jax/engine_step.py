@@ -42,16 +42,16 @@ class _CacheView:
     Matches are memoized per request until the tree changes (``HiRadixTree.version``):
     the scheduler re-matches every waiting request every round, and a long prompt's
     match costs a walk over all its tokens.  Not with L3, whose hits the tree does
-    not know.  After a change the previous generation's matches are the re-match's
-    hints (``HiRadixTree.match_prefix(hint=)``: the path is re-checked node by
-    node, not token by token); a request not matched for a generation loses its.
+    not know.  After a change each request's latest match is its re-match's hint
+    (``HiRadixTree.match_prefix(hint=)``: the path is re-checked node by node, not
+    token by token); the engine calls ``forget`` when a request leaves.
     """
 
     def __init__(self, ctl: CacheController, bypasses_cache: Callable[[str], bool]):
         self.ctl = ctl
         self.page_size = ctl.page_size
         self._memo: dict[str, tuple[int, tuple[int, ...], Any]] = {}
-        self._hints: dict[str, tuple[int, tuple[int, ...], Any]] = {}  # the generation before
+        self._hints: dict[str, Any] = {}  # latest match per live request, whatever the version
         self._memo_version = -1
         self.bypasses_cache = bypasses_cache
 
@@ -66,19 +66,27 @@ class _CacheView:
         if self.ctl.storage is not None:
             return self.ctl.match_prefix(request.prefill_tokens, request.namespace, requester=request.request_id, touch=False)
         if tree.version != self._memo_version:
-            self._hints = self._memo
-            self._memo = {}
+            self._memo.clear()
             self._memo_version = tree.version
         seen = self._memo.get(request.request_id)
         if seen is not None and seen[1] is request.prefill_tokens:
             return seen[2]
-        old = self._hints.get(request.request_id)
-        hint = old[2] if old is not None and old[1] is request.prefill_tokens else None
         m = self.ctl.match_prefix(
-            request.prefill_tokens, request.namespace, requester=request.request_id, touch=False, hint=hint
-        )
+            request.prefill_tokens, request.namespace, requester=request.request_id, touch=False,
+            hint=self._hints.get(request.request_id),  # ignored by the tree unless it matched these tokens
+        )  # fmt: skip
+        self._hints[request.request_id] = m
         self._memo[request.request_id] = (tree.version, request.prefill_tokens, m)
         return m
+
+    def remember(self, request_id: str, match: Any) -> None:
+        """A match of the request's ``prefill_tokens`` made elsewhere (admission): its next hint."""
+        self._hints[request_id] = match
+
+    def forget(self, request_id: str) -> None:
+        """``request_id`` left the engine: drop its memoized match and hint."""
+        self._memo.pop(request_id, None)
+        self._hints.pop(request_id, None)
 
     def load_pending(self, request_id: str) -> bool:
         return self.ctl.load_pending(request_id)
@@ -301,6 +309,7 @@ class EngineCore:
             self.pages.release(t, keep=True)
             self._close_state(t)
             del self._tracked[t.request_id]
+            self._view.forget(t.request_id)
             self._admit_followers(t)
             self.counters["finished"] += 1
             chunk.ttft_s = t.first_token_at - t.submitted_at  # type: ignore[attr-defined,operator]
@@ -323,13 +332,15 @@ class EngineCore:
                 return
             t.has_sampling_state = True
         try:
-            self.scheduler.submit(t.request_id, t.prompt_ids, namespace=t.namespace)
+            req = self.scheduler.submit(t.request_id, t.prompt_ids, namespace=t.namespace)
         except (OverloadedError, InvalidRequestError) as exc:
             self._close_state(t)
             t.sink.fail(exc)
             return
         self._tracked[t.request_id] = t
-        self.pages.admit(t)
+        match = self.pages.admit(t, req.prefill_tokens)
+        if match is not None:
+            self._view.remember(t.request_id, match)  # the scheduler's first match walks from it
 
     def _admit_followers(self, t: TrackedRequest) -> None:
         """The leader's prompt is in the tree (or the leader is gone): admit its followers."""
@@ -363,6 +374,7 @@ class EngineCore:
             parked.sink.fail(exc)
             return True
         self.scheduler.abort(request_id)
+        self._view.forget(request_id)
         self.pages.release(t, keep=False)
         self._close_state(t)
         if not self._stopping:
