@@ -86,8 +86,9 @@ class ScheduledRequest:
         accounting, never data: the tree decides what is reused).  Cached.
         """
         n = len(self.prefill_tokens)
-        if self._page_keys is not None and self._page_keys[:2] == (page_size, n):
-            return self._page_keys[2]
+        cached = self._page_keys
+        if cached is not None and cached[0] == page_size and cached[1] == n:
+            return cached[2]
         keys: list[int] = []
         h = hash(self.namespace)
         toks = self.prefill_tokens

@@ -27,6 +27,8 @@ from strata_jax.cache.handles import TransferHandle
 from strata_jax.executor import SeqWork, StepOutput
 from strata_jax.sim.cost import SimCostModel
 
+_NO_SPAN: nullcontext = nullcontext()
+
 
 class SimClock:
     """Virtual seconds; only moves forward."""
@@ -137,7 +139,7 @@ class SimExecutor:
         return self.clock.t
 
     def span(self, name: str) -> nullcontext:
-        return nullcontext()
+        return _NO_SPAN  # reentrant and stateless: one for every span (seven per step)
 
     def open_sampling_state(self, request_id: str, prompt_ids, output_ids, params) -> bool:
         return True  # penalties / logit_bias are not modelled: tokens come from token_for
