@@ -106,10 +106,10 @@ class RequestPages:
             return None
         if prompt is None:
             prompt = tuple(t.prompt_ids)  # converted once, not by each tree walk
-        self.ctl.insert_transient(prompt[:full], t.namespace, t.request_id)
+        inserted = self.ctl.insert_transient(prompt, t.namespace, t.request_id)  # its full pages
         if t.bypasses_cache:
             return None
-        match = self.ctl.match_prefix(prompt, t.namespace, requester=t.request_id, touch=False)
+        match = self.ctl.match_prefix(prompt, t.namespace, requester=t.request_id, touch=False, hint=inserted)
         t.prefetch = self.ctl.prefetch(prompt, t.namespace, match, t.request_id)
         return match
 
@@ -151,10 +151,15 @@ class RequestPages:
         if need > 0:
             t.page_table.extend(self.ctl.alloc_device(need))
 
-    def publish_prefix(self, t: TrackedRequest, tokens: Sequence[int]) -> None:
-        """The prefill landed: hand its full pages to the tree (transient -> ready) and re-pin them."""
+    def publish_prefix(self, t: TrackedRequest, tokens: Sequence[int], hint: PrefixMatch | None = None) -> None:
+        """The prefill landed: hand its full pages to the tree (transient -> ready) and re-pin them.
+
+        ``hint``: a match of the same ``tokens`` object (``HiRadixTree.insert``).
+        """
         full = t.computed // self.page_size
-        t.locked, table = self.ctl.cache_unfinished(tokens[: full * self.page_size], t.namespace, t.page_table[:full], t.locked)
+        if full != len(tokens) // self.page_size:  # (the tree inserts full pages only)
+            tokens, hint = tokens[: full * self.page_size], None
+        t.locked, table = self.ctl.cache_unfinished(tokens, t.namespace, t.page_table[:full], t.locked, hint=hint)
         self.ctl.finish_request(t.request_id)
         # Duplicate pages (someone inserted the same tokens first) were freed: use the tree's.
         t.page_table[: len(table)] = table

@@ -79,6 +79,10 @@ class _CacheView:
         self._memo[request.request_id] = (tree.version, request.prefill_tokens, m)
         return m
 
+    def hint(self, request_id: str) -> Any:
+        """The request's latest match (a hint for the tree; None if there is none)."""
+        return self._hints.get(request_id)
+
     def remember(self, request_id: str, match: Any) -> None:
         """A match of the request's ``prefill_tokens`` made elsewhere (admission): its next hint."""
         self._hints[request_id] = match
@@ -281,7 +285,7 @@ class EngineCore:
             status = self.scheduler.on_prefill_done(item.request_id, token)
             if status is RequestStatus.DECODING:
                 with self.executor.span("backup"):
-                    self.pages.publish_prefix(t, item.request.prefill_tokens)
+                    self.pages.publish_prefix(t, item.request.prefill_tokens, self._view.hint(item.request_id))
                 self._admit_followers(t)
                 self._accept_token(t, token)
         for req in decode:

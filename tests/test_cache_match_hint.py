@@ -1,16 +1,19 @@
-"""``match_prefix(hint=...)`` against a fresh walk and a brute-force longest-prefix match.
+"""``match_prefix(hint=...)`` / ``insert(hint=...)`` against fresh walks and a brute-force match.
 
 A hinted match re-checks the earlier walk's path node by node instead of token by
 token (``strata_jax/cache/radix_tree.py``).  Here a handful of fixed prompts keep
 their last match as the hint while random inserts (device, host, transient),
 splits, locks, backups, loads, L1/L2 evictions and aborts reshape the tree in
 between; every hinted match must equal a fresh walk's (same counts, owners, page
-ids, lock handle) and a brute-force match over a page-prefix export of the tree.
+ids, lock handle) and a brute-force match over a page-prefix export of the tree;
+every hinted insert must leave the tree exactly as an unhinted insert leaves a
+deep copy of it (same pages per tier, states, owners; same result).
 The tier indexes behind eviction are checked by ``tree.check()`` after each step.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -32,6 +35,24 @@ def export(tree: HiRadixTree, ns: str) -> dict[tuple, TreeNode]:
                 out[pre] = child
             stack.append((child, pre))
     return out
+
+
+def tiers(tree: HiRadixTree, ns: str) -> dict[tuple, tuple]:
+    return {
+        pre: (n.device and n.device[len(pre) - 1 - n_start(n, tree)], n.host and n.host[len(pre) - 1 - n_start(n, tree)],
+              n.state, n.owner, n.lock_ref)
+        for pre, n in export(tree, ns).items()
+    }  # fmt: skip
+
+
+def n_start(node: TreeNode, tree: HiRadixTree) -> int:
+    """Page index at which ``node``'s key starts on its path."""
+    pages = 0
+    x = node.parent
+    while x is not None and x.parent is not None:
+        pages += len(x.key) // tree.page_size
+        x = x.parent
+    return pages
 
 
 def brute_force(tree: HiRadixTree, ns: str, tokens: tuple[int, ...], requester) -> tuple[int, int, int, tuple]:
@@ -144,6 +165,31 @@ class Driver:
             assert hinted.walk_path == fresh.walk_path and hinted.walk_lens == fresh.walk_lens
             self.hints[key] = hinted if self.rng.random() < 0.8 else fresh
 
+    def check_hinted_insert(self) -> None:
+        tokens = self.rng.choice(self.prompts)
+        key = (id(tokens), None)
+        hint = self.hints.get(key)
+        twin = copy.deepcopy(self.tree)  # the same tree, other objects: inserted without a hint
+        npages = len(tokens) // self.ps
+        mode = self.rng.randrange(3)
+        if mode == 0:
+            kw: dict = {"device_pages": self._pages(npages)}
+        elif mode == 1:
+            m = self.tree.match_prefix(tokens, touch=False)
+            twin.match_prefix(tokens, touch=False)  # (a match may split: keep the twin in step)
+            start = (m.device_tokens + m.host_tokens) // self.ps
+            if m.transient_tokens:
+                return  # data below a transient node: a TreeError either way
+            kw = {"host_pages": self._pages(npages - start), "start_page": start}
+        else:
+            kw = {"owner": self.rng.choice(["r1", "r2"])}
+        res = self.tree.insert(tokens, hint=hint, **kw)
+        ref = twin.insert(tokens, hint=None, **kw)
+        assert (res.existing_tokens, res.unused_pages, len(res.new_nodes)) == (ref.existing_tokens, ref.unused_pages, len(ref.new_nodes))
+        assert tiers(self.tree, "") == tiers(twin, "")
+        self.tree.check()
+        self.hints[key] = res  # an insert's walk is a hint for the next match
+
 
 @pytest.mark.parametrize("ps", [1, 2, 4])
 @pytest.mark.parametrize("seed", range(6))
@@ -152,6 +198,7 @@ def test_hinted_match_equals_fresh_walk_and_brute_force(seed: int, ps: int) -> N
     for _ in range(150):
         d.step()
         d.check_hinted_matches()
+        d.check_hinted_insert()
 
 
 def test_hint_of_other_tokens_or_namespace_is_ignored() -> None:
@@ -168,3 +215,20 @@ def test_hint_of_other_tokens_or_namespace_is_ignored() -> None:
     same_content = a[:3] + a[3:]
     assert same_content is not a
     assert tree.match_prefix(same_content, touch=False, hint=hint_a).device_page_ids == (0, 1, 2)
+
+
+def test_hinted_insert_compares_nodes_that_replaced_the_hinted_path() -> None:
+    """The hinted walk's tail was evicted and another prompt grew there: its node must be compared."""
+    tree = HiRadixTree(2)
+    a = (1, 1, 2, 2, 3, 3, 4, 4)
+    tree.insert(a[:2], device_pages=[0])
+    tree.insert(a, device_pages=[0, 1, 2, 3])
+    hint = tree.match_prefix(a, touch=False)
+    tree.evict_device(3, drop_host=lambda pages: None)  # the tail [2 2 3 3 4 4] goes
+    tree.insert((1, 1, 2, 2, 9, 9, 9, 9), device_pages=[0, 5, 6, 7])  # diverges inside the new node
+    res = tree.insert(a, hint=hint, device_pages=[0, 10, 11, 12])
+    tree.check()
+    assert res.existing_tokens == 4
+    m = tree.match_prefix(a, touch=False)
+    assert m.device_page_ids == (0, 5, 11, 12)
+    assert tree.match_prefix((1, 1, 2, 2, 9, 9, 9, 9), touch=False).device_page_ids == (0, 5, 6, 7)

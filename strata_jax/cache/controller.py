@@ -219,7 +219,8 @@ class CacheController(Transfers, StorageIO, Eviction):
         return self.tree.remove_transient(owner)
 
     def cache_unfinished(
-        self, tokens: Sequence[int], namespace: str, device_pages: Sequence[int], locked: TreeNode
+        self, tokens: Sequence[int], namespace: str, device_pages: Sequence[int], locked: TreeNode,
+        hint: PrefixMatch | InsertResult | None = None,
     ) -> tuple[TreeNode, list[int]]:
         """Insert a still-running request's computed KV and move its lock down.
 
@@ -228,7 +229,7 @@ class CacheController(Transfers, StorageIO, Eviction):
         the request must switch the full-page part of its page table to
         ``page_table`` before its next step (its own duplicates are gone).
         """
-        node = self.insert(tokens, namespace, device_pages).last_node
+        node = self.insert(tokens, namespace, device_pages, hint=hint).last_node
         assert node is not None
         self.tree.lock(node)
         self.tree.unlock(locked)
@@ -242,7 +243,10 @@ class CacheController(Transfers, StorageIO, Eviction):
         """A request ended normally: drop transient nodes it still owns (tokens it never computed)."""
         return self.tree.remove_transient(owner)
 
-    def insert(self, tokens: Sequence[int], namespace: str, device_pages: Sequence[int]) -> InsertResult:
+    def insert(
+        self, tokens: Sequence[int], namespace: str, device_pages: Sequence[int],
+        hint: PrefixMatch | InsertResult | None = None,
+    ) -> InsertResult:
         """Computed KV of ``tokens`` (full pages) sits in ``device_pages``: hand it to the tree.
 
         Ownership of the request's page table after this call::
@@ -255,7 +259,7 @@ class CacheController(Transfers, StorageIO, Eviction):
         page beyond the full pages is the caller's to free).  Under
         ``write_through`` the new device-only nodes are backed up to L2 (and L3).
         """
-        res = self.tree.insert(tokens, namespace, device_pages=device_pages)
+        res = self.tree.insert(tokens, namespace, device_pages=device_pages, hint=hint)  # hint: tree.insert
         if res.unused_pages:
             self.device_alloc.free(res.unused_pages)
         if self.config.write_policy == "write_through" and self.config.has_host:

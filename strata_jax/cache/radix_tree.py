@@ -194,7 +194,7 @@ class HiRadixTree(TierBookkeeping):
         *,
         requester: Hashable | None = None,
         touch: bool = True,
-        hint: PrefixMatch | None = None,
+        hint: PrefixMatch | InsertResult | None = None,
     ) -> PrefixMatch:
         """Longest cached (or transient) page-aligned prefix of ``tokens`` in ``namespace``.
 
@@ -218,7 +218,7 @@ class HiRadixTree(TierBookkeeping):
         lens: list[int] = []
         node = root
         pos = 0
-        if hint is not None and hint.walk_tokens is tokens and hint.namespace == namespace:
+        if hint is not None and hint.walk_tokens is key and hint.namespace == namespace:
             for child, klen in zip(hint.walk_path, hint.walk_lens):
                 if child.parent is not node or len(child.key) != klen:
                     break
@@ -294,6 +294,7 @@ class HiRadixTree(TierBookkeeping):
         host_pages: Sequence[int] | None = None,
         start_page: int = 0,
         owner: Hashable | None = None,
+        hint: PrefixMatch | InsertResult | None = None,
     ) -> InsertResult:
         """Insert the full pages of ``tokens``; exactly one of three modes.
 
@@ -306,6 +307,11 @@ class HiRadixTree(TierBookkeeping):
           adopt the ids (becoming ready host-only), others return them unused.
         * ``owner`` (no pages): every page not yet in the tree becomes an
           ``in_queue`` node owned by ``owner``; existing nodes are left alone.
+
+        ``hint`` as for ``match_prefix`` (a match or insert of the same tokens
+        object): nodes of its path that still hang where it found them are taken
+        without comparing their tokens.  The result carries this walk (``walk_*``),
+        so it is a hint for the next match of the same tokens.
         """
         self.version += 1  # what a match returns may change
         modes = (device_pages is not None) + (host_pages is not None) + (owner is not None)
@@ -328,12 +334,17 @@ class HiRadixTree(TierBookkeeping):
         pos = 0
         unused: list[int] = []
         new_nodes: list[TreeNode] = []
+        path: list[TreeNode] = []
         existing = 0
+        trusted = self._hinted_positions(hint, key, namespace, root)  # id(node) -> where its key starts
         while pos < n:
             child = node.children.get(key[pos : pos + ps])
             if child is None:
                 break
-            m = self._common_pages(child.key, key, pos, n)
+            if trusted and trusted.get(id(child)) == pos:
+                m = len(child.key)  # the hint's walk compared these tokens; unchanged since
+            else:
+                m = self._common_pages(child.key, key, pos, n)
             if m < len(child.key):
                 child = self._split(child, m)
             if pos < start_tok < pos + m:
@@ -367,6 +378,7 @@ class HiRadixTree(TierBookkeeping):
                         unused.extend(p for p, q in zip(seg, child.host) if p != q)
             existing = pos + m
             node = child
+            path.append(child)
             pos += m
         if pos < n:
             if pos < start_tok:
@@ -394,8 +406,32 @@ class HiRadixTree(TierBookkeeping):
                 self._owned.setdefault(owner, set()).add(leaf)
             node.children[leaf.key[:ps]] = leaf
             new_nodes.append(leaf)
+            path.append(leaf)
             node = leaf
-        return InsertResult(existing_tokens=existing, unused_pages=tuple(unused), new_nodes=tuple(new_nodes), last_node=node)
+        return InsertResult(
+            existing_tokens=existing, unused_pages=tuple(unused), new_nodes=tuple(new_nodes), last_node=node,
+            namespace=namespace, walk_tokens=key, walk_path=tuple(path), walk_lens=tuple(len(x.key) for x in path),
+        )  # fmt: skip
+
+    @staticmethod
+    def _hinted_positions(
+        hint: PrefixMatch | InsertResult | None, key: tuple[int, ...], namespace: str, root: TreeNode
+    ) -> dict[int, int]:
+        """Start position of each node of ``hint``'s walk that still hangs where the walk found it.
+
+        Node ids are safe keys: the hint holds the nodes, so no id is reused meanwhile.
+        """
+        if hint is None or hint.walk_tokens is not key or hint.namespace != namespace:
+            return {}
+        out: dict[int, int] = {}
+        node, pos = root, 0
+        for child, klen in zip(hint.walk_path, hint.walk_lens):
+            if child.parent is not node or len(child.key) != klen:
+                break
+            out[id(child)] = pos
+            pos += klen
+            node = child
+        return out
 
     # ------------------------------------------------------------------ transient life cycle
     def mark_in_flight(self, owner: Hashable) -> int:

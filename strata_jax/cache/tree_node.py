@@ -138,6 +138,11 @@ class InsertResult:
     unused_pages: tuple[int, ...]
     new_nodes: tuple[TreeNode, ...]
     last_node: TreeNode | None = None
+    namespace: str = ""
+    # The insert's walk (as ``PrefixMatch.walk_*``): a hint for the next match of the same tokens.
+    walk_tokens: object = field(default=None, repr=False, compare=False)
+    walk_path: tuple[TreeNode, ...] = field(default=(), repr=False, compare=False)
+    walk_lens: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
 
 class TreeError(ValueError):
