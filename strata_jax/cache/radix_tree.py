@@ -365,7 +365,8 @@ class HiRadixTree(TierBookkeeping):
                             self.locked_device_pages += len(seg)
                         self._make_ready(child)
                     else:
-                        unused.extend(p for p, q in zip(seg, child.device) if p != q)
+                        if seg != child.device:  # (usually equal: a page table starts with the tree's pages)
+                            unused.extend(p for p, q in zip(seg, child.device) if p != q)
                 else:
                     if child.host is None and (child.device is not None or child.is_transient):
                         child.host = seg
@@ -375,7 +376,8 @@ class HiRadixTree(TierBookkeeping):
                     elif child.host is None:  # pragma: no cover - a ready node has data
                         raise AssertionError("ready node without data")
                     else:
-                        unused.extend(p for p, q in zip(seg, child.host) if p != q)
+                        if seg != child.host:  # (usually equal: a page table starts with the tree's pages)
+                            unused.extend(p for p, q in zip(seg, child.host) if p != q)
             existing = pos + m
             node = child
             path.append(child)

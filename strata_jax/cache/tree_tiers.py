@@ -23,6 +23,7 @@ always holds a prefix of each history.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -119,11 +120,10 @@ class TierBookkeeping:
         ``evictable_device_pages`` counts and the scheduler plans with.
         """
         self.version += 1  # what a match returns may change
-        heap = [
-            (n.last_access, n.node_id, n)
-            for n in self._device_nodes
-            if n.lock_ref == 0 and not any(c.device is not None for c in n.children.values())
-        ]
+        # Children with device pages, per node: a leaf test without scanning the children
+        # (a document's node has thousands of host-only question nodes below it).
+        device_children = Counter(n.parent for n in self._device_nodes)
+        heap = [(n.last_access, n.node_id, n) for n in self._device_nodes if n.lock_ref == 0 and not device_children[n]]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
@@ -142,6 +142,7 @@ class TierBookkeeping:
                     self.locked_device_pages -= len(node.device)
                 node.device = None
                 self._device_nodes.discard(node)
+                device_children[parent] -= 1
             elif drop_host is not None or self._only_transient_below(node):
                 # The node goes with everything below it.  Waiting requests' queued (not
                 # computed) continuations must not pin the prefix in L1: their owners
@@ -158,6 +159,7 @@ class TierBookkeeping:
                     self.locked_device_pages -= len(node.device)
                 node.device = None
                 self._device_nodes.discard(node)
+                device_children[parent] -= 1
                 self._delete(node)
             else:
                 continue
@@ -165,7 +167,7 @@ class TierBookkeeping:
                 parent.parent is not None
                 and parent.device is not None
                 and parent.lock_ref == 0
-                and not any(c.device is not None for c in parent.children.values())
+                and not device_children[parent]
             ):
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed
