@@ -212,6 +212,28 @@ def test_workload_shapes(shared_data):
     assert trace[0].prompt[:512] == trace[1].prompt[:512]  # equal leading hash ids share a prefix
     mt = W.multiturn(num_requests=20, rate=1.0, seed=0, rounds=4)
     assert sum(r.depends_on is None for r in mt) == 5
+    assert all(r.prompt == r.new_tokens and len(r.prompt) == 512 for r in mt if r.depends_on is None)
+
+
+def test_a_multiturn_run_grows_each_conversation_by_its_answers():
+    """Each turn's prompt is the previous turn's prompt + its answer + the new message, so
+    a later turn finds the whole history cached (up to the last full page)."""
+    from strata_jax.sim import workloads as W
+    from strata_jax.sim.runner import SimSetup, simulate
+    from strata_jax.sim.systems import get_system
+
+    reqs = W.multiturn(num_requests=12, rate=1.0, seed=0, rounds=3, request_length=100, output_len=20)
+    setup = SimSetup(LLAMA8B, H200, device_tokens=100_000, host_tokens=1_000_000)
+    r = simulate(reqs, get_system("strata"), setup, 1.0)
+    assert r.finished == 12
+    # turn k's prompt: k * 100 message tokens + (k - 1) * 20 answer tokens; the history before the
+    # new message is cached up to its last full page (page 32), minus the final answer token,
+    # whose KV is never computed (it is sampled, not fed back, when the turn ends)
+    expected_prompt = sum(k * 100 + (k - 1) * 20 for k in (1, 2, 3)) * 4
+    expected_hits = sum(((k - 1) * 120 - 1) // 32 * 32 for k in (2, 3)) * 4
+    assert r.extra["requests"] == 12
+    assert sum(r.extra["hit_tokens"].values()) == expected_hits
+    assert r.hit_rate == pytest.approx(expected_hits / expected_prompt)
 
 
 def test_simulate_cli_writes_the_documented_json_and_plot(tmp_path, capsys):

@@ -133,5 +133,5 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": [r.row() for r in runs], "wall_s": wall, "cpu_s": cpu}, indent=2) + "\n")
     if args.plot:
-        plot(by_system, Path(args.plot), f"{args.workload}, {setup.model.name}, {setup.profile.name}")
+        plot(by_system, Path(args.plot), f"{args.workload}{' (after warm-up)' if args.warmup else ''}, {setup.model.name}, {setup.profile.name}")
     return 0

@@ -151,6 +151,7 @@ def simulate(
         for j in dependents.pop(i, ()):
             prompts[j] = prompts[i] + outputs[i] + requests[j].new_tokens
             heapq.heappush(heap, (max(requests[j].arrival_s + offset, clock.t), j))
+        prompts.pop(i, None)
         if requests[i].warmup:
             return
         ttft.append(chunk.ttft_s)  # type: ignore[attr-defined]
@@ -165,7 +166,7 @@ def simulate(
         while heap or core._tracked:
             while heap and heap[0][0] <= clock.t:
                 arrival, i = heapq.heappop(heap)
-                prompt = prompts[i] if requests[i].depends_on is None else prompts.pop(i)
+                prompt = prompts[i]  # kept until it finishes if a later turn extends it
                 if not requests[i].warmup:
                     prompt_tokens += len(prompt)
                 t = TrackedRequest(
@@ -174,8 +175,8 @@ def simulate(
                     sink=_Sink(lambda chunk, i=i: on_finish(i, chunk)), detok=None, submitted_at=arrival,
                 )  # fmt: skip
                 core._admit(t)
-                if requests[i].depends_on is None and i not in dependents:
-                    prompts.pop(i, None)
+                if i not in dependents:
+                    prompts.pop(i)
             if core.scheduler.has_work():
                 core.step()
             elif heap:

@@ -157,7 +157,10 @@ def multiturn(
             if len(out) >= num_requests:
                 break
             new = ids.run(request_length)
-            out.append(SimRequest([], output_len, depends_on=last.get(c), new_tokens=new, group=f"client{c}"))
+            previous = last.get(c)
+            # a first turn is its own message; a later one is built when the previous answer is known
+            prompt = new if previous is None else []
+            out.append(SimRequest(prompt, output_len, depends_on=previous, new_tokens=new, group=f"client{c}"))
             last[c] = len(out) - 1
     poisson(out, rate, seed)
     return out
