@@ -8,12 +8,16 @@ Shapes are bucketed and compiled once at warm-up: one decode program per batch
 bucket (``T == B``, powers of two up to ``max_batch_size``) and one extend program per
 token bucket (powers of two up to ``max_batch_tokens``) with a row count fixed by the
 bucket (``buckets.extend_rows``).  The page table width is fixed by the maximum
-context, so no step after warm-up compiles.
+context, so no step after warm-up compiles.  Warm-up compiles the programs ahead of
+time on ``compile_workers`` threads at once (XLA compiles with the GIL released), then
+runs each once; steps call those executables.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import partial
 
@@ -201,6 +205,7 @@ class ModelRunner:
             static_argnums=(5,),
             **shardings,
         )
+        self._compiled: dict[tuple[int, int, bool], jax.stages.Compiled] = {}  # (tokens, rows, all_logits)
         self.num_slots = config.num_device_pages * config.page_size
         self.sampling = SamplingState(
             config.sampling_slots or config.max_batch_size,
@@ -211,28 +216,48 @@ class ModelRunner:
     # ---- compile accounting -------------------------------------------------------
     @property
     def compile_count(self) -> int:
-        """Number of distinct programs compiled so far (jit cache entries)."""
-        return self._step._cache_size()  # noqa: SLF001
+        """Number of distinct step programs compiled so far (ahead of time + jit cache entries)."""
+        return len(self._compiled) + self._step._cache_size()  # noqa: SLF001
 
     @property
     def program_shapes(self) -> tuple[tuple[int, int], ...]:
         """(tokens, rows) of every program a step can hit; warm-up compiles exactly these."""
         return self.decode_shapes + self.extend_shapes
 
-    def warmup(self, *, show_progress: bool = True, progress: Callable[[int, int], None] | None = None) -> int:
-        """Compile every program a step can hit; returns compiles.
+    def warmup(
+        self, *, show_progress: bool = True, progress: Callable[[int, int], None] | None = None, compile_workers: int | None = None
+    ) -> int:
+        """Compile every program a step can hit, ``compile_workers`` at a time (default: one
+        per CPU core, at most 4), then run each once; returns compiles.
 
-        ``progress(done, total)`` is called before the first and after each program.
+        ``progress(done, total)`` is called before the first and after each program compiles.
         """
         shapes = self.program_shapes
+        workers = max(1, min(compile_workers or min(os.cpu_count() or 1, 4), len(shapes)))
         if progress is not None:
             progress(0, len(shapes))
-        for done, (tokens, batch) in enumerate(tqdm(shapes, desc="compiling steps", disable=not show_progress), 1):
-            self._run_padded(self._empty_inputs(tokens, batch), all_logits=False)
-            if progress is not None:
-                progress(done, len(shapes))
+        bar = tqdm(total=len(shapes), desc="compiling steps", disable=not show_progress)
+
+        def compile_one(shape: tuple[int, int]):
+            with pallas_kernels.use_backend(self.kernel_backend):  # a context variable: set it in this thread
+                return self._lower(*shape, all_logits=False).compile()
+
+        with bar, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="strata-compile") as pool:
+            futures = {pool.submit(compile_one, shape): shape for shape in shapes}
+            for done, future in enumerate(as_completed(futures), 1):
+                tokens, rows = futures[future]
+                self._compiled[(tokens, rows, False)] = future.result()
+                bar.update(1)
+                if progress is not None:
+                    progress(done, len(shapes))
+        for tokens, rows in shapes:  # the first run of each (buffers, thunks) happens here, not in a request
+            self._run_padded(self._empty_inputs(tokens, rows), all_logits=False)
         self.sampling.warmup()  # its one row-writing program, or the first penalised request compiles it
         return self.compile_count
+
+    def _lower(self, tokens: int, rows: int, *, all_logits: bool):
+        sampling = self.sampling
+        return self._step.lower(self.state, self.pool.kv, sampling.bias, sampling.flags, self._empty_inputs(tokens, rows), all_logits)
 
     # ---- steps ----------------------------------------------------------------------
     def step(self, seqs: list[SeqInput], *, all_logits: bool = False) -> StepResult:
@@ -257,8 +282,12 @@ class ModelRunner:
 
     def _run_padded(self, inputs: dict, *, all_logits: bool):
         sampling = self.sampling
-        with pallas_kernels.use_backend(self.kernel_backend):  # in effect when a new shape is traced
-            out = self._step(self.state, self.pool.kv, sampling.bias, sampling.flags, inputs, all_logits)
+        program = self._compiled.get((len(inputs["input_ids"]), len(inputs["last_index"]), all_logits))
+        if program is not None:
+            out = program(self.state, self.pool.kv, sampling.bias, sampling.flags, inputs)
+        else:
+            with pallas_kernels.use_backend(self.kernel_backend):  # in effect when a new shape is traced
+                out = self._step(self.state, self.pool.kv, sampling.bias, sampling.flags, inputs, all_logits)
         next_tokens, logits, sample_lp, prompt_lp, self.pool.kv, sampling.flags = out
         return next_tokens, logits, sample_lp, prompt_lp
 
