@@ -130,4 +130,13 @@ def _read_array(state_dir: Path, path: tuple, target: np.ndarray) -> None:
         raise WeightLoadError(f"checkpoint {state_dir.parent} lacks {name}")
     if tuple(store.shape) != target.shape:
         raise WeightLoadError(f"checkpoint {state_dir.parent}: {name} has shape {tuple(store.shape)}, the config implies {target.shape}")
-    ts.array(target, copy=False, write=True).write(ts.cast(store, target.dtype)).result()
+    source = ts.cast(store, target.dtype)
+    if target.ndim == 0:
+        ts.array(target, copy=False, write=True).write(source).result()
+        return
+    # One row of chunks at a time: a single write of the whole array lets tensorstore read
+    # ahead of the copy, and on a cold first read ~60 MB of buffered chunks could stay resident.
+    rows = max(1, int(store.chunk_layout.read_chunk.shape[0] or 1))
+    for start in range(0, target.shape[0], rows):
+        stop = min(start + rows, target.shape[0])
+        ts.array(target[start:stop], copy=False, write=True).write(source[start:stop]).result()
