@@ -33,3 +33,7 @@ def test_ratios():
         {"name": "32L", "mode": "cold", "ready_s": 15.0}, {"name": "32L", "mode": "warm", "ready_s": 3.0},
     ]  # fmt: skip
     assert ratios(rows) == {"2L warm/cold": 0.2, "32L warm/cold": 0.2, "32L/2L cold": 1.5}
+    # repeats: the ratios are of the medians
+    rows += [{"name": "2L", "mode": "cold", "ready_s": 30.0}, {"name": "2L", "mode": "cold", "ready_s": 20.0},
+             {"name": "2L", "mode": "warm", "ready_s": 5.0}, {"name": "2L", "mode": "warm", "ready_s": 4.0}]  # fmt: skip
+    assert ratios(rows) == {"2L warm/cold": 4.0 / 20.0, "32L warm/cold": 0.2, "32L/2L cold": 15.0 / 20.0}

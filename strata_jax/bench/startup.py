@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scan-layers", choices=("default", "true", "false"), default="default", help="EngineConfig.scan_layers (default: the engine's)")
     parser.add_argument("--checkout", type=Path, default=None, help="run the starts against this checkout (PYTHONPATH) instead of this one")
     parser.add_argument("--workdir", type=Path, default=None, help="where random models and caches go (default: a temp dir, removed)")
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="starts per model and mode (each cold start with a fresh cache); ratios use the medians (default 1)",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one start may take (default 1800)")
     parser.add_argument(
         "--step-times", default=None, metavar="LAYERS",
@@ -216,8 +220,13 @@ def print_table(rows: list[dict]) -> None:
 
 
 def ratios(rows: list[dict]) -> dict:
-    """The issue's ratios from one run: deep/shallow cold, warm/cold per model."""
-    by = {(r["name"], r["mode"]): r["ready_s"] for r in rows}
+    """The issue's ratios from one run: deep/shallow cold, warm/cold per model (medians over repeats)."""
+    import statistics
+
+    samples: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        samples.setdefault((r["name"], r["mode"]), []).append(r["ready_s"])
+    by = {key: statistics.median(values) for key, values in samples.items()}
     out: dict = {}
     for (name, mode), ready in by.items():
         if mode == "warm" and (name, "cold") in by:
@@ -319,12 +328,15 @@ def run(args: argparse.Namespace) -> int:
     models = [(f"{n}L", str(write_random_model(work / f"random-{n}L", n))) for n in depths]
     models += [(Path(m).name[:13], m) for m in args.model]
     rows = []
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
     for name, model in models:
-        xdg = Path(tempfile.mkdtemp(prefix=f"xdg-{name}-", dir=work))  # empty: the cold start compiles everything
-        for mode in modes:
-            result = start_once(args, model, xdg)
-            rows.append({"name": name, "model": model, "mode": mode, **result})
-            print(f"{name} {mode}: ready in {result['ready_s']:.1f} s, {result['xla_compiled']} programs compiled", flush=True)
+        for repeat in range(args.repeats):
+            xdg = Path(tempfile.mkdtemp(prefix=f"xdg-{name}-", dir=work))  # empty: the cold start compiles everything
+            for mode in modes:
+                result = start_once(args, model, xdg)
+                rows.append({"name": name, "model": model, "mode": mode, "repeat": repeat, **result})
+                print(f"{name} {mode}: ready in {result['ready_s']:.1f} s, {result['xla_compiled']} programs compiled", flush=True)
     print()
     print_table(rows)
     summary = ratios(rows)
