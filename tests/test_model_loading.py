@@ -130,6 +130,19 @@ def test_truncated_weights_are_a_clear_error(hf_folder, tmp_path):
     (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(SafetensorsError, match="truncated|inconsistent"):
         load_model(str(folder))
+    # and the CLI says so in one line, exit 2, no traceback
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    code = "import sys; from serving.cli import main; sys.exit(main(['generate', '--model', sys.argv[1], '--prompt-ids', '1,2']))"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(folder)], check=False, capture_output=True, text=True, cwd=repo,
+        env={"PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "model.safetensors" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(

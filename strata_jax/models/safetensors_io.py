@@ -14,6 +14,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from strata_jax.models.config import ModelConfigError
+
 _DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
@@ -30,8 +32,9 @@ _DTYPES = {
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
-class SafetensorsError(ValueError):
-    """A safetensors file that cannot be read."""
+class SafetensorsError(ModelConfigError):
+    """A safetensors file that cannot be read (a model that cannot be loaded, like a bad
+    config: the CLI reports it in one line)."""
 
 
 class SafetensorsFile:
