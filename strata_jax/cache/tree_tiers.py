@@ -136,12 +136,7 @@ class TierBookkeeping:
                     self.set_host(node, pages)
             parent = node.parent
             if node.host is not None:
-                freed.extend(node.device)
-                self.device_pages -= len(node.device)
-                if node.lock_ref:  # a write-back just locked it for its copy
-                    self.locked_device_pages -= len(node.device)
-                node.device = None
-                self._device_nodes.discard(node)
+                freed.extend(self._clear_device(node))
                 device_children[parent] -= 1
             elif drop_host is not None or self._only_transient_below(node):
                 # The node goes with everything below it.  Waiting requests' queued (not
@@ -153,12 +148,7 @@ class TierBookkeeping:
                 dropped_host = self._drop_descendants(node)
                 if drop_host is not None:
                     drop_host(dropped_host)
-                freed.extend(node.device)
-                self.device_pages -= len(node.device)
-                if node.lock_ref:  # a write-back just locked it for its copy
-                    self.locked_device_pages -= len(node.device)
-                node.device = None
-                self._device_nodes.discard(node)
+                freed.extend(self._clear_device(node))
                 device_children[parent] -= 1
                 self._delete(node)
             else:
@@ -171,6 +161,15 @@ class TierBookkeeping:
             ):
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         return freed
+
+    def _clear_device(self, node: TreeNode) -> list[int]:
+        """Detach ``node``'s device pages (the reverse of ``set_device``); returns them."""
+        pages, node.device = node.device, None
+        self.device_pages -= len(pages)
+        if node.lock_ref:  # a write-back may just have locked it for its copy
+            self.locked_device_pages -= len(pages)
+        self._device_nodes.discard(node)
+        return pages
 
     def _only_transient_below(self, node: TreeNode) -> bool:
         return all(c.is_transient and self._only_transient_below(c) for c in node.children.values())
