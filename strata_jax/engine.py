@@ -167,15 +167,7 @@ class Engine(EngineCore):
             ids = self._prompt_ids(prompt)
             rid = self.submit(ids, p, cache_salt=cache_salt, sink=sink)
             sinks.append((rid, ids, sink))
-        outputs = []
-        for rid, ids, sink in sinks:
-            sink.wait()
-            if sink.error is not None:
-                raise sink.error
-            out = collect(rid, sink.chunks)
-            out.prompt_token_ids = ids
-            outputs.append(out)
-        return outputs
+        return [_wait_for_output(rid, ids, sink) for rid, ids, sink in sinks]
 
     def generate_choices(
         self, prompt: str | Sequence[int], params: SamplingParams, n: int, cache_salt: str | None = None
@@ -195,14 +187,7 @@ class Engine(EngineCore):
             rid = self.submit(ids, p, cache_salt=cache_salt, sink=sink, follows=leader)
             leader = leader or rid
             sinks.append((rid, sink))
-        outputs = []
-        for rid, sink in sinks:
-            sink.wait()
-            if sink.error is not None:
-                raise sink.error
-            out = collect(rid, sink.chunks)
-            out.prompt_token_ids = ids
-            outputs.append(out)
+        outputs = [_wait_for_output(rid, ids, sink) for rid, sink in sinks]
         for out in outputs[1:]:
             out.prompt_logprobs = outputs[0].prompt_logprobs
         return outputs
@@ -475,6 +460,16 @@ class Engine(EngineCore):
 
 
 # ---------------------------------------------------------------------- helpers
+def _wait_for_output(rid: str, prompt_ids: list[int], sink: CollectingSink) -> RequestOutput:
+    """Block until ``sink``'s request finishes; its output, or the error it failed with."""
+    sink.wait()
+    if sink.error is not None:
+        raise sink.error
+    out = collect(rid, sink.chunks)
+    out.prompt_token_ids = prompt_ids
+    return out
+
+
 def _namespace(cache_salt: str | None) -> str:
     if cache_salt is None:
         return ""
