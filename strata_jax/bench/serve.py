@@ -14,6 +14,7 @@ from pathlib import Path
 
 from strata_jax.api import SamplingParams, StreamChunk
 from strata_jax.bench import workloads
+from strata_jax.workload_data import poisson
 from strata_jax.bench.workloads import BenchRequest
 
 DESCRIPTION = "serving benchmark: the engine under a workload, per policy / tiers / arrival rate"
@@ -152,7 +153,7 @@ def run_one(args: argparse.Namespace, policy: str, tiers: str, rate: float, cach
     try:
         requests = build_requests(args, engine)
         if args.workload != "trace":
-            workloads.poisson_arrivals(requests, rate, args.seed)
+            poisson(requests, rate, args.seed)
         run = _Run(engine, requests)
         makespan = run.execute(timeout_s=3600)
         stats = engine.cache_stats()

@@ -3,15 +3,14 @@ Mooncake traces and short prompts.  Each yields ``BenchRequest``s with arrival o
 
 from __future__ import annotations
 
-import ast
-import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from strata_jax.workload_data import MOONCAKE_BLOCK, loogle_documents, mooncake_rows
+
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-MOONCAKE_BLOCK = 512
 
 
 @dataclass
@@ -23,16 +22,6 @@ class BenchRequest:
     depends_on: int | None = None  # multiturn: index of the previous turn of the same client
     client: int = -1
     extra: dict = field(default_factory=dict)
-
-
-def poisson_arrivals(requests: list[BenchRequest], rate: float, seed: int) -> None:
-    """Assign arrival offsets: Poisson at ``rate`` req/s, or all at t=0 for ``inf``."""
-    rng = random.Random(seed)
-    t = 0.0
-    for r in requests:
-        if rate != float("inf"):
-            t += rng.expovariate(rate)
-        r.arrival_s = t
 
 
 def loogle(
@@ -51,18 +40,7 @@ def loogle(
     robin in bursts of ``questions_per_doc`` questions (the shape where delay-hit
     deferral matters, and where a small L1 cycles through the documents).
     """
-    docs = []
-    for name in ("shortdep_qa.jsonl", "longdep_qa.jsonl"):
-        path = data_dir / "loogle" / name
-        if not path.is_file():
-            continue
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                qa = ast.literal_eval(row["qa_pairs"]) if isinstance(row["qa_pairs"], str) else row["qa_pairs"]
-                docs.append((row["title"], row["input"], [q["Q"] for q in qa]))
-    if not docs:
-        raise FileNotFoundError(f"no LooGLE data under {data_dir / 'loogle'} (use --data-dir)")
+    docs = loogle_documents(data_dir)
     encoded = [(title, encode(text)[:doc_tokens], qs) for title, text, qs in docs]
     out: list[BenchRequest] = []
     round_ = 0
@@ -105,23 +83,15 @@ def mooncake_trace(
     truncated to ``max_input_tokens``; timestamps (ms) are scaled by ``time_scale``.
     """
     out: list[BenchRequest] = []
-    with open(path) as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            ids: list[int] = []
-            for h in row["hash_ids"]:
-                block_rng = random.Random(h)
-                ids.extend(block_rng.randrange(3, vocab) for _ in range(MOONCAKE_BLOCK))
-            ids = ids[: min(row["input_length"], max_input_tokens)]
-            if not ids:
-                continue
-            out.append(
-                BenchRequest(ids, output_len or max(1, min(row["output_length"], 64)), arrival_s=row["timestamp"] / 1000 * time_scale)
-            )
-            if len(out) >= num_requests:
-                break
+
+    def block_ids(h: int) -> list[int]:
+        block_rng = random.Random(h)
+        return [block_rng.randrange(3, vocab) for _ in range(MOONCAKE_BLOCK)]
+
+    for ids, row in mooncake_rows(path, block_ids, max_input_tokens):
+        out.append(BenchRequest(ids, output_len or max(1, min(row["output_length"], 64)), arrival_s=row["timestamp"] / 1000 * time_scale))
+        if len(out) >= num_requests:
+            break
     return out
 
 

@@ -24,16 +24,14 @@ it; only equality matters to the cache).  Every generator is deterministic in it
 
 from __future__ import annotations
 
-import ast
-import json
-import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from strata_jax.workload_data import MOONCAKE_BLOCK, loogle_documents, mooncake_rows, poisson
+
 WORKLOADS = ("loogle", "multiturn", "mooncake", "sharegpt")
 CACHE_DISTANCES = ("min", "shuffle", "max")
-MOONCAKE_BLOCK = 512
 CHARS_PER_TOKEN = 4.0
 
 
@@ -74,31 +72,12 @@ class _Ids:
         return out
 
 
-def poisson(requests: list[SimRequest], rate: float, seed: int) -> None:
-    rng = random.Random(seed)
-    t = 0.0
-    for r in requests:
-        if not math.isinf(rate):
-            t += rng.expovariate(rate)
-        r.arrival_s = t
-
-
 def loogle_shape(data_dir: Path) -> list[tuple[int, int, int]]:
     """(document tokens, questions, mean question tokens) of each LooGLE document in the data."""
     out = []
-    for name in ("shortdep_qa.jsonl", "longdep_qa.jsonl"):
-        path = data_dir / "loogle" / name
-        if not path.is_file():
-            continue
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            qa = ast.literal_eval(row["qa_pairs"]) if isinstance(row["qa_pairs"], str) else row["qa_pairs"]
-            q_tokens = sum(len(q["Q"]) for q in qa) / max(1, len(qa)) / CHARS_PER_TOKEN
-            out.append((int(len(row["input"]) / CHARS_PER_TOKEN), len(qa), max(4, int(q_tokens))))
-    if not out:
-        raise FileNotFoundError(f"no LooGLE data under {data_dir / 'loogle'} (pass --data-dir)")
+    for _, text, questions in loogle_documents(data_dir):
+        q_tokens = sum(len(q) for q in questions) / max(1, len(questions)) / CHARS_PER_TOKEN
+        out.append((int(len(text) / CHARS_PER_TOKEN), len(questions), max(4, int(q_tokens))))
     return out
 
 
@@ -172,24 +151,13 @@ def mooncake(*, num_requests: int, path: Path, speedup: float = 1.0, max_input_t
     if not path.is_file():
         raise FileNotFoundError(f"Mooncake trace {path} does not exist (pass --trace)")
     out: list[SimRequest] = []
-    with open(path) as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            ids: list[int] = []
-            for h in row["hash_ids"]:
-                base = 1 + int(h) * MOONCAKE_BLOCK
-                ids.extend(range(base, base + MOONCAKE_BLOCK))
-            ids = ids[: min(int(row["input_length"]), max_input_tokens)]
-            if not ids:
-                continue
-            out_len = max(1, int(row["output_length"]))
-            if max_output is not None:
-                out_len = min(out_len, max_output)
-            out.append(SimRequest(ids, out_len, arrival_s=row["timestamp"] / 1000.0 / speedup))
-            if len(out) >= num_requests:
-                break
+    for ids, row in mooncake_rows(path, lambda h: range(1 + h * MOONCAKE_BLOCK, 1 + (h + 1) * MOONCAKE_BLOCK), max_input_tokens):
+        out_len = max(1, int(row["output_length"]))
+        if max_output is not None:
+            out_len = min(out_len, max_output)
+        out.append(SimRequest(ids, out_len, arrival_s=row["timestamp"] / 1000.0 / speedup))
+        if len(out) >= num_requests:
+            break
     return out
 
 
