@@ -206,7 +206,7 @@ class ModelRunner:
             static_argnums=(5,),
             **shardings,
         )
-        self._compiled: dict[tuple[int, int, bool], jax.stages.Compiled] = {}  # (tokens, rows, all_logits)
+        self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}  # (tokens, rows) -> warm-up's program
         self.num_slots = config.num_device_pages * config.page_size
         self.sampling = SamplingState(
             config.sampling_slots or config.max_batch_size,
@@ -239,24 +239,21 @@ class ModelRunner:
             progress(0, len(shapes))
         bar = tqdm(total=len(shapes), desc="compiling steps", disable=not show_progress)
 
-        def compile_one(shape: tuple[int, int]):
+        def compile_one(shape: tuple[int, int]) -> jax.stages.Compiled:
+            sampling = self.sampling
+            inputs = self._empty_inputs(*shape)
             with pallas_kernels.use_backend(self.kernel_backend):  # a context variable: set it in this thread
-                return self._lower(*shape, all_logits=False).compile()
+                return self._step.lower(self.state, self.pool.kv, sampling.bias, sampling.flags, inputs, False).compile()
 
         with bar, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="strata-compile") as pool:
             futures = {pool.submit(compile_one, shape): shape for shape in shapes}
             for done, future in enumerate(as_completed(futures), 1):
-                tokens, rows = futures[future]
-                self._compiled[(tokens, rows, False)] = future.result()
+                self._compiled[futures[future]] = future.result()
                 bar.update(1)
                 if progress is not None:
                     progress(done, len(shapes))
         self.sampling.warmup()  # its one row-writing program, or the first penalised request compiles it
         return self.compile_count
-
-    def _lower(self, tokens: int, rows: int, *, all_logits: bool):
-        sampling = self.sampling
-        return self._step.lower(self.state, self.pool.kv, sampling.bias, sampling.flags, self._empty_inputs(tokens, rows), all_logits)
 
     # ---- steps ----------------------------------------------------------------------
     def step(self, seqs: list[SeqInput], *, all_logits: bool = False) -> StepResult:
@@ -281,7 +278,8 @@ class ModelRunner:
 
     def _run_padded(self, inputs: dict, *, all_logits: bool):
         sampling = self.sampling
-        program = self._compiled.get((len(inputs["input_ids"]), len(inputs["last_index"]), all_logits))
+        # warm-up compiled the all_logits=False programs; an all_logits step goes through jit
+        program = None if all_logits else self._compiled.get((len(inputs["input_ids"]), len(inputs["last_index"])))
         if program is not None:
             out = program(self.state, self.pool.kv, sampling.bias, sampling.flags, inputs)
         else:
