@@ -76,8 +76,11 @@ def test_overload_rejects_promptly_and_loses_nothing_accepted(server):
     assert len(rejected) + len(accepted) == BURST, [r for r in http_results if r[0] not in (200, 429)][:3]
     assert rejected, "the burst never filled the waiting queue"
     assert len(accepted) >= MAX_WAITING
+    # Refused promptly, not after waiting in line: every refusal is back before the first accepted
+    # request finishes (its 16 decode steps). Relative, since both slow down together on a loaded host.
+    first_accepted = min(dt for status, dt, _body in http_results if status == 200)
     for dt, body in rejected:
-        assert dt < 2.0, dt  # prompt: no waiting in line to be refused
+        assert dt < first_accepted, (dt, first_accepted)
         assert "overloaded" in body["error"]["message"] or "full" in body["error"]["message"], body
     for body in accepted:  # nothing accepted is lost: every one ran to its full length
         assert body["choices"][0]["finish_reason"] == "length", body
@@ -87,11 +90,12 @@ def test_overload_rejects_promptly_and_loses_nothing_accepted(server):
     codes = {r[0] for r in grpc_results}
     assert codes <= {"OK", "RESOURCE_EXHAUSTED"}, [r for r in grpc_results if r[0] not in ("OK", "RESOURCE_EXHAUSTED")][:3]
     assert "RESOURCE_EXHAUSTED" in codes, "the burst never filled the waiting queue"
+    first_ok = min(dt for code, dt, _tokens, _detail in grpc_results if code == "OK")
     for code, dt, tokens, detail in grpc_results:
         if code == "OK":
             assert (tokens, detail) == (BURST_TOKENS, "length")
         else:
-            assert dt < 2.0 and tokens == 0 and detail
+            assert dt < first_ok and tokens == 0 and detail, (dt, first_ok, tokens, detail)
     assert_no_leaks(engine, server.baseline_used)
 
 
