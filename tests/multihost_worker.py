@@ -52,7 +52,6 @@ def main() -> int:
         process_id=process_id,
         initialization_timeout=60,
     )
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P

@@ -5,8 +5,6 @@ Skips when the model cannot be fetched (tests/real_model.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch

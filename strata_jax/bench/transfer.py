@@ -236,7 +236,7 @@ def _measure_pool_growth(args, page_size: int, total_bytes: int, rng) -> dict:
     for key, pages in sizes.items():
         result[f"{key}_pool_pages"] = pages
     result.update({name: statistics.median(values) for name, values in samples.items()})
-    del pools
+    pools.clear()  # free the pools before the next page size
     result["donated_ratio"] = result["large_donated_ms"] / result["small_donated_ms"]
     result["copied_ratio"] = result["large_copied_ms"] / result["small_copied_ms"]
     return result
