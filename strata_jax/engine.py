@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from strata_jax.api import (
+    MAX_N,
     EngineUnavailableError,
     InvalidRequestError,
-    MAX_N,
     OverloadedError,
     RequestAbortedError,
     RequestOutput,
@@ -48,8 +48,9 @@ from strata_jax.engine_output import collect
 from strata_jax.engine_requests import TrackedRequest
 from strata_jax.engine_step import EngineCore
 from strata_jax.models.loader import load_model
-from strata_jax.runtime import compilation_cache
+from strata_jax.runtime import compilation_cache, executable_cache
 from strata_jax.runtime import sharding as tp_sharding
+from strata_jax.runtime.executable_cache import ExecutableCache
 from strata_jax.runtime.jax_executor import JaxExecutor
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig
 from strata_jax.runtime.platform import resolve as resolve_platform
@@ -135,11 +136,18 @@ class Engine(EngineCore):
         self._wake = threading.Event()
         self._ids = itertools.count()
         self.compiles_at_warmup = 0
+        self.executables_reused = 0  # step programs read back whole from the executable cache
         self.is_ready = False
         self.transfer_compiles_at_warmup = 0
         if config.warmup:
             progress.phase("compiling")
-            self.compiles_at_warmup = self.runner.warmup(show_progress=config.show_progress, progress=progress.programs)
+            executables = None
+            if self.compilation_cache_dir is not None and config.reuse_executables:
+                executables = ExecutableCache(self.compilation_cache_dir / executable_cache.SUBDIR)
+            self.compiles_at_warmup = self.runner.warmup(
+                show_progress=config.show_progress, progress=progress.programs, executables=executables
+            )
+            self.executables_reused = executables.loaded if executables is not None else 0
             self.ctl.warmup_transfers()  # or the first L2 hit compiles its scatter while serving
             self.transfer_compiles_at_warmup = self._transfer_compiles()
         # XLA programs of the whole start-up (load + warm-up): compiled vs read from the persistent cache.
@@ -450,6 +458,7 @@ class Engine(EngineCore):
             "compiles": self.runner.compile_count,
             "compiles_after_warmup": self.runner.compile_count - self.compiles_at_warmup,
             "startup_xla": self.startup_compiles.as_dict(),
+            "startup_executables_reused": self.executables_reused,
             "transfer_compiles_after_warmup": self._transfer_compiles() - self.transfer_compiles_at_warmup,
             "waiting": self.scheduler.num_waiting,
             "running": self.scheduler.num_running,

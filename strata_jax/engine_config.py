@@ -47,6 +47,11 @@ class EngineConfig:
         "none" (or None) to turn it off.  Entries are keyed by the program, device and
         jax version, so another model or config never reuses a wrong one
         (``strata_jax.runtime.compilation_cache``).
+    reuse_executables: with a compilation cache, also keep each compiled step program
+        whole under its ``executables`` subdirectory and read it back on the next start,
+        which then skips tracing and lowering too (keyed by the code, versions, config
+        and shapes; ``strata_jax.runtime.executable_cache``).  False: every start traces
+        and lowers each program (the XLA cache still saves the compiles).
     show_progress: progress bars for loading and compiling.
     kernel_backend: attention and KV-transfer kernels: "auto" (default: Pallas on
         CUDA/ROCm, pure-JAX reference on CPU; $STRATA_KERNEL_BACKEND overrides auto),
@@ -79,6 +84,7 @@ class EngineConfig:
     max_context_tokens: int | None = None
     warmup: bool = True
     compilation_cache_dir: str | None = "auto"
+    reuse_executables: bool = True
     show_progress: bool = True
     kernel_backend: str = "auto"
     scan_layers: bool = True

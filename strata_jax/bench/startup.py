@@ -165,6 +165,7 @@ result = {
     "engine_s": t_engine - t_import, "first_token_s": t_first - t_engine, "ready_s": t_first - spawn,
     "xla_programs": events["requests"], "xla_compiled": events["requests"] - events["hits"], "xla_cache_hits": events["hits"],
     "xla_compile_s": events["compile_s"], "step_programs": programs, "jit_programs": runner.compile_count,
+    "executables_reused": getattr(engine, "executables_reused", None),
     "weights_bytes": weights,
     "load_peak_anon_bytes": (peak["peak"] - peak["base"]) if "allocating KV pools" in marks else None,
     "tokens": list(out[0].token_ids),
@@ -207,7 +208,7 @@ def _fmt(value, spec: str = ".1f") -> str:
 def print_table(rows: list[dict]) -> None:
     head = (
         f"{'model':<14}{'mode':<6}{'ready s':>9}{'import':>8}{'load':>7}{'warmup':>8}{'1st tok':>8}"
-        f"{'progs':>7}{'compiled':>9}{'hits':>6}{'load peak/weights':>19}"
+        f"{'progs':>7}{'compiled':>9}{'hits':>6}{'reused':>7}{'load peak/weights':>19}"
     )
     print(head)
     print("-" * len(head))
@@ -215,7 +216,8 @@ def print_table(rows: list[dict]) -> None:
         ratio = None if r.get("load_peak_anon_bytes") is None else r["load_peak_anon_bytes"] / r["weights_bytes"]
         print(
             f"{r['name']:<14}{r['mode']:<6}{r['ready_s']:>9.1f}{r['import_s']:>8.1f}{_fmt(r['load_s']):>7}{_fmt(r['warmup_s']):>8}"
-            f"{r['first_token_s']:>8.2f}{r['xla_programs']:>7}{r['xla_compiled']:>9}{r['xla_cache_hits']:>6}{_fmt(ratio, '.2f'):>19}"
+            f"{r['first_token_s']:>8.2f}{r['xla_programs']:>7}{r['xla_compiled']:>9}{r['xla_cache_hits']:>6}"
+            f"{_fmt(r.get('executables_reused'), 'd'):>7}{_fmt(ratio, '.2f'):>19}"
         )
 
 

@@ -32,9 +32,10 @@ import pallas_kernels
 from pallas_kernels.layout import KVLayout
 from pallas_kernels.sharded import use_head_sharding
 from strata_jax.models.llama import AttentionMetadata, LlamaForCausalLM
-from strata_jax.runtime import sampling_step
+from strata_jax.runtime import executable_cache, sampling_step
 from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.buckets import extend_rows, pick_bucket, power_of_two_buckets
+from strata_jax.runtime.executable_cache import ExecutableCache
 from strata_jax.runtime.sampling_state import SamplingState
 
 
@@ -226,24 +227,41 @@ class ModelRunner:
         return self.decode_shapes + self.extend_shapes
 
     def warmup(
-        self, *, show_progress: bool = True, progress: Callable[[int, int], None] | None = None, compile_workers: int | None = None
+        self,
+        *,
+        show_progress: bool = True,
+        progress: Callable[[int, int], None] | None = None,
+        compile_workers: int | None = None,
+        executables: ExecutableCache | None = None,
     ) -> int:
         """Compile every program a step can hit, ``compile_workers`` at a time (default: one
         per CPU core, at most 4); returns compiles.
 
         ``progress(done, total)`` is called before the first and after each program compiles.
+        ``executables``: read each program back from this cache when it holds it (no
+        tracing, lowering or compiling) and store the ones compiled (``executable_cache``).
         """
         shapes = self.program_shapes
         workers = max(1, min(compile_workers or min(os.cpu_count() or 1, 4), len(shapes)))
         if progress is not None:
             progress(0, len(shapes))
         bar = tqdm(total=len(shapes), desc="compiling steps", disable=not show_progress)
+        environment = executable_cache.environment_fingerprint() if executables is not None else ""
 
         def compile_one(shape: tuple[int, int]) -> jax.stages.Compiled:
             sampling = self.sampling
-            inputs = self._empty_inputs(*shape)
+            args = (self.state, self.pool.kv, sampling.bias, sampling.flags, self._empty_inputs(*shape))
+            key = None
+            if executables is not None:
+                key, in_tree = self._executable_key(args, environment)
+                compiled = executables.load(key, in_tree)
+                if compiled is not None:
+                    return compiled
             with pallas_kernels.use_backend(self.kernel_backend):  # a context variable: set it in this thread
-                return self._step.lower(self.state, self.pool.kv, sampling.bias, sampling.flags, inputs, False).compile()
+                compiled = self._step.lower(*args, False).compile()
+            if executables is not None:
+                executables.store(key, compiled)
+            return compiled
 
         with bar, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="strata-compile") as pool:
             futures = {pool.submit(compile_one, shape): shape for shape in shapes}
@@ -254,6 +272,26 @@ class ModelRunner:
                     progress(done, len(shapes))
         self.sampling.warmup()  # its one row-writing program, or the first penalised request compiles it
         return self.compile_count
+
+    def executable_keys(self) -> dict[tuple[int, int], str]:
+        """The executable cache's key of each warm-up program (computed without tracing)."""
+        environment = executable_cache.environment_fingerprint()
+        sampling = self.sampling
+        return {
+            shape: self._executable_key((self.state, self.pool.kv, sampling.bias, sampling.flags, self._empty_inputs(*shape)), environment)[0]
+            for shape in self.program_shapes
+        }
+
+    def _executable_key(self, args: tuple, environment: str) -> tuple[str, jax.tree_util.PyTreeDef]:
+        # Besides the code (in ``environment``) and the arguments, what decides the traced
+        # step: the model, the runner config, the kernels and the mesh.
+        program = (
+            f"step all_logits=False\nmodel {self.model_config!r}\nrunner {self.config!r}\n"
+            f"kernels {self.kernel_backend}\nmesh {self.mesh!r} "
+            f"{None if self.mesh is None else self.mesh.device_ids.tolist()}"  # in mesh order
+        )
+        in_tree, signature = executable_cache.arguments_signature(args)
+        return executable_cache.program_key(environment, program, signature), in_tree
 
     # ---- steps ----------------------------------------------------------------------
     def step(self, seqs: list[SeqInput], *, all_logits: bool = False) -> StepResult:
