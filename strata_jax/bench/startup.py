@@ -7,7 +7,10 @@ and any ``--model`` folder.  Each start is a fresh Python process (nothing warm 
 memory) running ``Engine(EngineConfig(model=...))`` with the serve defaults (batch
 budget, buckets, compilation cache ``auto``) and generating one token; its
 ``XDG_CACHE_HOME`` is a fresh directory for the cold start and the same one again for
-the warm start, so the default cache location is what is measured.
+the warm start, so the default cache location is what is measured.  Columns: XLA
+programs handed to XLA (``progs``), compiled and read from XLA's cache (``hits``), and
+step programs read back whole from the executable cache (``reused``: these never
+reach XLA; ``runtime/executable_cache.py``).
 
 ``--checkout DIR`` runs the starts against another checkout of the project (e.g. a
 ``git worktree`` of an older commit) for side-by-side comparisons; the child code

@@ -15,6 +15,9 @@ directory is further split per jax/jaxlib version and platform, so a different
 install never even looks at another's entries.  Every program is cached (minimum
 compile time 0), so a second start of the same command compiles nothing.
 
+The engine's step programs are also kept whole beside it (``executable_cache``), so a
+warm start does not even trace them.
+
 ``COUNTER`` counts, for the whole process, the programs handed to XLA (``requests``)
 and those read back from the cache (``cache_hits``); ``compiled = requests - hits``.
 """
