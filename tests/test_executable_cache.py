@@ -223,3 +223,23 @@ def test_engine_keeps_executables_beside_the_xla_cache_and_can_be_told_not_to(tm
         assert second.cache_stats()["startup_xla"]["compiled"] == 0
     finally:
         compilation_cache.configure("none")
+
+
+def test_least_recently_used_entries_go_beyond_the_size_cap(tmp_path):
+    import os
+
+    compiled = jax.jit(lambda x: x * 2).lower(np.ones(4, np.float32)).compile()
+    old = []
+    for i in range(3):  # entries of earlier code versions, used at t = 1000, 2000, 3000
+        path = tmp_path / f"old{i}.exe"
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (1000 * (i + 1), 1000 * (i + 1)))
+        old.append(path)
+    probe = ExecutableCache(tmp_path / "probe")
+    assert probe.store("k", compiled)
+    size = probe.path("k").stat().st_size
+    cache = ExecutableCache(tmp_path, max_bytes=size + 1500)
+    os.utime(old[0], (5000, 5000))  # read recently: kept over the newer-written old[1], old[2]
+    assert cache.store("new", compiled)
+    assert [p.exists() for p in old] == [True, False, False]
+    np.testing.assert_array_equal(cache.load("new", compiled.in_tree)(np.ones(4, np.float32)), np.full(4, 2.0, np.float32))

@@ -24,6 +24,7 @@ cache off (``EngineConfig.reuse_executables=False``) for such experiments.
 Entries are ``<key>.exe`` files in ``<compilation cache dir>/executables``, written
 to a temporary name and renamed, so a crash never leaves half an entry under a real
 name.  An entry that cannot be read back is a miss (logged) and is overwritten.
+Beyond ``MAX_BYTES`` (2 GiB) the least recently used entries are removed.
 Entries hold native code, like the XLA cache's: the directory must be as trusted as
 the Python environment itself.
 """
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 SUBDIR = "executables"
+# Every code change makes new keys, so old entries pile up; beyond this many bytes the
+# least recently used entries (by mtime, refreshed on each read) are removed.
+MAX_BYTES = 2 << 30
 # jax config values that change where things are cached or what is logged, not the program.
 _IGNORED_CONFIG_PREFIXES = (
     "jax_compilation_cache",
@@ -129,8 +133,9 @@ def program_key(environment: str, program: str, args_signature: str) -> str:
 class ExecutableCache:
     """Compiled step programs on disk, by ``program_key``."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, *, max_bytes: int = MAX_BYTES):
         self.directory = Path(directory)
+        self.max_bytes = max_bytes
         self.directory.mkdir(parents=True, exist_ok=True)
         self.loaded = 0  # entries read back by this cache object (warm-up loads on several threads)
         self.stored = 0
@@ -169,6 +174,10 @@ class ExecutableCache:
         except Exception as exc:
             log.warning("executable cache entry %s does not load (%s); compiling the program again", path.name, exc)
             return None
+        try:
+            os.utime(path)  # recently used: the last to be pruned
+        except OSError:
+            pass
         with self._lock:
             self.loaded += 1
         return compiled
@@ -200,4 +209,25 @@ class ExecutableCache:
             return False
         with self._lock:
             self.stored += 1
+            self._prune()
         return True
+
+    def _prune(self) -> None:
+        """Remove the least recently used entries while the directory holds over ``max_bytes``."""
+        entries = []
+        for path in self.directory.glob("*.exe"):
+            try:
+                st = path.stat()
+            except OSError:  # removed meanwhile by another process
+                continue
+            entries.append((st.st_mtime, st.st_size, path))
+        total = sum(size for _mtime, size, _path in entries)
+        for _mtime, size, path in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            try:
+                path.unlink()
+                total -= size
+                log.info("executable cache: removed %s (least recently used)", path.name)
+            except OSError:
+                pass
