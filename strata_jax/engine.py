@@ -148,6 +148,12 @@ class Engine(EngineCore):
                 show_progress=config.show_progress, progress=progress.programs, executables=executables
             )
             self.executables_reused = executables.loaded if executables is not None else 0
+            if executables is not None and executables.not_stored:
+                log.info(
+                    "%d step programs came from the XLA cache and are not kept as executables "
+                    "(XLA:CPU re-serializes those incompletely); later starts read the XLA cache for them",
+                    executables.not_stored,
+                )
             self.ctl.warmup_transfers()  # or the first L2 hit compiles its scatter while serving
             self.transfer_compiles_at_warmup = self._transfer_compiles()
         # XLA programs of the whole start-up (load + warm-up): compiled vs read from the persistent cache.

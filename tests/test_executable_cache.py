@@ -97,6 +97,26 @@ def test_second_warmup_reads_every_program_back_and_computes_the_same(tmp_path, 
     _assert_same(_steps(_runner()), expected)
 
 
+def test_a_program_read_from_the_xla_cache_is_not_stored(tmp_path):
+    """XLA:CPU re-serializes an executable it read from its own cache without all its
+    functions: stored and read back by a third start, such a copy failed with "Function
+    wrapped_iota not found" (found by running the demo twice over an older XLA cache)."""
+    compilation_cache.configure(str(tmp_path / "xla"))
+    try:
+        xla_only = _runner()
+        xla_only.warmup(show_progress=False)  # fills XLA's cache alone
+        expected = _steps(xla_only)
+        second = ExecutableCache(tmp_path / "executables")
+        _warm(second)
+        assert second.stored == 0 and second.not_stored == len(xla_only.program_shapes)
+        third = ExecutableCache(tmp_path / "executables")
+        runner, counts = _warm(third)
+        assert third.loaded == 0 and counts.cache_hits == len(runner.program_shapes) + 1
+        _assert_same(_steps(runner), expected)
+    finally:
+        compilation_cache.configure("none")
+
+
 def test_a_tensor_parallel_runner_reads_its_programs_back_onto_its_devices(tmp_path, no_xla_cache):
     from strata_jax.runtime.sharding import make_mesh, pool_sharding
 
@@ -143,27 +163,22 @@ def test_another_model_or_runner_config_is_another_key():
         seen |= keys
 
 
-def test_an_unreadable_entry_is_compiled_again_and_overwritten(tmp_path, caplog):
-    compilation_cache.configure(str(tmp_path / "xla"))  # the recompiles read XLA's cache: quick
-    try:
-        directory = tmp_path / "executables"
-        cold_runner, _counts = _warm(ExecutableCache(directory))
-        expected = _steps(cold_runner)
-        entries = sorted(directory.glob("*.exe"))
-        entries[0].write_bytes(entries[0].read_bytes()[:1000])  # truncated, as by a full disk
-        entries[1].write_bytes(b"not a pickle at all")
-        cache = ExecutableCache(directory)
-        with caplog.at_level(logging.WARNING, logger="strata_jax.runtime.executable_cache"):
-            runner, _counts = _warm(cache)
-        assert cache.loaded == len(entries) - 2 and cache.stored == 2
-        assert sum("unreadable" in r.getMessage() for r in caplog.records) == 2
-        _assert_same(_steps(runner), expected)
-        again = ExecutableCache(directory)
-        _warm(again)
-        assert again.loaded == len(entries) and again.stored == 0  # rewritten whole
-        assert not list(directory.glob("*.tmp"))
-    finally:
-        compilation_cache.configure("none")
+def test_an_unreadable_entry_is_compiled_again_and_overwritten(tmp_path, no_xla_cache, caplog):
+    cold_runner, _counts = _warm(ExecutableCache(tmp_path))
+    expected = _steps(cold_runner)
+    entries = sorted(tmp_path.glob("*.exe"))
+    entries[0].write_bytes(entries[0].read_bytes()[:1000])  # truncated, as by a full disk
+    entries[1].write_bytes(b"not a pickle at all")
+    cache = ExecutableCache(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="strata_jax.runtime.executable_cache"):
+        runner, _counts = _warm(cache)
+    assert cache.loaded == len(entries) - 2 and cache.stored == 2
+    assert sum("unreadable" in r.getMessage() for r in caplog.records) == 2
+    _assert_same(_steps(runner), expected)
+    again = ExecutableCache(tmp_path)
+    _warm(again)
+    assert again.loaded == len(entries) and again.stored == 0  # rewritten whole
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_source_fingerprint_sees_every_change_of_a_python_file(tmp_path):
@@ -213,14 +228,18 @@ def test_engine_keeps_executables_beside_the_xla_cache_and_can_be_told_not_to(tm
     config = EngineConfig(**kwargs, compilation_cache_dir=str(tmp_path))
     directory = compilation_cache.resolve(str(tmp_path)) / executable_cache.SUBDIR
     try:
-        off = Engine(dataclasses.replace(config, reuse_executables=False), start=False)
-        assert off.executables_reused == 0 and not directory.exists()
         first = Engine(config, start=False)
-        assert first.executables_reused == 0 and len(list(directory.glob("*.exe"))) == len(first.runner.program_shapes)
+        entries = {p: p.stat().st_mtime_ns for p in directory.glob("*.exe")}
+        assert first.executables_reused == 0 and len(entries) == len(first.runner.program_shapes)
         second = Engine(config, start=False)
         assert second.executables_reused == len(second.runner.program_shapes)
         assert second.cache_stats()["startup_executables_reused"] == second.executables_reused
         assert second.cache_stats()["startup_xla"]["compiled"] == 0
+        entries = {p: p.stat().st_mtime_ns for p in directory.glob("*.exe")}  # reads refresh the mtime
+        off = Engine(dataclasses.replace(config, reuse_executables=False), start=False)
+        assert off.executables_reused == 0
+        assert off.cache_stats()["startup_xla"]["cache_hits"] >= len(off.runner.program_shapes)  # traced, read from XLA's cache
+        assert {p: p.stat().st_mtime_ns for p in directory.glob("*.exe")} == entries  # neither read nor written
     finally:
         compilation_cache.configure("none")
 

@@ -23,7 +23,11 @@ cache off (``EngineConfig.reuse_executables=False``) for such experiments.
 
 Entries are ``<key>.exe`` files in ``<compilation cache dir>/executables``, written
 to a temporary name and renamed, so a crash never leaves half an entry under a real
-name.  An entry that cannot be read back is a miss (logged) and is overwritten.
+name.  Only programs that XLA compiled in this start are stored, not those it read
+from its own cache (``compile_fresh``: XLA:CPU re-serializes those incompletely), so
+a start whose programs all came from the XLA cache stores nothing and the next one
+reads the XLA cache again.  An entry that cannot be read back is a miss (logged) and
+is overwritten.
 Beyond ``MAX_BYTES`` (2 GiB) the least recently used entries are removed.
 Entries hold native code, like the XLA cache's: the directory must be as trusted as
 the Python environment itself.
@@ -65,6 +69,31 @@ _IGNORED_CONFIG_PREFIXES = (
     "jax_debug_log_modules",
     "jax_pprint_use_color",
 )
+
+
+_XLA_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_this_thread = threading.local()
+
+
+def _count_xla_cache_hit(event: str, **_: object) -> None:
+    # jax records the event in the thread that compiles, so a thread-local count tells
+    # which compile was a read from XLA's cache.
+    if event == _XLA_CACHE_HIT_EVENT:
+        _this_thread.xla_cache_hits = getattr(_this_thread, "xla_cache_hits", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_xla_cache_hit)
+
+
+def compile_fresh(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
+    """``lowered.compile()`` and whether XLA compiled it (False: read from XLA's cache).
+
+    Only a freshly compiled executable may be stored: XLA:CPU serializes one that it
+    read back from its own cache without all of its functions, and running that copy
+    after another start fails ("Function wrapped_iota not found")."""
+    before = getattr(_this_thread, "xla_cache_hits", 0)
+    compiled = lowered.compile()
+    return compiled, getattr(_this_thread, "xla_cache_hits", 0) == before
 
 
 def source_fingerprint(roots: Iterable[Path]) -> str:
@@ -139,6 +168,7 @@ class ExecutableCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.loaded = 0  # entries read back by this cache object (warm-up loads on several threads)
         self.stored = 0
+        self.not_stored = 0  # programs XLA read from its own cache (see compile_fresh)
         self._lock = threading.Lock()
 
     def path(self, key: str) -> Path:
@@ -211,6 +241,11 @@ class ExecutableCache:
             self.stored += 1
             self._prune()
         return True
+
+    def skip_stale_copy(self) -> None:
+        """Count a program not stored because XLA read it from its own cache."""
+        with self._lock:
+            self.not_stored += 1
 
     def _prune(self) -> None:
         """Remove the least recently used entries while the directory holds over ``max_bytes``."""

@@ -258,9 +258,14 @@ class ModelRunner:
                 if compiled is not None:
                     return compiled
             with pallas_kernels.use_backend(self.kernel_backend):  # a context variable: set it in this thread
-                compiled = self._step.lower(*args, False).compile()
-            if executables is not None:
+                lowered = self._step.lower(*args, False)
+            if executables is None:
+                return lowered.compile()
+            compiled, fresh = executable_cache.compile_fresh(lowered)
+            if fresh:
                 executables.store(key, compiled)
+            else:
+                executables.skip_stale_copy()
             return compiled
 
         with bar, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="strata-compile") as pool:
