@@ -143,7 +143,7 @@ class Engine(EngineCore):
             progress.phase("compiling")
             executables = None
             if self.compilation_cache_dir is not None and config.reuse_executables:
-                executables = ExecutableCache(self.compilation_cache_dir / executable_cache.SUBDIR)
+                executables = ExecutableCache.open(self.compilation_cache_dir / executable_cache.SUBDIR)
             self.compiles_at_warmup = self.runner.warmup(
                 show_progress=config.show_progress, progress=progress.programs, executables=executables
             )

@@ -69,6 +69,23 @@ def _assert_same(a: list, b: list, *, rtol: float = 0.0) -> None:
             np.testing.assert_allclose(u, v, rtol=rtol, atol=0)
 
 
+@pytest.fixture(scope="module")
+def stored_entries(tmp_path_factory):
+    """A directory of entries from one cold warm-up (with its runner's step results),
+    copied by the tests that start from a filled cache."""
+    compilation_cache.configure("none")
+    directory = tmp_path_factory.mktemp("stored")
+    runner, _counts = _warm(ExecutableCache(directory))
+    return directory, _steps(runner)
+
+
+def _filled(stored_entries, tmp_path) -> tuple:
+    directory, expected = stored_entries
+    target = tmp_path / "entries"
+    shutil.copytree(directory, target)
+    return target, expected
+
+
 @pytest.fixture
 def no_xla_cache():
     compilation_cache.configure("none")  # compiles count as compiles, not as XLA cache reads
@@ -163,9 +180,8 @@ def test_another_model_or_runner_config_is_another_key():
         seen |= keys
 
 
-def test_an_unreadable_entry_is_compiled_again_and_overwritten(tmp_path, no_xla_cache, caplog):
-    cold_runner, _counts = _warm(ExecutableCache(tmp_path))
-    expected = _steps(cold_runner)
+def test_an_unreadable_entry_is_compiled_again_and_overwritten(stored_entries, tmp_path, no_xla_cache, caplog):
+    tmp_path, expected = _filled(stored_entries, tmp_path)
     entries = sorted(tmp_path.glob("*.exe"))
     entries[0].write_bytes(entries[0].read_bytes()[:1000])  # truncated, as by a full disk
     entries[1].write_bytes(b"not a pickle at all")
@@ -262,3 +278,80 @@ def test_least_recently_used_entries_go_beyond_the_size_cap(tmp_path):
     assert cache.store("new", compiled)
     assert [p.exists() for p in old] == [True, False, False]
     np.testing.assert_array_equal(cache.load("new", compiled.in_tree)(np.ones(4, np.float32)), np.full(4, 2.0, np.float32))
+
+
+def test_nothing_is_stored_once_the_code_changed_on_disk_after_import(tmp_path, monkeypatch, no_xla_cache, caplog):
+    from strata_jax.runtime import executable_cache
+
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "model.py").write_text("LAYERS = 2\n")
+    monkeypatch.setattr(executable_cache, "_code_roots", lambda: [package])
+    monkeypatch.setattr(executable_cache, "_loaded_code", executable_cache.source_fingerprint([package]))
+    cache = ExecutableCache(tmp_path / "executables")
+    (package / "model.py").write_text("LAYERS = 3\n")  # edited (or a branch checked out) mid-run
+    with caplog.at_level(logging.WARNING, logger="strata_jax.runtime.executable_cache"):
+        _warm(cache)
+    assert cache.stored == 0 and not list((tmp_path / "executables").glob("*.exe"))
+    assert any("changed on disk" in r.getMessage() for r in caplog.records)
+    (package / "model.py").unlink()
+    (package / ".#model.py").symlink_to(package / "gone.py")  # an editor's dangling lock file
+    assert executable_cache.source_fingerprint([package]) is None and not executable_cache.code_unchanged()
+
+
+def test_entries_of_another_program_or_that_do_not_load_are_misses(stored_entries, tmp_path, no_xla_cache, caplog):
+    import os
+    import pickle
+
+    tmp_path, _expected = _filled(stored_entries, tmp_path)
+    runner = _runner(fresh=False)
+    keys = runner.executable_keys()
+    first, second, third = (ExecutableCache(tmp_path).path(keys[shape]) for shape in runner.program_shapes)
+    before = third.stat().st_mtime_ns
+    os.utime(third, ns=(before - 10**9, before - 10**9))
+    second.write_bytes(first.read_bytes())  # another program's entry under this key
+    entry = pickle.loads(first.read_bytes())
+    first.write_bytes(pickle.dumps({**entry, "executable": b"\x80\x04garbage"}))  # a valid pickle that does not load
+    cache = ExecutableCache(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="strata_jax.runtime.executable_cache"):
+        runner, _counts = _warm(cache)
+    assert cache.loaded == 1 and cache.stored == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("is not this program's" in m for m in messages) and any("does not load" in m for m in messages)
+    assert third.stat().st_mtime_ns > before - 10**9  # read: marked recently used
+    _steps(runner)
+
+
+def test_a_read_back_program_that_fails_on_the_device_leaves_the_cache(stored_entries, tmp_path, no_xla_cache, caplog):
+    tmp_path, _expected = _filled(stored_entries, tmp_path)
+    cache = ExecutableCache(tmp_path)
+    runner, _counts = _warm(cache)
+    shape = runner.program_shapes[-1]  # the extend program
+    entry = cache.path(runner.executable_keys()[shape])
+
+    def failing(*_args):
+        raise jax.errors.JaxRuntimeError("NOT_FOUND: Function wrapped_iota not found (type id: 1)")
+
+    runner._compiled[shape] = failing  # noqa: SLF001 - stands in for a broken read-back executable
+    with caplog.at_level(logging.WARNING, logger="strata_jax.runtime.executable_cache"), pytest.raises(jax.errors.JaxRuntimeError):
+        runner.step([SeqInput(list(range(1, 8)), 0, [0, 1])])
+    assert not entry.exists() and any("failed when run" in r.getMessage() for r in caplog.records)
+    assert len(list(tmp_path.glob("*.exe"))) == len(runner.program_shapes) - 1  # the others stay
+
+
+def test_engine_starts_without_the_executable_cache_when_its_directory_cannot_be_made(tmp_path, caplog):
+    from strata_jax.engine import Engine, EngineConfig
+    from strata_jax.runtime import executable_cache
+
+    directory = compilation_cache.resolve(str(tmp_path))
+    directory.mkdir(parents=True)
+    (directory / executable_cache.SUBDIR).write_text("a file where the directory would go")
+    config = EngineConfig(model="tiny", show_progress=False, max_batch_tokens=32, max_batch_size=2, device_tokens=256,
+                          max_context_tokens=64, compilation_cache_dir=str(tmp_path))  # fmt: skip
+    try:
+        with caplog.at_level(logging.WARNING, logger="strata_jax.runtime.executable_cache"):
+            engine = Engine(config, start=False)
+        assert engine.executables_reused == 0 and engine.is_ready
+        assert any("executable cache off" in r.getMessage() for r in caplog.records)
+    finally:
+        compilation_cache.configure("none")

@@ -7,19 +7,24 @@ program back.  This cache stores the compiled executable itself
 (``jax.experimental.serialize_executable``) and finds it by a key made, without
 tracing, of everything that decides what the trace would produce:
 
-* the source of ``strata_jax`` and ``pallas_kernels`` (every ``.py`` file's bytes);
+* the source of ``strata_jax`` and ``pallas_kernels`` (every ``.py`` file's bytes, as
+  they were when this module was imported);
 * the versions of Python, jax, jaxlib, flax, numpy and ml_dtypes;
-* jax's global config values (but those of caching and logging) and ``XLA_FLAGS``;
-* the backend: platform, platform version, device kinds and the devices the program
-  runs on;
-* the program: the model config, the runner config, the resolved kernel backend, the
-  mesh, and the tree, shapes, dtypes and shardings of its arguments.
+* jax's global config values (but those of caching and logging), flax's config and
+  ``XLA_FLAGS``;
+* the backend: platform, platform version, the host's CPU features (XLA:CPU code is
+  built for them), every device with its kind and process, this process's index;
+* the program: the model's graph and config, the runner config, the resolved kernel
+  backend, the mesh with its devices in order, and the tree, shapes, dtypes,
+  shardings and devices of its arguments.
 
 Any difference gives another key: a miss, which traces, lowers and compiles as
-before (through the XLA cache) and stores the result; never a reuse of a wrong
-program.  What the key cannot see is code changed in memory (a monkeypatched
-function) or jax config set in a thread-local context around the engine: turn the
-cache off (``EngineConfig.reuse_executables=False``) for such experiments.
+before and stores the result; never a reuse of a wrong program.  What the key
+cannot see is code changed in memory (a monkeypatched function) or jax config set
+in a thread-local context around the engine: turn the cache off
+(``EngineConfig.reuse_executables=False``) for such experiments.  Code changed on
+disk after import is seen: nothing is stored then (``code_unchanged``), so an entry
+never holds older code under a newer key.
 
 Entries are ``<key>.exe`` files in ``<compilation cache dir>/executables``, written
 to a temporary name and renamed, so a crash never leaves half an entry under a real
@@ -27,10 +32,12 @@ name.  Only programs that XLA compiled in this start are stored, not those it re
 from its own cache (``compile_fresh``: XLA:CPU re-serializes those incompletely), so
 a start whose programs all came from the XLA cache stores nothing and the next one
 reads the XLA cache again.  An entry that cannot be read back is a miss (logged) and
-is overwritten.
-Beyond ``MAX_BYTES`` (2 GiB) the least recently used entries are removed.
-Entries hold native code, like the XLA cache's: the directory must be as trusted as
-the Python environment itself.
+is overwritten; a read-back program that fails when run is removed (``discard``), so
+the next start compiles it.  Beyond ``MAX_BYTES`` (2 GiB) the least recently used
+entries are removed.  A directory that cannot be made, or code that cannot be read,
+turns the cache off for that start (logged); start-up goes on.  Entries hold native
+code, like the XLA cache's: the directory must be as trusted as the Python
+environment itself.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import platform
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -72,69 +80,118 @@ _IGNORED_CONFIG_PREFIXES = (
 
 
 _XLA_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_XLA_CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # recorded when XLA writes what it compiled
 _this_thread = threading.local()
 
 
-def _count_xla_cache_hit(event: str, **_: object) -> None:
-    # jax records the event in the thread that compiles, so a thread-local count tells
-    # which compile was a read from XLA's cache.
-    if event == _XLA_CACHE_HIT_EVENT:
-        _this_thread.xla_cache_hits = getattr(_this_thread, "xla_cache_hits", 0) + 1
+def _count_xla_cache_events(event: str, **_: object) -> None:
+    # jax records these in the thread that compiles (jax._src.compiler.compile_or_get_cached),
+    # so thread-local counts tell what one compile did.
+    if event in (_XLA_CACHE_HIT_EVENT, _XLA_CACHE_WRITE_EVENT):
+        setattr(_this_thread, event, getattr(_this_thread, event, 0) + 1)
 
 
-jax.monitoring.register_event_listener(_count_xla_cache_hit)
+jax.monitoring.register_event_listener(_count_xla_cache_events)
+
+
+def _xla_cache_on() -> bool:
+    return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
 
 
 def compile_fresh(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
-    """``lowered.compile()`` and whether XLA compiled it (False: read from XLA's cache).
+    """``lowered.compile()`` and whether XLA certainly compiled it in this call.
 
-    Only a freshly compiled executable may be stored: XLA:CPU serializes one that it
-    read back from its own cache without all of its functions, and running that copy
-    after another start fails ("Function wrapped_iota not found")."""
-    before = getattr(_this_thread, "xla_cache_hits", 0)
+    Only such an executable may be stored: XLA:CPU serializes one that it read back
+    from its own cache without all of its functions, and running that copy after
+    another start fails ("Function wrapped_iota not found").  With XLA's cache on, a
+    compile counts as fresh only on positive evidence (XLA wrote the result to its
+    cache, and read nothing); anything else, e.g. jax's events renamed or the
+    listeners cleared, means not fresh: not stored."""
+    counts = lambda: (getattr(_this_thread, _XLA_CACHE_HIT_EVENT, 0), getattr(_this_thread, _XLA_CACHE_WRITE_EVENT, 0))  # noqa: E731
+    cache_on = _xla_cache_on()
+    hits, writes = counts()
     compiled = lowered.compile()
-    return compiled, getattr(_this_thread, "xla_cache_hits", 0) == before
+    hits_after, writes_after = counts()
+    if not cache_on:
+        return compiled, hits_after == hits
+    return compiled, hits_after == hits and writes_after > writes
 
 
-def source_fingerprint(roots: Iterable[Path]) -> str:
-    """sha256 over the relative path and bytes of every ``.py`` file under ``roots``."""
-    digest = hashlib.sha256()
-    for root in roots:
-        digest.update(f"root {root.name}\n".encode())
-        for path in sorted(root.rglob("*.py")):
-            digest.update(f"{path.relative_to(root).as_posix()} {path.stat().st_size}\n".encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-@cache
-def _code_fingerprint() -> str:
+def _code_roots() -> list[Path]:
     import pallas_kernels
     import strata_jax
 
-    return source_fingerprint([Path(strata_jax.__file__).parent, Path(pallas_kernels.__file__).parent])
+    return [Path(strata_jax.__file__).parent, Path(pallas_kernels.__file__).parent]
 
 
-def environment_fingerprint() -> str:
-    """Code, versions, jax config and backend: the part of every key that is not the program."""
+def source_fingerprint(roots: Iterable[Path]) -> str | None:
+    """sha256 over the relative path and bytes of every ``.py`` file under ``roots``; None
+    when one cannot be read (a dangling editor lock file, a file removed mid-checkout)."""
+    digest = hashlib.sha256()
+    try:
+        for root in roots:
+            digest.update(f"root {root.name}\n".encode())
+            for path in sorted(root.rglob("*.py")):
+                data = path.read_bytes()
+                digest.update(f"{path.relative_to(root).as_posix()} {len(data)}\n".encode())
+                digest.update(data)
+    except OSError as exc:
+        log.warning("cannot fingerprint the code (%s); step executables are not reused", exc)
+        return None
+    return digest.hexdigest()
+
+
+# The code as it was when the engine's modules were imported: the key of every entry.
+# A program traced after the files changed on disk is not stored (``code_unchanged``),
+# so an entry never holds older code under a newer key.
+_loaded_code: str | None = source_fingerprint(_code_roots())
+
+
+def code_unchanged() -> bool:
+    """The files on disk are still those fingerprinted at import (and could be read)."""
+    return _loaded_code is not None and source_fingerprint(_code_roots()) == _loaded_code
+
+
+@cache
+def _cpu_features() -> str:
+    """The host's CPU flags: XLA:CPU code is compiled for them, and device_kind is just "cpu"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return hashlib.sha256(line.encode()).hexdigest()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment_fingerprint() -> str | None:
+    """Code, versions, jax and flax config, backend and process: the part of every key
+    that is not the program; None when the code could not be fingerprinted."""
     import flax
     import jaxlib
     import ml_dtypes
 
+    if _loaded_code is None:
+        return None
     backend = jax.devices()[0].client
     config = sorted(
         (name, repr(value)) for name, value in jax.config.values.items() if not name.startswith(_IGNORED_CONFIG_PREFIXES)
     )
+    flax_config = sorted((name, repr(getattr(flax.config, name))) for name in dir(flax.config) if name.startswith(("flax_", "nnx_")))
     parts = [
         f"format {FORMAT}",
-        f"code {_code_fingerprint()}",
+        f"code {_loaded_code}",
         f"python {platform.python_implementation()} {sys.version}",
         f"versions jax {jax.__version__} jaxlib {jaxlib.__version__} flax {flax.__version__} "
         f"numpy {np.__version__} ml_dtypes {ml_dtypes.__version__}",
         f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')}",
         f"config {config}",
+        f"flax config {flax_config}",
         f"backend {backend.platform} {backend.platform_version}",
-        f"devices {[(d.id, d.device_kind) for d in jax.devices()]}",
+        f"cpu {platform.machine()} {_cpu_features() if backend.platform == 'cpu' else ''}",
+        f"devices {[(d.id, d.device_kind, d.process_index) for d in jax.devices()]}",
+        f"process {jax.process_index()} of {jax.process_count()}",
     ]
     return "\n".join(parts)
 
@@ -161,6 +218,18 @@ def program_key(environment: str, program: str, args_signature: str) -> str:
 
 class ExecutableCache:
     """Compiled step programs on disk, by ``program_key``."""
+
+    @classmethod
+    def open(cls, directory: Path, **kwargs) -> ExecutableCache | None:
+        """The cache in ``directory``, or None (logged) when it cannot be used: the directory
+        cannot be created, or the code cannot be fingerprinted.  Start-up goes on without it."""
+        if _loaded_code is None:
+            return None
+        try:
+            return cls(directory, **kwargs)
+        except OSError as exc:
+            log.warning("executable cache off: cannot create %s (%s)", directory, exc)
+            return None
 
     def __init__(self, directory: Path, *, max_bytes: int = MAX_BYTES):
         self.directory = Path(directory)
@@ -216,6 +285,9 @@ class ExecutableCache:
         """Write ``compiled`` under ``key``; False (logged) if it cannot be serialized or written."""
         from jax.experimental import serialize_executable
 
+        if not code_unchanged():
+            log.warning("the code changed on disk since it was imported; step executable not stored")
+            return False
         try:
             # The devices the program was compiled for, in its order (deserializing onto all
             # of the process's devices would make a one-device program expect a shard on each).
@@ -234,13 +306,24 @@ class ExecutableCache:
             os.replace(tmp, self.path(key))
         except OSError as exc:
             log.warning("cannot write the executable cache entry %s: %s", self.path(key), exc)
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
             return False
         with self._lock:
             self.stored += 1
             self._prune()
         return True
+
+    def discard(self, key: str, reason: object) -> None:
+        """Remove the entry of a program that failed when run, so the next start compiles it."""
+        log.warning("step executable %s failed when run (%s); removed from the executable cache", key[:16], reason)
+        try:
+            self.path(key).unlink()
+        except OSError:
+            pass
 
     def skip_stale_copy(self) -> None:
         """Count a program not stored because XLA read it from its own cache."""
@@ -250,6 +333,12 @@ class ExecutableCache:
     def _prune(self) -> None:
         """Remove the least recently used entries while the directory holds over ``max_bytes``."""
         entries = []
+        for tmp in self.directory.glob(".*.tmp"):  # left by a writer that crashed
+            try:
+                if tmp.stat().st_mtime < time.time() - 3600:
+                    tmp.unlink()
+            except OSError:
+                pass
         for path in self.directory.glob("*.exe"):
             try:
                 st = path.stat()

@@ -111,9 +111,18 @@ class PendingStep:
     num_tokens: int
     sample_logprobs: sampling_step.TokenLogprobs | None = None  # set only when some sequence asked
     prompt_logprobs: sampling_step.TokenLogprobs | None = None
+    on_failure: Callable[[Exception], None] | None = None  # told when the step fails on the device
 
     def result(self) -> StepResult:
         """Wait for the step and fetch its sampled tokens (and logits/logprobs if requested)."""
+        try:
+            return self._fetch()
+        except jax.errors.JaxRuntimeError as exc:
+            if self.on_failure is not None:
+                self.on_failure(exc)
+            raise
+
+    def _fetch(self) -> StepResult:
         out = StepResult(next_tokens=_host_copy(self.next_tokens)[: self.num_seqs])
         if self.logits is not None:
             out.logits = _host_copy(self.logits)[: self.num_tokens]
@@ -208,6 +217,8 @@ class ModelRunner:
             **shardings,
         )
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}  # (tokens, rows) -> warm-up's program
+        # (tokens, rows) -> removes its executable cache entry: for programs read back from it
+        self._reused: dict[tuple[int, int], Callable[[Exception], None]] = {}
         self.num_slots = config.num_device_pages * config.page_size
         self.sampling = SamplingState(
             config.sampling_slots or config.max_batch_size,
@@ -246,7 +257,9 @@ class ModelRunner:
         if progress is not None:
             progress(0, len(shapes))
         bar = tqdm(total=len(shapes), desc="compiling steps", disable=not show_progress)
-        environment = executable_cache.environment_fingerprint() if executables is not None else ""
+        environment = executable_cache.environment_fingerprint() if executables is not None else None
+        if environment is None:
+            executables = None  # the code could not be fingerprinted: compile, reuse nothing
 
         def compile_one(shape: tuple[int, int]) -> jax.stages.Compiled:
             sampling = self.sampling
@@ -256,6 +269,7 @@ class ModelRunner:
                 key, in_tree = self._executable_key(args, environment)
                 compiled = executables.load(key, in_tree)
                 if compiled is not None:
+                    self._reused[shape] = partial(executables.discard, key)
                     return compiled
             with pallas_kernels.use_backend(self.kernel_backend):  # a context variable: set it in this thread
                 lowered = self._step.lower(*args, False)
@@ -287,11 +301,12 @@ class ModelRunner:
             for shape in self.program_shapes
         }
 
-    def _executable_key(self, args: tuple, environment: str) -> tuple[str, jax.tree_util.PyTreeDef]:
+    def _executable_key(self, args: tuple, environment: str | None) -> tuple[str, jax.tree_util.PyTreeDef]:
         # Besides the code (in ``environment``) and the arguments, what decides the traced
         # step: the model, the runner config, the kernels and the mesh.
         program = (
-            f"step all_logits=False\nmodel {self.model_config!r}\nrunner {self.config!r}\n"
+            f"step all_logits=False\nmodel {type(self.model_config).__name__} {self.model_config!r}\n"
+            f"graph {self.graphdef!r}\nrunner {self.config!r}\n"
             f"kernels {self.kernel_backend}\nmesh {self.mesh!r} "
             f"{None if self.mesh is None else self.mesh.device_ids.tolist()}"  # in mesh order
         )
@@ -309,7 +324,15 @@ class ModelRunner:
         if not seqs:
             raise ValueError("empty batch")
         inputs = self._pack(seqs)
-        next_tokens, logits, sample_lp, prompt_lp = self._run_padded(inputs, all_logits=all_logits)
+        # A program read back from the executable cache that fails on the device leaves the
+        # cache, so the next start compiles it (the failure itself is not hidden).
+        discard = None if all_logits else self._reused.get((len(inputs["input_ids"]), len(inputs["last_index"])))
+        try:
+            next_tokens, logits, sample_lp, prompt_lp = self._run_padded(inputs, all_logits=all_logits)
+        except jax.errors.JaxRuntimeError as exc:
+            if discard is not None:
+                discard(exc)
+            raise
         return PendingStep(
             next_tokens,
             logits if all_logits else None,
@@ -317,6 +340,7 @@ class ModelRunner:
             sum(len(s.token_ids) for s in seqs),
             sample_logprobs=sample_lp if any(s.logprobs for s in seqs) else None,
             prompt_logprobs=prompt_lp if any(s.prompt_logprob_targets is not None for s in seqs) else None,
+            on_failure=discard,
         )
 
     def _run_padded(self, inputs: dict, *, all_logits: bool):
