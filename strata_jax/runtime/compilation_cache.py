@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 OFF_VALUES = ("none", "off", "")
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # wraps compile-or-read-from-cache
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # recorded when XLA writes what it compiled
 
 
 def default_cache_root() -> Path:
@@ -114,19 +115,29 @@ class _Counter:
     def __init__(self) -> None:
         self._counts = CompileCounts()
         self._lock = threading.Lock()
+        self._thread = threading.local()
         jax.monitoring.register_event_listener(self._on_event)
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
 
     def _on_event(self, event: str, **_: object) -> None:
+        # jax records these in the thread that compiles (jax._src.compiler.compile_or_get_cached),
+        # so the thread-local counts tell what one compile did.
         if event == _CACHE_HIT_EVENT:
             with self._lock:
                 self._counts.cache_hits += 1
+            self._thread.hits = getattr(self._thread, "hits", 0) + 1
+        elif event == _CACHE_WRITE_EVENT:
+            self._thread.writes = getattr(self._thread, "writes", 0) + 1
 
     def _on_duration(self, event: str, seconds: float, **_: object) -> None:
         if event == _BACKEND_COMPILE_EVENT:
             with self._lock:
                 self._counts.requests += 1
                 self._counts.compile_seconds += seconds
+
+    def this_thread(self) -> tuple[int, int]:
+        """(reads from the persistent cache, writes to it) by compiles on the calling thread so far."""
+        return getattr(self._thread, "hits", 0), getattr(self._thread, "writes", 0)
 
     def snapshot(self) -> CompileCounts:
         with self._lock:

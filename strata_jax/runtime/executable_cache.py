@@ -58,6 +58,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from strata_jax.runtime import compilation_cache
+
 log = logging.getLogger(__name__)
 
 FORMAT = 1
@@ -79,21 +81,6 @@ _IGNORED_CONFIG_PREFIXES = (
 )
 
 
-_XLA_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-_XLA_CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # recorded when XLA writes what it compiled
-_this_thread = threading.local()
-
-
-def _count_xla_cache_events(event: str, **_: object) -> None:
-    # jax records these in the thread that compiles (jax._src.compiler.compile_or_get_cached),
-    # so thread-local counts tell what one compile did.
-    if event in (_XLA_CACHE_HIT_EVENT, _XLA_CACHE_WRITE_EVENT):
-        setattr(_this_thread, event, getattr(_this_thread, event, 0) + 1)
-
-
-jax.monitoring.register_event_listener(_count_xla_cache_events)
-
-
 def _xla_cache_on() -> bool:
     return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
 
@@ -107,11 +94,10 @@ def compile_fresh(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, boo
     compile counts as fresh only on positive evidence (XLA wrote the result to its
     cache, and read nothing); anything else, e.g. jax's events renamed or the
     listeners cleared, means not fresh: not stored."""
-    counts = lambda: (getattr(_this_thread, _XLA_CACHE_HIT_EVENT, 0), getattr(_this_thread, _XLA_CACHE_WRITE_EVENT, 0))  # noqa: E731
     cache_on = _xla_cache_on()
-    hits, writes = counts()
+    hits, writes = compilation_cache.COUNTER.this_thread()
     compiled = lowered.compile()
-    hits_after, writes_after = counts()
+    hits_after, writes_after = compilation_cache.COUNTER.this_thread()
     if not cache_on:
         return compiled, hits_after == hits
     return compiled, hits_after == hits and writes_after > writes

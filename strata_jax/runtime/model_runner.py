@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +131,11 @@ class PendingStep:
         if self.prompt_logprobs is not None:
             out.prompt_logprobs = sampling_step.fetch_logprobs(self.prompt_logprobs, self.num_tokens, _host_copy)
         return out
+
+
+def _program_shape(inputs: dict) -> tuple[int, int]:
+    """(tokens, rows) of packed step inputs: which warm-up program runs them."""
+    return len(inputs["input_ids"]), len(inputs["last_index"])
 
 
 def _host_copy(x: jax.Array) -> np.ndarray:
@@ -262,8 +267,7 @@ class ModelRunner:
             executables = None  # the code could not be fingerprinted: compile, reuse nothing
 
         def compile_one(shape: tuple[int, int]) -> jax.stages.Compiled:
-            sampling = self.sampling
-            args = (self.state, self.pool.kv, sampling.bias, sampling.flags, self._empty_inputs(*shape))
+            args = self._warmup_args(shape)
             key = None
             if executables is not None:
                 key, in_tree = self._executable_key(args, environment)
@@ -295,23 +299,27 @@ class ModelRunner:
     def executable_keys(self) -> dict[tuple[int, int], str]:
         """The executable cache's key of each warm-up program (computed without tracing)."""
         environment = executable_cache.environment_fingerprint()
-        sampling = self.sampling
-        return {
-            shape: self._executable_key((self.state, self.pool.kv, sampling.bias, sampling.flags, self._empty_inputs(*shape)), environment)[0]
-            for shape in self.program_shapes
-        }
+        return {shape: self._executable_key(self._warmup_args(shape), environment)[0] for shape in self.program_shapes}
 
-    def _executable_key(self, args: tuple, environment: str | None) -> tuple[str, jax.tree_util.PyTreeDef]:
-        # Besides the code (in ``environment``) and the arguments, what decides the traced
-        # step: the model, the runner config, the kernels and the mesh.
-        program = (
+    def _warmup_args(self, shape: tuple[int, int]) -> tuple:
+        """The step's arguments (all but ``all_logits``) for padded inputs of ``shape``."""
+        sampling = self.sampling
+        return (self.state, self.pool.kv, sampling.bias, sampling.flags, self._empty_inputs(*shape))
+
+    @cached_property
+    def _program_description(self) -> str:
+        """Besides the code and the arguments, what decides the traced step: the model,
+        the runner config, the kernels and the mesh (all fixed at construction)."""
+        return (
             f"step all_logits=False\nmodel {type(self.model_config).__name__} {self.model_config!r}\n"
             f"graph {self.graphdef!r}\nrunner {self.config!r}\n"
             f"kernels {self.kernel_backend}\nmesh {self.mesh!r} "
             f"{None if self.mesh is None else self.mesh.device_ids.tolist()}"  # in mesh order
         )
+
+    def _executable_key(self, args: tuple, environment: str | None) -> tuple[str, jax.tree_util.PyTreeDef]:
         in_tree, signature = executable_cache.arguments_signature(args)
-        return executable_cache.program_key(environment, program, signature), in_tree
+        return executable_cache.program_key(environment, self._program_description, signature), in_tree
 
     # ---- steps ----------------------------------------------------------------------
     def step(self, seqs: list[SeqInput], *, all_logits: bool = False) -> StepResult:
@@ -326,7 +334,7 @@ class ModelRunner:
         inputs = self._pack(seqs)
         # A program read back from the executable cache that fails on the device leaves the
         # cache, so the next start compiles it (the failure itself is not hidden).
-        discard = None if all_logits else self._reused.get((len(inputs["input_ids"]), len(inputs["last_index"])))
+        discard = None if all_logits else self._reused.get(_program_shape(inputs))
         try:
             next_tokens, logits, sample_lp, prompt_lp = self._run_padded(inputs, all_logits=all_logits)
         except jax.errors.JaxRuntimeError as exc:
@@ -346,7 +354,7 @@ class ModelRunner:
     def _run_padded(self, inputs: dict, *, all_logits: bool):
         sampling = self.sampling
         # warm-up compiled the all_logits=False programs; an all_logits step goes through jit
-        program = None if all_logits else self._compiled.get((len(inputs["input_ids"]), len(inputs["last_index"])))
+        program = None if all_logits else self._compiled.get(_program_shape(inputs))
         if program is not None:
             out = program(self.state, self.pool.kv, sampling.bias, sampling.flags, inputs)
         else:
