@@ -12,23 +12,22 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     subparsers = next(a for a in parser._subparsers._group_actions if a.dest == "command")  # noqa: SLF001
-    serve = subparsers.add_parser("serve", help="start the gRPC and OpenAI-compatible HTTP servers")
-    missing = None
+    serve = subparsers.add_parser("serve", help="start the gRPC and OpenAI-compatible HTTP servers (needs the serve extra)")
     # serve's flags import the servers and the engine (jax, ~3 s): only build them for `serve`.
     if next((a for a in argv if not a.startswith("-")), None) != "serve":
         serve.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     else:
         try:
             from serving.server_cli import add_serve_arguments
-        except ModuleNotFoundError as exc:  # the `serve` extra is not installed
-            missing = exc.name
-            serve.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
-        else:
-            add_serve_arguments(serve)
+        except ModuleNotFoundError as exc:  # the `serve` extra is not installed: say so before parsing any flag
+            print(
+                f"strata-jax serve: error: needs the serve extra ({exc.name} is missing): pip install 'strata-jax[serve]'",
+                file=sys.stderr,
+            )
+            return 2
+        add_serve_arguments(serve)
     args = parser.parse_args(argv)
     if args.command == "serve":
-        if missing is not None:
-            raise SystemExit(f"`strata-jax serve` needs the serve extra ({missing} is missing): pip install 'strata-jax[serve]'")
         from serving.server_cli import run_serve
 
         return run_reporting_model_errors(lambda: run_serve(args))

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Engine": "strata_jax.engine",
-    "EngineConfig": "strata_jax.engine_config",
+    "EngineConfig": "strata_jax.engine.config",
     "SamplingParams": "strata_jax.api",
     "RequestOutput": "strata_jax.api",
     "StreamChunk": "strata_jax.api",

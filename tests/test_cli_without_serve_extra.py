@@ -30,5 +30,9 @@ def test_generate_works_and_serve_explains_the_missing_extra():
     ok = _run("generate", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--json")
     assert ok.returncode == 0, ok.stderr
     assert '"token_ids"' in ok.stdout
-    serve = _run("serve")
-    assert serve.returncode != 0 and "strata-jax[serve]" in serve.stderr
+    for argv in (["serve"], ["serve", "--model", "model.gguf", "--port", "8000"], ["serve", "--help"]):
+        serve = _run(*argv)  # flags of serve are not known without the extra: the extra is named, not the flags
+        assert serve.returncode == 2, (argv, serve.stdout, serve.stderr)
+        lines = serve.stderr.strip().splitlines()
+        assert len(lines) == 1 and "pip install 'strata-jax[serve]'" in lines[0], (argv, serve.stderr)
+        assert "unrecognized arguments" not in serve.stderr

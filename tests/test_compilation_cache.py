@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from strata_jax.engine_config import EngineConfig
+from strata_jax.engine.config import EngineConfig
 from strata_jax.models.config import ModelConfig
 from strata_jax.models.weights import random_model
 from strata_jax.runtime import compilation_cache
@@ -46,14 +46,16 @@ def _warm(model_config: ModelConfig) -> compilation_cache.CompileCounts:
 
 def test_second_start_compiles_nothing_and_other_models_do_not_reuse(tmp_path, restore_cache_setting):
     compilation_cache.configure(str(tmp_path))
-    steps = len(ModelRunner(random_model(CONFIG), RUNNER).program_shapes)
-    programs = steps + 1  # + the sampling tables' row-writing program, compiled at warm-up too
+    probe = ModelRunner(random_model(CONFIG), RUNNER)
+    steps = len(probe.program_shapes)
+    writers = 1 + len(probe.seqs.row_buckets)  # the sampling and sequence tables' row writers, compiled at warm-up too
+    programs = steps + writers
     cold = _warm(CONFIG)
     assert cold.requests == programs and cold.compiled == programs and cold.cache_hits == 0
     assert any(compilation_cache.resolve(str(tmp_path)).iterdir())  # entries were written
     warm = _warm(CONFIG)
     assert warm.requests == programs and warm.compiled == 0 and warm.cache_hits == programs
-    # Other weights' shapes: every step program is new.  The row-writing program depends only
-    # on the vocabulary and slot count, which are the same, so it alone may be reused.
+    # Other weights' shapes: every step program is new.  The row writers depend only on the
+    # vocabulary, slot counts and page-table width, which are the same, so they alone may be reused.
     deeper = _warm(ModelConfig(**{**CONFIG.__dict__, "num_layers": 3}))
-    assert deeper.requests == programs and deeper.compiled == steps and deeper.cache_hits == 1
+    assert deeper.requests == programs and deeper.compiled == steps and deeper.cache_hits == writers

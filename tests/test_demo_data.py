@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from strata_jax.demo import LOOGLE_EXCERPT, QUESTIONS, _document
+from strata_jax.cli.demo import LOOGLE_EXCERPT, QUESTIONS, _document
 
 
 def _args(**kw) -> argparse.Namespace:

@@ -13,7 +13,7 @@ import torch
 from hf_reference import make_hf_model
 from strata_jax.api import InvalidRequestError, OverloadedError, SamplingParams
 from strata_jax.engine import Engine, EngineConfig
-from strata_jax.engine_io import CollectingSink
+from strata_jax.engine.sinks import CollectingSink
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
@@ -112,9 +112,9 @@ def test_abort_at_any_point_frees_everything(tiered_engine):
     ids = []
     for _ in range(6):
         ids.append(e.submit(rng.integers(0, 256, size=200).tolist(), SamplingParams(max_tokens=200, ignore_eos=True)))
-    for rid in ids:  # some still waiting, some prefilling or decoding
-        e.abort(rid)
-    assert e.abort("no-such-request") is False
+    aborts = [e.abort(rid) for rid in ids]  # some still waiting, some prefilling or decoding; queued, never waited for
+    assert all(f.result(timeout=60) for f in aborts)  # each was live when its abort ran
+    assert e.abort("no-such-request").result(timeout=60) is False
     _baseline(e)
 
 

@@ -1,4 +1,4 @@
-"""DESIGN §2 layering: the scheduler and the tree are pure Python; strata_jax never imports serving;
+"""docs/design.md §2 layering: the scheduler and the tree are pure Python; strata_jax never imports serving;
 pallas_kernels imports only jax and numpy."""
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ import pytest
 
 from strata_jax.api import InvalidRequestError, SamplingParams
 from strata_jax.engine import Engine, EngineConfig
-from strata_jax.engine_io import CollectingSink
-from strata_jax.engine_output import collect
+from strata_jax.engine.sinks import CollectingSink
+from strata_jax.engine.output import collect
 
 PAGE = 4
 
@@ -38,10 +38,9 @@ def test_choices_share_the_prompt_pages(engine):
     engine._drain_inbox()  # noqa: SLF001
     prefix_tables: dict[str, list[int]] = {}
     peak_pages = 0
-    while engine.scheduler.has_work():
+    while engine.scheduler.has_work() or engine.core.has_pending_step():
         engine.step()
-        engine._drain_inbox()  # noqa: SLF001
-        live = engine._tracked.values()  # noqa: SLF001
+        live = engine.core.live_requests.values()
         for t in live:
             if t.output_ids:
                 prefix_tables.setdefault(t.request_id, list(t.page_table[:full]))

@@ -99,7 +99,7 @@ def test_engine_step_lowers_for_gpu_with_every_kernel_in_place(platform, tokens,
     the output, and no pool-sized copy or slice."""
     from strata_jax.models.config import ModelConfig
     from strata_jax.models.weights import random_model
-    from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
+    from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig
 
     monkeypatch.setenv("STRATA_KERNEL_BACKEND", "pallas")
     config = ModelConfig(
@@ -113,9 +113,9 @@ def test_engine_step_lowers_for_gpu_with_every_kernel_in_place(platform, tokens,
             kv_dtype="bfloat16", scan_layers=scan_layers,
         ),
     )  # fmt: skip
-    inputs = runner._pack([SeqInput(list(range(tokens)), 8, [3])])  # noqa: SLF001
+    args = runner.program_arguments(tokens, 1, decode=tokens == 1)
     with gpu_lowering_target(platform):
-        lowered = runner._step.trace(runner.state, runner.pool.kv, runner.sampling.bias, runner.sampling.flags, inputs, False).lower(  # noqa: SLF001
+        lowered = runner._step.trace(*args, False).lower(  # noqa: SLF001
             lowering_platforms=(platform,)
         )
     text = lowered.as_text()

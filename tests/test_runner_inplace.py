@@ -1,4 +1,4 @@
-"""The jitted steps update the donated KV pool in place: no full-pool copy in the compiled program."""
+"""The jitted steps update the donated KV pool and sequence tables in place: no full copy in the compiled program."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from strata_jax.models.config import ModelConfig
 from strata_jax.models.weights import random_model
-from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
+from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig
 from strata_jax.runtime.sharding import make_mesh
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -26,14 +26,17 @@ def test_step_program_never_copies_the_pool(tokens, tp):
         RunnerConfig(page_size=4, num_device_pages=97, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128),
         mesh=mesh,
     )
-    seq = SeqInput(list(range(tokens)), 8, list(range(4)))
-    inputs = runner._pack([seq])  # noqa: SLF001
-    hlo = runner._step.lower(runner.state, runner.pool.kv, runner.sampling.bias, runner.sampling.flags, inputs, False).compile().as_text()  # noqa: SLF001
+    args = runner.program_arguments(tokens, 1, decode=tokens == 1)
+    hlo = runner._step.lower(*args, False).compile().as_text()  # noqa: SLF001
     heads = CONFIG.num_kv_heads // tp  # a device's shard of the pool
     pool_shapes = {f"3,2,97,4,{heads},16", f"3,2,388,{heads},16"}  # the pool and its flat-slot view
     pool_lines = [line for line in hlo.splitlines() if any(f"[{s}]" in line for s in pool_shapes)]
     copies = [line for line in pool_lines if re.search(r"\b(copy|all-gather|all-reduce|all-to-all|collective-permute)\(", line)]
     assert not copies, copies[:3]
+    # the per-sequence page table (8 slots x 32 pages) is updated in place too
+    table = f"s32[{runner.seqs.num_slots},{runner.config.max_pages_per_seq}]"
+    table_copies = [line for line in hlo.splitlines() if table in line and re.search(r"\bcopy\(", line)]
+    assert not table_copies, table_copies[:3]
     assert "input_output_alias" in hlo or "must-alias" in hlo or "may-alias" in hlo
     if tp > 1:
         assert pool_lines, "the sharded program should hold the pool at its per-device shape"

@@ -54,16 +54,47 @@ def test_chunk_continues_before_new_requests_and_shares_the_budget() -> None:
     assert [(i.request_id, i.start, i.end) for i in plan.prefill] == [("a", 1000, 1500), ("b", 0, 500)]
 
 
-def test_last_chunk_must_report_a_token_and_results_must_match_the_plan() -> None:
+def test_results_must_match_the_plan_and_values_may_come_later() -> None:
     sched, cache = Scheduler(), FakeCache()
     sched.submit("a", toks(1, 10))
     with pytest.raises(SchedulerStateError):
         sched.on_prefill_done("a", 1)  # nothing dispatched yet
     sched.schedule(cache)
+    # the pipelined engine reports a chunk done when it is dispatched, before its token's value is known
+    assert sched.on_prefill_done("a") is S.DECODING
+    a = sched.get("a")
+    assert a.generated == 1 and a.output_token_ids == [] and a.seq_len == 11
+    plan = sched.schedule(cache)
+    assert plan.decode_ids == ("a",)
+    assert sched.on_decode_done("a") is S.DECODING and a.generated == 2 and a.seq_len == 12
     with pytest.raises(SchedulerStateError):
-        sched.on_prefill_done("a")  # last chunk without its token
+        sched.on_decode_done("a")  # no decode in flight any more
     with pytest.raises(UnknownRequestError):
         sched.on_decode_done("nope", 1)
+
+
+def test_a_decode_is_retracted_only_with_every_token_value_known() -> None:
+    sched, cache = Scheduler(), FakeCache(page_size=4)
+    outputs: dict[str, list[int]] = {"old": [], "new": []}
+    for rid, seed in (("old", 1), ("new", 2)):
+        sched.submit(rid, toks(seed, 8), outputs=outputs[rid])  # the engine's own lists of token values
+    plan = sched.schedule(cache)
+    for item in plan.prefill:
+        sched.on_prefill_done(item.request_id)  # dispatched: the values are not known yet
+    cache.free_tokens, cache.evictable_tokens = 4, 0  # their next KV slot opens a page: one must go
+    with pytest.raises(SchedulerStateError, match="1 tokens generated, 0 known"):
+        sched.schedule(cache)
+    sched2, cache2 = Scheduler(), FakeCache(page_size=4)
+    outputs = {"old": [], "new": []}
+    for rid, seed in (("old", 1), ("new", 2)):
+        sched2.submit(rid, toks(seed, 8), outputs=outputs[rid])
+    for item in sched2.schedule(cache2).prefill:
+        sched2.on_prefill_done(item.request_id)
+        outputs[item.request_id].append(7)  # the engine read the token back
+    cache2.free_tokens, cache2.evictable_tokens = 4, 0
+    plan = sched2.schedule(cache2)
+    assert [r.request_id for r in plan.retract] == ["new"]
+    assert sched2.get("new").prefill_tokens == tuple(toks(2, 8)) + (7,)
 
 
 def test_fully_cached_prompt_still_computes_its_last_page() -> None:

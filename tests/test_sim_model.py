@@ -80,9 +80,11 @@ def test_profile_errors_name_the_file_and_field(tmp_path):
 
 
 def test_layerwise_overlap_and_stall_accounting():
-    from strata_jax.cache.handles import TransferHandle
-    from strata_jax.executor import SeqWork
     from strata_jax.api import SamplingParams
+    from strata_jax.cache.handles import TransferHandle
+    from strata_jax.engine.executor import ExtendWork
+    from strata_jax.engine.requests import TrackedRequest
+    from strata_jax.engine.sinks import CollectingSink
     from strata_jax.sim.executor import SimClock, SimExecutor, SimTimer
 
     cost = SimCostModel(H200, LLAMA8B, page_size=32)
@@ -92,8 +94,8 @@ def test_layerwise_overlap_and_stall_accounting():
         ex = SimExecutor(clock, cost, timer, layerwise=layerwise, token_for=lambda r, i: 0)
         h = TransferHandle("load", "a", 600, 0, 0.0)
         h.landed_at = timer.land_time("load", 600, 0, 0.0)
-        seq = SeqWork("a", [1] * 50, 19200, [], SamplingParams(), 0)
-        out = ex.extend([seq], [h])
+        row = TrackedRequest("a", [1] * 19250, "", SamplingParams(), CollectingSink(), None, 0.0)
+        out = ex.collect(ex.dispatch_extend([ExtendWork(row, [1] * 50, 19200)], [h]))
         compute = cost.extend_seconds([(50, 19200)])
         expect = max(compute, h.landed_at + compute / 32) if layerwise else h.landed_at + compute
         assert out.seconds == pytest.approx(expect)

@@ -10,31 +10,38 @@ import random
 import pytest
 
 from strata_jax.api import SamplingParams
-from strata_jax.engine_io import CollectingSink
-from strata_jax.engine_requests import TrackedRequest
-from strata_jax.engine_step import EngineCore
-from strata_jax.executor import StepOutput
+from strata_jax.engine.sinks import CollectingSink
+from strata_jax.engine.requests import TrackedRequest
+from strata_jax.engine.core import EngineCore
+from strata_jax.engine.executor import StepOutput
 
 
 class _Recording:
-    """Wraps an executor and records the seconds every step took."""
+    """Wraps an executor and records the seconds every step took, by kind."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.extend_s: list[float] = []
         self.decode_s: list[float] = []
+        self._kinds: dict[int, str] = {}
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def extend(self, seqs, loads):
-        out = self.inner.extend(seqs, loads)
-        self.extend_s.append(out.seconds)
-        return out
+    def dispatch_extend(self, work, loads):
+        pending = self.inner.dispatch_extend(work, loads)
+        self._kinds[id(pending)] = "extend"
+        return pending
 
-    def finish_decode(self, pending) -> StepOutput:
-        out = self.inner.finish_decode(pending)
-        self.decode_s.append(out.seconds)
+    def dispatch_decode(self, rows):
+        pending = self.inner.dispatch_decode(rows)
+        self._kinds[id(pending)] = "decode"
+        return pending
+
+    def collect(self, pending) -> StepOutput:
+        out = self.inner.collect(pending)
+        assert out.seconds is not None  # the serial loop waits for every step it collects
+        (self.extend_s if self._kinds.pop(id(pending)) == "extend" else self.decode_s).append(out.seconds)
         return out
 
 
@@ -54,15 +61,17 @@ def _workload(vocab: int) -> list[tuple[str, list[int], int]]:
 def test_sim_executor_reproduces_the_engines_decisions():
     from strata_jax.engine import Engine, EngineConfig
 
+    # The serial loop on both sides: a pipelined real engine learns a step's time only when it
+    # had to wait for it, which depends on the machine; the decisions would too.
     engine = Engine(
         EngineConfig(model="tiny", warmup=False, show_progress=False, page_size=16, device_tokens=4096,
-                     max_batch_tokens=128, max_batch_size=8),
+                     max_batch_tokens=128, max_batch_size=8, pipeline=False),
         start=False,
     )  # fmt: skip
     try:
         rec = _Recording(engine.executor)
-        engine.executor = rec
-        engine.plan_log = []
+        engine.core.executor = rec
+        engine.core.plan_log = []
         work = _workload(engine.vocab_size)
         sinks = {}
         for rid, prompt, n in work:
@@ -70,7 +79,7 @@ def test_sim_executor_reproduces_the_engines_decisions():
             engine.submit(prompt, SamplingParams(max_tokens=n, ignore_eos=True), request_id=rid, sink=sinks[rid])
         engine.run_until_idle()
         outputs = {rid: [t for c in s.chunks for t in c.token_ids] for rid, s in sinks.items()}
-        real_plans = engine.plan_log
+        real_plans = engine.core.plan_log
         cache_config, sched_config, prior = engine.ctl.config, engine.scheduler.config, engine.scheduler.cost.prior
         eos, max_ctx = engine.eos_token_ids, engine.max_context_tokens
     finally:
@@ -95,11 +104,13 @@ def test_sim_executor_reproduces_the_engines_decisions():
         token_for=lambda rid, i: outputs[rid][i],
         replay=StepTimes(rec.extend_s, rec.decode_s),
     )  # fmt: skip
-    core = EngineCore(Scheduler(sched_config, CostModel(prior)), ctl, executor, eos_token_ids=eos, max_context_tokens=max_ctx)
+    core = EngineCore(
+        Scheduler(sched_config, CostModel(prior)), ctl, executor, eos_token_ids=eos, max_context_tokens=max_ctx, pipeline=False
+    )
     core.plan_log = []
     for rid, prompt, n in work:
-        core._admit(TrackedRequest(rid, prompt, "", SamplingParams(max_tokens=n, ignore_eos=True), CollectingSink(), None, 0.0))
-    while core.scheduler.has_work():
+        core.admit(TrackedRequest(rid, prompt, "", SamplingParams(max_tokens=n, ignore_eos=True), CollectingSink(), None, 0.0))
+    while core.scheduler.has_work() or core.has_pending_step():
         core.step()
     assert core.plan_log == real_plans
     assert not executor.replay.extend and not executor.replay.decode  # every measured step was used once

@@ -136,7 +136,7 @@ def test_sharded_step_lowers_for_gpu(platform, monkeypatch):
     """The tp=2 step with Pallas kernels lowers for CUDA and ROCm from this CPU: the kernels
     run inside the per-shard (manual) computation on the per-device pool shape."""
     from pallas_kernels.aot import gpu_lowering_target
-    from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
+    from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig
 
     monkeypatch.setenv("STRATA_KERNEL_BACKEND", "pallas")
     config = ModelConfig(
@@ -147,9 +147,9 @@ def test_sharded_step_lowers_for_gpu(platform, monkeypatch):
         RunnerConfig(page_size=16, num_device_pages=97, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128, kv_dtype="bfloat16"),
         mesh=sharding.make_mesh(2),
     )
-    inputs = runner._pack([SeqInput(list(range(5)), 8, [3])])  # noqa: SLF001
+    args = runner.program_arguments(5, 1, decode=False)
     with gpu_lowering_target(platform, mesh_axes={"tp": 2}):
-        text = runner._step.trace(runner.state, runner.pool.kv, runner.sampling.bias, runner.sampling.flags, inputs, False).lower(lowering_platforms=(platform,)).as_text()  # noqa: SLF001
+        text = runner._step.trace(*args, False).lower(lowering_platforms=(platform,)).as_text()  # noqa: SLF001
     assert text.count("__gpu$xla.gpu.triton") == 1  # one attention kernel in the scanned layer body
     assert "manual_computation" in text  # shard_map: per-shard kernels
     assert "tensor<3x2x97x16x1x16xbf16>" in text  # the per-device pool: 1 of 2 KV heads

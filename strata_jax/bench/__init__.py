@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "strata_jax.bench.serve",
     "startup": "strata_jax.bench.startup",
     "tp": "strata_jax.bench.tp",
+    "host": "strata_jax.bench.host",
 }
 
 

@@ -117,7 +117,7 @@ def run_with_engine(args: argparse.Namespace, device_tokens: int) -> dict:
 
     from strata_jax.api import SamplingParams
     from strata_jax.engine import Engine
-    from strata_jax.engine_config import EngineConfig
+    from strata_jax.engine.config import EngineConfig
 
     t, o = args.request_length, args.output_length
     storage_dir = args.storage_dir

@@ -94,7 +94,7 @@ class _Run:
         self.lock = threading.Lock()
 
     def _submit(self, i: int) -> None:
-        from strata_jax.engine_io import CallbackSink
+        from strata_jax.engine.sinks import CallbackSink
 
         r = self.requests[i]
         prompt = r.prompt_ids

@@ -1,6 +1,6 @@
 """Tree nodes and what the tree's operations return (pure Python, no jax).
 
-Node states (DESIGN §3.4):
+Node states (docs/design.md §3.4):
 
 * ``ready``: the KV of the node's tokens exists in L1 and/or L2 (``device`` /
   ``host`` page lists);

@@ -1,1 +1,1 @@
-"""See docs/ and DESIGN.md for what this package owns."""
+"""See docs/design.md for what this package owns."""

@@ -1,28 +1,76 @@
-"""``JaxExecutor``: the ``strata_jax.executor.Executor`` of the real model on real devices.
+"""``JaxExecutor``: the ``strata_jax.engine.executor.Executor`` of the real model on real devices.
 
-Runs extend work through ``ModelRunner.step`` in as few runner steps as the
-runner's token/batch limits allow (one scheduler batch may exceed them), decodes
-through ``ModelRunner.dispatch`` (JAX async dispatch: the engine issues loads while
-the device decodes), times everything on the wall clock, and names profiler spans.
-The L2->L1 loads a batch depends on need no waiting here: the extend program reads
-the pool the loads wrote, so JAX's data flow orders it after them.
+Dispatches extend work through ``ModelRunner.dispatch_extend`` in as few runner steps
+as the runner's token/batch limits allow (one scheduler batch may exceed them) and
+decodes through ``ModelRunner.dispatch_decode``, both without waiting (JAX async
+dispatch); ``collect`` waits for a step and reads its tokens.  It keeps each running
+request's row of device state in step with the request: a new row is written whole
+before the request's first step, and afterwards only the page-table entries appended
+(or replaced) since the last step travel with the next one.  The L2->L1 loads a batch
+depends on need no waiting: the extend program reads the pool the loads wrote, so
+JAX's data flow orders it after them.
+
+Device time of a step (for the scheduler's cost model): a watcher thread blocks on each
+dispatched step in turn and stamps when it finished, so the time is known even when the
+host reads the step long after; a step's time runs from when the device could start it
+(its dispatch, or the end of the step before) to that stamp.  ``device`` counts the
+dispatches that found the device with nothing queued and the idle time before them (in a
+pipelined loop, only when the host fell behind).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 
 from strata_jax.api import SamplingParams
 from strata_jax.cache.handles import TransferHandle
-from strata_jax.executor import SeqWork, StepOutput
+from strata_jax.engine.executor import ExtendWork, SeqRow, StepOutput
 from strata_jax.runtime.logits_processors import initial_bias, initial_flags
-from strata_jax.runtime.model_runner import ModelRunner, PendingStep, SeqInput, StepResult
-from strata_jax.runtime.sampling import request_rng_key
+from strata_jax.runtime.model_runner import ModelRunner, PendingStep, StepResult
 from strata_jax.runtime.sampling_state import NoFreeSlotError
 from strata_jax.runtime.sampling_step import to_token_logprob
+from strata_jax.runtime.seq_state import RowParams, rng_base_for
+from strata_jax.runtime.step_inputs import ExtendRow
+
+
+@dataclass(eq=False)
+class _Part:
+    """One runner step of an executor step, and what each of its rows stands for."""
+
+    step: PendingStep
+    rows: list[SeqRow]
+    pieces: list[ExtendRow] | None = None  # extend: the chunk piece of each row
+    items: list[int] | None = None  # extend: the work item of each piece
+    last: list[bool] | None = None  # extend: the piece ends its work item
+
+
+@dataclass(eq=False)
+class _Dispatched:
+    """One executor step: its runner steps (an extend may need several)."""
+
+    parts: list[_Part]
+    size: int  # work items (extend) or rows (decode)
+    extend: bool
+    dispatched_at: float
+    finished: Future  # -> when the device finished it (the watcher's stamp)
+    previous: Future | None  # the step dispatched just before (the device runs them in order)
+
+
+@dataclass
+class DeviceCounters:
+    """How the device was fed: dispatches, how many found it with nothing queued, and the idle
+    time before those whose previous step's end was seen (the host waited for it)."""
+
+    dispatches: int = 0
+    idle_dispatches: int = 0
+    idle_s: float = 0.0
+    idle_gaps: list[float] = field(default_factory=list)  # the last few gaps, seconds
 
 
 class JaxExecutor:
@@ -30,12 +78,15 @@ class JaxExecutor:
         self.runner = runner
         self.eos_token_ids = tuple(eos_token_ids)
         self._slots: dict[str, int] = {}  # request id -> sampling-state slot
+        self._last: Future | None = None  # finish stamp of the step dispatched last
+        self._watcher = ThreadPoolExecutor(1, thread_name_prefix="strata-step-watch")
+        self.device = DeviceCounters()
 
-    # ---- per-request device state (penalties, logit_bias, min_tokens) ----------------
+    # ---- per-request device state ------------------------------------------------
     def open_sampling_state(
         self, request_id: str, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams
     ) -> bool:
-        """Take a slot and write its rows once; False when every slot is held."""
+        """Take a penalty/bias slot and write its rows once; False when every slot is held."""
         state = self.runner.sampling
         try:
             slot = state.acquire()
@@ -52,6 +103,55 @@ class JaxExecutor:
         if slot is not None:
             self.runner.sampling.release(slot)
 
+    def open_sequence(self, row: SeqRow) -> None:
+        slot = self.runner.seqs.acquire()
+        if slot is None:  # the scheduler caps running requests at the slot count
+            raise RuntimeError(f"no sequence slot free for {row.request_id} ({self.runner.seqs.num_slots} running)")
+        row.slot = slot
+        row.row_dirty = True
+
+    def close_sequence(self, row: SeqRow) -> None:
+        if row.slot is not None:
+            self.runner.seqs.release(row.slot)
+            row.slot = None
+
+    def _row_params(self, row: SeqRow) -> RowParams:
+        p = row.params
+        return RowParams(
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, repetition_penalty=p.repetition_penalty,
+            frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+            sampling_slot=self._slots.get(row.request_id), min_tokens=p.min_tokens,
+            want_logprobs=p.logprobs is not None, rng_base=rng_base_for(p.seed, row.request_id),
+        )  # fmt: skip
+
+    def _sync_rows(self, rows: Sequence[SeqRow], capacity: int) -> np.ndarray | None:
+        """Write new rows whole; return the page-table entries changed since (``[k, 3]``), at
+        most ``capacity`` of them (rows with more are rewritten whole instead)."""
+        updates: list[tuple[int, int, int]] = []
+        rewrite = []  # (row, whole): new rows, or page tables that changed too much for the step
+        for row in rows:
+            if row.row_dirty:
+                rewrite.append((row, True))
+                continue
+            n = len(row.page_table)
+            if n > row.pt_synced:
+                if n - row.pt_synced + len(updates) <= capacity:
+                    slot, table = row.slot, row.page_table
+                    updates.extend((slot, i, table[i]) for i in range(row.pt_synced, n))
+                    row.pt_synced = n
+                else:
+                    rewrite.append((row, False))
+        if rewrite:
+            self.runner.seqs.write_rows([
+                (row.slot, row.page_table, row.computed, 0, row.generated, self._row_params(row) if whole else None)
+                for row, whole in rewrite
+            ])  # fmt: skip
+            for row, _ in rewrite:
+                row.row_dirty = False
+                row.pt_synced = len(row.page_table)
+        return np.asarray(updates, np.int32) if updates else None
+
+    # ---- steps --------------------------------------------------------------------
     def now(self) -> float:
         return time.perf_counter()
 
@@ -61,83 +161,119 @@ class JaxExecutor:
     def idle(self) -> None:
         time.sleep(0.001)  # everything waits on a transfer or a deferral: don't spin
 
-    def extend(self, seqs: list[SeqWork], loads: Sequence[TransferHandle] = ()) -> StepOutput:
-        start = time.perf_counter()
-        out = StepOutput({}, 0.0)
-        self._run_packed(seqs, out)
-        return StepOutput(out.tokens, time.perf_counter() - start, out.logprobs, out.prompt_logprobs)
+    def begin_step(self, decode_rows: int, prefill_rows: int, prefill_tokens: int) -> None:
+        return None
 
-    def _run_packed(self, work: list[SeqWork], out: StepOutput) -> None:
-        """Run extend work in as few runner steps as the runner's token/batch limits allow."""
-        limit_tokens = self.runner.config.max_batch_tokens
-        limit_seqs = self.runner.config.max_batch_size
-        pending = [(w, list(w.token_ids), w.start_pos) for w in work]
+    def dispatch_extend(self, work: list[ExtendWork], loads: Sequence[TransferHandle] = ()) -> _Dispatched:
+        runner = self.runner
+        limit_tokens, limit_seqs = runner.config.max_batch_tokens, runner.config.max_batch_size
+        self._note_dispatch()
+        parts: list[_Part] = []
+        pending = [(i, w, list(w.token_ids), w.start) for i, w in enumerate(work)]
         while pending:
-            batch: list[tuple[SeqWork, SeqInput]] = []
-            room = limit_tokens
-            rest = []
-            for w, tokens, start in pending:
+            batch: list[tuple[int, ExtendWork, list[int], int, bool]] = []
+            room, rest = limit_tokens, []
+            for i, w, tokens, start in pending:
                 if room <= 0 or len(batch) >= limit_seqs:
-                    rest.append((w, tokens, start))
+                    rest.append((i, w, tokens, start))
                     continue
                 piece = tokens[:room]
                 last_piece = len(piece) == len(tokens)
-                batch.append((w, self._seq_input(w, piece, start, last_piece)))
+                batch.append((i, w, piece, start, last_piece))
                 room -= len(piece)
                 if not last_piece:
-                    rest.append((w, tokens[len(piece) :], start + len(piece)))
-            seqs = [s for _, s in batch]
-            self._collect(batch, self.runner.step(seqs), out)
+                    rest.append((i, w, tokens[len(piece) :], start + len(piece)))
+            rows = [w.row for _, w, _, _, _ in batch]
+            updates = self._sync_rows(rows, runner.update_capacity(sum(len(p) for _, _, p, _, _ in batch), len(batch)))
+            pieces = []
+            for _, w, piece, start, last_piece in batch:
+                targets = None
+                if w.prompt_logprob_targets is not None:
+                    first = start - w.start
+                    targets = list(w.prompt_logprob_targets[first : first + len(piece)])
+                pieces.append(ExtendRow(w.row.slot, piece, start, w.keep_sample and last_piece, targets))
+            want_lp = any(w.row.params.logprobs is not None and p.count_sample for (_, w, _, _, _), p in zip(batch, pieces))
+            step = runner.dispatch_extend(pieces, updates=updates, logprobs=want_lp)
+            parts.append(_Part(step, rows, pieces, [i for i, *_ in batch], [b[4] for b in batch]))
             pending = rest
+        return self._dispatched(parts, len(work), extend=True)
 
-    def dispatch_decode(self, seqs: list[SeqWork]) -> tuple[list[SeqWork], PendingStep, float]:
-        start = time.perf_counter()
-        inputs = [self._seq_input(w, list(w.token_ids), w.start_pos, True) for w in seqs]
-        return seqs, self.runner.dispatch(inputs), start
+    def dispatch_decode(self, rows: list[SeqRow]) -> _Dispatched:
+        self._note_dispatch()
+        updates = self._sync_rows(rows, self.runner.update_capacity(len(rows), len(rows)))
+        slots = np.fromiter((row.slot for row in rows), np.int32, len(rows))
+        want_lp = any(row.params.logprobs is not None for row in rows)
+        step = self.runner.dispatch_decode(slots, updates=updates, logprobs=want_lp)
+        return self._dispatched([_Part(step, rows)], len(rows), extend=False)
 
-    def finish_decode(self, pending: tuple[list[SeqWork], PendingStep, float]) -> StepOutput:
-        seqs, step, start = pending
-        out = StepOutput({}, 0.0)
-        self._collect([(w, None) for w in seqs], step.result(), out)
-        return StepOutput(out.tokens, time.perf_counter() - start, out.logprobs, out.prompt_logprobs)
+    def _dispatched(self, parts: list[_Part], size: int, *, extend: bool) -> _Dispatched:
+        arrays = [part.step.next_tokens for part in parts]
+        d = _Dispatched(parts, size, extend, time.perf_counter(), self._watcher.submit(_finished_at, arrays), self._last)
+        self._last = d.finished
+        return d
 
-    def _collect(self, batch: list[tuple[SeqWork, SeqInput | None]], result: StepResult, out: StepOutput) -> None:
-        """Tokens, and the logprobs the batch asked for, into ``out`` (by request id)."""
+    def _note_dispatch(self) -> None:
+        """Count a dispatch, and whether the device had run out of queued work before it."""
+        now = time.perf_counter()
+        self.device.dispatches += 1
+        if self._last is not None and not self._last.done():
+            return  # the device has queued work: this step starts when that ends
+        self.device.idle_dispatches += 1
+        if self._last is not None:
+            gap = max(0.0, now - self._last.result())
+            self.device.idle_s += gap
+            self.device.idle_gaps.append(gap)
+            del self.device.idle_gaps[:-256]
+
+    def collect(self, pending: _Dispatched) -> StepOutput:
+        out = StepOutput([0] * pending.size if pending.extend else [], None)
+        for part in pending.parts:
+            result = part.step.result()
+            if pending.extend:
+                self._collect_extend(part, result, out)
+            else:
+                self._collect_decode(part, result, out)
+        end = pending.finished.result()
+        # Steps run in dispatch order: this one started at its dispatch or when the one before ended.
+        start = pending.dispatched_at
+        if pending.previous is not None:
+            start = max(start, pending.previous.result())
+        pending.previous = None  # no chain of every step ever dispatched
+        out.seconds = max(0.0, end - start)
+        return out
+
+    def close(self) -> None:
+        self._watcher.shutdown(wait=False)
+
+    @staticmethod
+    def _collect_decode(part: _Part, result: StepResult, out: StepOutput) -> None:
+        out.tokens = tokens = result.next_tokens.tolist()
+        if result.sample_logprobs is not None:
+            for i, row in enumerate(part.rows):
+                k = row.params.logprobs
+                if k is not None:
+                    out.logprobs[i] = to_token_logprob(result.sample_logprobs, i, tokens[i], k)
+
+    @staticmethod
+    def _collect_extend(part: _Part, result: StepResult, out: StepOutput) -> None:
+        tokens = result.next_tokens.tolist()
         offset = 0
-        for i, ((w, seq), token) in enumerate(zip(batch, result.next_tokens)):
-            rid = w.request_id
-            out.tokens[rid] = int(token)
-            p = w.params
-            if p.logprobs is not None and result.sample_logprobs is not None:
-                out.logprobs[rid] = to_token_logprob(result.sample_logprobs, i, int(token), p.logprobs)
-            n = len(seq.token_ids) if seq is not None else len(w.token_ids)
-            if seq is not None and seq.prompt_logprob_targets is not None and result.prompt_logprobs is not None:
-                got = out.prompt_logprobs.setdefault(rid, [])
-                for j, target in enumerate(seq.prompt_logprob_targets):
+        for i, (row, piece, item, last) in enumerate(zip(part.rows, part.pieces, part.items, part.last)):
+            p = row.params
+            if last:
+                out.tokens[item] = tokens[i]
+                if p.logprobs is not None and piece.count_sample and result.sample_logprobs is not None:
+                    out.logprobs[item] = to_token_logprob(result.sample_logprobs, i, tokens[i], p.logprobs)
+            if piece.prompt_logprob_targets is not None and result.prompt_logprobs is not None:
+                got = out.prompt_logprobs.setdefault(item, [])
+                for j, target in enumerate(piece.prompt_logprob_targets):
                     if target >= 0:
                         got.append(to_token_logprob(result.prompt_logprobs, offset + j, target, p.prompt_logprobs or 0))
-            offset += n
+            offset += len(piece.token_ids)
 
-    def _seq_input(self, w: SeqWork, tokens: list[int], start: int, last_piece: bool) -> SeqInput:
-        p = w.params
-        targets = None
-        if w.prompt_logprob_targets is not None:
-            first = start - w.start_pos
-            targets = list(w.prompt_logprob_targets[first : first + len(tokens)])
-        return SeqInput(
-            token_ids=tokens,
-            start_pos=start,
-            page_ids=list(w.page_ids),
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p,
-            rng_key=request_rng_key(p.seed, w.request_id, w.sample_index),
-            sampling_slot=self._slots.get(w.request_id),
-            repetition_penalty=p.repetition_penalty,
-            frequency_penalty=p.frequency_penalty,
-            presence_penalty=p.presence_penalty,
-            min_tokens_active=w.sample_index < p.min_tokens,
-            count_sample=w.keep_sample and last_piece,
-            logprobs=p.logprobs is not None and w.keep_sample and last_piece,
-            prompt_logprob_targets=targets,
-        )
+
+def _finished_at(arrays: list[jax.Array]) -> float:
+    """(On the watcher thread) block until the step's outputs are computed; when that was."""
+    for a in arrays:
+        a.block_until_ready()
+    return time.perf_counter()

@@ -2,22 +2,32 @@
 
 The runner owns the layer-first KV pool (``pallas_kernels.layout``) and donates it to
 every step, so it is updated in place.  It never makes policy decisions: callers hand
-it sequences with the pages they may write (``SeqInput``) and get next tokens back.
+it the sequences to run and get next tokens back.
+
+Per-sequence state persists on the device (``seq_state.SeqTables``: page tables, KV
+lengths, last sampled tokens, sampling parameters, RNG keys), donated to every step
+like the pool: a sequence's row is written once when it starts and then updated by
+the steps themselves, so a step ships only slot ids, new tokens and the page-table
+entries that changed (``step_inputs``).  A decode's input tokens are the previous
+step's samples, read on the device: the engine can dispatch step N+1 before it reads
+step N's tokens (``dispatch_decode``).  ``step``/``dispatch`` keep the plain API
+(``SeqInput``: explicit tokens, positions and pages) on top, for tests and benchmarks.
 
 Shapes are bucketed and compiled once at warm-up: one decode program per batch
 bucket (``T == B``, powers of two up to ``max_batch_size``) and one extend program per
 token bucket (powers of two up to ``max_batch_tokens``) with a row count fixed by the
-bucket (``buckets.extend_rows``).  The page table width is fixed by the maximum
-context, so no step after warm-up compiles.  Warm-up compiles the programs ahead of
-time on ``compile_workers`` threads at once (XLA compiles with the GIL released);
-steps call those executables.  Nothing is run at warm-up: a padded 512-token extend
-of a 32-layer model is seconds of CPU, and the compiled program needs no first run.
+bucket (``buckets.extend_rows``), plus the row writer per row bucket.  The page table
+width is fixed by the maximum context, so no step after warm-up compiles.  Warm-up
+compiles the step programs ahead of time on ``compile_workers`` threads at once (XLA
+compiles with the GIL released); steps call those executables.  Nothing is run at
+warm-up: a padded 512-token extend of a 32-layer model is seconds of CPU, and the
+compiled program needs no first run.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import cached_property, partial
@@ -31,12 +41,14 @@ from tqdm.auto import tqdm
 import pallas_kernels
 from pallas_kernels.layout import KVLayout
 from pallas_kernels.sharded import use_head_sharding
-from strata_jax.models.llama import AttentionMetadata, LlamaForCausalLM
+from strata_jax.models.llama import LlamaForCausalLM
 from strata_jax.runtime import executable_cache, sampling_step
 from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.buckets import extend_rows, pick_bucket, power_of_two_buckets
 from strata_jax.runtime.executable_cache import ExecutableCache
 from strata_jax.runtime.sampling_state import SamplingState
+from strata_jax.runtime.seq_state import COUNT_SAMPLE, HOST_TOKEN, RowParams, SeqSlots, after_step
+from strata_jax.runtime.step_inputs import ExtendRow, empty_inputs, model_inputs, pack_extend, pack_updates, update_capacity
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,7 @@ class RunnerConfig:
     kernel_backend: str = "auto"  # pallas_kernels backend for the model's attention (resolved at construction)
     scan_layers: bool = True  # layers under jax.lax.scan (False: unrolled loop, for comparisons)
     sampling_slots: int = 0  # sequences holding penalty/bias/min_tokens state at once (0: max_batch_size)
+    max_running: int = 0  # sequences holding a row of device state at once (0: 4 * max_batch_size)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_device_pages", "max_batch_tokens", "max_batch_size", "max_context_tokens"):
@@ -58,15 +71,21 @@ class RunnerConfig:
                 raise ValueError(f"RunnerConfig.{name} must be positive, got {getattr(self, name)}")
         if self.kernel_backend not in pallas_kernels.BACKENDS:
             raise ValueError(f"RunnerConfig.kernel_backend must be one of {pallas_kernels.BACKENDS}, got {self.kernel_backend!r}")
+        if self.max_running and self.max_running < self.max_batch_size:
+            raise ValueError(f"RunnerConfig.max_running ({self.max_running}) must be at least max_batch_size ({self.max_batch_size})")
 
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_context_tokens // self.page_size)
 
+    @property
+    def running_slots(self) -> int:
+        return self.max_running or 4 * self.max_batch_size
+
 
 @dataclass
 class SeqInput:
-    """One sequence's work in a step.
+    """One sequence's work in a step, all of it explicit (the plain API: ``ModelRunner.step``).
 
     token_ids: the new tokens to run (extend: a chunk of the prompt; decode: one token)
     start_pos: how many tokens of this sequence are already in the pool
@@ -113,6 +132,10 @@ class PendingStep:
     prompt_logprobs: sampling_step.TokenLogprobs | None = None
     on_failure: Callable[[Exception], None] | None = None  # told when the step fails on the device
 
+    def is_ready(self) -> bool:
+        """Has the device finished this step (its sampled tokens are computed)?  Never blocks."""
+        return self.next_tokens.is_ready()
+
     def result(self) -> StepResult:
         """Wait for the step and fetch its sampled tokens (and logits/logprobs if requested)."""
         try:
@@ -135,13 +158,13 @@ class PendingStep:
 
 def _program_shape(inputs: dict) -> tuple[int, int]:
     """(tokens, rows) of packed step inputs: which warm-up program runs them."""
-    return len(inputs["input_ids"]), len(inputs["last_index"])
+    return len(inputs["input_ids"]), len(inputs["slots"])
 
 
 def _host_copy(x: jax.Array) -> np.ndarray:
-    """A replicated step output on the host.  On a mesh spanning processes
-    (docs/multihost.md) the array has shards this process cannot address and
-    ``np.asarray`` refuses it; every local shard holds the whole value."""
+    """A replicated step output on the host (blocks until the device computed it).  On a
+    mesh spanning processes (docs/multihost.md) the array has shards this process cannot
+    address and ``np.asarray`` refuses it; every local shard holds the whole value."""
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
@@ -186,6 +209,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.mesh = mesh if mesh is not None and mesh.shape[tp_sharding.TP_AXIS] > 1 else None
         pool_shape = self.layout.device_pool_shape(config.num_device_pages)
+        rep = None
         if self.mesh is not None:
             tp_sharding.check_model(model.config, self.mesh.shape[tp_sharding.TP_AXIS], vocab_parallel=vocab_parallel)
             state_sh = tp_sharding.state_shardings(self.state, self.mesh, vocab_parallel=vocab_parallel)
@@ -208,28 +232,31 @@ class ModelRunner:
         self.extend_shapes = tuple(
             (t, extend_rows(t, self.token_buckets[-1], config.max_batch_size)) for t in self.token_buckets if t >= 2
         )
+        self.num_slots = config.num_device_pages * config.page_size
+        self.sampling = SamplingState(config.sampling_slots or config.max_batch_size, model.config.vocab_size, sharding=rep)
+        self.seqs = SeqSlots(
+            config.running_slots, config.max_pages_per_seq, no_sampling_slot=self.sampling.no_slot,
+            max_rows=config.max_batch_size, sharding=rep,
+        )  # fmt: skip
         shardings = {}
         if self.mesh is not None:  # explicit: params by the rules, pool by heads, the rest replicated
             shardings = {
-                "in_shardings": (state_sh, pool_sh, rep, rep, rep),  # state, pool, bias, flags, inputs
-                "out_shardings": (rep, rep, rep, rep, pool_sh, rep),  # tokens, logits, logprobs x2, pool, flags
+                "in_shardings": (state_sh, pool_sh, rep, rep, rep, rep),  # state, pool, bias, flags, seq tables, inputs
+                "out_shardings": (rep, rep, rep, rep, pool_sh, rep, rep),  # tokens, logits, logprobs x2, pool, flags, tables
             }
         self._step = jax.jit(
             # all_logits positional-static: jit takes no keyword arguments once in_shardings are set
-            partial(_forward_step, self.graphdef, self.mesh, scan_layers=config.scan_layers),
-            donate_argnums=(1, 3),  # the KV pool and the sampling flags table, updated in place
-            static_argnums=(5,),
+            partial(
+                _forward_step, self.graphdef, self.mesh, scan_layers=config.scan_layers, page_size=config.page_size,
+                num_kv_slots=self.num_slots, no_sampling_slot=self.sampling.no_slot,
+            ),  # fmt: skip
+            donate_argnums=(1, 3, 4),  # the KV pool, the sampling flags and the sequence tables, updated in place
+            static_argnums=(6,),
             **shardings,
         )
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}  # (tokens, rows) -> warm-up's program
         # (tokens, rows) -> removes its executable cache entry: for programs read back from it
         self._reused: dict[tuple[int, int], Callable[[Exception], None]] = {}
-        self.num_slots = config.num_device_pages * config.page_size
-        self.sampling = SamplingState(
-            config.sampling_slots or config.max_batch_size,
-            model.config.vocab_size,
-            sharding=tp_sharding.replicated(self.mesh) if self.mesh is not None else None,
-        )
 
     # ---- compile accounting -------------------------------------------------------
     @property
@@ -294,6 +321,7 @@ class ModelRunner:
                 if progress is not None:
                     progress(done, len(shapes))
         self.sampling.warmup()  # its one row-writing program, or the first penalised request compiles it
+        self.seqs.warmup()  # the sequence-row writer, per row bucket
         return self.compile_count
 
     def executable_keys(self) -> dict[tuple[int, int], str]:
@@ -304,7 +332,12 @@ class ModelRunner:
     def _warmup_args(self, shape: tuple[int, int]) -> tuple:
         """The step's arguments (all but ``all_logits``) for padded inputs of ``shape``."""
         sampling = self.sampling
-        return (self.state, self.pool.kv, sampling.bias, sampling.flags, self._empty_inputs(*shape))
+        return (self.state, self.pool.kv, sampling.bias, sampling.flags, self.seqs.tables, self._empty_inputs(*shape))
+
+    def program_arguments(self, tokens: int, seqs: int, *, decode: bool) -> tuple:
+        """The step program a batch of ``tokens`` new tokens over ``seqs`` sequences runs, as
+        the arguments to trace it with (all but ``all_logits``): for lowering it elsewhere."""
+        return self._warmup_args(self._shape_for(tokens, seqs, decode=decode))
 
     @cached_property
     def _program_description(self) -> str:
@@ -321,22 +354,70 @@ class ModelRunner:
         in_tree, signature = executable_cache.arguments_signature(args)
         return executable_cache.program_key(environment, self._program_description, signature), in_tree
 
-    # ---- steps ----------------------------------------------------------------------
-    def step(self, seqs: list[SeqInput], *, all_logits: bool = False) -> StepResult:
-        """Run one ragged batch (any mix of extends and decodes) and sample a token per sequence."""
-        return self.dispatch(seqs, all_logits=all_logits).result()
+    # ---- sequence rows ------------------------------------------------------------
+    def update_capacity(self, tokens: int, rows: int) -> int:
+        """Page-table entries a step of this many tokens and rows carries (more: ``write_rows``)."""
+        shape = self._shape_for(tokens, rows, decode=tokens == rows)
+        return update_capacity(shape[0], shape[1], self.config.page_size)
 
-    def dispatch(self, seqs: list[SeqInput], *, all_logits: bool = False) -> PendingStep:
-        """Start a step without waiting for it: later work on the pool (e.g. a KV load's
-        scatter) queues behind it on the device while the host goes on."""
-        if not seqs:
+    # ---- steps (the engine's API: rows live on the device) --------------------------
+    def dispatch_decode(
+        self,
+        slots: Sequence[int] | np.ndarray,
+        *,
+        updates: np.ndarray | None = None,
+        host_tokens: Sequence[int] | None = None,
+        logprobs: bool = False,
+    ) -> PendingStep:
+        """Start a decode step of the rows ``slots`` without waiting for it.
+
+        Each row's input is its slot's last sample (or ``host_tokens[i]``), at its KV
+        length; ``updates`` (``[k, 3]``: slot, index, page) are page-table entries that
+        changed since the rows were written.  ``logprobs``: some row asked for them.
+        """
+        n = len(slots)
+        if n == 0:
             raise ValueError("empty batch")
-        inputs = self._pack(seqs)
+        if n > self.config.max_batch_size:
+            raise ValueError(f"batch of {n} sequences exceeds max_batch_size={self.config.max_batch_size}")
+        b = pick_bucket(self.batch_buckets, n)
+        x = self._empty_inputs(b, b)
+        x["slots"][:n] = slots
+        if host_tokens is None:
+            x["row_bits"][:n] = COUNT_SAMPLE
+        else:
+            x["input_ids"][:n] = host_tokens
+            x["row_bits"][:n] = COUNT_SAMPLE | HOST_TOKEN
+        pack_updates(x, updates)
+        return self._launch(x, n, n, logprobs=logprobs)
+
+    def dispatch_extend(
+        self, rows: Sequence[ExtendRow], *, updates: np.ndarray | None = None, logprobs: bool = False, all_logits: bool = False
+    ) -> PendingStep:
+        """Start an extend step of prompt chunks (rows already written) without waiting for it."""
+        if not rows:
+            raise ValueError("empty batch")
+        total = sum(len(r.token_ids) for r in rows)
+        if total > self.config.max_batch_tokens:
+            raise ValueError(f"batch of {total} tokens exceeds max_batch_tokens={self.config.max_batch_tokens}")
+        if len(rows) > self.config.max_batch_size:
+            raise ValueError(f"batch of {len(rows)} sequences exceeds max_batch_size={self.config.max_batch_size}")
+        tokens, batch = self._shape_for(total, len(rows), decode=False)
+        x = self._empty_inputs(tokens, batch)
+        pack_extend(x, rows)
+        pack_updates(x, updates)
+        prompt_lp = any(r.prompt_logprob_targets is not None for r in rows)
+        return self._launch(x, len(rows), total, logprobs=logprobs, prompt_logprobs=prompt_lp, all_logits=all_logits)
+
+    def _launch(
+        self, x: dict, num_seqs: int, num_tokens: int, *, logprobs: bool = False, prompt_logprobs: bool = False,
+        all_logits: bool = False,
+    ) -> PendingStep:  # fmt: skip
         # A program read back from the executable cache that fails on the device leaves the
         # cache, so the next start compiles it (the failure itself is not hidden).
-        discard = None if all_logits else self._reused.get(_program_shape(inputs))
+        discard = None if all_logits else self._reused.get(_program_shape(x))
         try:
-            next_tokens, logits, sample_lp, prompt_lp = self._run_padded(inputs, all_logits=all_logits)
+            next_tokens, logits, sample_lp, prompt_lp = self._run_padded(x, all_logits=all_logits)
         except jax.errors.JaxRuntimeError as exc:
             if discard is not None:
                 discard(exc)
@@ -344,23 +425,78 @@ class ModelRunner:
         return PendingStep(
             next_tokens,
             logits if all_logits else None,
-            len(seqs),
-            sum(len(s.token_ids) for s in seqs),
-            sample_logprobs=sample_lp if any(s.logprobs for s in seqs) else None,
-            prompt_logprobs=prompt_lp if any(s.prompt_logprob_targets is not None for s in seqs) else None,
+            num_seqs,
+            num_tokens,
+            sample_logprobs=sample_lp if logprobs else None,
+            prompt_logprobs=prompt_lp if prompt_logprobs else None,
             on_failure=discard,
         )
+
+    # ---- steps (the plain API: everything explicit) ---------------------------------
+    def step(self, seqs: list[SeqInput], *, all_logits: bool = False) -> StepResult:
+        """Run one ragged batch (any mix of extends and decodes) and sample a token per sequence."""
+        return self.dispatch(seqs, all_logits=all_logits).result()
+
+    def dispatch(self, seqs: list[SeqInput], *, all_logits: bool = False) -> PendingStep:
+        """Start a step of explicit sequences without waiting for it: each gets a row of
+        device state for the step (written from its ``SeqInput``, freed at once: later
+        writers of the tables are ordered after this step on the device)."""
+        if not seqs:
+            raise ValueError("empty batch")
+        if len(seqs) > self.config.max_batch_size:
+            raise ValueError(f"batch of {len(seqs)} sequences exceeds max_batch_size={self.config.max_batch_size}")
+        page_size = self.config.page_size
+        for i, s in enumerate(seqs):
+            end_pos = s.start_pos + len(s.token_ids)
+            if not s.token_ids:
+                raise ValueError("a sequence in the batch has no new tokens")
+            if end_pos > self.config.max_context_tokens:
+                raise ValueError(f"sequence reaches {end_pos} tokens, beyond max_context_tokens={self.config.max_context_tokens}")
+            if len(s.page_ids) * page_size < end_pos:
+                raise ValueError(f"sequence {i} has {len(s.page_ids)} pages for {end_pos} tokens")
+        slots = []
+        try:
+            for _ in seqs:
+                slot = self.seqs.acquire()
+                if slot is None:
+                    raise RuntimeError("every sequence slot is held by a running sequence")
+                slots.append(slot)
+            self.seqs.write_rows([
+                (slot, s.page_ids, s.start_pos, 0, 0 if s.min_tokens_active else 1, _row_params(s))
+                for slot, s in zip(slots, seqs)
+            ])  # fmt: skip
+            if all(len(s.token_ids) == 1 for s in seqs) and not all_logits and not any(s.prompt_logprob_targets for s in seqs):
+                x = self._decode_inputs_for(seqs, slots)
+                return self._launch(x, len(seqs), len(seqs), logprobs=any(s.logprobs for s in seqs))
+            rows = [
+                ExtendRow(slot, s.token_ids, s.start_pos, s.count_sample, s.prompt_logprob_targets)
+                for slot, s in zip(slots, seqs)
+            ]
+            return self.dispatch_extend(rows, logprobs=any(s.logprobs for s in seqs), all_logits=all_logits)
+        finally:
+            for slot in slots:
+                self.seqs.release(slot)
+
+    def _decode_inputs_for(self, seqs: list[SeqInput], slots: list[int]) -> dict:
+        b = pick_bucket(self.batch_buckets, len(seqs))
+        x = self._empty_inputs(b, b)
+        n = len(seqs)
+        x["slots"][:n] = slots
+        x["input_ids"][:n] = [s.token_ids[0] for s in seqs]
+        x["row_bits"][:n] = [HOST_TOKEN | (COUNT_SAMPLE if s.count_sample else 0) for s in seqs]
+        return x
 
     def _run_padded(self, inputs: dict, *, all_logits: bool):
         sampling = self.sampling
         # warm-up compiled the all_logits=False programs; an all_logits step goes through jit
         program = None if all_logits else self._compiled.get(_program_shape(inputs))
+        args = (self.state, self.pool.kv, sampling.bias, sampling.flags, self.seqs.tables, inputs)
         if program is not None:
-            out = program(self.state, self.pool.kv, sampling.bias, sampling.flags, inputs)
+            out = program(*args)
         else:
             with pallas_kernels.use_backend(self.kernel_backend):  # in effect when a new shape is traced
-                out = self._step(self.state, self.pool.kv, sampling.bias, sampling.flags, inputs, all_logits)
-        next_tokens, logits, sample_lp, prompt_lp, self.pool.kv, sampling.flags = out
+                out = self._step(*args, all_logits)
+        next_tokens, logits, sample_lp, prompt_lp, self.pool.kv, sampling.flags, self.seqs.tables = out
         return next_tokens, logits, sample_lp, prompt_lp
 
     @property
@@ -368,82 +504,42 @@ class ModelRunner:
         return self.pool.kv
 
     def _empty_inputs(self, tokens: int, batch: int) -> dict:
-        width = self.config.max_pages_per_seq
-        return {
-            "input_ids": np.zeros(tokens, np.int32),
-            "positions": np.zeros(tokens, np.int32),
-            "meta": AttentionMetadata(
-                slot_mapping=np.full(tokens, self.num_slots, np.int32),
-                page_table=np.zeros((batch, width), np.int32),
-                seq_lens=np.zeros(batch, np.int32),
-                query_start=np.zeros(batch + 1, np.int32),
-            ),
-            "last_index": np.zeros(batch, np.int32),
-            "temperature": np.zeros(batch, np.float32),
-            "top_k": np.zeros(batch, np.int32),
-            "top_p": np.ones(batch, np.float32),
-            "rng_keys": np.zeros((batch, 2), np.uint32),
-            **sampling_step.empty_extras(tokens, batch, self.sampling.no_slot),
-        }
+        return empty_inputs(tokens, batch, padding_slot=self.seqs.padding_slot, page_size=self.config.page_size)
 
-    def _shape_for(self, total_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """The (tokens, rows) program of a batch: decode if one token per sequence, else
-        the smallest extend bucket holding both its tokens and its sequences."""
-        if total_tokens == num_seqs:
+    def _shape_for(self, total_tokens: int, num_seqs: int, *, decode: bool) -> tuple[int, int]:
+        """The (tokens, rows) program of a batch: a decode bucket, or the smallest extend
+        bucket holding both its tokens and its sequences."""
+        if decode:
             batch = pick_bucket(self.batch_buckets, num_seqs)
             return batch, batch
         for tokens, rows in self.extend_shapes:
             if tokens >= total_tokens and rows >= num_seqs:
                 return tokens, rows
-        raise ValueError(f"no extend program holds {total_tokens} tokens of {num_seqs} sequences")  # excluded by the checks in _pack
-
-    def _pack(self, seqs: list[SeqInput]) -> dict:
-        total = sum(len(s.token_ids) for s in seqs)
-        if total > self.config.max_batch_tokens:
-            raise ValueError(f"batch of {total} tokens exceeds max_batch_tokens={self.config.max_batch_tokens}")
-        if len(seqs) > self.config.max_batch_size:
-            raise ValueError(f"batch of {len(seqs)} sequences exceeds max_batch_size={self.config.max_batch_size}")
-        tokens, batch = self._shape_for(total, len(seqs))
-        x = self._empty_inputs(tokens, batch)
-        meta = x["meta"]
-        page_size = self.config.page_size
-        offset = 0
-        for i, s in enumerate(seqs):
-            n = len(s.token_ids)
-            end_pos = s.start_pos + n
-            if n == 0:
-                raise ValueError("a sequence in the batch has no new tokens")
-            if end_pos > self.config.max_context_tokens:
-                raise ValueError(f"sequence reaches {end_pos} tokens, beyond max_context_tokens={self.config.max_context_tokens}")
-            if len(s.page_ids) * page_size < end_pos:
-                raise ValueError(f"sequence {i} has {len(s.page_ids)} pages for {end_pos} tokens")
-            pos = np.arange(s.start_pos, end_pos, dtype=np.int32)
-            pages = np.asarray(s.page_ids, np.int32)
-            x["input_ids"][offset : offset + n] = s.token_ids
-            x["positions"][offset : offset + n] = pos
-            meta.slot_mapping[offset : offset + n] = pages[pos // page_size] * page_size + pos % page_size
-            meta.page_table[i, : len(pages)] = pages
-            meta.seq_lens[i] = end_pos
-            meta.query_start[i + 1] = offset + n
-            x["last_index"][i] = offset + n - 1
-            x["temperature"][i] = s.temperature
-            x["top_k"][i] = s.top_k
-            x["top_p"][i] = s.top_p
-            x["rng_keys"][i] = s.rng_key
-            sampling_step.pack_row(x, i, s, self.sampling.no_slot)
-            sampling_step.pack_targets(x, offset, s)
-            offset += n
-        meta.query_start[len(seqs) + 1 :] = offset
-        return x
+        raise ValueError(f"no extend program holds {total_tokens} tokens of {num_seqs} sequences")
 
 
-def _forward_step(graphdef, mesh, state, kv_pool, bias_table, flags_table, inputs: dict, all_logits: bool, *, scan_layers: bool):
+def _row_params(s: SeqInput) -> RowParams:
+    return RowParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, repetition_penalty=s.repetition_penalty,
+        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty, sampling_slot=s.sampling_slot,
+        min_tokens=1, want_logprobs=s.logprobs, rng_base=s.rng_key,
+    )  # fmt: skip
+
+
+def _forward_step(
+    graphdef, mesh, state, kv_pool, bias_table, flags_table, tables, inputs: dict, all_logits: bool, *,
+    scan_layers: bool, page_size: int, num_kv_slots: int, no_sampling_slot: int,
+):  # fmt: skip
     model = nnx.merge(graphdef, state)
-    with use_head_sharding(mesh):  # attention and the KV write per shard of the heads (tp)
-        hidden, kv_pool = model(inputs["input_ids"], inputs["positions"], kv_pool, inputs["meta"], scan_layers=scan_layers)
-    last_logits = model.logits(hidden[inputs["last_index"]])
-    next_tokens, sample_lp, prompt_lp, flags_table = sampling_step.sample_with_extras(
-        last_logits, hidden, model.logits, inputs, flags_table, bias_table
+    input_ids, positions, meta, sampling, new_lens, tables = model_inputs(
+        tables, inputs, page_size=page_size, num_kv_slots=num_kv_slots, no_sampling_slot=no_sampling_slot
     )
+    with use_head_sharding(mesh):  # attention and the KV write per shard of the heads (tp)
+        hidden, kv_pool = model(input_ids, positions, kv_pool, meta, scan_layers=scan_layers)
+    last_logits = model.logits(hidden[sampling["last_index"]])
+    next_tokens, sample_lp, prompt_lp, flags_table = sampling_step.sample_with_extras(
+        last_logits, hidden, model.logits, sampling, flags_table, bias_table
+    )
+    tables = after_step(tables, inputs["slots"], sampling["kept"], next_tokens, new_lens)
     logits = model.logits(hidden) if all_logits else None
-    return next_tokens, logits, sample_lp, prompt_lp, kv_pool, flags_table
+    return next_tokens, logits, sample_lp, prompt_lp, kv_pool, flags_table, tables

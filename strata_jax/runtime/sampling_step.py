@@ -1,8 +1,9 @@
 """The sampling head of the jitted step: processors, sampling, logprobs, state update.
 
-``ModelRunner`` packs, per sequence, a few small arrays next to temperature/top-k/top-p
-(``pack_row``/``pack_targets``) and calls ``sample_with_extras`` inside its one jitted
-program, so logprobs, penalties, biases and min_tokens add inputs, not programs:
+The step reads, per row, a few small arrays next to temperature/top-k/top-p from the
+sequence tables (``seq_state``; ``step_inputs.model_inputs`` gathers them) and calls
+``sample_with_extras`` inside its one jitted program, so logprobs, penalties, biases
+and min_tokens add inputs, not programs:
 
     slot       [B] int32    the sequence's sampling-state slot, ``no_slot`` when none
     penalties  [B, 3] f32   repetition, frequency, presence (neutral: 1, 0, 0)
@@ -32,37 +33,6 @@ MIN_TOKENS_ACTIVE = 1
 COUNT_SAMPLE = 2
 WANT_LOGPROBS = 4
 NO_TARGET = -1
-
-
-def empty_extras(tokens: int, batch: int, no_slot: int) -> dict[str, np.ndarray]:
-    return {
-        "slot": np.full(batch, no_slot, np.int32),
-        "penalties": np.tile(np.asarray([1.0, 0.0, 0.0], np.float32), (batch, 1)),
-        "row_bits": np.zeros(batch, np.int32),
-        "targets": np.full(tokens, NO_TARGET, np.int32),
-    }
-
-
-def pack_row(x: dict, i: int, seq, no_slot: int) -> None:
-    """Row ``i`` of the extras from a ``SeqInput``; token targets from its offset on."""
-    x["slot"][i] = no_slot if seq.sampling_slot is None else seq.sampling_slot
-    x["penalties"][i] = (seq.repetition_penalty, seq.frequency_penalty, seq.presence_penalty)
-    bits = 0
-    if seq.min_tokens_active:
-        bits |= MIN_TOKENS_ACTIVE
-    if seq.count_sample:
-        bits |= COUNT_SAMPLE
-    if seq.logprobs:
-        bits |= WANT_LOGPROBS
-    x["row_bits"][i] = bits
-
-
-def pack_targets(x: dict, offset: int, seq) -> None:
-    if seq.prompt_logprob_targets is not None:
-        targets = seq.prompt_logprob_targets
-        if len(targets) != len(seq.token_ids):
-            raise ValueError(f"{len(targets)} prompt logprob targets for {len(seq.token_ids)} tokens")
-        x["targets"][offset : offset + len(targets)] = targets
 
 
 def sample_with_extras(

@@ -117,6 +117,7 @@ class BatchBuilder:
     page_size: int
     cost: CostModel
     loading_bound_ratio: float | None = None
+    new_room: int | None = None  # requests that may start running (None: no cap)
     items: list[PrefillItem] = field(default_factory=list)
     load_host: int = 0
     load_storage: int = 0
@@ -124,6 +125,7 @@ class BatchBuilder:
     need_tokens: int = 0  # device tokens to allocate
     _prefixes: list[tuple[ScheduledRequest, int]] = field(default_factory=list)
     _computed: int = 0
+    _started: int = 0
     # (a, b, limit) -> shared tokens: one round asks the same pairs again and again
     # (every candidate's cost against every member); prompts do not change within it.
     _shared_memo: dict[tuple[str, str, int], int] = field(default_factory=dict)
@@ -134,10 +136,12 @@ class BatchBuilder:
         return self.token_budget - self._computed
 
     def has_room(self) -> bool:
+        """Room for one more request from the queue (a request that starts running)."""
         return (
             len(self.items) < self.max_size
             and self.budget_left > 0
             and self.device_capacity - self.used_tokens > 0
+            and (self.new_room is None or self._started < self.new_room)
         )
 
     def extend_items(self) -> list[ExtendItem]:
@@ -171,6 +175,9 @@ class BatchBuilder:
         """Admit ``cand`` (chunked to the budget and device capacity) or return None if it cannot fit."""
         if len(self.items) >= self.max_size or self.budget_left <= 0:
             return None
+        starts = cand.match is not None  # a queued request's first chunk: it starts running
+        if starts and self.new_room is not None and self._started >= self.new_room:
+            return None
         remaining = len(cand.request.prefill_tokens) - cand.start
         c = self._cost(cand, min(remaining, self.budget_left))
         spare = self.device_capacity - self.used_tokens
@@ -203,6 +210,7 @@ class BatchBuilder:
         if cand.match is not None and cand.start > 0:
             self._prefixes.append((cand.request, cand.start))
         self._computed += item.new_tokens
+        self._started += starts
         return item
 
     # -- internals ---------------------------------------------------------

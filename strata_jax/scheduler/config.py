@@ -24,6 +24,9 @@ class SchedulerConfig:
         what is left of this budget is chunked over several steps.
     max_prefill_batch_size: requests in one prefill (extend) batch.
     max_decode_batch_size: requests in one decode batch (more decodes rotate).
+    max_running_requests: requests running (prefilling or decoding) at once; a queued
+        request starts only while fewer run (None: no cap; the engine sets it to the
+        rows of per-sequence state its device holds).
     max_waiting: bound of the waiting queue (waiting + deferred requests, retracted
         ones excluded); ``submit`` beyond it raises ``OverloadedError``.
     enable_delay_hit: Strata stage 1, defer a request that matches another
@@ -53,6 +56,7 @@ class SchedulerConfig:
     max_prefill_batch_size: int = 64
     max_decode_batch_size: int = 256
     max_waiting: int = 4096
+    max_running_requests: int | None = None
     enable_delay_hit: bool = True
     delay_hit_threshold: int = 100
     enable_balanced_batch: bool = True
@@ -71,6 +75,8 @@ class SchedulerConfig:
         for name in ("max_batch_tokens", "max_prefill_batch_size", "max_decode_batch_size", "max_waiting", "max_lookahead"):
             _positive_int(name, getattr(self, name))
         _non_negative_int("delay_hit_threshold", self.delay_hit_threshold)
+        if self.max_running_requests is not None:
+            _positive_int("max_running_requests", self.max_running_requests)
         if self.loading_bound_ratio is not None:
             r = self.loading_bound_ratio
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0 or r != r or r == float("inf"):

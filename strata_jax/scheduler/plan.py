@@ -1,6 +1,6 @@
 """What one ``Scheduler.schedule`` call returns, and what ``abort`` returns.
 
-The engine executes a ``StepPlan`` in this order (DESIGN §4):
+The engine executes a ``StepPlan`` in this order (docs/design.md §4):
 
     1. for r in plan.retract:  back r's KV up to L2, unlock it, free its device pages
     2. lock each prefill item's matched prefix (``item.match``), then evict

@@ -10,7 +10,7 @@ A policy is a function ``SchedulerConfig -> Stages`` in a small registry:
 
 Batch formation works on a ``RoundQueue`` and a ``BatchBuilder``:
 ``form_in_order`` (fifo, and strata without balanced batching) and
-``form_balanced`` (Algorithm 1, DESIGN §4):
+``form_balanced`` (Algorithm 1, docs/design.md §4):
 
     batch = [queue.pop_head()]; pull_bundle(batch)        # head first: no starvation
     set_aside = []

@@ -51,6 +51,7 @@ class ScheduledRequest:
     prefill_tokens: tuple[int, ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    generated: int = 0
     prefill_done: int = 0
     inflight_end: int | None = None
     decode_inflight: bool = False
@@ -72,11 +73,11 @@ class ScheduledRequest:
     @property
     def seq_len(self) -> int:
         """Tokens whose KV the request holds or will hold (prompt + outputs so far)."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + self.generated
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return self.generated
 
     def page_keys(self, page_size: int) -> list[int]:
         """Chained hashes of the full pages of ``prefill_tokens``: key i stands for tokens[: (i+1)*page_size].

@@ -1,12 +1,17 @@
 """``Scheduler``: request life cycle and one plan per engine step.
 
-The engine calls, per step (DESIGN §4):
+The engine calls, per step (docs/design.md §4):
 
     plan = scheduler.schedule(cache_view)      # pure decision, no side effects on the cache
     ... engine executes the plan (see ``strata_jax.scheduler.plan``) ...
-    scheduler.on_prefill_done(rid, token)       # per prefill item (token on its last chunk)
-    scheduler.on_decode_done(rid, token)        # per decode request
+    scheduler.on_prefill_done(rid[, token])     # per prefill item, once it is dispatched
+    scheduler.on_decode_done(rid[, token])      # per decode request, once it is dispatched
     scheduler.finish(rid)                       # when the engine's stop rules say so
+
+The engine reports a step done when it is dispatched (the pipelined loop plans step
+N+1 before step N's tokens reach the host): the scheduler counts tokens, it does not
+need their values, except to retract a decode (its prompt + outputs are prefilled
+again), which the engine therefore does only with no step in flight.
 
 A round: (1) pick the decode batch (rotating when there are more decodes than
 ``max_decode_batch_size``) and retract the newest decodes if even eviction
@@ -58,10 +63,22 @@ class Scheduler:
             load_or_recompute_recomputed=0, load_or_recompute_tokens=0,
         )  # fmt: skip
         self._hits = {"device": 0, "host": 0, "storage": 0}
+        self._decoding = 0  # requests in DECODING (kept as they change)
 
     # -- intake ------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int] | tuple[int, ...], *, namespace: str = "") -> ScheduledRequest:
-        """Queue a request. Raises ``OverloadedError`` when ``max_waiting`` requests already wait."""
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int] | tuple[int, ...],
+        *,
+        namespace: str = "",
+        outputs: list[int] | None = None,
+    ) -> ScheduledRequest:
+        """Queue a request. Raises ``OverloadedError`` when ``max_waiting`` requests already wait.
+
+        ``outputs``: the caller's list of the request's output token values, which it keeps
+        up to date (read on a retraction); by default the values reported with the tokens.
+        """
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt must contain at least one token")
         if request_id in self._requests or request_id in self._aborted_in_flight:
@@ -72,6 +89,8 @@ class Scheduler:
                 f"(max_waiting={self.config.max_waiting}); retry later"
             )
         req = ScheduledRequest(request_id, tuple(prompt_token_ids), namespace, self._arrivals)
+        if outputs is not None:
+            req.output_token_ids = outputs
         self._arrivals += 1
         self._requests[request_id] = req
         self._queue.append(request_id)
@@ -106,6 +125,7 @@ class Scheduler:
             page_size=ps,
             cost=self.cost,
             loading_bound_ratio=cfg.loading_bound_ratio,
+            new_room=None if cfg.max_running_requests is None else max(0, cfg.max_running_requests - self.num_running),
         )
         for req in sorted(self._requests.values(), key=lambda r: r.arrival):
             if req.status is _S.PREFILLING and req.inflight_end is None and req.remaining_prefill > 0:
@@ -214,7 +234,12 @@ class Scheduler:
         self._c["recomputed_prompt_tokens"] += prompt_part
 
     def _retract(self, req: ScheduledRequest) -> None:
+        if len(req.output_token_ids) != req.generated:
+            raise SchedulerStateError(
+                f"cannot retract {req.request_id!r}: {req.generated} tokens generated, {len(req.output_token_ids)} known"
+            )
         req.status = _S.WAITING
+        self._decoding -= 1
         req.prefill_tokens = req.prompt_token_ids + tuple(req.output_token_ids)
         req.prefill_done = 0
         req.retractions += 1
@@ -223,11 +248,12 @@ class Scheduler:
 
     # -- results -----------------------------------------------------------
     def on_prefill_done(self, request_id: str, token_id: int | None = None) -> RequestStatus:
-        """The dispatched chunk of ``request_id`` is computed.
+        """The planned chunk of ``request_id`` is computed (or dispatched: the engine's pipeline).
 
-        On the last chunk the engine passes the sampled token and the request
-        becomes ``decoding``; otherwise it stays ``prefilling``.  Returns the new
-        status (``aborted`` if it was aborted while in flight: release it now).
+        On the last chunk a token is sampled (its value, if the caller passes it, is
+        recorded) and the request becomes ``decoding``; otherwise it stays
+        ``prefilling``.  Returns the new status (``aborted`` if it was aborted while in
+        flight: release it now).
         """
         if request_id in self._aborted_in_flight:
             self._aborted_in_flight.discard(request_id)
@@ -238,14 +264,16 @@ class Scheduler:
         req.prefill_done, req.inflight_end = req.inflight_end, None
         if req.remaining_prefill > 0:
             return req.status
-        if token_id is None:
-            raise SchedulerStateError(f"the last prefill chunk of {request_id!r} must report its sampled token")
-        req.output_token_ids.append(token_id)
+        if token_id is not None:
+            req.output_token_ids.append(token_id)
+        req.generated += 1
         req.status = _S.DECODING
+        self._decoding += 1
         return req.status
 
-    def on_decode_done(self, request_id: str, token_id: int) -> RequestStatus:
-        """A decode step produced ``token_id`` for ``request_id``."""
+    def on_decode_done(self, request_id: str, token_id: int | None = None) -> RequestStatus:
+        """A decode step produced a token for ``request_id`` (or was dispatched to); its value,
+        if passed, is recorded."""
         if request_id in self._aborted_in_flight:
             self._aborted_in_flight.discard(request_id)
             return _S.ABORTED
@@ -253,7 +281,9 @@ class Scheduler:
         if not req.decode_inflight:
             raise SchedulerStateError(f"request {request_id!r} has no decode in flight")
         req.decode_inflight = False
-        req.output_token_ids.append(token_id)
+        req.generated += 1
+        if token_id is not None:
+            req.output_token_ids.append(token_id)
         return req.status
 
     def finish(self, request_id: str) -> ScheduledRequest:
@@ -262,6 +292,7 @@ class Scheduler:
         if req.status is not _S.DECODING or req.decode_inflight:
             raise SchedulerStateError(f"request {request_id!r} cannot finish while {req.status.value} / in flight")
         req.status = _S.FINISHED
+        self._decoding -= 1
         del self._requests[request_id]
         self._c["finished"] += 1
         return req
@@ -272,6 +303,8 @@ class Scheduler:
         if req is None:
             return None
         previous = req.status
+        if previous is _S.DECODING:
+            self._decoding -= 1
         if previous.queued:
             self._queue.remove(request_id)
         in_flight = req.inflight_end is not None or req.decode_inflight
@@ -304,6 +337,10 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self._requests) - len(self._queue)
+
+    @property
+    def num_decoding(self) -> int:
+        return self._decoding
 
     def has_work(self) -> bool:
         return bool(self._requests)

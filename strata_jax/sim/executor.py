@@ -1,4 +1,4 @@
-"""``SimExecutor``: the ``strata_jax.executor.Executor`` of a simulated machine, on a virtual clock.
+"""``SimExecutor``: the ``strata_jax.engine.executor.Executor`` of a simulated machine, on a virtual clock.
 
 Resources: the GPU (one stream: extend and decode steps queue on it), the
 host->device link, the device->host link (PCIe is full duplex) and the storage
@@ -15,6 +15,12 @@ stalled on loading.  While a coalesced transfer (a layout-conversion kernel on t
 GPU) overlaps a step, the step is slowed by ``transfer_kernel_slowdown`` over the
 overlapped part.  Step times can also come from a ``StepTimes`` replay (the
 measured times of a real run), so the scheduler sees exactly what it saw there.
+
+The host: before each step is dispatched the clock moves on by the engine's host
+path for that step (``begin_step``; a ``HostModel`` measured on this engine by
+``strata-jax bench host``).  The engine is pipelined, so that time runs while the GPU
+works through what is queued: the GPU waits only when a step's host path outlasts
+the step before it (with ``pipeline=False`` it waits for all of it, every step).
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 from strata_jax.cache.handles import TransferHandle
-from strata_jax.executor import SeqWork, StepOutput
+from strata_jax.engine.executor import ExtendWork, SeqRow, StepOutput
 from strata_jax.sim.cost import SimCostModel
+from strata_jax.sim.host_model import HostModel
 
 _NO_SPAN: nullcontext = nullcontext()
 
@@ -95,6 +102,16 @@ class SimStats:
     extend_steps: int = 0
     decode_steps: int = 0
     idle_s: float = 0.0
+    host_s: float = 0.0  # the host model's time, charged before each step's dispatch
+
+
+@dataclass(frozen=True)
+class _SimStep:
+    """A dispatched simulated step: (request id, sample index) per row, and when it runs."""
+
+    rows: list[tuple[str, int]]
+    start: float
+    end: float
 
 
 class StepTimes:
@@ -122,6 +139,7 @@ class SimExecutor:
         token_for: Callable[[str, int], int],
         next_event: Callable[[], float | None] = lambda: None,
         replay: StepTimes | None = None,
+        host: HostModel | None = None,
     ) -> None:
         self.clock = clock
         self.cost = cost
@@ -130,6 +148,7 @@ class SimExecutor:
         self.token_for = token_for
         self.next_event = next_event
         self.replay = replay
+        self.host = host
         self.gpu_free_at = 0.0
         self.stats = SimStats()
         self._layers = cost.model.config.num_layers
@@ -155,10 +174,22 @@ class SimExecutor:
         self.stats.idle_s += target - now
         self.clock.advance_to(target)
 
-    def _tokens(self, seqs: list[SeqWork]) -> dict[str, int]:
-        return {w.request_id: self.token_for(w.request_id, w.sample_index) for w in seqs}
+    def begin_step(self, decode_rows: int, prefill_rows: int, prefill_tokens: int) -> None:
+        """The engine's host path for a step of this size: the clock moves on by the host
+        model's time before the step is dispatched (the device meanwhile runs what is queued)."""
+        if self.host is None:
+            return
+        seconds = self.host.seconds(decode_rows, prefill_rows, prefill_tokens)
+        self.stats.host_s += seconds
+        self.clock.advance_to(self.clock.t + seconds)
 
-    def extend(self, seqs: list[SeqWork], loads: Sequence[TransferHandle]) -> StepOutput:
+    def open_sequence(self, row: SeqRow) -> None:
+        row.slot = 0  # no device state to keep: any non-None slot marks the row running
+
+    def close_sequence(self, row: SeqRow) -> None:
+        row.slot = None
+
+    def dispatch_extend(self, work: list[ExtendWork], loads: Sequence[TransferHandle]) -> _SimStep:
         issued = self.clock.t
         start = max(issued, self.gpu_free_at)
         landed = max((h.landed_at for h in loads if h.landed_at is not None), default=start)
@@ -166,7 +197,7 @@ class SimExecutor:
             end = start + self.replay.next("extend")
             stall = 0.0
         else:
-            compute = self.cost.extend_seconds((len(w.token_ids), w.start_pos) for w in seqs)
+            compute = self.cost.extend_seconds((len(w.token_ids), w.start) for w in work)
             end = self._end(start, compute, landed)
             if self._slowdown:
                 compute *= 1 + self._slowdown * min(1.0, self.timer.overlap(start, end) / max(compute, 1e-12))
@@ -176,8 +207,7 @@ class SimExecutor:
         self.stats.stall_s += stall
         self.stats.extend_steps += 1
         self.gpu_free_at = end
-        self.clock.advance_to(end)
-        return StepOutput(self._tokens(seqs), end - issued)
+        return _SimStep([(w.row.request_id, w.row.generated) for w in work], start, end)
 
     def _end(self, start: float, compute: float, landed: float) -> float:
         if landed <= start:
@@ -186,22 +216,23 @@ class SimExecutor:
             return max(start + compute, landed + compute / self._layers)
         return landed + compute
 
-    def dispatch_decode(self, seqs: list[SeqWork]) -> tuple[list[SeqWork], float, float]:
+    def dispatch_decode(self, rows: list[SeqRow]) -> _SimStep:
         issued = self.clock.t
         start = max(issued, self.gpu_free_at)
         if self.replay is not None:
             seconds = self.replay.next("decode")
         else:
-            seconds = self.cost.decode_seconds(len(seqs), sum(w.start_pos + 1 for w in seqs))
+            seconds = self.cost.decode_seconds(len(rows), sum(r.computed + 1 for r in rows))
             if self._slowdown:
                 seconds *= 1 + self._slowdown * min(1.0, self.timer.overlap(start, start + seconds) / max(seconds, 1e-12))
         end = start + seconds
         self.gpu_free_at = end
         self.stats.decode_s += seconds
         self.stats.decode_steps += 1
-        return seqs, end, issued
+        return _SimStep([(r.request_id, r.generated) for r in rows], start, end)
 
-    def finish_decode(self, pending: tuple[list[SeqWork], float, float]) -> StepOutput:
-        seqs, end, issued = pending
-        self.clock.advance_to(end)
-        return StepOutput(self._tokens(seqs), end - issued)
+    def collect(self, pending: _SimStep) -> StepOutput:
+        """Wait (in virtual time) for the step to end; its tokens come from ``token_for``."""
+        self.clock.advance_to(pending.end)
+        token_for = self.token_for
+        return StepOutput([token_for(rid, index) for rid, index in pending.rows], pending.end - pending.start)

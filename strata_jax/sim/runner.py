@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 from strata_jax.api import SamplingParams, StreamChunk
 from strata_jax.cache.config import CacheConfig
 from strata_jax.cache.controller import CacheController
-from strata_jax.engine_io import OutputSink
-from strata_jax.engine_requests import TrackedRequest
-from strata_jax.engine_step import EngineCore
+from strata_jax.engine.sinks import OutputSink
+from strata_jax.engine.requests import TrackedRequest
+from strata_jax.engine.core import EngineCore
 from strata_jax.scheduler.config import SchedulerConfig
 from strata_jax.scheduler.cost_model import CostModel, CostPrior
 from strata_jax.scheduler.scheduler import Scheduler
 from strata_jax.sim.cost import SimCostModel
 from strata_jax.sim.executor import SimClock, SimExecutor, SimTimer, StepTimes
+from strata_jax.sim.host_model import HostModel
 from strata_jax.sim.model_spec import ModelSpec
 from strata_jax.sim.profile import HardwareProfile
 from strata_jax.sim.systems import SystemSpec
@@ -45,6 +46,8 @@ class SimSetup:
     host_tokens: int | None = None
     write_policy: str = "write_through"
     max_batch_tokens: int = 8192
+    host: HostModel | None = None  # the engine's host path per step (None: free)
+    pipeline: bool = True  # the engine's loop overlaps the host with the device
 
 
 @dataclass
@@ -110,8 +113,14 @@ def build_core(
         times = [t for t in (next_arrival(), ctl.next_landing()) if t is not None]
         return min(times) if times else None
 
-    executor = SimExecutor(clock, cost, timer, layerwise=system.layerwise, token_for=token_for, next_event=next_event, replay=replay)
-    core = EngineCore(scheduler, ctl, executor, eos_token_ids=(), max_context_tokens=setup.model.config.max_context_tokens)
+    executor = SimExecutor(
+        clock, cost, timer, layerwise=system.layerwise, token_for=token_for, next_event=next_event, replay=replay,
+        host=setup.host,
+    )  # fmt: skip
+    core = EngineCore(
+        scheduler, ctl, executor, eos_token_ids=(), max_context_tokens=setup.model.config.max_context_tokens,
+        pipeline=setup.pipeline,
+    )  # fmt: skip
     return core, executor, timer
 
 
@@ -163,7 +172,7 @@ def simulate(
     def drain() -> None:
         nonlocal prompt_tokens
         heapq.heapify(heap)
-        while heap or core._tracked:
+        while heap or core.has_live_requests() or core.has_pending_step():
             while heap and heap[0][0] <= clock.t:
                 arrival, i = heapq.heappop(heap)
                 prompt = prompts[i]  # kept until it finishes if a later turn extends it
@@ -174,10 +183,10 @@ def simulate(
                     params=SamplingParams(max_tokens=requests[i].output_len, ignore_eos=True),
                     sink=_Sink(lambda chunk, i=i: on_finish(i, chunk)), detok=None, submitted_at=arrival,
                 )  # fmt: skip
-                core._admit(t)
+                core.admit(t)
                 if i not in dependents:
                     prompts.pop(i)
-            if core.scheduler.has_work():
+            if core.scheduler.has_work() or core.has_pending_step():
                 core.step()
             elif heap:
                 executor.stats.idle_s += max(0.0, heap[0][0] - clock.t)

@@ -1,17 +1,18 @@
-"""Engine: submit / step / generate / stream over the model, the hierarchical cache and the scheduler.
+"""``Engine``: the model, the hierarchical cache and the scheduler behind a thread-safe API.
 
-One engine step is five calls (DESIGN §2)::
+The engine composes (docs/design.md §2): it loads the model, builds the cache controller,
+the ``ModelRunner`` and its ``JaxExecutor``, the ``Scheduler``, and an ``EngineCore``
+that runs the step over them (``engine/core.py``).  Three threads:
 
-    poll -> schedule -> issue loads -> run (extend / decode) -> postprocess
+* the caller's: ``submit``/``generate``/``stream`` validate there and hand the request
+  to the loop through an inbox; ``abort`` only queues (it never waits for a step);
+* the engine loop (``strata-engine``): drains the inbox between steps and runs
+  ``EngineCore.step`` (schedule, load, dispatch step N+1, read step N's tokens);
+* the output thread (``strata-output``): detokenizes, matches stop strings and
+  delivers every chunk of a step at once (``engine/output.py``).
 
-The step loop runs on the engine's own thread; every public method is thread-safe
-(it validates in the caller's thread, then hands work to the loop through an inbox).
-The scheduler decides, the runner computes, the cache controller owns pages and
-transfers.  Files: this module (model loading, threads, public API, stats),
-``engine_step.py`` (the step and the request life cycle, shared with the
-simulator), ``engine_requests.py`` (request state and page tables),
-``engine_output.py`` (stop rules, stream chunks), ``executor.py`` (the executor
-seam), ``runtime/jax_executor.py`` (the real executor).
+``start=False`` builds an engine without threads, driven by hand (``step``,
+``run_until_idle``); its outputs are delivered in the driving thread.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ from strata_jax.api import (
     StreamChunk,
 )
 from strata_jax.cache.controller import CacheController
-from strata_jax.engine_config import EngineConfig
-from strata_jax.engine_io import AsyncQueueSink, CollectingSink, OutputSink
-from strata_jax.engine_output import collect
-from strata_jax.engine_requests import TrackedRequest
-from strata_jax.engine_step import EngineCore
+from strata_jax.engine.config import EngineConfig
+from strata_jax.engine.core import EngineCore
+from strata_jax.engine.output import InlineOutput, ThreadedOutput, collect
+from strata_jax.engine.requests import TrackedRequest
+from strata_jax.engine.sinks import AsyncQueueSink, CollectingSink, OutputSink
+from strata_jax.engine.stats import accounting, cache_stats
 from strata_jax.models.loader import load_model
 from strata_jax.runtime import compilation_cache, executable_cache
 from strata_jax.runtime import sharding as tp_sharding
@@ -64,13 +66,8 @@ __all__ = ["Engine", "EngineConfig"]
 log = logging.getLogger(__name__)
 
 
-class Engine(EngineCore):
-    """Serving engine; see ``strata_jax.api`` for the request/response types.
-
-    The step loop and request life cycle are ``EngineCore``'s (shared with the
-    simulator); this class loads the model, wires a ``JaxExecutor``, runs the loop on
-    its own thread and offers the thread-safe public API.
-    """
+class Engine:
+    """Serving engine; see ``strata_jax.api`` for the request/response types."""
 
     def __init__(
         self, config: EngineConfig | None = None, *, start: bool = True, on_progress: WarmupProgress | None = None
@@ -118,23 +115,29 @@ class Engine(EngineCore):
                 kv_dtype=kv_dtype,
                 kernel_backend=self.platform.kernel_backend,
                 scan_layers=config.scan_layers,
+                max_running=config.resolved_max_running_requests,
             ),
             pool=self.ctl.device_pool,
             mesh=self.mesh,
         )
         cost = CostModel(CostPrior(bytes_per_token=layout.token_bytes, link_bytes_per_s=self.ctl.link_bandwidth))
-        EngineCore.__init__(
-            self,
+        self.executor = JaxExecutor(self.runner, eos_token_ids=self.eos_token_ids)
+        self._threads = start
+        self.output = ThreadedOutput(self._stopped_by_output) if start else InlineOutput(self._stopped_by_output)
+        self.core = EngineCore(
             Scheduler(config.scheduler_config(), cost),
             self.ctl,
-            JaxExecutor(self.runner, eos_token_ids=self.eos_token_ids),
+            self.executor,
             eos_token_ids=self.eos_token_ids,
             max_context_tokens=self.max_context_tokens,
+            outputs=self.output,
+            pipeline=config.pipeline,
         )
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._inbox_size = 0
         self._wake = threading.Event()
         self._ids = itertools.count()
+        self._stopping = False
         self.compiles_at_warmup = 0
         self.executables_reused = 0  # step programs read back whole from the executable cache
         self.is_ready = False
@@ -165,6 +168,15 @@ class Engine(EngineCore):
             self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
             self._thread.start()
 
+    # ------------------------------------------------------------------ the parts
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.core.counters
+
     # ------------------------------------------------------------------ public API
     def generate(
         self,
@@ -181,7 +193,7 @@ class Engine(EngineCore):
             ids = self._prompt_ids(prompt)
             rid = self.submit(ids, p, cache_salt=cache_salt, sink=sink)
             sinks.append((rid, ids, sink))
-        return [_wait_for_output(rid, ids, sink) for rid, ids, sink in sinks]
+        return [self._wait_for_output(rid, ids, sink) for rid, ids, sink in sinks]
 
     def generate_choices(
         self, prompt: str | Sequence[int], params: SamplingParams, n: int, cache_salt: str | None = None
@@ -201,7 +213,7 @@ class Engine(EngineCore):
             rid = self.submit(ids, p, cache_salt=cache_salt, sink=sink, follows=leader)
             leader = leader or rid
             sinks.append((rid, sink))
-        outputs = [_wait_for_output(rid, ids, sink) for rid, sink in sinks]
+        outputs = [self._wait_for_output(rid, ids, sink) for rid, sink in sinks]
         for out in outputs[1:]:
             out.prompt_logprobs = outputs[0].prompt_logprobs
         return outputs
@@ -235,8 +247,8 @@ class Engine(EngineCore):
                     finished = True
                     return
         finally:
-            if not finished:  # the consumer went away: abort without blocking its event loop
-                self.abort(rid, wait=False)
+            if not finished:  # the consumer went away: abort (queued; never blocks its event loop)
+                self.abort(rid)
 
     def submit(
         self,
@@ -278,34 +290,34 @@ class Engine(EngineCore):
             submitted_at=self.executor.now(),
             follows=follows,
         )
-        self._post(lambda: self._admit(tracked))
+        self._post(lambda: self.core.admit(tracked))
         return rid
 
-    def abort(self, request_id: str, *, wait: bool = True) -> bool:
+    def abort(self, request_id: str) -> Future:
         """Abort a request at any point; its pages are freed and its nodes unlocked.
 
-        ``wait=False`` queues the abort and returns at once (True: queued).
-        """
-        def do() -> bool:
-            return self._abort(request_id, RequestAbortedError(f"request {request_id} was aborted"))
+        Never waits for the engine: the abort is queued and applied between steps.
+        The returned future tells whether a live request was aborted."""
+        done: Future = Future()
 
-        if not wait and self._thread is not None:
-            self._post(do)
-            return True
-        return bool(self._call(do))
+        def do() -> None:
+            done.set_result(self.core.abort(request_id, RequestAbortedError(f"request {request_id} was aborted")))
+
+        self._post(do)
+        return done
 
     def cache_stats(self) -> dict[str, Any]:
-        return self._call(self._stats)
+        return self._call(lambda: cache_stats(self))
 
     def flush_cache(self, tier: str = "all") -> None:
         """Drop cached (unlocked) KV from ``device``, ``host``, ``storage`` or ``all`` tiers."""
         if tier not in ("device", "host", "storage", "all"):
             raise InvalidRequestError(f"tier must be device, host, storage or all, got {tier!r}")
-        self._call(lambda: self._flush(tier))
+        self._call(lambda: self.core.flush(tier))
 
     def check_accounting(self) -> dict[str, int]:
         """Assert the cache invariants and exact page accounting; returns usage figures."""
-        return self._call(self._check)
+        return self._call(lambda: accounting(self.core))
 
     def start_profile(self, log_dir: str) -> None:
         jax.profiler.start_trace(log_dir)
@@ -321,19 +333,36 @@ class Engine(EngineCore):
             return
         self._stopping = True
         deadline = time.monotonic() + grace_s
+        stop = EngineUnavailableError("the engine shut down before the request finished")
         if self._thread is not None:
-            while time.monotonic() < deadline and (self._tracked or self._inbox_size):
+            while time.monotonic() < deadline and (self.core.has_live_requests() or self._inbox_size):
                 time.sleep(0.01)
-            self._call(self._abort_all)
+            self._call(lambda: self.core.close(stop))
             self._post(lambda: None)
             self._thread.join(timeout=30)
             self._thread = None
         else:
-            self._abort_all()
+            self.core.close(stop)
+        self.output.close()
+        self.executor.close()
         self.ctl.close()
 
     def compile_count(self) -> int:
         return self.runner.compile_count
+
+    # ------------------------------------------------------------------ driving by hand (start=False)
+    def step(self) -> None:
+        """One engine step on the caller's thread (engines built with ``start=False``)."""
+        self._drain_inbox()
+        self.core.step()
+        self._drain_inbox()
+
+    def run_until_idle(self) -> None:
+        """Drive the loop on the caller's thread until no request is left (``start=False``)."""
+        self._drain_inbox()
+        while self.scheduler.has_work() or self.core.has_pending_step() or self.core.has_live_requests():
+            self.core.step()
+            self._drain_inbox()
 
     # ------------------------------------------------------------------ input checks (caller thread)
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
@@ -368,11 +397,30 @@ class Engine(EngineCore):
             )
         params.check_vocab(self.vocab_size)
 
+    def _wait_for_output(self, rid: str, prompt_ids: list[int], sink: CollectingSink) -> RequestOutput:
+        """Block until ``sink``'s request finishes; its output, or the error it failed with."""
+        if self._thread is None:  # nobody else drives this engine
+            while not sink.wait(0):
+                self.run_until_idle()
+        sink.wait()
+        if sink.error is not None:
+            raise sink.error
+        out = collect(rid, sink.chunks)
+        out.prompt_token_ids = prompt_ids
+        return out
+
     # ------------------------------------------------------------------ inbox (engine thread side)
     def _post(self, fn: Callable[[], None]) -> None:
         self._inbox_size += 1
         self._inbox.put(fn)
         self._wake.set()
+
+    def _stopped_by_output(self, request_id: str) -> None:
+        """A stop string ended a request (output thread): stop computing it."""
+        if self._thread is None:
+            self.core.stop_request(request_id)  # delivered inline, in the driving thread
+        else:
+            self._post(lambda: self.core.stop_request(request_id))
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread (or here when there is none) and return its result."""
@@ -399,92 +447,27 @@ class Engine(EngineCore):
             fn()
 
     def _loop(self) -> None:
+        core = self.core
         while True:
             self._drain_inbox()
-            if self._stopping and not self._tracked and self._inbox.empty():
+            if self._stopping and not core.has_live_requests() and self._inbox.empty() and not core.has_pending_step():
                 return
-            if not self.scheduler.has_work():
+            if not self.scheduler.has_work() and not core.has_pending_step():
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             try:
-                self.step()
+                core.step()
             except Exception as exc:  # noqa: BLE001 - keep serving; fail what was running
                 log.exception("engine step failed")
-                self._fail_all(exc)
-
-    def run_until_idle(self) -> None:
-        """Drive the loop on the caller's thread (engines built with ``start=False``)."""
-        self._drain_inbox()
-        while self.scheduler.has_work():
-            self.step()
-            self._drain_inbox()
+                core.fail_all(exc)
 
     def _transfer_compiles(self) -> int:
         pool = self.ctl.device_pool
         return pool.compile_count if pool is not None else 0
 
-    def _check(self) -> dict[str, int]:
-        self.ctl.drain()  # backups in flight hold locks until they land
-        held = [p for t in self._tracked.values() for p in t.page_table[t.shared_pages :]]
-        self.ctl.check(device_held=held)
-        locked = self._locked_nodes()
-        transient = sum(1 for n in self.ctl.tree.iter_nodes() if n.is_transient)
-        return {
-            "device_used_pages": self.ctl.device_alloc.num_used,
-            "device_request_pages": len(held),
-            "host_used_pages": self.ctl.host_alloc.num_used,
-            "locked_nodes": locked,
-            "transient_nodes": transient,
-            "live_requests": len(self._tracked),
-        }
-
-    def _stats(self) -> dict[str, Any]:
-        s = self.scheduler.stats()
-        c = self.ctl.stats()
-        locked = self._locked_nodes()
-        return {
-            "device_pool": {"used_pages": c["device_pages"] - c["device_free_pages"], "total_pages": c["device_pages"], "page_size": self.page_size},
-            "host_pool": {"used_pages": c["host_pages"] - c["host_free_pages"], "total_pages": c["host_pages"]},
-            "locked_nodes": locked,
-            "hit_tokens": dict(s.hit_tokens),
-            "recomputed_tokens": s.recomputed_prompt_tokens,
-            "load_or_recompute": {"requests": s.load_or_recompute_recomputed, "tokens": s.load_or_recompute_tokens},
-            "evictions": {"device": c["evicted_device_pages"], "host": c["evicted_host_pages"]},
-            "transfers": {
-                "loaded_pages": c["loaded_pages"],
-                "backed_up_pages": c["backed_up_pages"],
-                "storage_written_pages": c["storage_written_pages"],
-                "prefetched_pages": c["prefetched_pages"],
-                "storage_errors": c["storage_errors"],
-                "page_bytes": self.ctl.page_bytes,
-                "link_bandwidth_bytes_per_s": c["link_bandwidth_bytes_per_s"],
-            },
-            "storage": c.get("storage"),
-            "compiles": self.runner.compile_count,
-            "compiles_after_warmup": self.runner.compile_count - self.compiles_at_warmup,
-            "startup_xla": self.startup_compiles.as_dict(),
-            "startup_executables_reused": self.executables_reused,
-            "transfer_compiles_after_warmup": self._transfer_compiles() - self.transfer_compiles_at_warmup,
-            "waiting": self.scheduler.num_waiting,
-            "running": self.scheduler.num_running,
-            "deferrals": s.deferrals,
-            "retractions": s.retractions,
-            **self.counters,
-        }
-
 
 # ---------------------------------------------------------------------- helpers
-def _wait_for_output(rid: str, prompt_ids: list[int], sink: CollectingSink) -> RequestOutput:
-    """Block until ``sink``'s request finishes; its output, or the error it failed with."""
-    sink.wait()
-    if sink.error is not None:
-        raise sink.error
-    out = collect(rid, sink.chunks)
-    out.prompt_token_ids = prompt_ids
-    return out
-
-
 def _namespace(cache_salt: str | None) -> str:
     if cache_salt is None:
         return ""

@@ -1,16 +1,22 @@
-"""Delivery of request outputs from the engine thread to callers (sync or asyncio)."""
+"""Delivery of request outputs to callers (sync or asyncio), from the output thread.
+
+Sinks receive a request's stream chunks and at most one failure.  ``deliver`` hands
+one step's chunks of many requests over at once: chunks bound for the same asyncio
+event loop travel in a single ``call_soon_threadsafe``, so a step of 256 streaming
+requests wakes each loop once, not 256 times.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from strata_jax.api import StreamChunk
 
 
 class OutputSink:
-    """Receives a request's stream chunks and at most one failure, from the engine thread."""
+    """Receives a request's stream chunks and at most one failure."""
 
     def push(self, chunk: StreamChunk) -> None:
         raise NotImplementedError
@@ -69,3 +75,28 @@ class CallbackSink(OutputSink):
 
     def fail(self, exc: BaseException) -> None:
         self.on_error(exc)
+
+
+Delivery = tuple[OutputSink, "StreamChunk | BaseException"]
+
+
+def deliver(items: Iterable[Delivery]) -> None:
+    """Hand chunks and failures to their sinks, in order per sink; one wake-up per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamChunk | BaseException]]] = {}
+    for sink, item in items:
+        if type(sink) is AsyncQueueSink:
+            by_loop.setdefault(sink.loop, []).append((sink.queue, item))
+        elif isinstance(item, BaseException):
+            sink.fail(item)
+        else:
+            sink.push(item)
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # that loop is closed: nobody is listening any more
+            pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, StreamChunk | BaseException]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)

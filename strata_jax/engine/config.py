@@ -8,6 +8,7 @@ the flat fields of that concern.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pallas_kernels.dispatch import BACKENDS as KERNEL_BACKENDS
@@ -38,6 +39,9 @@ class EngineConfig:
     policy: scheduler policy, "strata" (default) or "fifo".
     max_batch_tokens: new tokens computed per prefill step (longer prompts are chunked).
     max_batch_size: sequences per prefill or decode step.
+    max_running_requests: requests running (prefilling or decoding) at once, each holding a
+        row of per-sequence state on the device; more wait in the queue.  None = 4 *
+        max_batch_size (decodes beyond max_batch_size take turns).
     max_waiting: bound of the waiting queue; beyond it requests get ``OverloadedError``.
     max_context_tokens: longest prompt + completion; None = the model's limit, capped
         at 16384 on CPU.
@@ -58,6 +62,10 @@ class EngineConfig:
         "pallas", "reference" or "interpret" (Pallas interpreted; slow, for tests).
     scan_layers: run the decoder layers under ``jax.lax.scan`` (default: compile time
         independent of depth); False unrolls them (for step-time comparisons).
+    pipeline: overlap the host and the device (default): step N+1 is scheduled and
+        dispatched while step N runs, and N's tokens are read after; stop rules that need
+        a token's value apply one step late (a token computed past a stop is discarded).
+        False: the serial loop (each step's tokens read before the next is scheduled).
     tp: tensor-parallel size (default 1): the model and the KV pool are split over the
         first ``tp`` devices (attention heads, KV heads and MLP columns; see
         ``strata_jax.runtime.sharding``).  Must divide the model's attention heads, KV
@@ -81,6 +89,7 @@ class EngineConfig:
     max_batch_tokens: int = 512
     max_batch_size: int = 16
     max_waiting: int = 1024
+    max_running_requests: int | None = None
     max_context_tokens: int | None = None
     warmup: bool = True
     compilation_cache_dir: str | None = "auto"
@@ -88,6 +97,7 @@ class EngineConfig:
     show_progress: bool = True
     kernel_backend: str = "auto"
     scan_layers: bool = True
+    pipeline: bool = True
     tp: int = 1
     cache: CacheConfig | None = None
     scheduler: SchedulerConfig | None = None
@@ -97,6 +107,13 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if self.max_running_requests is not None:
+            m = self.max_running_requests
+            if isinstance(m, bool) or not isinstance(m, int) or m < self.max_batch_size:
+                raise InvalidRequestError(
+                    f"EngineConfig.max_running_requests must be an integer of at least max_batch_size "
+                    f"({self.max_batch_size}), got {m!r}"
+                )
         if self.max_batch_tokens <= self.max_batch_size:
             raise InvalidRequestError("EngineConfig.max_batch_tokens must exceed max_batch_size")
         for name in ("dtype", "kv_dtype"):
@@ -106,6 +123,12 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"EngineConfig.kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, got {self.kernel_backend!r}"
             )
+
+    @property
+    def resolved_max_running_requests(self) -> int:
+        if self.scheduler is not None and self.scheduler.max_running_requests is not None:
+            return self.scheduler.max_running_requests
+        return self.max_running_requests if self.max_running_requests is not None else 4 * self.max_batch_size
 
     def resolved_device_tokens(self, max_context_tokens: int) -> int:
         if self.cache is not None:
@@ -133,6 +156,8 @@ class EngineConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         if self.scheduler is not None:
+            if self.scheduler.max_running_requests is None:  # the engine's device rows bound it
+                return dataclasses.replace(self.scheduler, max_running_requests=self.resolved_max_running_requests)
             return self.scheduler
         return SchedulerConfig(
             policy=self.policy,
@@ -140,4 +165,5 @@ class EngineConfig:
             max_prefill_batch_size=self.max_batch_size,
             max_decode_batch_size=self.max_batch_size,
             max_waiting=self.max_waiting,
+            max_running_requests=self.resolved_max_running_requests,
         )

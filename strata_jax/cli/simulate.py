@@ -19,6 +19,7 @@ from pathlib import Path
 from strata_jax.sim import workloads as W
 from strata_jax.sim.model_spec import BUILTIN_MODELS, load_model_spec
 from strata_jax.sim.profile import available_profiles, load_profile
+from strata_jax.sim.host_model import load_host_model
 from strata_jax.sim.runner import RunResult, SimSetup, simulate
 from strata_jax.sim.systems import SYSTEMS, get_system
 
@@ -46,6 +47,15 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-kv-tokens", type=int, default=None, help="L1 size in tokens (default: HBM left after weights)")
     p.add_argument("--host-kv-tokens", type=int, default=None, help="L2 size in tokens (default: the profile's host_kv_bytes)")
     p.add_argument("--write-policy", choices=("write_through", "write_through_selective", "write_back"), default="write_through")
+    p.add_argument(
+        "--host-model", default="measured",
+        help="the engine's host time per step: 'measured' (default: the model bench host fitted on this engine, "
+        "sim/profiles/host_engine.json), 'none' (free) or a JSON path",
+    )  # fmt: skip
+    p.add_argument(
+        "--serial", action="store_true",
+        help="simulate the serial engine loop (the host path between steps, not overlapped with the device)",
+    )  # fmt: skip
     p.add_argument("--ttft-target", type=float, default=2.0, help="mean TTFT for the sustained-rate table, seconds (default 2)")
     p.add_argument("--json", default=None, help="write the runs as JSON here")
     p.add_argument("--plot", default=None, help="write a TTFT-vs-throughput PNG here (needs the sim extra: matplotlib)")
@@ -102,6 +112,7 @@ def _run(args: argparse.Namespace) -> int:
     setup = SimSetup(
         model=load_model_spec(args.model, args.tp), profile=load_profile(args.profile), page_size=args.page_size,
         device_tokens=args.device_kv_tokens, host_tokens=args.host_kv_tokens, write_policy=args.write_policy,
+        host=load_host_model(args.host_model), pipeline=not args.serial,
     )  # fmt: skip
     wall0, cpu0 = time.perf_counter(), time.process_time()
     runs: list[RunResult] = []

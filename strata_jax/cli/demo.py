@@ -29,7 +29,7 @@ QUESTIONS = (
     "List three places mentioned.",
     "What is the overall tone?",
 )
-LOOGLE_EXCERPT = Path(__file__).parent / "demo_data" / "loogle_picardo.json"
+LOOGLE_EXCERPT = Path(__file__).resolve().parents[1] / "demo_data" / "loogle_picardo.json"
 TINY_MAX_TOKENS, CHAT_MAX_TOKENS = 16, 48
 _WORDS = "the of and a to in is was for on that with as by at from his her their city river year war school family work".split()
 
@@ -62,7 +62,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"answer length limit per question (default {TINY_MAX_TOKENS} for the tiny model, {CHAT_MAX_TOKENS} for chat models)",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the measurements and answers to this JSON file")
-    from strata_jax.generate_cli import add_tp_argument
+    from strata_jax.cli.generate import add_tp_argument
 
     add_tp_argument(parser)
 

@@ -1,9 +1,10 @@
 """Engine-side request state and page tables (pure Python: shared by the engine and the simulator).
 
 ``TrackedRequest`` is what the engine keeps per live request beyond the
-scheduler's view: its sink, its device page table, the tree lock it holds and its
-prefetch.  ``RequestPages`` performs every page-table operation against the cache
-controller, so the rules about who owns which page live in one place:
+scheduler's view: its output stream, its device page table, the tree lock it
+holds, its prefetch and its row of device state.  ``RequestPages`` performs every
+page-table operation against the cache controller, so the rules about who owns
+which page live in one place:
 
     admit      -> the uncomputed full pages become transient tree nodes; L3 prefetch starts
     pin_prefix -> (first chunk) the prefetch lands per its stop policy; the cached prefix is
@@ -11,9 +12,13 @@ controller, so the rules about who owns which page live in one place:
     take_prefix-> host-only part of the prefix is loaded L2->L1; the page table starts as
                   the tree's device pages of the prefix
     ensure_pages -> own pages for the tokens this step computes
-    publish_prefix -> (prefill landed) full pages go to the tree, the lock moves down
+    publish_prefix -> (last chunk dispatched) full pages go to the tree, the lock moves down
     release    -> finished: computed pages to the tree; aborted: own pages freed
     retract    -> preempted decode: KV to the tree, the request re-queues as transient
+
+Pages may be handed to the tree, freed or reused while a dispatched step still
+writes them: every later reader or writer of the pool (a step, a load's scatter, a
+backup's gather) is dispatched after it and ordered behind it by the donated pool.
 """
 
 from __future__ import annotations
@@ -27,22 +32,29 @@ from strata_jax.api import SamplingParams, TokenLogprob, empty_tier_counts
 from strata_jax.cache.controller import CacheController
 from strata_jax.cache.handles import CacheFullError, PrefetchHandle, TransferHandle
 from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
-from strata_jax.engine_io import OutputSink
+from strata_jax.engine.output import OutputStream
+from strata_jax.engine.sinks import OutputSink
 from strata_jax.scheduler.plan import PrefillItem
 from strata_jax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("strata_jax.engine")
 
 
-@dataclass
+@dataclass(eq=False)
 class TrackedRequest:
     """Engine-side state of one live request.
 
     Device pages of the request (``page_table``), by owner::
 
         |<- shared_pages: tree-owned, pinned by lock(locked) ->|<- own pages: this request's ->|
-        positions [0, computed) hold KV; own pages are inserted into the tree (adopted)
-        when the request finishes or is retracted, and freed when it aborts.
+        positions [0, computed) hold KV (or will, once the dispatched steps run); own pages
+        are inserted into the tree (adopted) when the request finishes or is retracted,
+        and freed when it aborts.
+
+    Tokens: ``generated`` counts the samples dispatched (the scheduler's count too);
+    ``output_ids`` holds the values read back so far (one step behind while a step is
+    in flight).  ``slot``: its row of device state while it runs (``pt_synced``: how many
+    page-table entries that row holds; ``row_dirty``: the row must be written whole).
     """
 
     request_id: str
@@ -53,6 +65,7 @@ class TrackedRequest:
     detok: IncrementalDetokenizer | None
     submitted_at: float
     output_ids: list[int] = field(default_factory=list)
+    generated: int = 0
     page_table: list[int] = field(default_factory=list)
     shared_pages: int = 0
     computed: int = 0
@@ -60,11 +73,12 @@ class TrackedRequest:
     match: PrefixMatch | None = None  # pinned at the start of a step, loaded after the decode dispatch
     prefetch: PrefetchHandle | None = None
     cached: dict[str, int] = field(default_factory=empty_tier_counts)
-    first_token_at: float | None = None
-    text: str = ""
-    emitted_tokens: int = 0
     has_sampling_state: bool = False  # holds an executor slot (penalties, logit_bias, min_tokens)
-    # prompt logprobs: collected over the prefill chunks, delivered with the first chunk
+    slot: int | None = None
+    pt_synced: int = 0
+    row_dirty: bool = False
+    finishing: bool = False  # its last token is dispatched (length): the scheduler is done with it
+    # prompt logprobs: collected over the prefill chunks, delivered with the first token
     prompt_logprobs: list[TokenLogprob] | None = None
     # n > 1: a follower (another choice of the same prompt) is admitted only once its
     # leader's prefill has published the prompt's pages, so it hits them instead of
@@ -72,12 +86,18 @@ class TrackedRequest:
     follows: str | None = None
     followers: list[TrackedRequest] = field(default_factory=list)
     prefix_published: bool = False
+    stream: OutputStream = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream = OutputStream(
+            self.request_id, self.sink, self.params, len(self.prompt_ids), self.submitted_at, detok=self.detok
+        )
 
     @property
     def bypasses_cache(self) -> bool:
         """Prompt logprobs need logits at every prompt position, which a cache hit skips:
         such a request recomputes its whole prompt (it still publishes its KV)."""
-        return self.params.prompt_logprobs is not None and not self.output_ids
+        return self.params.prompt_logprobs is not None and not self.generated
 
     def prompt_logprob_targets(self, start: int, end: int) -> list[int] | None:
         """For prefill positions [start, end): the next prompt token, -1 past the prompt."""
@@ -137,6 +157,7 @@ class RequestPages:
         pages = self.ctl.tree.device_pages_of(match.last_node)
         usable = min(len(pages) * self.page_size, item.start)
         t.page_table = list(pages[: usable // self.page_size])
+        t.pt_synced = 0
         t.shared_pages = len(t.page_table)
         t.computed = usable
         device = min(item.device_hit_tokens, usable)
@@ -152,7 +173,7 @@ class RequestPages:
             t.page_table.extend(self.ctl.alloc_device(need))
 
     def publish_prefix(self, t: TrackedRequest, tokens: Sequence[int], hint: PrefixMatch | None = None) -> None:
-        """The prefill landed: hand its full pages to the tree (transient -> ready) and re-pin them.
+        """The prefill is dispatched: hand its full pages to the tree (transient -> ready) and re-pin them.
 
         ``hint``: a match of the same ``tokens`` object (``HiRadixTree.insert``).
         """
@@ -162,7 +183,10 @@ class RequestPages:
         t.locked, table = self.ctl.cache_unfinished(tokens, t.namespace, t.page_table[:full], t.locked, hint=hint)
         self.ctl.finish_request(t.request_id)
         # Duplicate pages (someone inserted the same tokens first) were freed: use the tree's.
-        t.page_table[: len(table)] = table
+        for i, page in enumerate(table):
+            if t.page_table[i] != page:
+                t.page_table[i] = page
+                t.pt_synced = min(t.pt_synced, i)
         t.shared_pages = full
 
     def release(self, t: TrackedRequest, *, keep: bool) -> None:
@@ -172,11 +196,13 @@ class RequestPages:
             full = t.computed // ps
             n, prompt = full * ps, t.prompt_ids
             tokens = tuple(prompt[:n]) if n <= len(prompt) else tuple(prompt) + tuple(t.output_ids[: n - len(prompt)])
+            if len(tokens) != n:
+                raise RuntimeError(f"request {t.request_id}: {n} tokens computed but only {len(tokens)} known")
             self.ctl.insert(tokens, t.namespace, t.page_table[:full])
             self.ctl.free_device(t.page_table[full:])
         else:
             self.ctl.free_device(t.page_table[t.shared_pages :])
-        t.page_table, t.shared_pages, t.computed = [], 0, 0
+        t.page_table, t.shared_pages, t.computed, t.pt_synced = [], 0, 0, 0
         if t.locked is not None:
             self.ctl.unlock(t.locked)
             t.locked = None

@@ -1,7 +1,9 @@
-"""Command line of the engine: ``strata-jax generate``, ``demo``, ``info``, ``convert``, ``simulate`` and ``bench NAME``.
+"""The command line, in one place: ``strata-jax generate``, ``demo``, ``info``, ``convert``,
+``simulate`` and ``bench NAME`` (one module per command: ``generate.py``, ``demo.py``,
+``info.py``, ``simulate.py``; benchmarks in ``strata_jax.bench``).
 
-The console script lives in ``serving.cli`` (which adds ``serve``) so that this
-package never imports ``serving``.
+The console script is ``serving.cli`` (which adds ``serve``), so that ``strata_jax``
+never imports ``serving``.
 """
 
 from __future__ import annotations
@@ -21,17 +23,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt (greedy by default)")
-    from strata_jax.generate_cli import add_generate_arguments
+    from strata_jax.cli.generate import add_generate_arguments
 
     add_generate_arguments(gen)
 
     demo = sub.add_parser("demo", help="ask several questions about one long document: TTFT cold vs cached per tier")
-    from strata_jax.demo import add_demo_arguments
+    from strata_jax.cli.demo import add_demo_arguments
 
     add_demo_arguments(demo)
 
     info = sub.add_parser("info", help="devices, memory kinds, versions, and the defaults and kernels chosen (here, on CUDA, on ROCm)")
-    from strata_jax.info import add_info_arguments
+    from strata_jax.cli.info import add_info_arguments
 
     add_info_arguments(info)
 
@@ -44,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     simulate = sub.add_parser("simulate", help="TTFT vs throughput of several systems on a simulated machine (H200, GH200, ...)")
-    from strata_jax.sim.cli import add_simulate_arguments
+    from strata_jax.cli.simulate import add_simulate_arguments
 
     add_simulate_arguments(simulate)
 
@@ -56,15 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def dispatch(args: argparse.Namespace) -> int:
     if args.command == "generate":
-        from strata_jax.generate_cli import run_generate
+        from strata_jax.cli.generate import run_generate
 
         return run_generate(args)
     if args.command == "demo":
-        from strata_jax.demo import run_demo
+        from strata_jax.cli.demo import run_demo
 
         return run_demo(args)
     if args.command == "info":
-        from strata_jax.info import run_info
+        from strata_jax.cli.info import run_info
 
         return run_info(args)
     if args.command == "convert":
@@ -74,7 +76,7 @@ def dispatch(args: argparse.Namespace) -> int:
         print(f"wrote {out}: config.json, model.safetensors, tokenizer files, generation_config.json")
         return 0
     if args.command == "simulate":
-        from strata_jax.sim.cli import run_simulate
+        from strata_jax.cli.simulate import run_simulate
 
         return run_simulate(args)
     if args.command == "bench":

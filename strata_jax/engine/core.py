@@ -1,0 +1,490 @@
+"""``EngineCore``: the engine step and the request life cycle, on any ``Executor``.
+
+One step is five calls (docs/design.md §2)::
+
+    poll -> schedule -> load -> run (dispatch extend / decode) -> postprocess
+
+and the loop is a pipeline: ``run`` dispatches step N+1 and returns at once, and
+``postprocess`` then reads step N's tokens, which the device computed while the host
+scheduled N+1.  A decode's input is its row's last sample, read on the device, so
+N+1 needs nothing of N on the host.  What that asks of the bookkeeping:
+
+* the scheduler is told a chunk or a decode is done when it is *dispatched* (the token
+  will exist; its value is the engine's business), so it can plan N+1 at once;
+* stop rules that need the token's value (EOS, stop ids, stop strings) apply one step
+  late: a request that stopped at N may have a token computed at N+1, which is
+  discarded, never shown; a length stop is known at dispatch, so it costs nothing;
+* a round that may retract a decode (device memory short) first reads the step in
+  flight: retraction writes the request's tokens into the tree.
+
+``pipeline=False`` reads each step's tokens right after dispatching it (the serial
+loop, kept to compare against).  This module is pure Python (no jax): the real engine
+(``strata_jax.engine.Engine``, a ``JaxExecutor``) and the simulator (``strata_jax.sim``,
+a ``SimExecutor``) run exactly this code with the same ``Scheduler`` and
+``CacheController``.  Called from one thread only (the engine's loop, or the
+simulator's driver).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata_jax.api import EngineUnavailableError, InvalidRequestError, OverloadedError, TokenLogprob
+from strata_jax.cache.controller import CacheController
+from strata_jax.cache.handles import CacheFullError, TransferHandle
+from strata_jax.engine.cache_view import EngineCacheView
+from strata_jax.engine.executor import Executor, ExtendWork
+from strata_jax.engine.output import Event, FailEvent, InlineOutput, StopRules, TokenEvent
+from strata_jax.engine.requests import RequestPages, TrackedRequest
+from strata_jax.scheduler.plan import PrefillItem, StepPlan
+from strata_jax.scheduler.request import RequestStatus, ScheduledRequest
+from strata_jax.scheduler.scheduler import Scheduler
+
+log = logging.getLogger("strata_jax.engine")
+
+
+@dataclass(frozen=True)
+class PlanRecord:
+    """What one step decided, as the engine executed it (for tests comparing executors)."""
+
+    round: int
+    prefill: tuple[tuple[str, int, int], ...]  # (request id, start, end)
+    decode: tuple[str, ...]
+    deferred: tuple[str, ...]
+    set_aside: tuple[str, ...]
+    decode_first: bool
+
+
+@dataclass
+class InflightStep:
+    """A dispatched step whose tokens the host has not read yet."""
+
+    extend: Any = None
+    extend_items: list[tuple[PrefillItem, TrackedRequest]] = field(default_factory=list)
+    extend_landed: bool = True  # its loads had landed at dispatch: its time is compute alone
+    decode: Any = None
+    decode_rows: list[TrackedRequest] = field(default_factory=list)
+    decode_context: int = 0
+
+
+class EngineCore:
+    """The step loop over a scheduler, a cache controller and an executor."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        ctl: CacheController,
+        executor: Executor,
+        *,
+        eos_token_ids: Collection[int],
+        max_context_tokens: int,
+        outputs: Any = None,
+        pipeline: bool = True,
+    ) -> None:
+        """``outputs``: where each step's token events go (``emit(events)``); default: an
+        ``InlineOutput`` delivering them in this thread.  ``pipeline``: dispatch step N+1
+        before reading step N's tokens (False: the serial loop)."""
+        self.scheduler = scheduler
+        self.ctl = ctl
+        self.executor = executor
+        self.page_size = ctl.page_size
+        self.eos_token_ids = eos_token_ids
+        self.max_context_tokens = max_context_tokens
+        self.rules = StopRules(eos_token_ids, max_context_tokens)
+        self.pipeline = pipeline
+        self.outputs = outputs if outputs is not None else InlineOutput(self.stop_request)
+        self.pages = RequestPages(ctl)
+        self._view = EngineCacheView(ctl, lambda rid: rid in self._tracked and self._tracked[rid].bypasses_cache)
+        self._tracked: dict[str, TrackedRequest] = {}
+        self._parked: deque[TrackedRequest] = deque()  # waiting for a sampling-state slot
+        self._inflight: InflightStep | None = None
+        self._stopping = False
+        self.counters = {
+            "steps": 0, "prefill_steps": 0, "decode_steps": 0, "finished": 0, "aborted": 0, "failed": 0,
+            "pipeline_drains": 0,
+        }  # fmt: skip
+        self.plan_log: list[PlanRecord] | None = None  # set to [] to record every step's decisions
+
+    # ------------------------------------------------------------------ public
+    def admit(self, t: TrackedRequest) -> None:
+        """Take a new request (validated by the caller); its output goes to ``t.sink``."""
+        if self._stopping:
+            self.outputs.emit([FailEvent(t.stream, EngineUnavailableError("the engine is shutting down"))])
+            return
+        if t.follows is not None:
+            leader = self._tracked.get(t.follows)
+            if leader is not None and not leader.prefix_published:
+                leader.followers.append(t)  # admitted when the leader's prompt pages are in the tree
+                return
+        if t.params.needs_sampling_state and not t.has_sampling_state:
+            if self._parked or not self.executor.open_sampling_state(t.request_id, t.prompt_ids, t.output_ids, t.params):
+                self._parked.append(t)  # admitted when a slot frees (FIFO)
+                return
+            t.has_sampling_state = True
+        try:
+            req = self.scheduler.submit(t.request_id, t.prompt_ids, namespace=t.namespace, outputs=t.output_ids)
+        except (OverloadedError, InvalidRequestError) as exc:
+            self._close_state(t)
+            self.outputs.emit([FailEvent(t.stream, exc)])
+            return
+        self._tracked[t.request_id] = t
+        match = self.pages.admit(t, req.prefill_tokens)
+        if match is not None:
+            self._view.remember(t.request_id, match)  # the scheduler's first match walks from it
+
+    def abort(self, request_id: str, exc: BaseException) -> bool:
+        """End a request now with ``exc``; False if it is not live."""
+        t = self._tracked.pop(request_id, None)
+        if t is None:
+            parked = next((p for p in self._parked if p.request_id == request_id), None)
+            if parked is None:
+                return False
+            self._parked.remove(parked)
+            self.counters["aborted"] += 1
+            self.outputs.emit([FailEvent(parked.stream, exc)])
+            return True
+        if not t.finishing:
+            self.scheduler.abort(request_id)
+        self._view.forget(request_id)
+        self.pages.release(t, keep=False)
+        self._leave(t)
+        if not self._stopping:
+            self._admit_followers(t)  # they compute the prompt themselves
+        else:
+            self.outputs.emit([FailEvent(f.stream, exc) for f in t.followers])
+        self.counters["aborted"] += 1
+        self.outputs.emit([FailEvent(t.stream, exc)])
+        return True
+
+    def stop_request(self, request_id: str) -> None:
+        """The output side ended the request (a stop string): stop computing it, keep its KV."""
+        t = self._tracked.get(request_id)
+        if t is None:
+            return
+        req = self.scheduler.get(request_id)
+        if t.finishing or (req is not None and req.status is RequestStatus.DECODING and not req.decode_inflight):
+            self._finish(t)
+        else:  # re-queued by a retraction: nothing of it runs
+            self.scheduler.abort(request_id)
+            del self._tracked[request_id]
+            self._view.forget(request_id)
+            self.pages.release(t, keep=False)
+            self._leave(t)
+            self._admit_followers(t)
+            self.counters["finished"] += 1
+
+    def has_live_requests(self) -> bool:
+        return bool(self._tracked)
+
+    def has_pending_step(self) -> bool:
+        return self._inflight is not None
+
+    @property
+    def live_requests(self) -> dict[str, TrackedRequest]:
+        return self._tracked
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> None:
+        span = self.executor.span
+        with span("poll"):
+            self._poll()
+        if self._inflight is not None and self._may_retract():
+            with span("postprocess"):  # retraction writes a request's tokens into the tree: read them first
+                self.counters["pipeline_drains"] += 1
+                self._complete(self._take_inflight())
+        with span("schedule"):
+            plan = self.scheduler.schedule(self._view)
+        with span("load_kv"):
+            dropped = self._pin_and_make_room(plan)
+        launched = self._run(plan, dropped)
+        with span("postprocess"):
+            previous, self._inflight = self._inflight, launched
+            if previous is not None:
+                self._complete(previous)
+            if not self.pipeline and self._inflight is not None:
+                self._complete(self._take_inflight())
+        self.counters["steps"] += 1
+        if launched is None and previous is None:
+            self.executor.idle()
+
+    def finish_pending(self) -> None:
+        """Read the step in flight, if any (the pipeline drains)."""
+        if self._inflight is not None:
+            self._complete(self._take_inflight())
+
+    def _take_inflight(self) -> InflightStep:
+        step, self._inflight = self._inflight, None
+        assert step is not None
+        return step
+
+    def _poll(self) -> None:
+        for handle in self.ctl.poll():
+            if handle.kind == "load" and handle.service_seconds is not None:
+                self.scheduler.cost.observe_load(handle.num_pages * self.page_size, handle.service_seconds, tier="host")
+
+    def _may_retract(self) -> bool:
+        """Could this round retract a decode?  Only if the decodes' next pages may not fit."""
+        sched = self.scheduler
+        decodes = min(sched.num_decoding, sched.config.max_decode_batch_size)
+        return self.ctl.free_device_tokens() + self.ctl.evictable_device_tokens() < decodes * self.page_size
+
+    # ------------------------------------------------------------------ load
+    def _pin_and_make_room(self, plan: StepPlan) -> set[str]:
+        """Retractions; pin each first chunk's cached prefix; evict; pages for the decodes.
+
+        Returns the requests that could not get device pages (aborted with an error;
+        the scheduler's plan should never come to this, but the engine must not die).
+        """
+        for req in plan.retract:
+            t = self._tracked[req.request_id]
+            self.pages.retract(t)
+            self._close_sequence(t)
+        for item in plan.prefill:
+            if item.is_first_chunk:
+                self.pages.pin_prefix(self._tracked[item.request_id], item)
+        if plan.evict_device_tokens:
+            self.ctl.evict_device(-(-plan.evict_device_tokens // self.page_size))
+        return self._allocate([(req.request_id, self._tracked[req.request_id].computed + 1) for req in plan.decode])
+
+    def _allocate(self, work: list[tuple[str, int]]) -> set[str]:
+        dropped: set[str] = set()
+        for rid, tokens in work:
+            try:
+                self.pages.ensure_pages(self._tracked[rid], tokens)
+            except CacheFullError as exc:
+                log.error("request %s: %s", rid, exc)
+                self.abort(rid, OverloadedError(f"out of device KV memory: {exc}"))
+                dropped.add(rid)
+        return dropped
+
+    def _load_prefixes(self, prefill: list[PrefillItem], loads: list[TransferHandle]) -> set[str]:
+        """Load pinned host-only prefixes L2->L1 (one coalesced transfer each), then pages for the chunks."""
+        for item in prefill:
+            if item.is_first_chunk:
+                handle = self.pages.take_prefix(self._tracked[item.request_id], item)
+                if handle is not None:
+                    loads.append(handle)
+        return self._allocate([(item.request_id, item.end) for item in prefill])
+
+    # ------------------------------------------------------------------ run
+    def _run(self, plan: StepPlan, dropped: set[str]) -> InflightStep | None:
+        """Dispatch the plan's extend and decode (in its order, loads between) without waiting."""
+        span = self.executor.span
+        prefill = [item for item in plan.prefill if item.request_id not in dropped]
+        decode = [self._tracked[req.request_id] for req in plan.decode if req.request_id not in dropped]
+        if prefill or decode:
+            self.executor.begin_step(len(decode), len(prefill), sum(item.new_tokens for item in prefill))
+        step = InflightStep()
+        loads: list[TransferHandle] = []
+        if plan.decode_first:
+            # Bubble filling: the decode is dispatched before the loads, so the link
+            # transfers run while the device decodes; the loads' scatters queue behind it.
+            self._dispatch_decode(decode, step)
+            with span("load_kv"):
+                dropped |= self._load_prefixes(prefill, loads)
+            prefill = [item for item in prefill if item.request_id not in dropped]
+            self._dispatch_extend(prefill, loads, step)
+        else:
+            with span("load_kv"):
+                dropped |= self._load_prefixes(prefill, loads)
+            prefill = [item for item in prefill if item.request_id not in dropped]
+            self._dispatch_extend(prefill, loads, step)
+            self._dispatch_decode(decode, step)
+        if self.plan_log is not None:
+            self.plan_log.append(_record(plan, prefill, [t.request_id for t in step.decode_rows]))
+        for rid in dropped:  # aborted before dispatch: clear the scheduler's in-flight mark
+            if any(item.request_id == rid for item in plan.prefill):
+                self.scheduler.on_prefill_done(rid)
+            else:
+                self.scheduler.on_decode_done(rid)
+        return step if step.extend is not None or step.decode is not None else None
+
+    def _dispatch_extend(self, prefill: list[PrefillItem], loads: list[TransferHandle], step: InflightStep) -> None:
+        if not prefill:
+            return
+        with self.executor.span("extend"):
+            work = []
+            for item in prefill:
+                t = self._tracked[item.request_id]
+                if t.slot is None:
+                    self.executor.open_sequence(t)  # its first chunk (or the first after a retraction)
+                tokens = item.request.prefill_tokens[t.computed : item.end]
+                targets = t.prompt_logprob_targets(t.computed, item.end)
+                work.append(ExtendWork(t, tokens, t.computed, item.is_last_chunk, targets))
+                step.extend_items.append((item, t))
+            step.extend_landed = all(self.ctl.is_ready(h) for h in loads)  # else its time includes the link's
+            step.extend = self.executor.dispatch_extend(work, loads)
+            for item, t in step.extend_items:
+                t.computed = item.end
+                if self.scheduler.on_prefill_done(item.request_id) is not RequestStatus.DECODING:
+                    continue  # a chunk that is not the last: nothing sampled
+                t.generated += 1
+                with self.executor.span("backup"):
+                    self.pages.publish_prefix(t, item.request.prefill_tokens, self._view.hint(item.request_id))
+                self._admit_followers(t)
+                if t.params.max_tokens == 0 or self.rules.by_length(t.params, len(t.prompt_ids), t.generated):
+                    self._last_token_dispatched(t)
+        self.counters["prefill_steps"] += 1
+
+    def _dispatch_decode(self, rows: list[TrackedRequest], step: InflightStep) -> None:
+        if not rows:
+            return
+        with self.executor.span("decode"):
+            step.decode = self.executor.dispatch_decode(rows)
+            step.decode_rows = rows
+            by_length = self.rules.by_length
+            on_done = self.scheduler.on_decode_done
+            context = 0
+            for t in rows:
+                t.computed += 1
+                t.generated += 1
+                context += t.computed
+                on_done(t.request_id)
+                if by_length(t.params, len(t.prompt_ids), t.generated):
+                    self._last_token_dispatched(t)
+            step.decode_context = context
+        self.counters["decode_steps"] += 1
+
+    def _last_token_dispatched(self, t: TrackedRequest) -> None:
+        """The token being computed is the request's last (length): the scheduler is done with it."""
+        t.finishing = True
+        self.scheduler.finish(t.request_id)
+        self._close_sequence(t)  # its row is read by the step in flight; a new owner's writes queue behind it
+
+    # ------------------------------------------------------------------ postprocess
+    def _complete(self, step: InflightStep) -> None:
+        """Read a dispatched step's tokens; apply the stop rules; one message to the output side."""
+        events: list[Event] = []
+        if step.extend is not None:
+            out = self.executor.collect(step.extend)
+            if step.extend_landed and out.seconds is not None:
+                # A step that waited for its loads timed the link as much as the compute: fitting
+                # it would teach the extend model that compute is dear and tokens are cheap.
+                self.scheduler.cost.observe_extend([(it.new_tokens, it.start) for it, _ in step.extend_items], out.seconds)
+            now = self.executor.now()
+            for i, (item, t) in enumerate(step.extend_items):
+                if self._tracked.get(t.request_id) is not t:
+                    continue  # aborted or stopped since
+                lps = out.prompt_logprobs.get(i)
+                if lps is not None:
+                    t.prompt_logprobs = (t.prompt_logprobs or []) + lps
+                if item.is_last_chunk:
+                    self._accept(t, out.tokens[i], out.logprobs.get(i), now, events)
+        if step.decode is not None:
+            out = self.executor.collect(step.decode)
+            if out.seconds is not None:
+                self.scheduler.cost.observe_decode(len(step.decode_rows), step.decode_context, out.seconds)
+            now = self.executor.now()
+            tracked = self._tracked
+            logprobs = out.logprobs
+            for i, (t, token) in enumerate(zip(step.decode_rows, out.tokens)):
+                if tracked.get(t.request_id) is t:
+                    self._accept(t, token, logprobs.get(i) if logprobs else None, now, events)
+        self.outputs.emit(events)
+
+    def _accept(self, t: TrackedRequest, token: int, logprob: TokenLogprob | None, now: float, events: list[Event]) -> None:
+        p = t.params
+        if not t.output_ids:
+            t.stream.cached = dict(t.cached)
+            t.stream.prompt_logprobs, t.prompt_logprobs = t.prompt_logprobs, None
+            if p.max_tokens == 0:  # scoring only: the prefill ran, nothing is generated
+                events.append(TokenEvent(t.stream, None, None, "length", now))
+                self._finish(t)
+                return
+        t.output_ids.append(token)
+        if self.rules.by_token(p, token, len(t.output_ids)):
+            finish = "stop"
+        elif t.finishing and len(t.output_ids) == t.generated:
+            finish = "length"
+        else:
+            finish = None
+        events.append(TokenEvent(t.stream, token, logprob, finish, now))
+        if finish is not None:
+            self._finish(t)
+
+    def _finish(self, t: TrackedRequest) -> None:
+        """A stop rule ended the request: its KV goes to the tree, its resources back."""
+        if not t.finishing:
+            self.scheduler.finish(t.request_id)
+        del self._tracked[t.request_id]
+        self.pages.release(t, keep=True)
+        self._leave(t)
+        self._view.forget(t.request_id)
+        self._admit_followers(t)
+        self.counters["finished"] += 1
+
+    # ------------------------------------------------------------------ request life cycle
+    def _admit_followers(self, t: TrackedRequest) -> None:
+        """The leader's prompt is in the tree (or the leader is gone): admit its followers."""
+        t.prefix_published = True
+        followers, t.followers = t.followers, []
+        for f in followers:
+            self.admit(f)
+
+    def _leave(self, t: TrackedRequest) -> None:
+        """Give back the request's device state (row, sampling slot)."""
+        self._close_sequence(t)
+        self._close_state(t)
+
+    def _close_sequence(self, t: TrackedRequest) -> None:
+        if t.slot is not None:
+            self.executor.close_sequence(t)
+
+    def _close_state(self, t: TrackedRequest) -> None:
+        """Give back a request's sampling-state slot and admit parked requests it makes room for."""
+        if not t.has_sampling_state:
+            return
+        self.executor.close_sampling_state(t.request_id)
+        t.has_sampling_state = False
+        while self._parked and not self._stopping:
+            head = self._parked[0]
+            if not self.executor.open_sampling_state(head.request_id, head.prompt_ids, head.output_ids, head.params):
+                return
+            self._parked.popleft()
+            head.has_sampling_state = True
+            self.admit(head)
+
+    def abort_all(self, exc: BaseException) -> None:
+        for rid in [p.request_id for p in self._parked] + list(self._tracked):
+            self.abort(rid, exc)
+
+    def close(self, exc: BaseException) -> None:
+        """Shutting down: read the step in flight, admit nothing more, end every live request with ``exc``."""
+        self.finish_pending()
+        self._stopping = True
+        self.abort_all(exc)
+
+    def fail_all(self, exc: Exception) -> None:
+        """A step failed: every live request fails with ``exc`` (the step in flight is dropped)."""
+        self._inflight = None
+        for rid in [p.request_id for p in self._parked] + list(self._tracked):
+            self.abort(rid, exc)
+            self.counters["failed"] += 1
+
+    # ------------------------------------------------------------------ maintenance
+    def flush(self, tier: str) -> None:
+        self.ctl.drain()
+        if tier in ("device", "all"):
+            self.ctl.evict_device(1 << 40)
+        if tier in ("host", "all"):
+            self.ctl.evict_host(1 << 40)
+        if tier in ("storage", "all"):
+            self.ctl.clear_storage()
+
+    def locked_nodes(self) -> int:
+        return sum(1 for n in self.ctl.tree.iter_nodes() if n.lock_ref > 0)
+
+
+def _record(plan: StepPlan, prefill: list[PrefillItem], decode: list[str]) -> PlanRecord:
+    return PlanRecord(
+        round=plan.round,
+        prefill=tuple((it.request_id, it.start, it.end) for it in prefill),
+        decode=tuple(decode),
+        deferred=tuple(plan.deferred),
+        set_aside=tuple(plan.set_aside),
+        decode_first=plan.decode_first,
+    )

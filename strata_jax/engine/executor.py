@@ -1,0 +1,116 @@
+"""The executor seam (docs/design.md §2): what the engine's step loop asks of the machine.
+
+The step loop (``strata_jax.engine.core.EngineCore``) decides nothing about time or
+devices; it hands an ``Executor`` the sequences to run and gets sampled tokens and
+the measured seconds back.  Two implementations:
+
+* ``strata_jax.runtime.jax_executor.JaxExecutor``: the real model on real devices
+  (``ModelRunner`` steps; wall-clock time).
+* ``strata_jax.sim.executor.SimExecutor``: a cost model of a target machine on a
+  virtual clock.
+
+The scheduler, the HiRadixTree and the cache controller are the same objects in
+both.  Contract:
+
+* ``now()`` is the clock every timestamp of the engine and the controller uses.
+* ``dispatch_extend(work, loads)`` starts an extend step of prefill chunks and
+  returns at once; ``dispatch_decode(rows)`` starts a decode step (each row's input
+  is its last sampled token, which may not have reached the host yet: it is read
+  where it was sampled).  ``collect(pending)`` waits for a dispatched step and
+  returns its sampled tokens (in row order) and the seconds the device spent on it
+  (None when that cannot be told, e.g. the step finished long before it was
+  collected).  The engine dispatches step N+1 before it collects step N.  The loads
+  of an extend need no waiting here: the extend reads what they wrote (data flow).
+* ``open_sequence(t)`` gives a request starting to run its row of per-sequence state
+  (``t.slot``; its row is written with its page table before its first step), and
+  ``close_sequence(t)`` takes it back; rows are ``SeqRow``s.
+* ``begin_step(decode_rows, prefill_rows, prefill_tokens)``: the engine is about to
+  dispatch a step of that size (the simulator charges its measured model of the
+  engine's host path for it; a real executor ignores it).
+* ``idle()``: nothing could run this step (everything waits on a transfer or a
+  deferral); sleep a little, or advance virtual time to the next event.
+* ``span(name)``: a profiler span around a phase of the step.
+* ``open_sampling_state(rid, prompt_ids, output_ids, params)`` gives a request that
+  asked for penalties/logit_bias/min_tokens its per-sequence state (False when none
+  is free: the engine parks the request until ``close_sampling_state`` of another);
+  an executor without device state accepts and ignores it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from strata_jax.api import SamplingParams, TokenLogprob
+    from strata_jax.cache.handles import TransferHandle
+
+
+class SeqRow(Protocol):
+    """What an executor reads of a running request (``engine.requests.TrackedRequest``)."""
+
+    request_id: str
+    params: SamplingParams
+    slot: int | None
+    computed: int  # positions whose KV precedes this step's tokens
+    generated: int  # samples dispatched before this step's
+    page_table: list[int]
+    pt_synced: int
+    row_dirty: bool
+
+
+@dataclass(frozen=True)
+class ExtendWork:
+    """One request's prefill chunk: ``token_ids`` at positions ``start ..``.
+
+    ``keep_sample``: the token sampled at the last position is kept (False for a
+    chunk that is not the prompt's last: the penalty counts skip it).
+    ``prompt_logprob_targets``: per new token, the prompt token after it whose
+    logprob is wanted (-1: none); None when the request did not ask.
+    """
+
+    row: SeqRow
+    token_ids: Sequence[int]
+    start: int
+    keep_sample: bool = True
+    prompt_logprob_targets: Sequence[int] | None = None
+
+
+@dataclass
+class StepOutput:
+    """Sampled tokens in row order (extend: one per work item), the device seconds of
+    the step (None if unknown), the sampled tokens' logprobs by row index for rows
+    that asked, and prompt logprobs by row index (one per new token) for rows that asked."""
+
+    tokens: list[int]
+    seconds: float | None
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    def now(self) -> float: ...
+
+    def dispatch_extend(self, work: list[ExtendWork], loads: Sequence[TransferHandle]) -> Any: ...
+
+    def dispatch_decode(self, rows: list[SeqRow]) -> Any: ...
+
+    def collect(self, pending: Any) -> StepOutput: ...
+
+    def open_sequence(self, row: SeqRow) -> None: ...
+
+    def close_sequence(self, row: SeqRow) -> None: ...
+
+    def begin_step(self, decode_rows: int, prefill_rows: int, prefill_tokens: int) -> None: ...
+
+    def idle(self) -> None: ...
+
+    def span(self, name: str) -> AbstractContextManager[Any]: ...
+
+    def open_sampling_state(
+        self, request_id: str, prompt_ids: Sequence[int], output_ids: Sequence[int], params: SamplingParams
+    ) -> bool: ...
+
+    def close_sampling_state(self, request_id: str) -> None: ...

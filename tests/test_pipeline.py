@@ -1,0 +1,189 @@
+"""The pipelined engine loop (step N+1 dispatched before step N's tokens are read) gives
+exactly what the serial loop gives: the same tokens, text, finish reasons, logprobs and
+cached-token counts, in every case the pipeline changes the bookkeeping of.
+
+Each scenario is a script of submissions and aborts at given steps, run by hand
+(``start=False``) on two engines that differ only in ``pipeline``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from strata_jax.api import SamplingParams
+from strata_jax.engine import Engine, EngineConfig
+from strata_jax.engine.sinks import CollectingSink
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def _engine(pipeline: bool, tmp_path, **overrides) -> Engine:
+    config = dict(
+        model="tiny", warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16, device_tokens=4096,
+        max_batch_tokens=128, max_batch_size=4, prefetch_policy="wait_complete", prefetch_min_tokens=0,
+        storage_dir=str(tmp_path / ("kv-pipe" if pipeline else "kv-serial")), pipeline=pipeline,
+    )  # fmt: skip
+    config.update(overrides)
+    return Engine(EngineConfig(**config), start=False)
+
+
+def _outcome(sink: CollectingSink):
+    if sink.error is not None:
+        return ("error", type(sink.error).__name__)
+    chunks = sink.chunks
+    last = chunks[-1]
+    logprobs = [(lp.token_id, round(lp.logprob, 5), tuple((t, round(v, 5)) for t, v in lp.top)) for c in chunks for lp in (c.logprobs or [])]
+    prompt_lps = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
+    prompt_lps = [None if lp is None else (lp.token_id, round(lp.logprob, 5)) for lp in prompt_lps] if prompt_lps else None
+    return (
+        [t for c in chunks for t in c.token_ids],
+        "".join(c.text for c in chunks),
+        last.finish_reason,
+        dict(last.cached_tokens),
+        last.completion_tokens,
+        logprobs,
+        prompt_lps,
+    )
+
+
+def _play(engine: Engine, script: list[tuple[int, str, object]]) -> dict[str, object]:
+    """``script``: (step, "submit", (name, prompt, params[, follows])) or (step, "abort", name).
+    Returns each request's outcome; checks the accounting is back at baseline."""
+    sinks: dict[str, CollectingSink] = {}
+    ids: dict[str, str] = {}
+    step = 0
+    pending = sorted(script, key=lambda e: e[0])
+    while pending or engine.scheduler.has_work() or engine.core.has_pending_step():
+        while pending and pending[0][0] <= step:
+            _, action, arg = pending.pop(0)
+            if action == "submit":
+                name, prompt, params, *follows = arg
+                sinks[name] = CollectingSink()
+                leader = ids[follows[0]] if follows else None
+                ids[name] = engine.submit(prompt, params, sink=sinks[name], follows=leader)
+            else:
+                engine.abort(ids[arg])
+        engine.step()
+        step += 1
+        assert step < 5000
+    acc = engine.check_accounting()
+    assert acc["live_requests"] == 0 and acc["locked_nodes"] == 0 and acc["device_request_pages"] == 0, acc
+    return {name: _outcome(sink) for name, sink in sinks.items()}
+
+
+def _both(tmp_path, script, **overrides) -> dict[str, object]:
+    results = []
+    for pipeline in (False, True):
+        engine = _engine(pipeline, tmp_path, **overrides)
+        try:
+            results.append(_play(engine, script))
+            if pipeline:
+                assert engine.cache_stats()["steps"] > 0
+        finally:
+            engine.shutdown()
+    serial, piped = results
+    assert piped == serial
+    return serial
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 250, size=n).tolist()
+
+
+def test_stops_length_stop_ids_and_stop_strings(tmp_path):
+    free = _both(tmp_path, [(0, "submit", ("free", _prompt(1, 40), GREEDY))])["free"]
+    tokens, text = free[0], free[1]
+    stop_id = tokens[5]
+    script = [
+        (0, "submit", ("by_id", _prompt(1, 40), SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,)))),
+        (0, "submit", ("one", _prompt(2, 30), SamplingParams(max_tokens=1, ignore_eos=True))),
+        (1, "submit", ("scoring", _prompt(3, 50), SamplingParams(max_tokens=0, prompt_logprobs=2))),
+        (2, "submit", ("min_tokens", _prompt(1, 40), SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,), min_tokens=8))),
+    ]
+    if len(text) >= 6:
+        script.append((1, "submit", ("by_str", _prompt(1, 40), SamplingParams(max_tokens=12, ignore_eos=True, stop=(text[3:5],)))))
+    out = _both(tmp_path, script)
+    assert out["by_id"][0] == tokens[: tokens.index(stop_id) + 1] and out["by_id"][2] == "stop"
+    assert out["one"][2] == "length" and len(out["one"][0]) == 1
+    assert out["scoring"][0] == [] and out["scoring"][6] is not None
+    if "by_str" in out:
+        assert out["by_str"][2] == "stop" and out["by_str"][1] == text[: text.index(text[3:5])]
+
+
+def test_joins_finishes_aborts_logprobs_and_penalties(tmp_path):
+    lp = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
+    pen = SamplingParams(max_tokens=14, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4,
+                         logit_bias={65: 5.0, 66: -100.0})  # fmt: skip
+    sampled = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=40, seed=3)
+    script = [
+        (0, "submit", ("a", _prompt(10, 60), GREEDY)),
+        (0, "submit", ("b", _prompt(11, 200), SamplingParams(max_tokens=40, ignore_eos=True))),
+        (1, "submit", ("lp", _prompt(12, 33), lp)),
+        (3, "submit", ("pen", _prompt(13, 25), pen)),
+        (4, "abort", "b"),  # mid-decode, beside the others
+        (5, "submit", ("late", _prompt(14, 70), GREEDY)),  # joins while others finish
+        (6, "submit", ("sampled", _prompt(15, 20), sampled)),
+        (7, "submit", ("gone", _prompt(16, 300), GREEDY)),
+        (7, "abort", "gone"),  # aborted before it ran
+    ]
+    out = _both(tmp_path, script)
+    assert out["b"] == ("error", "RequestAbortedError") and out["gone"] == ("error", "RequestAbortedError")
+    assert len(out["lp"][5]) == 10 and all(len(top) == 3 for _t, _l, top in out["lp"][5])
+    assert all(len(out[k][0]) == 12 for k in ("a", "late"))
+
+
+def test_n_choices_and_every_tier(tmp_path):
+    doc = _prompt(20, 160)
+    choice = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=7)
+    script = [
+        (0, "submit", ("c0", doc + [1, 2], choice.for_choice(0))),
+        (0, "submit", ("c1", doc + [1, 2], choice.for_choice(1), "c0")),
+        (0, "submit", ("c2", doc + [1, 2], choice.for_choice(2), "c0")),
+    ]
+    out = _both(tmp_path, script)
+    assert out["c1"][3]["device"] == 160 and len({tuple(out[c][0]) for c in ("c0", "c1", "c2")}) == 3
+    # the same document from L1, then L2, then L3 (flushing between), in both loops
+    for pipeline in (False, True):
+        engine = _engine(pipeline, tmp_path / f"tiers-{pipeline}")
+        try:
+            runs = []
+            for flush in (None, "device", "host"):
+                if flush == "host":
+                    engine.flush_cache("device")
+                if flush is not None:
+                    engine.flush_cache(flush)
+                runs.append(_play(engine, [(0, "submit", ("q", doc + [9, 9, 9], GREEDY))])["q"])
+            cold = _play(engine, [(0, "submit", ("cold", _prompt(21, 60), GREEDY))])["cold"]
+        finally:
+            engine.shutdown()
+        assert [r[3] for r in runs] == [
+            {"device": 160, "host": 0, "storage": 0}, {"device": 0, "host": 160, "storage": 0}, {"device": 0, "host": 0, "storage": 160}
+        ]
+        assert runs[0][0] == runs[1][0] == runs[2][0] and cold[0]
+        if pipeline:
+            assert runs == serial_runs and cold == serial_cold
+        else:
+            serial_runs, serial_cold = runs, cold
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_retraction_under_pressure_reads_the_step_in_flight_first(tmp_path, pipeline):
+    """A round that may retract drains the pipeline: the retracted request's tokens are all known."""
+    prompts = [_prompt(30 + i, 100) for i in range(4)]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    script = [(0, "submit", (f"r{i}", p, params)) for i, p in enumerate(prompts)]
+    roomy_engine = _engine(pipeline, tmp_path / "roomy", tiers="L1+L2")
+    try:
+        roomy = _play(roomy_engine, script)
+    finally:
+        roomy_engine.shutdown()
+    tight_engine = _engine(pipeline, tmp_path / "tight", tiers="L1+L2", device_tokens=448)
+    try:
+        tight = _play(tight_engine, script)
+        stats = tight_engine.cache_stats()
+    finally:
+        tight_engine.shutdown()
+    assert stats["retractions"] > 0
+    if pipeline:
+        assert stats["pipeline_drains"] > 0
+    assert [tight[k][0] for k in sorted(tight)] == [roomy[k][0] for k in sorted(roomy)]
