@@ -105,7 +105,7 @@ class EngineCore:
         self._stopping = False
         self.counters = {
             "steps": 0, "prefill_steps": 0, "decode_steps": 0, "finished": 0, "aborted": 0, "failed": 0,
-            "pipeline_drains": 0,
+            "pipeline_drains": 0, "overlapped_steps": 0,
         }  # fmt: skip
         self.plan_log: list[PlanRecord] | None = None  # set to [] to record every step's decisions
 
@@ -204,6 +204,7 @@ class EngineCore:
         with span("postprocess"):
             previous, self._inflight = self._inflight, launched
             if previous is not None:
+                self.counters["overlapped_steps"] += launched is not None  # dispatched before the last one was read
                 self._complete(previous)
             if not self.pipeline and self._inflight is not None:
                 self._complete(self._take_inflight())
