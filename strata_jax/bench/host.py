@@ -136,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
         results[label] = entry
     mine = results["this tree"]
     if "sim" in mine and "real" in mine:
-        top = max(k for k in mine["real"] if k != "samples")
-        sim_top = mine["sim"].get(top) or mine["sim"][max(mine["sim"])]
+        top = str(max(int(k) for k in mine["real"] if k != "samples"))
+        sim_top = mine["sim"].get(top) or mine["sim"][str(max(int(k) for k in mine["sim"]))]
         host, device = mine["real"][top]["host_ms"], sim_top["device_ms"]
         print(f"\nhost path of this engine at batch {top}: {host:.2f} ms = {host / device:.2f}x the simulated H200 "
               f"device step of Llama-3.1-8B at that batch ({device:.2f} ms)")  # fmt: skip

@@ -56,7 +56,7 @@ def run_sim(batches: list[int], prompt_tokens: int, output_tokens: int, profile:
     try:
         from strata_jax.engine.requests import TrackedRequest
     except ImportError:  # the commit before the engine package
-        from strata_jax.engine.requests import TrackedRequest
+        from strata_jax.engine_requests import TrackedRequest
 
     out: dict = {}
     for batch in batches:

@@ -57,6 +57,10 @@ class EngineConfig:
         and shapes; ``strata_jax.runtime.executable_cache``).  False: every start traces
         and lowers each program (the XLA cache still saves the compiles).
     show_progress: progress bars for loading and compiling.
+    freeze_gc: after start-up, move every live object to the garbage collector's permanent
+        generation (``gc.freeze``; ``shutdown`` undoes it), so a full collection while
+        serving walks only what serving created, not the ~0.4M objects of the model and
+        jax's traced programs (otherwise a 0.3 s pause of the engine loop, measured).
     kernel_backend: attention and KV-transfer kernels: "auto" (default: Pallas on
         CUDA/ROCm, pure-JAX reference on CPU; $STRATA_KERNEL_BACKEND overrides auto),
         "pallas", "reference" or "interpret" (Pallas interpreted; slow, for tests).
@@ -95,6 +99,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = "auto"
     reuse_executables: bool = True
     show_progress: bool = True
+    freeze_gc: bool = True
     kernel_backend: str = "auto"
     scan_layers: bool = True
     pipeline: bool = True
