@@ -91,6 +91,8 @@ def run_sim(batches: list[int], prompt_tokens: int, output_tokens: int, profile:
 
 
 class _NullSink:
+    final_only = True
+
     def push(self, chunk) -> None:
         pass
 
@@ -163,7 +165,10 @@ def run_real(
         )  # fmt: skip
         if pipeline is not None:
             kwargs["pipeline"] = pipeline == "on"
-        engine = Engine(EngineConfig(**kwargs), start=False)
+        import inspect
+
+        extra = {"output_thread": True} if "output_thread" in inspect.signature(Engine).parameters else {}
+        engine = Engine(EngineConfig(**kwargs), start=False, **extra)  # outputs delivered as when serving
         core = getattr(engine, "core", engine)
         rng = np.random.default_rng(0)
         for batch in batches:

@@ -71,10 +71,17 @@ class Engine:
     """Serving engine; see ``strata_jax.api`` for the request/response types."""
 
     def __init__(
-        self, config: EngineConfig | None = None, *, start: bool = True, on_progress: WarmupProgress | None = None
+        self,
+        config: EngineConfig | None = None,
+        *,
+        start: bool = True,
+        on_progress: WarmupProgress | None = None,
+        output_thread: bool | None = None,
     ):
         """``on_progress`` (optional) is told each start-up phase and the warm-up's
-        programs done / total (``serve`` shows it on /health while warming up)."""
+        programs done / total (``serve`` shows it on /health while warming up).
+        ``output_thread``: deliver outputs from a thread of their own (default: with the
+        engine's threads, ``start``); False delivers them in the thread that runs the step."""
         self.config = config = config or EngineConfig()
         self.platform = resolve_platform(dtype=config.dtype, kv_dtype=config.kv_dtype, kernel_backend=config.kernel_backend)
         dtype, kv_dtype = self.platform.dtype, self.platform.kv_dtype
@@ -123,8 +130,8 @@ class Engine:
         )
         cost = CostModel(CostPrior(bytes_per_token=layout.token_bytes, link_bytes_per_s=self.ctl.link_bandwidth))
         self.executor = JaxExecutor(self.runner, eos_token_ids=self.eos_token_ids)
-        self._threads = start
-        self.output = ThreadedOutput(self._stopped_by_output) if start else InlineOutput(self._stopped_by_output)
+        threaded_output = start if output_thread is None else output_thread
+        self.output = ThreadedOutput(self._stopped_by_output) if threaded_output else InlineOutput(self._stopped_by_output)
         self.core = EngineCore(
             Scheduler(config.scheduler_config(), cost),
             self.ctl,
@@ -425,11 +432,8 @@ class Engine:
         self._wake.set()
 
     def _stopped_by_output(self, request_id: str) -> None:
-        """A stop string ended a request (output thread): stop computing it."""
-        if self._thread is None:
-            self.core.stop_request(request_id)  # delivered inline, in the driving thread
-        else:
-            self._post(lambda: self.core.stop_request(request_id))
+        """A stop string ended a request (on the output side): stop computing it, between steps."""
+        self._post(lambda: self.core.stop_request(request_id))
 
     def _call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread (or here when there is none) and return its result."""

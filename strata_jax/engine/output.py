@@ -48,6 +48,7 @@ class OutputStream:
     token_ids: list[int] = field(default_factory=list)  # delivered so far
     first_token_at: float | None = None
     done: bool = False
+    final_only: bool = False  # the sink wants the final chunk only (``OutputSink.final_only``)
 
 
 class TokenEvent(NamedTuple):
@@ -101,6 +102,11 @@ class OutputProcessor:
             if type(ev) is FailEvent:
                 s.done = True
                 out.append((s.sink, ev.error))
+                continue
+            if s.final_only and ev.finish is None and not s.params.stop:
+                if s.first_token_at is None:
+                    s.first_token_at = ev.at
+                s.token_ids.append(ev.token)  # counted, not delivered
                 continue
             chunk = self._chunk(s, ev)
             if chunk is not None:

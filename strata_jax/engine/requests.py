@@ -90,8 +90,9 @@ class TrackedRequest:
 
     def __post_init__(self) -> None:
         self.stream = OutputStream(
-            self.request_id, self.sink, self.params, len(self.prompt_ids), self.submitted_at, detok=self.detok
-        )
+            self.request_id, self.sink, self.params, len(self.prompt_ids), self.submitted_at, detok=self.detok,
+            final_only=getattr(self.sink, "final_only", False),
+        )  # fmt: skip
 
     @property
     def bypasses_cache(self) -> bool:

@@ -16,7 +16,13 @@ from strata_jax.api import StreamChunk
 
 
 class OutputSink:
-    """Receives a request's stream chunks and at most one failure."""
+    """Receives a request's stream chunks and at most one failure.
+
+    ``final_only``: the sink needs only the request's last chunk (its counts and timings);
+    the output side then builds no chunk for the tokens before it.
+    """
+
+    final_only = False
 
     def push(self, chunk: StreamChunk) -> None:
         raise NotImplementedError

@@ -106,7 +106,8 @@ class Scheduler:
 
         # 1. decode batch; retract the newest decodes if their next tokens cannot fit.
         ready = [r for r in self._requests.values() if r.status is _S.DECODING and not r.decode_inflight]
-        ready.sort(key=lambda r: (r.last_decode_round, r.arrival))
+        if len(ready) > cfg.max_decode_batch_size:  # take turns: the longest-waiting first (else all run, in arrival order)
+            ready.sort(key=lambda r: (r.last_decode_round, r.arrival))
         decodes = ready[: cfg.max_decode_batch_size]
         decode_need = sum(_decode_page(r, ps) for r in decodes)
         retracted: list[ScheduledRequest] = []
@@ -127,9 +128,12 @@ class Scheduler:
             loading_bound_ratio=cfg.loading_bound_ratio,
             new_room=None if cfg.max_running_requests is None else max(0, cfg.max_running_requests - self.num_running),
         )
-        for req in sorted(self._requests.values(), key=lambda r: r.arrival):
-            if req.status is _S.PREFILLING and req.inflight_end is None and req.remaining_prefill > 0:
-                batch.try_add(Candidate.continuing(req))
+        continuing = [
+            r for r in self._requests.values()
+            if r.status is _S.PREFILLING and r.inflight_end is None and r.remaining_prefill > 0
+        ]  # fmt: skip
+        for req in sorted(continuing, key=lambda r: r.arrival):
+            batch.try_add(Candidate.continuing(req))
         skip = {r.request_id for r in retracted}  # their KV is still on the device this step
         queue = RoundQueue(
             [rid for rid in self._queue if rid not in skip], lambda rid: self._classify(rid, cache), cfg.max_lookahead

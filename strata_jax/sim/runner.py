@@ -71,6 +71,8 @@ class RunResult:
 
 
 class _Sink(OutputSink):
+    final_only = True  # the run's metrics need the last chunk of each request
+
     def __init__(self, on_finish: Callable[[StreamChunk], None]) -> None:
         self.on_finish = on_finish
 
