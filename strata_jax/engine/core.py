@@ -102,6 +102,7 @@ class EngineCore:
         self._tracked: dict[str, TrackedRequest] = {}
         self._parked: deque[TrackedRequest] = deque()  # waiting for a sampling-state slot
         self._inflight: InflightStep | None = None
+        self._unsent: list[Event] = []  # a step's token events, sent when the loop next waits for the device
         self._stopping = False
         self.counters = {
             "steps": 0, "prefill_steps": 0, "decode_steps": 0, "finished": 0, "aborted": 0, "failed": 0,
@@ -113,7 +114,7 @@ class EngineCore:
     def admit(self, t: TrackedRequest) -> None:
         """Take a new request (validated by the caller); its output goes to ``t.sink``."""
         if self._stopping:
-            self.outputs.emit([FailEvent(t.stream, EngineUnavailableError("the engine is shutting down"))])
+            self._fail([FailEvent(t.stream, EngineUnavailableError("the engine is shutting down"))])
             return
         if t.follows is not None:
             leader = self._tracked.get(t.follows)
@@ -129,7 +130,7 @@ class EngineCore:
             req = self.scheduler.submit(t.request_id, t.prompt_ids, namespace=t.namespace, outputs=t.output_ids)
         except (OverloadedError, InvalidRequestError) as exc:
             self._close_state(t)
-            self.outputs.emit([FailEvent(t.stream, exc)])
+            self._fail([FailEvent(t.stream, exc)])
             return
         self._tracked[t.request_id] = t
         match = self.pages.admit(t, req.prefill_tokens)
@@ -145,7 +146,7 @@ class EngineCore:
                 return False
             self._parked.remove(parked)
             self.counters["aborted"] += 1
-            self.outputs.emit([FailEvent(parked.stream, exc)])
+            self._fail([FailEvent(parked.stream, exc)])
             return True
         if not t.finishing:
             self.scheduler.abort(request_id)
@@ -155,9 +156,9 @@ class EngineCore:
         if not self._stopping:
             self._admit_followers(t)  # they compute the prompt themselves
         else:
-            self.outputs.emit([FailEvent(f.stream, exc) for f in t.followers])
+            self._fail([FailEvent(f.stream, exc) for f in t.followers])
         self.counters["aborted"] += 1
-        self.outputs.emit([FailEvent(t.stream, exc)])
+        self._fail([FailEvent(t.stream, exc)])
         return True
 
     def stop_request(self, request_id: str) -> None:
@@ -213,9 +214,10 @@ class EngineCore:
             self.executor.idle()
 
     def finish_pending(self) -> None:
-        """Read the step in flight, if any (the pipeline drains)."""
+        """Read the step in flight, if any (the pipeline drains), and send every event."""
         if self._inflight is not None:
             self._complete(self._take_inflight())
+        self._send()
 
     def _take_inflight(self) -> InflightStep:
         step, self._inflight = self._inflight, None
@@ -357,9 +359,26 @@ class EngineCore:
         self._close_sequence(t)  # its row is read by the step in flight; a new owner's writes queue behind it
 
     # ------------------------------------------------------------------ postprocess
+    def _send(self) -> None:
+        """Hand the buffered token events to the output side (one message)."""
+        if self._unsent:
+            events, self._unsent = self._unsent, []
+            self.outputs.emit(events)
+
+    def _fail(self, events: list[Event]) -> None:
+        """Failures go out at once, behind the tokens of the same requests already read."""
+        self._unsent.extend(events)
+        self._send()
+
     def _complete(self, step: InflightStep) -> None:
-        """Read a dispatched step's tokens; apply the stop rules; one message to the output side."""
-        events: list[Event] = []
+        """Read a dispatched step's tokens and apply the stop rules.
+
+        Its events go to the output side when the loop next waits for the device (the
+        start of the next ``_complete``), so the output thread works while this thread
+        sleeps instead of beside it; at once when no step is in flight.
+        """
+        self._send()
+        events = self._unsent
         if step.extend is not None:
             out = self.executor.collect(step.extend)
             if step.extend_landed and out.seconds is not None:
@@ -385,7 +404,8 @@ class EngineCore:
             for i, (t, token) in enumerate(zip(step.decode_rows, out.tokens)):
                 if tracked.get(t.request_id) is t:
                     self._accept(t, token, logprobs.get(i) if logprobs else None, now, events)
-        self.outputs.emit(events)
+        if self._inflight is None:
+            self._send()
 
     def _accept(self, t: TrackedRequest, token: int, logprob: TokenLogprob | None, now: float, events: list[Event]) -> None:
         p = t.params
