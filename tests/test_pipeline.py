@@ -188,3 +188,32 @@ def test_retraction_under_pressure_reads_the_step_in_flight_first(tmp_path, pipe
     if pipeline:
         assert stats["pipeline_drains"] > 0
     assert [tight[k][0] for k in sorted(tight)] == [roomy[k][0] for k in sorted(roomy)]
+
+
+@pytest.mark.slow  # two engines on the real model, ~40 decode steps each
+def test_real_model_pipelined_equals_serial(smollm2_gguf, tmp_path):
+    """SmolLM2 answering chat questions (ending on its own EOS), with a stop string, logprobs,
+    penalties, two sampled choices and an abort: the pipelined loop's outputs are the serial loop's."""
+    from strata_jax.models.loader import load_model
+
+    tok = load_model(smollm2_gguf, show_progress=False).tokenizer
+    chat = lambda q: tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))  # noqa: E731
+    free = SamplingParams(max_tokens=40)
+    script = [
+        (0, "submit", ("capital", chat("What is the capital of France?"), free)),
+        (0, "submit", ("count", chat("Count from one to five."), free)),
+        (1, "submit", ("stop", chat("Name three colors."), SamplingParams(max_tokens=40, stop=(",",)))),
+        (1, "submit", ("lp", chat("Say hello."), SamplingParams(max_tokens=12, logprobs=2))),
+        (2, "submit", ("pen", chat("Repeat the word cat."), SamplingParams(max_tokens=16, repetition_penalty=1.5, frequency_penalty=0.5))),
+        (3, "submit", ("s0", chat("Tell me a fact."), SamplingParams(max_tokens=10, temperature=0.7, seed=1).for_choice(0))),
+        (3, "submit", ("s1", chat("Tell me a fact."), SamplingParams(max_tokens=10, temperature=0.7, seed=1).for_choice(1), "s0")),
+        (4, "submit", ("gone", chat("Write a long story."), SamplingParams(max_tokens=40))),
+        (9, "abort", "gone"),
+    ]
+    out = _both(
+        tmp_path, script, model=smollm2_gguf, tiers="L1+L2", device_tokens=4096, max_batch_tokens=256,
+        max_batch_size=8, max_context_tokens=1024,
+    )  # fmt: skip
+    assert out["capital"][2] == "stop" and "Paris" in out["capital"][1]  # ended on the model's own EOS
+    assert out["stop"][2] == "stop" and "," not in out["stop"][1]
+    assert out["gone"] == ("error", "RequestAbortedError")
