@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--checkout", type=Path, default=None, help="also measure this checkout (PYTHONPATH), side by side")
     parser.add_argument("--fit", type=Path, default=None, help="fit the simulator's host model to a mixed real run; write it here")
+    parser.add_argument(
+        "--decode-model", default=None,
+        help="also measure decode throughput of this model (a HF folder or GGUF, e.g. SmolLM2) at --decode-batch "
+        "concurrent requests, as served (threaded engine), per tree",
+    )  # fmt: skip
+    parser.add_argument("--decode-batch", type=int, default=32, help="concurrent requests of the decode measurement (default 32)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the decode measurement per tree (default 3)")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
 
 
@@ -81,6 +88,14 @@ def _real(checkout: Path, args: argparse.Namespace, *, pipeline: str | None, mix
         argv += ["--pipeline", pipeline]
     if mixed:
         argv.append("--mixed")
+    return _run_worker(checkout, argv)
+
+
+def _decode(checkout: Path, args: argparse.Namespace, *, pipeline: str | None) -> dict:
+    argv = ["--part", "decode", "--batches", str(args.decode_batch), "--prompt-tokens", str(args.prompt_tokens),
+            "--output-tokens", str(args.output_tokens), "--model", str(args.decode_model), "--repeats", str(args.repeats)]  # fmt: skip
+    if pipeline is not None:
+        argv += ["--pipeline", pipeline]
     return _run_worker(checkout, argv)
 
 
@@ -134,6 +149,15 @@ def run(args: argparse.Namespace) -> int:
             entry["real"] = _real(tree, args, pipeline=pipeline if tree == here else None)
             _print_real(label, entry["real"])
         results[label] = entry
+    if args.decode_model:  # alternating trees, repeats inside each: the machine's drift hits both
+        print(f"\n(c) decode throughput, {args.decode_model}, {args.decode_batch} requests at once, "
+              f"{args.prompt_tokens} prompt + {args.output_tokens} output tokens")  # fmt: skip
+        for label, tree in trees:
+            d = _decode(tree, args, pipeline=pipeline if tree == here else None)
+            results[label]["decode"] = d
+            idle = f", {d['device_idle_dispatches']}/{d['device_dispatches']} dispatches found the device idle" if "device_dispatches" in d else ""
+            runs = ", ".join(f"{r['tok_per_s']:.1f}" for r in d["runs"])
+            print(f"  {label}: {d['tok_per_s']:.1f} tok/s median of [{runs}]{idle}")
     mine = results["this tree"]
     if "sim" in mine and "real" in mine:
         top = str(max(int(k) for k in mine["real"] if k != "samples"))

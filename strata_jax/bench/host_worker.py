@@ -217,9 +217,47 @@ def run_real(
     return out
 
 
+def run_decode(model: str, batch: int, prompt_tokens: int, output_tokens: int, pipeline: str | None, repeats: int) -> dict:
+    """Decode throughput of a real model at ``batch`` concurrent requests (the threaded engine, as served)."""
+    import numpy as np
+
+    from strata_jax.api import SamplingParams
+    from strata_jax.engine import Engine, EngineConfig
+
+    kwargs = dict(
+        model=model, show_progress=False, max_batch_size=batch, max_batch_tokens=max(512, 2 * batch),
+        device_tokens=max(8192, batch * (prompt_tokens + output_tokens) * 2), max_context_tokens=prompt_tokens + output_tokens + 16,
+        tiers="L1",
+    )  # fmt: skip
+    if pipeline is not None:
+        kwargs["pipeline"] = pipeline == "on"
+    engine = Engine(EngineConfig(**kwargs))
+    vocab = engine.vocab_size
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+    rates = []
+    for _ in range(repeats):
+        prompts = [rng.integers(100, min(vocab, 20000), size=prompt_tokens).tolist() for _ in range(batch)]
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        last_first = max(o.ttft_s for o in outs)  # from here on every request decodes
+        decode_s = max(o.latency_s for o in outs) - last_first
+        rates.append({"tok_per_s": batch * (output_tokens - 1) / decode_s, "wall_s": wall, "decode_s": decode_s})
+    stats = engine.cache_stats()
+    engine.shutdown()
+    out = {"runs": rates, "tok_per_s": statistics.median(r["tok_per_s"] for r in rates)}
+    if "device_dispatches" in stats:
+        out["device_dispatches"] = stats["device_dispatches"]
+        out["device_idle_dispatches"] = stats["device_idle_dispatches"]
+        out["device_idle_s"] = stats["device_idle_s"]
+    return out
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--part", choices=("sim", "real"), required=True)
+    p.add_argument("--part", choices=("sim", "real", "decode"), required=True)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batches", required=True)
     p.add_argument("--prompt-tokens", type=int, required=True)
     p.add_argument("--output-tokens", type=int, required=True)
@@ -231,7 +269,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mixed", action="store_true", help="prompt lengths drawn from [prompt_tokens/4, prompt_tokens]")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    if args.part == "sim":
+    if args.part == "decode":
+        result = run_decode(args.model, int(args.batches), args.prompt_tokens, args.output_tokens, args.pipeline, args.repeats)
+    elif args.part == "sim":
         result = run_sim(batches, args.prompt_tokens, args.output_tokens, args.profile, args.model)
     else:
         result = run_real(batches, args.layers, args.width, args.prompt_tokens, args.output_tokens, args.pipeline, args.mixed)
