@@ -119,6 +119,8 @@ class CacheController(Transfers, StorageIO, Eviction):
         self._watcher = ThreadPoolExecutor(1, thread_name_prefix="kv-watch") if self.move_data else None
         self._pending: list[TransferHandle] = []
         self._host_pending: dict[int, TransferHandle] = {}
+        # backups issued, their device gathers not dispatched yet (transfers.flush_backups)
+        self._backup_queue: list[tuple[TransferHandle, TreeNode, list[int], list[int], list | None]] = []
         self._prefetch_reserved: set[int] = set()
         self._key_memo: dict[tuple[bytes, tuple[int, ...]], list[bytes]] = {}
         self._key_memo_tokens = 0

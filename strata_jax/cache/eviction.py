@@ -28,6 +28,8 @@ class Eviction:
         if pages is None:
             self.evict_device(n - self.device_alloc.num_free)
             pages = self.device_alloc.alloc(n)
+        if self._backup_queue:  # a page handed out here may be one a queued backup reads: gather it first
+            self.flush_backups()
         if pages is None and self._pending:
             self.drain()  # in-flight backups pin their nodes; let them land, then retry
             self.evict_device(n - self.device_alloc.num_free)

@@ -8,7 +8,13 @@
   copy by JAX data flow); the handle says when the link transfer landed.
 * ``_back_up(node)`` / ``_issue_backup``: an L1 -> L2 copy (then L2 -> L3 when there
   is storage); the node stays locked and its host pages are marked pending until
-  the copy lands, so no reader sees a half-written page.
+  the copy lands, so no reader sees a half-written page.  The device gathers of the
+  backups issued during a step go out together, as one coalesced gather per chunk of
+  pages, at the next ``poll`` (or as soon as anyone waits on one of them): the pages
+  they read are the tree's, which no one writes, and the step that writes them is
+  ahead of the gather on the device either way.  Fifty backups of one step were fifty
+  small programs queued behind it; XLA:CPU admits 32 in flight and then blocks the
+  engine thread until the step ends.
 * ``poll`` / ``is_ready`` / ``wait`` / ``drain`` complete handles; nothing else
   flips ``done``.
 """
@@ -43,17 +49,14 @@ class Transfers:
         self.tree.lock(node)  # host pages are being written: no eviction until done
         handle = TransferHandle("backup", None, n, n * self.page_bytes, self._clock())
         if self.move_data:
-            chunk = self._transfer_chunk_pages()
-            starts = range(0, n, chunk)
-            stagings = [self.device_pool.gather_pages(dev_pages[s : s + chunk]) for s in starts]  # type: ignore[union-attr]
+            self._backup_queue.append((handle, node, dev_pages, host_pages, keys))
+            handle._is_finished = lambda: False  # not dispatched yet
 
-            def on_done() -> None:
-                for s, staging in zip(starts, stagings):
-                    self.host_pool.write(host_pages[s : s + chunk], np.asarray(staging))  # type: ignore[union-attr]
-                self._backup_landed(node, host_pages, keys)
+            def block() -> None:
+                self.flush_backups()
+                handle._block()  # the dispatched gather's, now
 
-            await_arrays(handle, stagings)
-            handle._on_done = on_done
+            handle._block = block
             self._track_backup(handle, host_pages)
         elif self._timer is not None:  # simulated: lands in virtual time, same bookkeeping as above
             land_at(handle, self._timer.land_time("backup", n, handle.nbytes, handle.issued_at), self._clock, self._timer)
@@ -64,6 +67,32 @@ class Transfers:
             self._complete(handle)
         self.counters["backed_up_pages"] += n
         return handle
+
+    def flush_backups(self) -> None:
+        """Dispatch the queued backups' device gathers: their pages end to end, one gather
+        per chunk of pages; each backup lands when the chunks holding its pages are on the host."""
+        queue, self._backup_queue = self._backup_queue, []
+        if not queue:
+            return
+        chunk = self._transfer_chunk_pages()
+        dev = [p for _h, _n, dev_pages, _hp, _k in queue for p in dev_pages]
+        stagings = [self.device_pool.gather_pages(dev[s : s + chunk]) for s in range(0, len(dev), chunk)]  # type: ignore[union-attr]
+        offset = 0
+        for handle, node, dev_pages, host_pages, keys in queue:
+            first, last = offset // chunk, (offset + len(dev_pages) - 1) // chunk
+            mine = [(c, stagings[c]) for c in range(first, last + 1)]
+
+            def on_done(node=node, host_pages=host_pages, keys=keys, offset=offset, mine=mine) -> None:
+                for c, staging in mine:
+                    lo, hi = max(offset, c * chunk), min(offset + len(host_pages), (c + 1) * chunk)
+                    if lo < hi:
+                        rows = np.asarray(staging)[lo - c * chunk : hi - c * chunk]
+                        self.host_pool.write(host_pages[lo - offset : hi - offset], rows)  # type: ignore[union-attr]
+                self._backup_landed(node, host_pages, keys)
+
+            await_arrays(handle, [s for _c, s in mine])
+            handle._on_done = on_done
+            offset += len(dev_pages)
 
     def _track_backup(self, handle: TransferHandle, host_pages: list[int]) -> None:
         """Register an in-flight backup: its host pages are not read until it lands."""
@@ -170,6 +199,7 @@ class Transfers:
         A prefetch counts as complete when all its pages landed (or its timeout
         passed); it still needs ``finish_prefetch`` to join the tree.
         """
+        self.flush_backups()
         done = []
         keep = []
         for h in self._pending:
@@ -202,6 +232,7 @@ class Transfers:
 
     def drain(self) -> None:
         """Wait for every in-flight transfer (prefetches excluded: finish or cancel them)."""
+        self.flush_backups()
         for h in list(self._pending):
             if not isinstance(h, PrefetchHandle):
                 self.wait(h)
