@@ -50,7 +50,7 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host-model", default="measured",
         help="the engine's host time per step: 'measured' (default: the model bench host fitted on this engine, "
-        "sim/profiles/host_engine.json), 'none' (free) or a JSON path",
+        "sim/host_model.json), 'none' (free) or a JSON path",
     )  # fmt: skip
     p.add_argument(
         "--serial", action="store_true",

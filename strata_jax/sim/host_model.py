@@ -9,7 +9,7 @@ in the step's size::
               + prefill_token_s * prefill_tokens
 
 and fitted by ``strata-jax bench host --fit FILE`` from the real engine's own steps
-(``bench/host.py``).  The bundled model (``profiles/host_engine.json``) was measured on
+(``bench/host.py``).  The bundled model (``host_model.json`` beside this module) was measured on
 the 2-core CPU development machine; a server CPU runs the same Python faster, so the
 simulator's host times are conservative for an H200 host.
 """
@@ -20,7 +20,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-DEFAULT_PATH = Path(__file__).resolve().parent / "profiles" / "host_engine.json"
+DEFAULT_PATH = Path(__file__).resolve().parent / "host_model.json"
 
 
 class HostModelError(ValueError):

@@ -36,7 +36,8 @@ class HardwareProfile:
     transfer_kernel_slowdown: compute slowdown while a layout-conversion kernel runs beside it.
     host_kv_bytes: host DRAM given to the L2 KV pool.
     storage_read_bytes_per_s / storage_write_bytes_per_s: L3 bandwidth.
-    step_overhead_s: fixed cost of one engine step (scheduling, launch).
+    step_overhead_s: fixed device-side cost of one step program (launch, synchronization); the
+        engine's host path is the measured host model (``sim/host_model.py``), not this.
     tp_allreduce_s_per_layer: tensor-parallel all-reduce cost per layer per step.
     """
 
