@@ -48,7 +48,7 @@ class EngineLike(Protocol):
     tokenizer: Any
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, **kw: Any) -> AsyncIterator[StreamChunk]: ...
-    def abort(self, request_id: str) -> bool: ...
+    def abort(self, request_id: str) -> object: ...  # queues the abort; never waits for the engine
     def cache_stats(self) -> dict: ...
     def flush_cache(self, tier: str = "all") -> None: ...
     def start_profile(self, log_dir: str) -> None: ...
@@ -267,7 +267,7 @@ class Frontend:
             if rid is not None:
                 if not finished and self._engine is not None:
                     try:
-                        self._engine.abort(rid)  # belt and braces: idempotent
+                        self._engine.abort(rid)  # belt and braces: idempotent, and only queued (never blocks the loop)
                     except Exception:
                         log.exception("abort(%s) failed", rid)
                 self._in_flight.discard(rid)
