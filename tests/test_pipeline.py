@@ -217,3 +217,65 @@ def test_real_model_pipelined_equals_serial(smollm2_gguf, tmp_path):
     assert out["capital"][2] == "stop" and "Paris" in out["capital"][1]  # ended on the model's own EOS
     assert out["stop"][2] == "stop" and "," not in out["stop"][1]
     assert out["gone"] == ("error", "RequestAbortedError")
+
+
+def test_a_failure_sent_while_a_step_is_read_loses_no_token(tmp_path):
+    """A failure goes out at once (e.g. a parked request refused on admission while a finishing
+    request frees its slot); the tokens of the step being read still all reach their streams."""
+    from strata_jax.api import EngineUnavailableError
+    from strata_jax.engine.output import FailEvent
+    from strata_jax.engine.requests import TrackedRequest
+
+    script = [(0, "submit", (name, _prompt(40 + i, 30), GREEDY)) for i, name in enumerate(("a", "b", "c"))]
+    reference = _both(tmp_path, script)
+    engine = _engine(True, tmp_path / "again")
+    core = engine.core
+    accept = core._accept  # noqa: SLF001
+    bystander = CollectingSink()
+    other = TrackedRequest("bystander", [1, 2], "", GREEDY, bystander, None, 0.0)
+
+    def accept_then_fail(t, token, logprob, now, events):
+        accept(t, token, logprob, now, events)
+        core._fail([FailEvent(other.stream, EngineUnavailableError("refused"))])  # noqa: SLF001 - mid-read, as admit() would
+
+    core._accept = accept_then_fail  # noqa: SLF001
+    try:
+        got = _play(engine, script)
+    finally:
+        engine.shutdown()
+    assert got == reference
+    assert isinstance(bystander.error, EngineUnavailableError)
+
+
+def test_a_failed_step_fails_its_requests_and_drops_what_it_may_have_cached(tmp_path):
+    engine = _engine(True, tmp_path, tiers="L1+L2")
+    try:
+        doc = _prompt(50, 96)
+        good = _play(engine, [(0, "submit", ("x", doc, GREEDY))])["x"]
+        engine.flush_cache("all")
+        collect = engine.core.executor.collect
+        calls = {"n": 0}
+
+        def failing(pending):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("device lost")
+            return collect(pending)
+
+        engine.core.executor.collect = failing
+        sink = CollectingSink()
+        engine.submit(doc, GREEDY, sink=sink)
+        for _ in range(200):
+            try:
+                engine.step()
+            except RuntimeError:
+                engine.core.fail_all(RuntimeError("device lost"))  # what the engine loop does
+            if sink.wait(0):
+                break
+        assert isinstance(sink.error, RuntimeError)
+        stats = engine.cache_stats()
+        assert stats["device_pool"]["used_pages"] == 0 and stats["host_pool"]["used_pages"] == 0
+        again = _play(engine, [(0, "submit", ("x", doc, GREEDY))])["x"]
+        assert again[0] == good[0] and again[3] == {"device": 0, "host": 0, "storage": 0}  # recomputed, not hit
+    finally:
+        engine.shutdown()

@@ -47,6 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens", type=int, default=64, help="output tokens per request (default 64)")
     parser.add_argument("--layers", type=int, default=1, help="real: layers of the random model (default 1)")
     parser.add_argument("--width", type=int, default=64, help="real: hidden size of the random model (default 64)")
+    parser.add_argument("--real-model", default=None, help="real: this model (HF folder or GGUF) instead of the random one")
     parser.add_argument(
         "--pipeline", choices=("default", "on", "off"), default="default",
         help="real: EngineConfig.pipeline for this checkout (default: the engine's default)",
@@ -88,6 +89,8 @@ def _real(checkout: Path, args: argparse.Namespace, *, pipeline: str | None, mix
         argv += ["--pipeline", pipeline]
     if mixed:
         argv.append("--mixed")
+    if args.real_model:
+        argv += ["--real-model", str(args.real_model)]
     return _run_worker(checkout, argv)
 
 
@@ -124,15 +127,18 @@ def _print_sim(label: str, sim: dict) -> None:
         print(f"{b:>6}{r['steps']:>7}{r['host_ms']:>10.2f}{r['device_ms']:>11.2f}{ratio:>13.2f}")
 
 
-def _print_real(label: str, real: dict) -> None:
-    print(f"\n(b) {label}: the real engine, one-layer 64-wide model (host = step wall - time blocked on the device)")
-    print(f"{'batch':>6}{'steps':>7}{'host ms':>10}{'us/req':>8}{'wait ms':>9}{'idle dispatches':>17}  phases ms")
+def _print_real(label: str, real: dict, model: str) -> None:
+    print(f"\n(b) {label}: the real engine, {model} (host = step wall - time blocked on the device)")
+    print(f"{'batch':>6}{'steps':>7}{'host ms':>10}{'us/req':>8}{'wait ms':>9}{'idle dispatches (ms/step)':>27}  phases ms")
     for b, r in real.items():
         if b == "samples" or r["host_ms"] is None:
             continue
-        idle = f"{r['device_idle_dispatches']}/{r['device_dispatches']}" if "device_dispatches" in r else "(serial: all)"
+        if "device_dispatches" in r:
+            idle = f"{r['device_idle_dispatches']}/{r['device_dispatches']} ({r['device_idle_ms_per_step']:.2f})"
+        else:
+            idle = f"serial: all ({r['host_ms']:.2f})"
         phases = " ".join(f"{k} {v:.2f}" for k, v in sorted(r["phases_ms"].items()))
-        print(f"{b:>6}{r['steps']:>7}{r['host_ms']:>10.2f}{r['host_us_per_request']:>8.1f}{r['device_wait_ms']:>9.2f}{idle:>17}  {phases}")
+        print(f"{b:>6}{r['steps']:>7}{r['host_ms']:>10.2f}{r['host_us_per_request']:>8.1f}{r['device_wait_ms']:>9.2f}{idle:>27}  {phases}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             _print_sim(label, entry["sim"])
         if args.part in ("real", "both"):
             entry["real"] = _real(tree, args, pipeline=pipeline if tree == here else None)
-            _print_real(label, entry["real"])
+            _print_real(label, entry["real"], args.real_model or f"{args.layers}-layer {args.width}-wide random model")
         results[label] = entry
     if args.decode_model:  # alternating trees, repeats inside each: the machine's drift hits both
         print(f"\n(c) decode throughput, {args.decode_model}, {args.decode_batch} requests at once, "

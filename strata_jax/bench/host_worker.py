@@ -127,9 +127,14 @@ def _timed_phases(core, totals: dict[str, float]):
 
 def run_real(
     batches: list[int], layers: int, width: int, prompt_tokens: int, output_tokens: int, pipeline: str | None,
-    mixed: bool = False,
+    mixed: bool = False, model: str | None = None,
 ) -> dict:
-    """(b) the real engine (JaxExecutor) on a small random model, one ``step()`` at a time."""
+    """(b) the real engine (JaxExecutor) on a small random model (or ``model``), one step at a time.
+
+    Per decode step of the full batch: host time (wall minus time blocked on the device)
+    and, where the engine counts them (this tree), the dispatches that found the device
+    with nothing queued and the idle time before them: the gap between decode programs.
+    """
     import numpy as np
 
     import strata_jax.runtime.model_runner as model_runner
@@ -156,10 +161,10 @@ def run_real(
     out: dict = {}
     samples: list[tuple[int, int, int, float]] = []  # (decode rows, prefill rows, prefill tokens, host s) of every step
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_random_model(Path(tmp) / "m", layers, width=shape)
+        folder = model or str(write_random_model(Path(tmp) / "m", layers, width=shape))
         top = max(batches)
         kwargs = dict(
-            model=str(folder), warmup=True, show_progress=False, max_batch_size=top, max_batch_tokens=4 * top * 8,
+            model=folder, warmup=True, show_progress=False, max_batch_size=top, max_batch_tokens=4 * top * 8,
             device_tokens=top * (prompt_tokens + output_tokens + 32) * 2, max_context_tokens=prompt_tokens + output_tokens + 16,
             page_size=16, compilation_cache_dir=None,
         )  # fmt: skip
@@ -170,27 +175,32 @@ def run_real(
         extra = {"output_thread": True} if "output_thread" in inspect.signature(Engine).parameters else {}
         engine = Engine(EngineConfig(**kwargs), start=False, **extra)  # outputs delivered as when serving
         core = getattr(engine, "core", engine)
+        vocab = engine.vocab_size
         rng = np.random.default_rng(0)
         for batch in batches:
             core.plan_log = []
             params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
             for i in range(batch):
                 n = prompt_tokens if not mixed else int(rng.integers(prompt_tokens // 4, prompt_tokens + 1))
-                engine.submit(rng.integers(3, 500, size=n).tolist(), params)
-            drain = getattr(engine, "_drain_inbox")
+                engine.submit(rng.integers(3, min(vocab, 20000), size=n).tolist(), params)
+            if hasattr(engine, "core"):  # this tree: a public step drains the inbox itself
+                step, drain = engine.step, lambda: None
+            else:  # the commit before: the engine was its core
+                step, drain = core.step, getattr(engine, "_drain_inbox")
             drain()
             phases_per_step: list[dict[str, float]] = []
             host: list[float] = []
             wait: list[float] = []
             executor = getattr(engine, "executor", None)
             device = getattr(executor, "device", None)
-            idle_before = (device.dispatches, device.idle_dispatches) if device is not None else None
+            idle: list[tuple[int, float]] = []  # per counted step: (idle dispatches, idle seconds) it added
             while _live(core) or getattr(core, "has_pending_step", lambda: False)():
                 totals: dict[str, float] = defaultdict(float)
                 waits[0] = 0.0
+                before = (device.idle_dispatches, device.idle_s) if device is not None else None
                 with _timed_phases(core, totals):
                     t0 = time.perf_counter()
-                    core.step()
+                    step()
                     wall = time.perf_counter() - t0
                 drain()
                 record = core.plan_log[-1] if core.plan_log else None
@@ -201,6 +211,8 @@ def run_real(
                     host.append(wall - waits[0])
                     wait.append(waits[0])
                     phases_per_step.append(dict(totals))
+                    if before is not None:
+                        idle.append((device.idle_dispatches - before[0], device.idle_s - before[1]))
             names = sorted({k for p in phases_per_step for k in p})
             out[batch] = {
                 "steps": len(host),
@@ -209,9 +221,10 @@ def run_real(
                 "phases_ms": {n: 1e3 * statistics.median([p.get(n, 0.0) for p in phases_per_step]) for n in names},
                 "host_us_per_request": 1e6 * statistics.median(host) / batch if host else None,
             }
-            if idle_before is not None:
-                out[batch]["device_dispatches"] = device.dispatches - idle_before[0]
-                out[batch]["device_idle_dispatches"] = device.idle_dispatches - idle_before[1]
+            if device is not None:  # the decode steps of the full batch only (not the prefills before)
+                out[batch]["device_dispatches"] = len(idle)
+                out[batch]["device_idle_dispatches"] = sum(n for n, _ in idle)
+                out[batch]["device_idle_ms_per_step"] = 1e3 * sum(s for _, s in idle) / max(1, len(idle))
         engine.shutdown()
     out["samples"] = samples
     return out
@@ -267,6 +280,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--pipeline", choices=("on", "off"), default=None)
     p.add_argument("--mixed", action="store_true", help="prompt lengths drawn from [prompt_tokens/4, prompt_tokens]")
+    p.add_argument("--real-model", default=None, help="real part: this model instead of a random one")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     if args.part == "decode":
@@ -274,7 +288,9 @@ def main(argv: list[str]) -> int:
     elif args.part == "sim":
         result = run_sim(batches, args.prompt_tokens, args.output_tokens, args.profile, args.model)
     else:
-        result = run_real(batches, args.layers, args.width, args.prompt_tokens, args.output_tokens, args.pipeline, args.mixed)
+        result = run_real(
+            batches, args.layers, args.width, args.prompt_tokens, args.output_tokens, args.pipeline, args.mixed, args.real_model
+        )
     print(json.dumps(result))
     return 0
 

@@ -96,7 +96,8 @@ class EngineCore:
         self.max_context_tokens = max_context_tokens
         self.rules = StopRules(eos_token_ids, max_context_tokens)
         self.pipeline = pipeline
-        self.outputs = outputs if outputs is not None else InlineOutput(self.stop_request)
+        self._stops: list[str] = []  # stop strings matched by an inline output side, applied at the next step
+        self.outputs = outputs if outputs is not None else InlineOutput(self._stops.append)
         self.pages = RequestPages(ctl)
         self._view = EngineCacheView(ctl, lambda rid: rid in self._tracked and self._tracked[rid].bypasses_cache)
         self._tracked: dict[str, TrackedRequest] = {}
@@ -191,6 +192,8 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
     def step(self) -> None:
         span = self.executor.span
+        while self._stops:
+            self.stop_request(self._stops.pop(0))
         with span("poll"):
             self._poll()
         if self._inflight is not None and self._may_retract():
@@ -378,7 +381,7 @@ class EngineCore:
         sleeps instead of beside it; at once when no step is in flight.
         """
         self._send()
-        events = self._unsent
+        events: list[Event] = []  # its own list: a failure sent meanwhile must not take these along half-built
         if step.extend is not None:
             out = self.executor.collect(step.extend)
             if step.extend_landed and out.seconds is not None:
@@ -404,6 +407,7 @@ class EngineCore:
             for i, (t, token) in enumerate(zip(step.decode_rows, out.tokens)):
                 if tracked.get(t.request_id) is t:
                     self._accept(t, token, logprobs.get(i) if logprobs else None, now, events)
+        self._unsent.extend(events)
         if self._inflight is None:
             self._send()
 
@@ -480,11 +484,21 @@ class EngineCore:
         self.abort_all(exc)
 
     def fail_all(self, exc: Exception) -> None:
-        """A step failed: every live request fails with ``exc`` (the step in flight is dropped)."""
+        """A step failed: every live request fails with ``exc`` (the step in flight is dropped).
+
+        Prefixes are published to the tree when their step is dispatched, so the tree may
+        point at KV the failed step never wrote: the device and host tiers are emptied too
+        (L3 holds only copies of host pages that landed from completed gathers).
+        """
         self._inflight = None
         for rid in [p.request_id for p in self._parked] + list(self._tracked):
             self.abort(rid, exc)
             self.counters["failed"] += 1
+        try:
+            self.flush("device")
+            self.flush("host")
+        except Exception:  # noqa: BLE001 - transfers of the failed step may fail too; the tiers are dropped regardless
+            log.exception("dropping the device and host tiers after a failed step")
 
     # ------------------------------------------------------------------ maintenance
     def flush(self, tier: str) -> None:

@@ -96,22 +96,32 @@ class OutputProcessor:
     def process(self, events: Sequence[Event]) -> list[Delivery]:
         out: list[Delivery] = []
         for ev in events:
-            s = ev.stream
-            if s.done:
-                continue  # a token computed after the request ended (stop string, abort): never shown
-            if type(ev) is FailEvent:
-                s.done = True
-                out.append((s.sink, ev.error))
-                continue
-            if s.final_only and ev.finish is None and not s.params.stop:
-                if s.first_token_at is None:
-                    s.first_token_at = ev.at
-                s.token_ids.append(ev.token)  # counted, not delivered
-                continue
-            chunk = self._chunk(s, ev)
-            if chunk is not None:
-                out.append((s.sink, chunk))
+            try:
+                self._one(ev, out)
+            except Exception as exc:  # noqa: BLE001 - one stream's failure (e.g. its detokenizer) is its own
+                log.exception("output of request %s failed", ev.stream.request_id)
+                if not ev.stream.done:
+                    ev.stream.done = True
+                    out.append((ev.stream.sink, exc))
+                    self.on_stop(ev.stream.request_id)  # nobody will see its tokens: stop computing them
         return out
+
+    def _one(self, ev: Event, out: list[Delivery]) -> None:
+        s = ev.stream
+        if s.done:
+            return  # a token computed after the request ended (stop string, abort): never shown
+        if type(ev) is FailEvent:
+            s.done = True
+            out.append((s.sink, ev.error))
+            return
+        if s.final_only and ev.finish is None and not s.params.stop:
+            if s.first_token_at is None:
+                s.first_token_at = ev.at
+            s.token_ids.append(ev.token)  # counted, not delivered
+            return
+        chunk = self._chunk(s, ev)
+        if chunk is not None:
+            out.append((s.sink, chunk))
 
     def _chunk(self, s: OutputStream, ev: TokenEvent) -> StreamChunk | None:
         p = s.params

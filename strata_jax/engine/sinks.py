@@ -9,10 +9,13 @@ requests wakes each loop once, not 256 times.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Iterable
 
 from strata_jax.api import StreamChunk
+
+log = logging.getLogger("strata_jax.engine")
 
 
 class OutputSink:
@@ -92,10 +95,19 @@ def deliver(items: Iterable[Delivery]) -> None:
     for sink, item in items:
         if type(sink) is AsyncQueueSink:
             by_loop.setdefault(sink.loop, []).append((sink.queue, item))
-        elif isinstance(item, BaseException):
-            sink.fail(item)
-        else:
-            sink.push(item)
+            continue
+        try:
+            if isinstance(item, BaseException):
+                sink.fail(item)
+            else:
+                sink.push(item)
+        except Exception as exc:  # noqa: BLE001 - a sink that raises loses its own stream, not the others'
+            log.exception("an output sink failed")
+            if not isinstance(item, BaseException):
+                try:
+                    sink.fail(exc)
+                except Exception:  # noqa: BLE001
+                    pass
     for loop, batch in by_loop.items():
         try:
             loop.call_soon_threadsafe(_put_all, batch)

@@ -273,7 +273,11 @@ class JaxExecutor:
 
 
 def _finished_at(arrays: list[jax.Array]) -> float:
-    """(On the watcher thread) block until the step's outputs are computed; when that was."""
+    """(On the watcher thread) block until the step's outputs are computed; when that was.
+    A step that fails has finished too: ``collect`` raises its error, not this stamp."""
     for a in arrays:
-        a.block_until_ready()
+        try:
+            a.block_until_ready()
+        except Exception:  # noqa: BLE001 - reported by the step's own result()
+            pass
     return time.perf_counter()
