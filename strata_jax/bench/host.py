@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
             runs = ", ".join(f"{r['tok_per_s']:.1f}" for r in d["runs"])
             print(f"  {label}: {d['tok_per_s']:.1f} tok/s median of [{runs}]{idle}")
     mine = results["this tree"]
-    if "sim" in mine and "real" in mine:
+    if "sim" in mine and "real" in mine and any(r.get("host_ms") for k, r in mine["real"].items() if k != "samples"):
         top = str(max(int(k) for k in mine["real"] if k != "samples"))
         sim_top = mine["sim"].get(top) or mine["sim"][str(max(int(k) for k in mine["sim"]))]
         host, device = mine["real"][top]["host_ms"], sim_top["device_ms"]

@@ -194,7 +194,10 @@ def run_real(
             executor = getattr(engine, "executor", None)
             device = getattr(executor, "device", None)
             idle: list[tuple[int, float]] = []  # per counted step: (idle dispatches, idle seconds) it added
-            while _live(core) or getattr(core, "has_pending_step", lambda: False)():
+            pending = getattr(core, "has_pending_step", lambda: False)
+            first = True
+            while first or _live(core) or pending():  # the first step admits what the inbox holds
+                first = False
                 totals: dict[str, float] = defaultdict(float)
                 waits[0] = 0.0
                 before = (device.idle_dispatches, device.idle_s) if device is not None else None
