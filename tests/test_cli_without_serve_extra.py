@@ -1,4 +1,5 @@
-"""The engine's commands work on a base install (no `serve` extra); `serve` then says what to install."""
+"""The engine's commands work on a base install (no `serve` extra); a command whose extra is
+missing (`serve`, `gguf`, `sim`) says which to install, in one line."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ SCRIPT = """
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('uvicorn', 'fastapi', 'grpc', 'grpc_health', 'grpc_reflection', 'prometheus_client'):
+        if name.split('.')[0] in ('uvicorn', 'fastapi', 'grpc', 'grpc_health', 'grpc_reflection', 'prometheus_client', 'gguf', 'matplotlib'):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 sys.meta_path.insert(0, Block())
@@ -36,3 +37,16 @@ def test_generate_works_and_serve_explains_the_missing_extra():
         lines = serve.stderr.strip().splitlines()
         assert len(lines) == 1 and "pip install 'strata-jax[serve]'" in lines[0], (argv, serve.stderr)
         assert "unrecognized arguments" not in serve.stderr
+
+
+def test_gguf_and_sim_commands_name_their_extras(tmp_path):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))  # the file exists; reading it needs the gguf package
+    gen = _run("generate", "--model", str(model), "--prompt-ids", "1,2", "--max-tokens", "1")
+    lines = gen.stderr.strip().splitlines()
+    assert gen.returncode == 2 and len(lines) == 1 and "strata-jax[gguf]" in lines[0], gen.stderr
+    sim = _run("simulate", "--workload", "sharegpt", "--systems", "strata", "--rates", "1", "--num-requests", "3",
+               "--no-progress", "--plot", str(tmp_path / "x.png"))  # fmt: skip
+    lines = sim.stderr.strip().splitlines()
+    assert sim.returncode != 0 and len(lines) == 1 and "strata-jax[sim]" in lines[0], sim.stderr
+    assert "sharegpt on" not in sim.stdout  # refused before simulating

@@ -107,6 +107,11 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.num_requests < 1:
         raise SystemExit("--num-requests must be >= 1")
+    if args.plot:  # say so before simulating, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("strata-jax simulate: --plot needs the sim extra (matplotlib): pip install 'strata-jax[sim]'") from None
     systems = [get_system(s.strip()) for s in args.systems.split(",") if s.strip()]
     rates = _parse_rates(args.rates)
     setup = SimSetup(
