@@ -41,7 +41,7 @@ from strata_jax.engine.executor import Executor, ExtendWork
 from strata_jax.engine.output import Event, FailEvent, InlineOutput, StopRules, TokenEvent
 from strata_jax.engine.requests import RequestPages, TrackedRequest
 from strata_jax.scheduler.plan import PrefillItem, StepPlan
-from strata_jax.scheduler.request import RequestStatus, ScheduledRequest
+from strata_jax.scheduler.request import RequestStatus
 from strata_jax.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("strata_jax.engine")
