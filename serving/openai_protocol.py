@@ -8,6 +8,10 @@ otherwise, so nothing is silently ignored.  Implemented sampling fields: ``n``,
 ``best_of`` (completions), ``logprobs``/``top_logprobs``, ``echo`` (completions),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``, and
 ``stream_options`` (``include_usage``, ``continuous_usage_stats``).
+Structured outputs (both endpoints): OpenAI's ``response_format`` (``json_object``,
+``json_schema``), vLLM's ``structured_outputs`` (exactly one of ``json``, ``json_object``,
+``regex``, ``choice``, ``grammar``) and its older ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar``; one constraint per request.
 Extensions: ``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``cache_salt``,
 ``stop_token_ids``, ``request_id``; for chat also vLLM's ``chat_template`` (the name of one
 of the model's templates), ``chat_template_kwargs``, ``add_generation_prompt``,
@@ -64,6 +68,13 @@ class _CommonRequest(_Strict):
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
     request_id: str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_unsupported(self) -> None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
@@ -93,7 +104,28 @@ class _CommonRequest(_Strict):
         if self.stop_token_ids:
             kwargs["stop_token_ids"] = tuple(self.stop_token_ids)
         kwargs["ignore_eos"] = bool(self.ignore_eos)
+        kwargs["structured"] = self.structured_output()
         return SamplingParams(**kwargs)
+
+    def structured_output(self) -> Any:
+        """The request's output constraint (a ``StructuredOutput``), or None; at most one may be sent."""
+        found = []
+        rf = self.response_format
+        if rf is not None:
+            if not isinstance(rf.get("type"), str):
+                raise InvalidRequestError("response_format.type must be a string")
+            if rf["type"] != "text":
+                found.append(_from_response_format(rf))
+        if self.structured_outputs:
+            found.append(_from_structured_outputs(self.structured_outputs))
+        legacy = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+        for name, kind in legacy.items():
+            value = getattr(self, name)
+            if value is not None:
+                found.append(_constraint(kind, value, name))
+        if len(found) > 1:
+            raise InvalidRequestError("send one output constraint: response_format, structured_outputs or one guided_* field")
+        return found[0] if found else None
 
     @property
     def include_usage(self) -> bool:
@@ -185,7 +217,6 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's chat extensions
     add_generation_prompt: bool | None = None  # default: true, unless continue_final_message
     continue_final_message: bool | None = False
@@ -204,8 +235,6 @@ class ChatCompletionRequest(_CommonRequest):
                 raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         if self.tools:
             raise InvalidRequestError("tools are not supported")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise InvalidRequestError("only response_format type 'text' is supported")
         if self.add_generation_prompt and self.continue_final_message:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         if self.max_output_tokens() == 0:  # the two spellings must agree
@@ -239,6 +268,52 @@ class AdminFlushRequest(_Strict):
 
 class AdminProfileRequest(_Strict):
     log_dir: str | None = None
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _constraint(kind: str, value: Any, field: str) -> Any:
+    from strata_jax.structured import StructuredOutput
+
+    if kind == "json":
+        return StructuredOutput.json_schema(value, field)
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidRequestError(f"{field} must be true")
+        return StructuredOutput("json_object", "", field)
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise InvalidRequestError(f"{field} must be a list of strings")
+        return StructuredOutput("choice", tuple(value), field)
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{field} must be a string")
+    return StructuredOutput(kind, value, field)
+
+
+def _from_response_format(rf: dict[str, Any]) -> Any:
+    kind = rf["type"]
+    if kind == "json_object":
+        return _constraint("json_object", True, "response_format")
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidRequestError("response_format.json_schema must be an object with a schema")
+        if "schema" not in spec:
+            raise InvalidRequestError("response_format.json_schema.schema is missing")
+        return _constraint("json", spec["schema"], "response_format.json_schema.schema")
+    raise InvalidRequestError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _from_structured_outputs(so: dict[str, Any]) -> Any:
+    named = [k for k in STRUCTURED_KINDS if so.get(k) not in (None, False)]
+    unknown = sorted(set(so) - set(STRUCTURED_KINDS) - {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"})
+    if unknown:
+        raise InvalidRequestError(f"structured_outputs: unknown field(s) {', '.join(unknown)}; use one of {', '.join(STRUCTURED_KINDS)}")
+    if len(named) != 1:
+        raise InvalidRequestError(f"structured_outputs must name exactly one of {', '.join(STRUCTURED_KINDS)}")
+    kind = named[0]
+    return _constraint(kind, so[kind], f"structured_outputs.{kind}")
 
 
 def describe_validation_error(err: ValidationError) -> str:

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class StrataError(Exception):
@@ -62,6 +63,11 @@ class SamplingParams:
     logit divided by it, a negative one multiplied; 1 is off); ``frequency_penalty`` and
     ``presence_penalty`` in [-2, 2] (OpenAI's: logit - count * frequency -
     (count > 0) * presence, over generated tokens).
+
+    ``structured`` (a ``strata_jax.structured.StructuredOutput``): the output must match a
+    JSON schema, any JSON object, a regex, one of several strings or a grammar; tokens
+    that cannot continue a match are masked on the device, and the grammar's end ends
+    the request (finish reason ``stop``).
     """
 
     max_tokens: int = 16
@@ -79,6 +85,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    structured: Any = None  # strata_jax.structured.StructuredOutput (not imported here: no llguidance needed)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +99,8 @@ class SamplingParams:
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_int("min_tokens", self.min_tokens, 0, MAX_TOKENS_LIMIT)
+        if self.structured is not None and not callable(getattr(self.structured, "grammar", None)):
+            raise InvalidRequestError("structured must be a strata_jax.structured.StructuredOutput")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         self._check_logit_bias()

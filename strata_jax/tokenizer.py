@@ -69,6 +69,10 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def byte_tokens(self) -> list[bytes]:
+        """The bytes of every id (BOS and EOS as their names), for a grammar engine."""
+        return [bytes([i]) for i in range(256)] + [b"<s>", b"</s>"]
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -140,6 +144,11 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    @property
+    def raw_tokenizer(self):  # noqa: ANN201 - a ``tokenizers.Tokenizer``
+        """The ``tokenizers`` library's tokenizer (a grammar engine reads its vocabulary)."""
+        return self._tok
 
     def apply_chat_template(
         self,

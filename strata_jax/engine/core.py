@@ -332,6 +332,8 @@ class EngineCore:
                 with self.executor.span("backup"):
                     self.pages.publish_prefix(t, item.request.prefill_tokens, self._view.hint(item.request_id))
                 self._admit_followers(t)
+                if t.grammar is not None:  # its next mask needs this token: no decode before it is read
+                    self.scheduler.hold(t.request_id, True)
                 if t.params.max_tokens == 0 or self.rules.by_length(t.params, len(t.prompt_ids), t.generated):
                     self._last_token_dispatched(t)
         self.counters["prefill_steps"] += 1
@@ -350,6 +352,8 @@ class EngineCore:
                 t.generated += 1
                 context += t.computed
                 on_done(t.request_id)
+                if t.grammar is not None:
+                    self.scheduler.hold(t.request_id, True)
                 if by_length(t.params, len(t.prompt_ids), t.generated):
                     self._last_token_dispatched(t)
             step.decode_context = context
@@ -423,10 +427,14 @@ class EngineCore:
         t.output_ids.append(token)
         if self.rules.by_token(p, token, len(t.output_ids)):
             finish = "stop"
+        elif t.grammar is not None and t.grammar.advance(token):
+            finish = "stop"  # the grammar is complete: nothing else may follow
         elif t.finishing and len(t.output_ids) == t.generated:
             finish = "length"
         else:
             finish = None
+            if t.grammar is not None:
+                self.scheduler.hold(t.request_id, False)  # its mask for the next token is ready
         events.append(TokenEvent(t.stream, token, logprob, finish, now))
         if finish is not None:
             self._finish(t)

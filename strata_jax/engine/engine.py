@@ -145,6 +145,8 @@ class Engine:
         self._inbox_size = 0
         self._wake = threading.Event()
         self._ids = itertools.count()
+        self._grammar_lock = threading.Lock()
+        self._grammar_tokenizer = None  # built on the first structured request
         self._stopping = False
         self.compiles_at_warmup = 0
         self.executables_reused = 0  # step programs read back whole from the executable cache
@@ -294,6 +296,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if not isinstance(rid, str) or not rid or len(rid) > 256:
             raise InvalidRequestError("request_id must be a non-empty string of at most 256 characters")
+        grammar = self._grammar_state(params.structured) if params.structured is not None else None
         tracked = TrackedRequest(
             request_id=rid,
             prompt_ids=prompt_ids,
@@ -303,9 +306,22 @@ class Engine:
             detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
             submitted_at=self.executor.now(),
             follows=follows,
+            grammar=grammar,
         )
         self._post(lambda: self.core.admit(tracked))
         return rid
+
+    def _grammar_state(self, spec: Any) -> Any:
+        """A structured output's matcher, built here in the caller's thread (a large schema's
+        grammar takes milliseconds; the engine loop never waits for it)."""
+        from strata_jax.structured.matcher import GrammarState, GrammarTokenizer
+
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer; this model has none")
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return GrammarState(spec, self._grammar_tokenizer)
 
     def abort(self, request_id: str) -> Future:
         """Abort a request at any point; its pages are freed and its nodes unlocked.

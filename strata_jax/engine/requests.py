@@ -27,6 +27,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from strata_jax.api import SamplingParams, TokenLogprob, empty_tier_counts
 from strata_jax.cache.controller import CacheController
@@ -86,6 +87,7 @@ class TrackedRequest:
     follows: str | None = None
     followers: list[TrackedRequest] = field(default_factory=list)
     prefix_published: bool = False
+    grammar: Any = None  # strata_jax.structured.matcher.GrammarState: a structured output's matcher
     stream: OutputStream = field(init=False)
 
     def __post_init__(self) -> None:

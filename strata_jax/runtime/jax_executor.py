@@ -122,6 +122,7 @@ class JaxExecutor:
             frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
             sampling_slot=self._slots.get(row.request_id), min_tokens=p.min_tokens,
             want_logprobs=p.logprobs is not None, rng_base=rng_base_for(p.seed, row.request_id),
+            constrained=getattr(row, "grammar", None) is not None,
         )  # fmt: skip
 
     def _sync_rows(self, rows: Sequence[SeqRow], capacity: int) -> np.ndarray | None:
@@ -149,6 +150,9 @@ class JaxExecutor:
             for row, _ in rewrite:
                 row.row_dirty = False
                 row.pt_synced = len(row.page_table)
+        constrained = [row for row in rows if getattr(row, "grammar", None) is not None]
+        if constrained:  # each one's mask for the token this step samples (computed when its last token was read)
+            self.runner.seqs.write_masks([row.slot for row in constrained], [row.grammar.mask for row in constrained])
         return np.asarray(updates, np.int32) if updates else None
 
     # ---- steps --------------------------------------------------------------------

@@ -236,7 +236,7 @@ class ModelRunner:
         self.sampling = SamplingState(config.sampling_slots or config.max_batch_size, model.config.vocab_size, sharding=rep)
         self.seqs = SeqSlots(
             config.running_slots, config.max_pages_per_seq, no_sampling_slot=self.sampling.no_slot,
-            max_rows=config.max_batch_size, sharding=rep,
+            max_rows=config.max_batch_size, mask_words=-(-model.config.vocab_size // 32), sharding=rep,
         )  # fmt: skip
         shardings = {}
         if self.mesh is not None:  # explicit: params by the rules, pool by heads, the rest replicated
@@ -538,7 +538,7 @@ def _forward_step(
         hidden, kv_pool = model(input_ids, positions, kv_pool, meta, scan_layers=scan_layers)
     last_logits = model.logits(hidden[sampling["last_index"]])
     next_tokens, sample_lp, prompt_lp, flags_table = sampling_step.sample_with_extras(
-        last_logits, hidden, model.logits, sampling, flags_table, bias_table
+        last_logits, hidden, model.logits, sampling, flags_table, bias_table, tables.token_mask
     )
     tables = after_step(tables, inputs["slots"], sampling["kept"], next_tokens, new_lens)
     logits = model.logits(hidden) if all_logits else None

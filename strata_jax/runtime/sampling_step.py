@@ -42,8 +42,14 @@ def sample_with_extras(
     inputs: dict,
     flags_table: jax.Array,
     bias_table: jax.Array,
+    token_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, TokenLogprobs, TokenLogprobs, jax.Array]:
-    """Next tokens [B], their logprobs [B], prompt logprobs [T], the updated flags table."""
+    """Next tokens [B], their logprobs [B], prompt logprobs [T], the updated flags table.
+
+    ``token_mask`` ([S, ceil(V / 32)] int32, one bit per token id): rows with
+    ``inputs["constrained"]`` sample only ids whose bit is set in row
+    ``inputs["mask_slot"]`` (structured outputs), after the processors.
+    """
     slot, bits, pen = inputs["slot"], inputs["row_bits"], inputs["penalties"]
     held = slot < flags_table.shape[0]
 
@@ -53,12 +59,25 @@ def sample_with_extras(
         return process_logits(last_logits, flags, bias, pen[:, 0], pen[:, 1], pen[:, 2], (bits & MIN_TOKENS_ACTIVE) != 0)
 
     logits = jax.lax.cond(jnp.any(held), processed, lambda: last_logits)
+    if token_mask is not None:
+        constrained = inputs["constrained"]
+        logits = jax.lax.cond(
+            jnp.any(constrained), lambda x: apply_token_mask(x, token_mask[inputs["mask_slot"]], constrained), lambda x: x, logits
+        )
     next_tokens = sample_tokens(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["rng_keys"])
     sampled_lp = token_logprobs_if((bits & WANT_LOGPROBS) != 0, last_logits, next_tokens, MAX_TOP_LOGPROBS)
     targets = inputs["targets"]
     prompt_lp = hidden_logprobs_if(targets >= 0, hidden, head, jnp.maximum(targets, 0), MAX_TOP_LOGPROBS)
     flags_table = record_sampled(flags_table, slot, next_tokens, held & ((bits & COUNT_SAMPLE) != 0))
     return next_tokens, sampled_lp, prompt_lp, flags_table
+
+
+def apply_token_mask(logits: jax.Array, words: jax.Array, rows: jax.Array) -> jax.Array:
+    """``logits[B, V]`` with ids whose bit is clear in ``words[B, ceil(V/32)]`` set to -inf, in
+    the rows where ``rows[B]`` is True (bit ``i % 32`` of word ``i // 32`` allows id ``i``)."""
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    allowed = (jnp.right_shift(words[:, ids // 32], ids % 32) & 1) != 0
+    return jnp.where(allowed | ~rows[:, None], logits, -jnp.inf)
 
 
 def fetch_logprobs(

@@ -13,6 +13,9 @@ program for up to ``K`` rows) and after that only by the jitted step itself:
     min_tokens    [S]    int32   EOS and stop ids are masked while ``sampled < min_tokens``
     want_logprobs [S]    int32   1: return the sampled token's logprob and top alternatives
     rng_base      [S, 2] uint32  the sequence's PRNG key; step ``k`` draws with ``fold_in(key, k)``
+    constrained   [S]    int32   1: a grammar constrains the output (structured outputs)
+    token_mask    [S, W] int32   its allowed next tokens, one bit per id (``W = ceil(V / 32)``);
+                                 written before every step that samples for it (``write_masks``)
 
 So a step ships only ``[B]`` slot ids, the new tokens of extends, a few page-table
 entries that changed (``[U, 3]`` triples: slot, index, page) and per-row bits: a decode
@@ -54,9 +57,11 @@ class SeqTables:
     min_tokens: jax.Array
     want_logprobs: jax.Array
     rng_base: jax.Array
+    constrained: jax.Array
+    token_mask: jax.Array
 
     @staticmethod
-    def zeros(num_slots: int, width: int, no_sampling_slot: int) -> SeqTables:
+    def zeros(num_slots: int, width: int, no_sampling_slot: int, mask_words: int = 1) -> SeqTables:
         s = num_slots
         return SeqTables(
             page_table=jnp.zeros((s, width), jnp.int32),
@@ -71,7 +76,15 @@ class SeqTables:
             min_tokens=jnp.zeros(s, jnp.int32),
             want_logprobs=jnp.zeros(s, jnp.int32),
             rng_base=jnp.zeros((s, 2), jnp.uint32),
+            constrained=jnp.zeros(s, jnp.int32),
+            token_mask=jnp.full((s, mask_words), -1, jnp.int32),
         )
+
+
+ROW_FIELDS = (
+    "page_table", "seq_lens", "last_token", "sampled", "temperature", "top_k", "top_p", "penalties",
+    "sampling_slot", "min_tokens", "want_logprobs", "rng_base", "constrained",
+)  # fmt: skip  # what ``write_rows`` writes (the token mask has ``write_masks``)
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,7 @@ class RowParams:
     min_tokens: int = 0
     want_logprobs: bool = False
     rng_base: tuple[int, int] = (0, 0)
+    constrained: bool = False
 
 
 def rng_base_for(seed: int | None, request_id: str) -> tuple[int, int]:
@@ -112,6 +126,7 @@ def _row_arrays(k: int, width: int, no_sampling_slot: int) -> dict[str, np.ndarr
         "min_tokens": np.zeros(k, np.int32),
         "want_logprobs": np.zeros(k, np.int32),
         "rng_base": np.zeros((k, 2), np.uint32),
+        "constrained": np.zeros(k, np.int32),
     }
 
 
@@ -120,14 +135,18 @@ def _write_rows(tables: SeqTables, rows: dict) -> SeqTables:
     current = jnp.minimum(slot, tables.seq_lens.shape[0] - 1)
     whole = rows["whole"] != 0
     updates = {}
-    for f in fields(SeqTables):
-        table = getattr(tables, f.name)
-        new = rows[f.name]
-        if f.name != "page_table":  # a page-table-only rewrite keeps what the steps wrote (last token, ...)
+    for name in ROW_FIELDS:
+        table = getattr(tables, name)
+        new = rows[name]
+        if name != "page_table":  # a page-table-only rewrite keeps what the steps wrote (last token, ...)
             keep = whole.reshape((-1,) + (1,) * (new.ndim - 1))
             new = jnp.where(keep, new, table[current])
-        updates[f.name] = table.at[slot].set(new, mode="drop")
-    return SeqTables(**updates)
+        updates[name] = table.at[slot].set(new, mode="drop")
+    return _replace(tables, **updates)
+
+
+def _write_masks(tables: SeqTables, slots: jax.Array, masks: jax.Array) -> SeqTables:
+    return _replace(tables, token_mask=tables.token_mask.at[slots].set(masks, mode="drop"))
 
 
 class SeqSlots:
@@ -138,19 +157,22 @@ class SeqSlots:
     """
 
     def __init__(
-        self, num_slots: int, width: int, *, no_sampling_slot: int, max_rows: int, sharding: jax.sharding.Sharding | None = None
-    ) -> None:
+        self, num_slots: int, width: int, *, no_sampling_slot: int, max_rows: int, mask_words: int = 1,
+        sharding: jax.sharding.Sharding | None = None,
+    ) -> None:  # fmt: skip
         if num_slots <= 0 or width <= 0:
             raise ValueError(f"sequence state needs slots and pages, got {num_slots} x {width}")
         self.num_slots = num_slots
         self.width = width
         self.no_sampling_slot = no_sampling_slot
-        tables = SeqTables.zeros(num_slots, width, no_sampling_slot)
+        self.mask_words = mask_words
+        tables = SeqTables.zeros(num_slots, width, no_sampling_slot, mask_words)
         self.tables = jax.device_put(tables, sharding) if sharding is not None else tables
         self._free = list(range(num_slots - 1, -1, -1))
         self.row_buckets = power_of_two_buckets(1, max(1, max_rows))
         jit_kwargs = {"out_shardings": sharding} if sharding is not None else {}
         self._write = jax.jit(_write_rows, donate_argnums=(0,), **jit_kwargs)
+        self._write_masks = jax.jit(_write_masks, donate_argnums=(0,), **jit_kwargs)
 
     # -- slots --------------------------------------------------------------
     @property
@@ -204,18 +226,33 @@ class SeqSlots:
                 x["min_tokens"][i] = p.min_tokens
                 x["want_logprobs"][i] = int(p.want_logprobs)
                 x["rng_base"][i] = p.rng_base
+                x["constrained"][i] = int(p.constrained)
             self.tables = self._write(self.tables, x)
 
+    def write_masks(self, slots: list[int], masks: list[np.ndarray]) -> None:
+        """Write the next-token masks of constrained rows (before the step that samples for them)."""
+        largest = self.row_buckets[-1]
+        for start in range(0, len(slots), largest):
+            part = slots[start : start + largest]
+            k = next(b for b in self.row_buckets if b >= len(part))
+            ids = np.full(k, self.padding_slot, np.int32)
+            ids[: len(part)] = part
+            rows = np.full((k, self.mask_words), -1, np.int32)
+            rows[: len(part)] = masks[start : start + largest]
+            self.tables = self._write_masks(self.tables, ids, rows)
+
     def warmup(self) -> int:
-        """Compile ``write_rows`` for every row bucket (the rows written are padding: no change)."""
+        """Compile ``write_rows`` and ``write_masks`` for every row bucket (padding rows: no change)."""
         for k in self.row_buckets:
             x = _row_arrays(k, self.width, self.no_sampling_slot)
             x["slot"][:] = self.padding_slot
             self.tables = self._write(self.tables, x)
-        return len(self.row_buckets)
+            ids = np.full(k, self.padding_slot, np.int32)
+            self.tables = self._write_masks(self.tables, ids, np.full((k, self.mask_words), -1, np.int32))
+        return 2 * len(self.row_buckets)
 
     def compile_count(self) -> int:
-        return self._write._cache_size()  # noqa: SLF001
+        return self._write._cache_size() + self._write_masks._cache_size()  # noqa: SLF001
 
 
 # ---------------------------------------------------------------------------- inside the step
@@ -236,6 +273,8 @@ def step_rows(tables: SeqTables, slots: jax.Array, no_sampling_slot: int) -> dic
         "min_tokens": jnp.where(valid, tables.min_tokens[idx], 0),
         "want_logprobs": jnp.where(valid, tables.want_logprobs[idx], 0),
         "rng_base": tables.rng_base[idx],
+        "constrained": valid & (tables.constrained[idx] != 0),
+        "mask_slot": idx,
         "valid": valid,
     }
     return rows

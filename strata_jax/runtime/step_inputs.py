@@ -150,5 +150,7 @@ def model_inputs(
         "row_bits": row_bits,
         "targets": targets,
         "kept": kept,
+        "constrained": rows["constrained"],
+        "mask_slot": rows["mask_slot"],
     }
     return input_ids, positions, meta, sampling, new_lens, tables

@@ -55,6 +55,7 @@ class ScheduledRequest:
     prefill_done: int = 0
     inflight_end: int | None = None
     decode_inflight: bool = False
+    held: bool = False  # its next step needs host work on its last token first (a grammar's mask)
     cached_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     deferrals: int = 0
     retractions: int = 0

@@ -105,7 +105,7 @@ class Scheduler:
         capacity = free + cache.evictable_device_tokens()
 
         # 1. decode batch; retract the newest decodes if their next tokens cannot fit.
-        ready = [r for r in self._requests.values() if r.status is _S.DECODING and not r.decode_inflight]
+        ready = [r for r in self._requests.values() if r.status is _S.DECODING and not r.decode_inflight and not r.held]
         if len(ready) > cfg.max_decode_batch_size:  # take turns: the longest-waiting first (else all run, in arrival order)
             ready.sort(key=lambda r: (r.last_decode_round, r.arrival))
         decodes = ready[: cfg.max_decode_batch_size]
@@ -289,6 +289,14 @@ class Scheduler:
         if token_id is not None:
             req.output_token_ids.append(token_id)
         return req.status
+
+    def hold(self, request_id: str, held: bool) -> None:
+        """While held, a decoding request is not scheduled: the engine has host work to do
+        on its last token before its next step (a structured output's next-token mask).
+        Unknown ids (already finished or aborted) are ignored."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            req.held = held
 
     def finish(self, request_id: str) -> ScheduledRequest:
         """The engine's stop rules ended ``request_id``; forget it (its KV goes to the tree)."""
