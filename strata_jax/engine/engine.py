@@ -296,7 +296,10 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if not isinstance(rid, str) or not rid or len(rid) > 256:
             raise InvalidRequestError("request_id must be a non-empty string of at most 256 characters")
-        grammar = self._grammar_state(params.structured) if params.structured is not None else None
+        grammar = None
+        if params.structured is not None:
+            budget = min(params.max_tokens, self.max_context_tokens - len(prompt_ids))
+            grammar = self._grammar_state(params.structured, budget)
         tracked = TrackedRequest(
             request_id=rid,
             prompt_ids=prompt_ids,
@@ -311,7 +314,7 @@ class Engine:
         self._post(lambda: self.core.admit(tracked))
         return rid
 
-    def _grammar_state(self, spec: Any) -> Any:
+    def _grammar_state(self, spec: Any, budget: int) -> Any:
         """A structured output's matcher, built here in the caller's thread (a large schema's
         grammar takes milliseconds; the engine loop never waits for it)."""
         from strata_jax.structured.matcher import GrammarState, GrammarTokenizer
@@ -321,7 +324,7 @@ class Engine:
         with self._grammar_lock:
             if self._grammar_tokenizer is None:
                 self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return GrammarState(spec, self._grammar_tokenizer)
+        return GrammarState(spec, self._grammar_tokenizer, budget)
 
     def abort(self, request_id: str) -> Future:
         """Abort a request at any point; its pages are freed and its nodes unlocked.
