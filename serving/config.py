@@ -37,6 +37,7 @@ class ServerConfig:
     max_batch_prompts: int = 64  # prompts in one /v1/completions request
     default_chat_max_tokens: int = 256  # chat requests without max_tokens
     generation_config: str = "auto"  # "auto": the model's generation_config.json sampling defaults; "none": ignore them
+    tool_call_parser: str = "auto"  # serving/tool_calls.py: auto | hermes | llama3_json
     grace_s: float = 10.0  # SIGTERM: time to finish in-flight work
     profile_dir: str | None = None  # default dir for StartProfile / admin route
     profile_on_start: bool = False  # trace from warm-up to shutdown into profile_dir

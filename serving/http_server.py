@@ -40,6 +40,7 @@ from strata_jax.api import (
 )
 
 from serving import openai_logprobs as olp
+from serving import tool_calls
 from serving import openai_protocol as oai
 from serving.config import ServerConfig
 from serving.frontend import TIERS, Frontend, PromptTooLongError, check_prompt
@@ -486,12 +487,14 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             tokenizer = getattr(engine, "tokenizer", None)
             if tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer; use /v1/completions with token ids")
+            tools = tool_calls.plan(req, tokenizer, config.tool_call_parser)
             prompt = tokenizer.apply_chat_template(
-                req.template_messages(),
+                tools.messages,
                 req.wants_generation_prompt,
                 continue_final_message=bool(req.continue_final_message),
                 chat_template=req.chat_template,
                 chat_template_kwargs=req.chat_template_kwargs,
+                **({"tools": tools.template_tools} if tools.template_tools else {}),
             )
             prompt_ids = tokenizer.encode(prompt, add_special_tokens=bool(req.add_special_tokens))
             defaults = model_defaults(engine)
@@ -501,6 +504,10 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
                 default = getattr(defaults, "max_new_tokens", None) or config.default_chat_max_tokens
                 max_tokens = max(1, min(default, room))
             params = req.sampling_params(max_tokens, _sampling_defaults(defaults))
+            if tools.constraint is not None:
+                if params.structured is not None:
+                    raise InvalidRequestError("tool_choice required or a named function cannot be combined with an output constraint")
+                params = dataclasses.replace(params, structured=tools.constraint)
             params.check_vocab(engine.vocab_size)
             frontend.check_fits(len(prompt_ids), max_tokens)
         except Exception as exc:  # noqa: BLE001
@@ -512,7 +519,7 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
                 frontend, prompt_ids, params, req.num_choices, cache_salt=req.cache_salt, request_id=req.request_id
             )
             if req.stream:
-                return await _stream_chat(request, req, engine, streams, rid)
+                return await _stream_chat(request, req, engine, streams, rid, tools.fmt)
             results = await until_disconnect(request, _collect_all(streams))
         except Exception as exc:  # noqa: BLE001
             return map_error(exc).response()
@@ -520,10 +527,17 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         body = oai.chat_response(rid, frontend.model_name, "".join(results[0].text), results[0].finish_reason, results[0].usage())
         choices = []
         for i, r in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(r.text)}
+            finish = r.finish_reason
+            if tools.fmt is not None:
+                content, calls = tools.fmt.parse(message["content"])
+                if calls:
+                    message = {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}
+                    finish = "tool_calls" if finish == "stop" else finish
             choice = {
                 "index": i,
-                "message": {"role": "assistant", "content": "".join(r.text)},
-                "finish_reason": r.finish_reason,
+                "message": message,
+                "finish_reason": finish,
                 "logprobs": olp.chat_logprobs(r.logprobs, decode, req.top_logprobs or 0) if req.logprobs else None,
             }
             choices.append(choice)
@@ -534,22 +548,34 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         return JSONResponse(body)
 
     async def _stream_chat(
-        request: Request, req: oai.ChatCompletionRequest, engine: Any, streams: list[AsyncIterator[StreamChunk]], rid: str
-    ) -> Response:
+        request: Request, req: oai.ChatCompletionRequest, engine: Any, streams: list[AsyncIterator[StreamChunk]], rid: str,
+        fmt: Any = None,
+    ) -> Response:  # fmt: skip
         merged = _merged(streams)
         first = await until_disconnect(request, _first(merged))
         model, created = frontend.model_name, int(time.time())
         decode = _decoder(engine)
+        calls = [tool_calls.CallStream(fmt) for _ in streams] if fmt is not None else None
 
         def on_chunk(index: int, chunk: StreamChunk) -> list[dict]:
             out = []
-            if chunk.text or chunk.logprobs:
-                event = oai.chat_chunk(rid, model, {"content": chunk.text}, None, created)
+            text, deltas = chunk.text, []
+            if calls is not None:  # content outside tool calls streams; each call goes out once complete
+                text, deltas = calls[index].push(chunk.text, final=chunk.finished)
+            if text or chunk.logprobs:
+                event = oai.chat_chunk(rid, model, {"content": text}, None, created)
                 logprobs = olp.chat_logprobs(chunk.logprobs or [], decode, req.top_logprobs or 0) if req.logprobs else None
                 event["choices"][0].update(index=index, logprobs=logprobs)
                 out.append(event)
+            if deltas:
+                event = oai.chat_chunk(rid, model, {"tool_calls": deltas}, None, created)
+                event["choices"][0]["index"] = index
+                out.append(event)
             if chunk.finished:
-                event = oai.chat_chunk(rid, model, {}, chunk.finish_reason or "stop", created)
+                finish = chunk.finish_reason or "stop"
+                if calls is not None and calls[index].calls and finish == "stop":
+                    finish = "tool_calls"
+                event = oai.chat_chunk(rid, model, {}, finish, created)
                 event["choices"][0]["index"] = index
                 out.append(event)
             return out

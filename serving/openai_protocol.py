@@ -3,12 +3,13 @@
 Requests are parsed with pydantic in strict mode, so wrong JSON types (a string
 for ``max_tokens``, a number for ``prompt``) are rejected with a message naming
 the field.  Fields of the OpenAI API that this server does not implement are
-accepted only with their neutral value (e.g. ``suffix``, ``tools``) and rejected
+accepted only with their neutral value (e.g. ``suffix``) and rejected
 otherwise, so nothing is silently ignored.  Implemented sampling fields: ``n``,
 ``best_of`` (completions), ``logprobs``/``top_logprobs``, ``echo`` (completions),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``, and
 ``stream_options`` (``include_usage``, ``continuous_usage_stats``).
-Structured outputs (both endpoints): OpenAI's ``response_format`` (``json_object``,
+Tools (chat): ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls`` and
+``tool`` messages (``serving/tool_calls.py``).  Structured outputs (both endpoints): OpenAI's ``response_format`` (``json_object``,
 ``json_schema``), vLLM's ``structured_outputs`` (exactly one of ``json``, ``json_object``,
 ``regex``, ``choice``, ``grammar``) and its older ``guided_json``, ``guided_regex``,
 ``guided_choice``, ``guided_grammar``; one constraint per request.
@@ -188,16 +189,33 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallItem(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
-    def for_template(self) -> dict[str, str]:
+    def for_template(self) -> dict[str, Any]:
         """The message as chat templates see it (``developer`` is a ``system`` message to them)."""
-        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
     def text(self) -> str:
@@ -217,6 +235,8 @@ class ChatCompletionRequest(_CommonRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool | None = None
     # vLLM's chat extensions
     add_generation_prompt: bool | None = None  # default: true, unless continue_final_message
     continue_final_message: bool | None = False
@@ -233,8 +253,6 @@ class ChatCompletionRequest(_CommonRequest):
                 raise InvalidRequestError("top_logprobs requires logprobs: true")
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
-        if self.tools:
-            raise InvalidRequestError("tools are not supported")
         if self.add_generation_prompt and self.continue_final_message:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         if self.max_output_tokens() == 0:  # the two spellings must agree

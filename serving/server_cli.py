@@ -156,6 +156,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(temperature, top_p, top_k, repetition_penalty, max_new_tokens for chat); none: ignore them and use "
         "the server defaults (its EOS ids still stop generation)",
     )
+    srv.add_argument(
+        "--tool-call-parser", choices=("auto", "hermes", "llama3_json"), default=d.tool_call_parser,
+        help="how chat replies are parsed into tool calls (and tools described to a chat template that does not "
+        "render them): hermes, <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen, Hermes); llama3_json, "
+        "{\"name\": ..., \"parameters\": ...} (Llama 3); auto picks from the chat template (default)",
+    )  # fmt: skip
     srv.add_argument("--grace-s", type=float, default=d.grace_s, help="SIGTERM: seconds to finish in-flight work")
     srv.add_argument("--profile-dir", default=None, help="where jax.profiler traces go (StartProfile / admin route)")
     srv.add_argument(
@@ -212,6 +218,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         default_chat_max_tokens=args.default_chat_max_tokens,
         generation_config=args.generation_config,
+        tool_call_parser=args.tool_call_parser,
         grace_s=args.grace_s,
         profile_dir=args.profile_dir,
         profile_on_start=args.profile_on_start,

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import jinja2
+import jinja2.meta
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
@@ -144,6 +145,11 @@ class ChatTemplates:
             "choose one with the request field chat_template"
         )
 
+    def handles_tools(self, template_name: str | None = None) -> bool:
+        """Does the template render a ``tools`` list (and so, by convention, tool calls and results)?"""
+        template = self.select(template_name)
+        return "tools" in jinja2.meta.find_undeclared_variables(template.compiled.environment.parse(template.source))
+
     def render(
         self,
         messages: list[dict],
@@ -153,8 +159,12 @@ class ChatTemplates:
         continue_final_message: bool = False,
         template_name: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """The prompt text for ``messages`` (``InvalidRequestError`` on anything the caller got wrong)."""
+        """The prompt text for ``messages`` (``InvalidRequestError`` on anything the caller got wrong).
+
+        ``tools``: function definitions as HF templates take them (``{"type": "function",
+        "function": {...}}``), for templates that render tools (``handles_tools``)."""
         template = self.select(template_name)
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
@@ -172,7 +182,7 @@ class ChatTemplates:
         variables = {**special_tokens, **kwargs}  # kwargs may override a special token, as in transformers
         try:
             text = template.compiled.render(
-                **variables, messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt
+                **variables, messages=chat, tools=tools, documents=None, add_generation_prompt=add_generation_prompt
             )
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidRequestError(f"chat template {template.name!r} ({template.origin}): {exc}") from None

@@ -49,7 +49,10 @@ class Tokenizer(Protocol):
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> str: ...
+
+    def handles_tools(self, chat_template: str | None = None) -> bool: ...
 
 
 class ByteTokenizer:
@@ -69,6 +72,9 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
+    def handles_tools(self, chat_template: str | None = None) -> bool:
+        return False
+
     def byte_tokens(self) -> list[bytes]:
         """The bytes of every id (BOS and EOS as their names), for a grammar engine."""
         return [bytes([i]) for i in range(256)] + [b"<s>", b"</s>"]
@@ -81,14 +87,15 @@ class ByteTokenizer:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """A fixed ``<|role|>`` layout (the tiny model has no template files)."""
+        """A fixed ``<|role|>`` layout (the tiny model has no template files; it renders no tools)."""
         messages = _checked_messages(messages)
         if chat_template is not None:
             raise InvalidRequestError(f"chat_template {chat_template!r}: the tiny model has no named chat templates")
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)  # tools: rendered into messages by the caller
         if continue_final_message:
             return text[: -len("\n")]
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
@@ -158,6 +165,7 @@ class HFTokenizer:
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """The prompt text of ``messages`` rendered by the model's (default or named) chat template."""
         messages = _checked_messages(messages)
@@ -173,7 +181,12 @@ class HFTokenizer:
             continue_final_message=continue_final_message,
             template_name=chat_template,
             template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
+
+    def handles_tools(self, chat_template: str | None = None) -> bool:
+        """Does the model's chat template render ``tools`` itself?"""
+        return self.chat_templates is not None and self.chat_templates.handles_tools(chat_template)
 
     # ---- load-time checks ----------------------------------------------
     def _token_id(self, token: str | None, name: str, config_file: Path) -> int | None:

@@ -157,3 +157,59 @@ def test_bad_constraints_are_400s_naming_the_field(server, model):
     for extra, field in cases:
         r = httpx.post(f"{server}/v1/chat/completions", json={**base, **extra}, timeout=60)
         assert r.status_code == 400 and field in r.json()["error"]["message"], (extra, r.status_code, r.text)
+
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city now.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The local time in a timezone.",
+        "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"], "additionalProperties": False}}},
+]  # fmt: skip
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def _check_calls(calls) -> None:
+    assert calls, "no tool call"
+    for call in calls:
+        assert call.function.name in SCHEMAS, call
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_required_and_named_tool_calls_20_of_20(client, model, stream):
+    def ask(args):
+        i, choice = args
+        city = PEOPLE[i % len(PEOPLE)][2]
+        messages = [{"role": "user", "content": f"What is the weather in {city} right now, and what time is it there?"}]
+        kwargs = dict(model=model, messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=120, temperature=0.7, seed=i)
+        if not stream:
+            reply = client.chat.completions.create(**kwargs)
+            return reply.choices[0].finish_reason, reply.choices[0].message.tool_calls
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(stream=True, **kwargs):  # OpenAI's delta shape, reassembled
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            for d in delta.tool_calls or []:
+                c = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                c["name"] += d.function.name or ""
+                c["arguments"] += d.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        from types import SimpleNamespace
+
+        return finish, [SimpleNamespace(function=SimpleNamespace(**c)) for _, c in sorted(calls.items())]
+
+    named = {"type": "function", "function": {"name": "get_time"}}
+    results = _each(ask, [(i, "required") for i in range(N)] + [(i, named) for i in range(N)])
+    for finish, calls in results[:N]:
+        assert finish == "tool_calls"
+        _check_calls(calls)
+    for finish, calls in results[N:]:
+        assert finish == "tool_calls"
+        _check_calls(calls)
+        assert all(c.function.name == "get_time" for c in calls)

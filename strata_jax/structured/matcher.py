@@ -41,6 +41,7 @@ class GrammarTokenizer:
         import llguidance
 
         self.vocab_size = vocab_size
+        self.eos = [i for i in eos_token_ids if i < vocab_size]
         self.closers, self.closer_text = _closing_tokens(tokenizer, vocab_size)
         self._tokenizer = tokenizer
         raw = getattr(tokenizer, "raw_tokenizer", None)
@@ -124,7 +125,7 @@ class GrammarState:
         self.budget = budget
         self.consumed = 0
         self._tokenizer = tokenizer
-        self._closers = tokenizer.closers if spec.kind in ("json", "json_object") else None
+        self._closers = tokenizer.closers if spec.closes_json else None
         self._json = (False, False, 0)  # json_scan state of the output so far
         self.refresh()
 
@@ -137,7 +138,12 @@ class GrammarState:
             self._close()
 
     def _close(self) -> None:
-        """Near the end of the budget: only closing tokens, when the grammar allows any."""
+        """Near the end of the budget: stop if the grammar may; else only closing tokens, when it allows any."""
+        if self.matcher.is_accepting() and self._tokenizer.eos:
+            keep = np.asarray(self._tokenizer.eos, np.int64)
+            self.mask[:] = 0
+            np.bitwise_or.at(self.mask, keep // 32, (np.int64(1) << (keep % 32)).astype(np.uint32).view(np.int32))
+            return
         ids = self._closers
         if not len(ids):
             return

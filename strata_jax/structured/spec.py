@@ -41,6 +41,11 @@ class StructuredOutput:
     kind: str
     value: str | tuple[str, ...] = ""
     field: str = "structured_outputs"
+    json_like: bool | None = None  # its output is JSON (closed before max_tokens runs out); None: json kinds
+
+    @property
+    def closes_json(self) -> bool:
+        return self.json_like if self.json_like is not None else self.kind in ("json", "json_object")
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
