@@ -127,7 +127,8 @@ class HermesFormat:
         )
 
     def render_call(self, name: str, arguments: dict) -> str:
-        return f"{self.opener}\n{json.dumps({'name': name, 'arguments': arguments})}\n{self.closer}"
+        """A call as the grammar writes it (so a history re-renders what the model produced)."""
+        return f'{self.opener}\n{{"name": {json.dumps(name)}, "arguments": {_dense(arguments)}}}\n{self.closer}'
 
     def render_result(self, content: str) -> str:
         return f"<tool_response>\n{content}\n</tool_response>"
@@ -170,7 +171,7 @@ class Llama3JsonFormat:
         )
 
     def render_call(self, name: str, arguments: dict) -> str:
-        return json.dumps({"name": name, "parameters": arguments})
+        return f'{{"name": {json.dumps(name)}, "parameters": {_dense(arguments)}}}'
 
     def render_result(self, content: str) -> str:
         return content
@@ -204,6 +205,11 @@ def pick_format(name: str, template_source: str | None) -> Any:
     if template_source and ("<|python_tag|>" in template_source or "ipython" in template_source):
         return FORMATS["llama3_json"]
     return FORMATS["hermes"]
+
+
+def _dense(value: Any) -> str:
+    """JSON without padding whitespace, as the grammar's ``%json`` writes it."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _compact(schema: dict) -> str:
@@ -327,6 +333,7 @@ class CallStream:
         self.fmt = fmt
         self.buffer = ""
         self.calls = 0
+        self.held_space = ""  # whitespace after a call: the format's line break, unless text follows
 
     def push(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
         """(content to send now, tool-call deltas to send now)."""
@@ -338,27 +345,35 @@ class CallStream:
             self.buffer = ""
             return content, self._deltas(calls)
         content, deltas = "", []
-        opener, closer = self.fmt.opener, self.fmt.closer
+        opener = self.fmt.opener
+
+        def text(segment: str) -> None:
+            nonlocal content
+            if self.calls and not segment.strip():  # after a call: the format's line break, unless text follows
+                self.held_space += segment
+            elif segment:
+                content += self.held_space + segment
+                self.held_space = ""
+
         while True:
             start = self.buffer.find(opener)
             if start < 0:
                 keep = 0 if final else _prefix_overlap(self.buffer, opener)
-                content += self.buffer[: len(self.buffer) - keep]
+                text(self.buffer[: len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep :]
                 break
-            content += self.buffer[:start]
+            text(self.buffer[:start])
             self.buffer = self.buffer[start:]
             calls, used = self._first_call(self.buffer)
             if calls:  # the shortest block that parses (an argument may contain the closing tag)
                 deltas += self._deltas(calls)
+                self.held_space = ""
                 self.buffer = self.buffer[used:]
                 continue
             if final:  # an unfinished call: it is text after all
-                content += self.buffer
+                text(self.buffer)
                 self.buffer = ""
             break
-        if (deltas or self.calls) and not content.strip():
-            content = ""  # the line breaks between calls are the format's, not text
         return content, deltas
 
     def _first_call(self, text: str) -> tuple[list[ToolCall], int]:
