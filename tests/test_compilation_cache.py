@@ -48,7 +48,7 @@ def test_second_start_compiles_nothing_and_other_models_do_not_reuse(tmp_path, r
     compilation_cache.configure(str(tmp_path))
     probe = ModelRunner(random_model(CONFIG), RUNNER)
     steps = len(probe.program_shapes)
-    writers = 1 + len(probe.seqs.row_buckets)  # the sampling and sequence tables' row writers, compiled at warm-up too
+    writers = 1 + probe.seqs.warmup_programs  # the sampling table's and the sequence tables' row and mask writers, compiled at warm-up too
     programs = steps + writers
     cold = _warm(CONFIG)
     assert cold.requests == programs and cold.compiled == programs and cold.cache_hits == 0

@@ -97,7 +97,7 @@ def test_second_warmup_reads_every_program_back_and_computes_the_same(tmp_path, 
     cold_cache = ExecutableCache(tmp_path)
     cold_runner, cold = _warm(cold_cache)
     assert cold_cache.stored == steps and cold_cache.loaded == 0
-    writers = 1 + len(cold_runner.seqs.row_buckets)  # the sampling and sequence tables' row writers (plain jit)
+    writers = 1 + cold_runner.seqs.warmup_programs  # the sampling and sequence tables' row and mask writers (plain jit)
     assert cold.requests == steps + writers
     assert len(list(tmp_path.glob("*.exe"))) == steps
     expected = _steps(cold_runner)
@@ -129,7 +129,7 @@ def test_a_program_read_from_the_xla_cache_is_not_stored(tmp_path):
         assert second.stored == 0 and second.not_stored == len(xla_only.program_shapes)
         third = ExecutableCache(tmp_path / "executables")
         runner, counts = _warm(third)
-        assert third.loaded == 0 and counts.cache_hits == len(runner.program_shapes) + 1 + len(runner.seqs.row_buckets)
+        assert third.loaded == 0 and counts.cache_hits == len(runner.program_shapes) + 1 + runner.seqs.warmup_programs
         _assert_same(_steps(runner), expected)
     finally:
         compilation_cache.configure("none")

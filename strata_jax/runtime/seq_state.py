@@ -241,6 +241,11 @@ class SeqSlots:
             rows[: len(part)] = masks[start : start + largest]
             self.tables = self._write_masks(self.tables, ids, rows)
 
+    @property
+    def warmup_programs(self) -> int:
+        """How many programs ``warmup`` compiles: ``write_rows`` and ``write_masks`` per row bucket."""
+        return 2 * len(self.row_buckets)
+
     def warmup(self) -> int:
         """Compile ``write_rows`` and ``write_masks`` for every row bucket (padding rows: no change)."""
         for k in self.row_buckets:
@@ -249,7 +254,7 @@ class SeqSlots:
             self.tables = self._write(self.tables, x)
             ids = np.full(k, self.padding_slot, np.int32)
             self.tables = self._write_masks(self.tables, ids, np.full((k, self.mask_words), -1, np.int32))
-        return 2 * len(self.row_buckets)
+        return self.warmup_programs
 
     def compile_count(self) -> int:
         return self._write._cache_size() + self._write_masks._cache_size()  # noqa: SLF001
