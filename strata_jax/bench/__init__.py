@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "startup": "strata_jax.bench.startup",
     "tp": "strata_jax.bench.tp",
     "host": "strata_jax.bench.host",
+    "structured": "strata_jax.bench.structured",
 }
 
 
