@@ -136,3 +136,24 @@ def test_json_closes_within_its_budget(engines):
                 assert json_scan((False, False, 0), out.text) == (False, False, 0)
                 if spec.kind == "json":
                     jsonschema.validate(value, schema)
+
+
+def test_a_constrained_batch_decodes_together_in_the_pipeline(engines):
+    """Constrained rows whose prefills end in different steps must not fall into two
+    halves decoding in turn (each held row joining only the step after next): the step
+    holding a row's token is read before the next is planned, so every decode step
+    carries every running row."""
+    engine = engines[True]
+    spec = StructuredOutput("regex", "[a-z]{24}")
+    prompts = [f"{'long prompt ' * (1 + 6 * i)}: " for i in range(4)]  # prefills of different lengths
+    engine.core.plan_log = []
+    try:
+        outs = engine.generate(prompts, [SamplingParams(max_tokens=40, structured=spec) for _ in prompts])
+        plans = engine.core.plan_log
+    finally:
+        engine.core.plan_log = None
+    assert all(re.fullmatch("[a-z]{24}", o.text) for o in outs)
+    sizes = [len(p.decode) for p in plans]
+    first_full = sizes.index(len(prompts))
+    after = sizes[first_full:]  # from the first full step on, rows only leave (they finish)
+    assert after.count(len(prompts)) >= 20 and after == sorted(after, reverse=True), str(sizes)

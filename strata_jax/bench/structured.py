@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.model}, batch {args.batch}, {args.tokens} tokens per request, {args.repeats} alternations")
     for r in rows:
         print(f"  free {r['free_ms_per_token']:.2f} ms/token   constrained {r['constrained_ms_per_token']:.2f} ms/token "
-              f"({r['constrained_tokens']:.0f} tokens)")  # fmt: skip
+              f"({r['constrained_tokens']:.0f} tokens; wall {r['free_wall_s']:.2f} s / {r['constrained_wall_s']:.2f} s)")  # fmt: skip
     print(f"constrained / free: {held_ms / free_ms:.2f}x (medians {held_ms:.2f} / {free_ms:.2f} ms per token)")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "ratio": held_ms / free_ms}, indent=2) + "\n")

@@ -69,6 +69,7 @@ class InflightStep:
     decode: Any = None
     decode_rows: list[TrackedRequest] = field(default_factory=list)
     decode_context: int = 0
+    holds_rows: bool = False  # a row waits for its token here before its next step (a grammar's mask)
 
 
 class EngineCore:
@@ -107,7 +108,7 @@ class EngineCore:
         self._stopping = False
         self.counters = {
             "steps": 0, "prefill_steps": 0, "decode_steps": 0, "finished": 0, "aborted": 0, "failed": 0,
-            "pipeline_drains": 0, "overlapped_steps": 0,
+            "pipeline_drains": 0, "held_row_drains": 0, "overlapped_steps": 0,
         }  # fmt: skip
         self.plan_log: list[PlanRecord] | None = None  # set to [] to record every step's decisions
 
@@ -196,6 +197,12 @@ class EngineCore:
             self.stop_request(self._stops.pop(0))
         with span("poll"):
             self._poll()
+        if self._inflight is not None and self._inflight.holds_rows:
+            # A held row (a grammar's) could join only the step after next: its batch would
+            # split in two halves decoding in turn, each paying a full step.  Read it first.
+            with span("postprocess"):
+                self.counters["held_row_drains"] += 1
+                self._complete(self._take_inflight())
         if self._inflight is not None and self._may_retract():
             with span("postprocess"):  # retraction writes a request's tokens into the tree: read them first
                 self.counters["pipeline_drains"] += 1
@@ -334,6 +341,7 @@ class EngineCore:
                 self._admit_followers(t)
                 if t.grammar is not None:  # its next mask needs this token: no decode before it is read
                     self.scheduler.hold(t.request_id, True)
+                    step.holds_rows = True
                 if t.params.max_tokens == 0 or self.rules.by_length(t.params, len(t.prompt_ids), t.generated):
                     self._last_token_dispatched(t)
         self.counters["prefill_steps"] += 1
@@ -354,6 +362,7 @@ class EngineCore:
                 on_done(t.request_id)
                 if t.grammar is not None:
                     self.scheduler.hold(t.request_id, True)
+                    step.holds_rows = True
                 if by_length(t.params, len(t.prompt_ids), t.generated):
                     self._last_token_dispatched(t)
             step.decode_context = context
