@@ -53,7 +53,7 @@ from strata_jax.cache.tree_node import (
     TreeError,
     TreeNode,
 )
-from strata_jax.cache.tree_tiers import TierBookkeeping
+from strata_jax.cache.tree_tiers import TierBookkeeping, TierObserver
 
 __all__ = [
     "IN_FLIGHT", "IN_QUEUE", "READY", "TRANSIENT_STATES",
@@ -83,6 +83,7 @@ class HiRadixTree(TierBookkeeping):
         # L1 holds a few dozen nodes while L2 holds thousands).
         self._device_nodes: set[TreeNode] = set()
         self._host_nodes: set[TreeNode] = set()
+        self.tier_observer: TierObserver | None = None  # tree_tiers.TierObserver (KV events)
 
     # ------------------------------------------------------------------ helpers
     def _tick(self) -> int:
@@ -179,6 +180,8 @@ class HiRadixTree(TierBookkeeping):
 
     def _delete(self, node: TreeNode) -> None:
         assert node.parent is not None and not node.children
+        if node.storage_backed:  # the tree forgets it: it no longer vouches for L3's copy
+            self.set_storage_backed(node, False)
         if node.is_transient:
             self._make_ready(node)
         del node.parent.children[node.key[: self.page_size]]
@@ -364,6 +367,8 @@ class HiRadixTree(TierBookkeeping):
                         if child.lock_ref:
                             self.locked_device_pages += len(seg)
                         self._make_ready(child)
+                        if self.tier_observer is not None:
+                            self.tier_observer(True, "device", child)
                     else:
                         if seg != child.device:  # (usually equal: a page table starts with the tree's pages)
                             unused.extend(p for p, q in zip(seg, child.device) if p != q)
@@ -373,6 +378,8 @@ class HiRadixTree(TierBookkeeping):
                         self._host_nodes.add(child)
                         self.host_pages += len(seg)
                         self._make_ready(child)
+                        if self.tier_observer is not None:
+                            self.tier_observer(True, "host", child)
                     elif child.host is None:  # pragma: no cover - a ready node has data
                         raise AssertionError("ready node without data")
                     else:
@@ -407,6 +414,8 @@ class HiRadixTree(TierBookkeeping):
                 leaf.owner = owner
                 self._owned.setdefault(owner, set()).add(leaf)
             node.children[leaf.key[:ps]] = leaf
+            if self.tier_observer is not None and given is not None:
+                self.tier_observer(True, "device" if device_pages is not None else "host", leaf)
             new_nodes.append(leaf)
             path.append(leaf)
             node = leaf

@@ -98,7 +98,7 @@ class StorageIO:
 
     def _write_storage(self, node: TreeNode) -> None:
         self._write_storage_pages(self.tree.page_hashes(node), list(node.host))  # type: ignore[arg-type]
-        node.storage_backed = True
+        self.tree.set_storage_backed(node, True)
 
     def _write_storage_pages(self, keys: list[bytes], host_pages: list[int]) -> None:
         """Asynchronous L2 -> L3 write of a snapshot of ``host_pages`` under ``keys``."""
@@ -274,7 +274,7 @@ class StorageIO:
             )
             to_free.extend(res.unused_pages)
             for node in res.new_nodes:
-                node.storage_backed = True
+                self.tree.set_storage_backed(node, True)
             end = self.tree.match_prefix(
                 handle.tokens[: (handle.start_page + landed) * ps], handle.namespace, touch=False
             ).last_node
@@ -296,5 +296,5 @@ class StorageIO:
             return
         self.storage.clear()
         self._probe_memo.clear()
-        for node in self.tree.iter_nodes():
-            node.storage_backed = False
+        for node in list(self.tree.iter_nodes()):
+            self.tree.set_storage_backed(node, False)

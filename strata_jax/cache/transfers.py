@@ -107,7 +107,7 @@ class Transfers:
         self.tree.unlock(node)
         if keys is not None:
             self._write_storage_pages(keys, host_pages)
-            node.storage_backed = True
+            self.tree.set_storage_backed(node, True)
 
     def _wait_host(self, host_pages: Sequence[int]) -> None:
         for p in host_pages:

@@ -29,6 +29,12 @@ from typing import TYPE_CHECKING
 
 from strata_jax.cache.tree_node import READY, TRANSIENT_STATES, TreeError, TreeNode
 
+# Told of every change of what a tier holds: (stored, tier, node), tier "device", "host" or
+# "storage", always while ``node`` hangs in the tree with its pages (a removal is reported
+# before the node's pages or the node itself go).  Splits are not changes: per page,
+# nothing moves.  ``strata_jax.kv_events`` turns these into KV events.
+TierObserver = Callable[[bool, str, TreeNode], None]
+
 
 class TierBookkeeping:
     """Mixin: tier views, per-tier eviction and ``check`` (state lives on ``HiRadixTree``)."""
@@ -42,6 +48,7 @@ class TierBookkeeping:
     _owned: dict[Hashable, set[TreeNode]]
     _device_nodes: set[TreeNode]
     _host_nodes: set[TreeNode]
+    tier_observer: TierObserver | None
 
     if TYPE_CHECKING:
 
@@ -88,6 +95,8 @@ class TierBookkeeping:
         self.device_pages += len(pages)
         if node.lock_ref:
             self.locked_device_pages += len(pages)
+        if self.tier_observer is not None:
+            self.tier_observer(True, "device", node)
 
     def set_host(self, node: TreeNode, pages: Sequence[int]) -> None:
         """Attach host pages to a node with a device copy and no host copy (a backup)."""
@@ -99,6 +108,18 @@ class TierBookkeeping:
         node.host = list(pages)
         self._host_nodes.add(node)
         self.host_pages += len(pages)
+        if self.tier_observer is not None:
+            self.tier_observer(True, "host", node)
+
+    def set_storage_backed(self, node: TreeNode, backed: bool) -> None:
+        """Record that L3 holds (or no longer holds) ``node``'s pages, as far as this tree knows."""
+        if node.storage_backed == backed:
+            return
+        if self.tier_observer is not None and not backed:
+            self.tier_observer(False, "storage", node)
+        node.storage_backed = backed
+        if self.tier_observer is not None and backed:
+            self.tier_observer(True, "storage", node)
 
     # ------------------------------------------------------------------ eviction
     def evict_device(
@@ -164,6 +185,8 @@ class TierBookkeeping:
 
     def _clear_device(self, node: TreeNode) -> list[int]:
         """Detach ``node``'s device pages (the reverse of ``set_device``); returns them."""
+        if self.tier_observer is not None:
+            self.tier_observer(False, "device", node)
         pages, node.device = node.device, None
         self.device_pages -= len(pages)
         if node.lock_ref:  # a write-back may just have locked it for its copy
@@ -180,6 +203,8 @@ class TierBookkeeping:
         for child in list(node.children.values()):
             host.extend(self._drop_descendants(child))
             if child.host is not None:
+                if self.tier_observer is not None:
+                    self.tier_observer(False, "host", child)
                 host.extend(child.host)
                 self.host_pages -= len(child.host)
                 child.host = None
@@ -212,6 +237,8 @@ class TierBookkeeping:
             if before_drop is not None:
                 before_drop(node)
             parent = node.parent
+            if self.tier_observer is not None:
+                self.tier_observer(False, "host", node)
             freed.extend(node.host)  # type: ignore[arg-type]
             self.host_pages -= len(node.host)  # type: ignore[arg-type]
             node.host = None
@@ -226,6 +253,8 @@ class TierBookkeeping:
         self.version += 1  # what a match returns may change
         if node.host is None or node.device is None:
             raise TreeError("drop_host_copy needs a node with both copies")
+        if self.tier_observer is not None:
+            self.tier_observer(False, "host", node)
         pages, node.host = node.host, None
         self._host_nodes.discard(node)
         self.host_pages -= len(pages)

@@ -70,6 +70,20 @@ class EngineConfig:
         dispatched while step N runs, and N's tokens are read after; stop rules that need
         a token's value apply one step late (a token computed past a stop is discarded).
         False: the serial loop (each step's tokens read before the next is scheduled).
+    kv_events_endpoint: publish KV events (what each tier holds, in vLLM's wire format:
+        ZMQ PUB, msgpack ``EventBatch`` of ``BlockStored`` / ``BlockRemoved`` /
+        ``AllBlocksCleared``) on this ZMQ endpoint, e.g. ``tcp://*:5557`` (bound; an
+        address without ``*`` is connected to, as vLLM does).  None (default): off.  The
+        events carry prompt token ids: bind to loopback or a trusted network only.
+    kv_events_replay_endpoint: a ZMQ ROUTER endpoint (bound) that replays missed
+        batches from a sequence number (None: no replay).
+    kv_events_topic: the topic frame of every message (default "", vLLM's).
+    kv_events_queue: batches (one per engine step) waiting for the publisher's thread;
+        beyond it a batch is dropped and counted (``kv_events_dropped_*`` in /metrics),
+        never waited for.
+    kv_events_buffer: batches kept for replay.
+    data_parallel_rank: this replica's data-parallel rank: written into every event batch
+        and added to both KV event ports (as vLLM does).
     tp: tensor-parallel size (default 1): the model and the KV pool are split over the
         first ``tp`` devices (attention heads, KV heads and MLP columns; see
         ``strata_jax.runtime.sharding``).  Must divide the model's attention heads, KV
@@ -103,15 +117,29 @@ class EngineConfig:
     kernel_backend: str = "auto"
     scan_layers: bool = True
     pipeline: bool = True
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_queue: int = 10_000
+    kv_events_buffer: int = 10_000
+    data_parallel_rank: int = 0
     tp: int = 1
     cache: CacheConfig | None = None
     scheduler: SchedulerConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_batch_tokens", "max_batch_size", "max_waiting", "tp"):
+        for name in ("page_size", "max_batch_tokens", "max_batch_size", "max_waiting", "tp", "kv_events_queue", "kv_events_buffer"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if isinstance(self.data_parallel_rank, bool) or not isinstance(self.data_parallel_rank, int) or self.data_parallel_rank < 0:
+            raise InvalidRequestError(f"EngineConfig.data_parallel_rank must be a non-negative integer, got {self.data_parallel_rank!r}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not str(value).startswith(("tcp://", "ipc://", "inproc://")):
+                raise InvalidRequestError(f"EngineConfig.{name} must be a ZMQ endpoint (tcp://, ipc:// or inproc://), got {value!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise InvalidRequestError("EngineConfig.kv_events_replay_endpoint needs kv_events_endpoint")
         if self.max_running_requests is not None:
             m = self.max_running_requests
             if isinstance(m, bool) or not isinstance(m, int) or m < self.max_batch_size:

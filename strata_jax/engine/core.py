@@ -40,6 +40,7 @@ from strata_jax.engine.cache_view import EngineCacheView
 from strata_jax.engine.executor import Executor, ExtendWork
 from strata_jax.engine.output import Event, FailEvent, InlineOutput, StopRules, TokenEvent
 from strata_jax.engine.requests import RequestPages, TrackedRequest
+from strata_jax.kv_events.recorder import KVEventRecorder
 from strata_jax.scheduler.plan import PrefillItem, StepPlan
 from strata_jax.scheduler.request import RequestStatus
 from strata_jax.scheduler.scheduler import Scheduler
@@ -111,6 +112,7 @@ class EngineCore:
             "pipeline_drains": 0, "held_row_drains": 0, "overlapped_steps": 0,
         }  # fmt: skip
         self.plan_log: list[PlanRecord] | None = None  # set to [] to record every step's decisions
+        self.kv_events: KVEventRecorder | None = None  # set by the engine when KV events are published
 
     # ------------------------------------------------------------------ public
     def admit(self, t: TrackedRequest) -> None:
@@ -220,6 +222,8 @@ class EngineCore:
             if not self.pipeline and self._inflight is not None:
                 self._complete(self._take_inflight())
         self.counters["steps"] += 1
+        if self.kv_events is not None:
+            self.kv_events.end_step()
         if launched is None and previous is None:
             self.executor.idle()
 
@@ -519,6 +523,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ maintenance
     def flush(self, tier: str) -> None:
+        events = self.kv_events
+        mark = events.mark() if events is not None else 0
         self.ctl.drain()
         if tier in ("device", "all"):
             self.ctl.evict_device(1 << 40)
@@ -526,6 +532,11 @@ class EngineCore:
             self.ctl.evict_host(1 << 40)
         if tier in ("storage", "all"):
             self.ctl.clear_storage()
+        if events is not None:
+            tree = self.ctl.tree
+            if tier == "all" and tree.device_pages == 0 and tree.host_pages == 0 and not any(n.storage_backed for n in tree.iter_nodes()):
+                events.cleared_since(mark)
+            events.end_step()
 
     def locked_nodes(self) -> int:
         return sum(1 for n in self.ctl.tree.iter_nodes() if n.lock_ref > 0)

@@ -141,6 +141,7 @@ class Engine:
             outputs=self.output,
             pipeline=config.pipeline,
         )
+        self.kv_events = self._start_kv_events(config)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._inbox_size = 0
         self._wake = threading.Event()
@@ -378,9 +379,31 @@ class Engine:
             self.core.close(stop)
         self.output.close()
         self.executor.close()
+        if self.kv_events is not None:
+            if self.core.kv_events is not None:
+                self.core.kv_events.end_step()
+            self.kv_events.close()
         self.ctl.close()
         if self.config.freeze_gc:
             gc.unfreeze()  # what this engine leaves behind can be collected again
+
+    def _start_kv_events(self, config: EngineConfig) -> Any:
+        """The KV event publisher (``strata_jax.kv_events``) when ``kv_events_endpoint`` is set."""
+        if config.kv_events_endpoint is None:
+            return None
+        from strata_jax.kv_events.publisher import ZmqKVEventPublisher
+        from strata_jax.kv_events.recorder import KVEventRecorder
+
+        publisher = ZmqKVEventPublisher(
+            config.kv_events_endpoint, block_size=self.page_size, replay_endpoint=config.kv_events_replay_endpoint,
+            topic=config.kv_events_topic, data_parallel_rank=config.data_parallel_rank,
+            max_queue_batches=config.kv_events_queue, buffer_batches=config.kv_events_buffer,
+        )  # fmt: skip
+        recorder = KVEventRecorder(self.ctl.tree, publisher.publish)
+        self.ctl.tree.tier_observer = recorder.observe
+        self.core.kv_events = recorder
+        log.info("publishing KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
+        return publisher
 
     def compile_count(self) -> int:
         return self.runner.compile_count
