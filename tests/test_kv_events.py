@@ -276,3 +276,23 @@ def test_data_parallel_rank_shifts_ports_and_is_written_in_batches(tmp_path):
     finally:
         engine.shutdown()
         sub.close()
+
+
+def test_metrics_export_the_publisher_counters(tmp_path):
+    from serving.metrics import EngineStatsCollector
+
+    engine = _engine(tmp_path, tiers="L1", kv_events_replay_endpoint=None)
+    try:
+        engine.generate([list(range(3, 3 + 2 * PAGE))], SamplingParams(max_tokens=1))
+        engine.run_until_idle()
+        deadline = time.monotonic() + 10
+        while engine.kv_events.stats()["batches_total"] < engine.kv_events.stats()["queued_batches_total"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        samples = {s.name: s.value for m in EngineStatsCollector(lambda: engine).collect() for s in m.samples}
+        stats = engine.kv_events.stats()
+        assert samples["strata_engine_kv_events_dropped_events_total"] == 0
+        assert samples["strata_engine_kv_events_batches_total"] == stats["batches_total"] > 0
+        assert samples["strata_engine_kv_events_events_total"] == stats["events_total"] > 0
+    finally:
+        engine.shutdown()

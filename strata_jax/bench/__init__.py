@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "tp": "strata_jax.bench.tp",
     "host": "strata_jax.bench.host",
     "structured": "strata_jax.bench.structured",
+    "events": "strata_jax.bench.events",
 }
 
 
