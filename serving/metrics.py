@@ -27,7 +27,7 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Keys of cache_stats() whose numbers only ever grow (exported as counters).
 _CUMULATIVE = re.compile(
     r"(hit_tokens|evictions|compiles|compiles_after_warmup|recomputed_tokens|deferrals|retractions"
-    r"|steps|prefill_steps|decode_steps|finished|aborted|failed|kv_events_\w+_total)"
+    r"|steps|prefill_steps|decode_steps|finished|aborted|failed|kv_events_\w+_total|prefetch_(waits|wait_rounds|not_waited))"
     r"|transfers?_\w+_pages|\w+_bytes_total|(loaded|backed_up|written|prefetched)_bytes"
 )
 _RATES = ("per_s", "gbps", "bandwidth")

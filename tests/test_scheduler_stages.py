@@ -236,3 +236,54 @@ def test_pending_prefetch_counts_as_unlanded_load() -> None:
     plan = sched.schedule(cache)
     assert plan.prefill[0].load_storage_tokens == 4000
     assert plan.decode_first
+
+
+# ---------------------------------------------------------------- waiting for an L3 prefetch
+
+
+def _prefetching(landed: int, waited_s: float, storage_bytes_per_s: float) -> tuple[Scheduler, FakeCache]:
+    """One request whose 2,000-token document is in L3, its prefetch in flight."""
+    cost = CostModel(CostPrior(bytes_per_token=1000, storage_bytes_per_s=storage_bytes_per_s))
+    sched, cache = Scheduler(SchedulerConfig(wait_for_prefetch=True), cost), FakeCache()
+    cache.add_ready(doc(1, 2000), tier="storage")
+    sched.submit("a", doc(1, 2000) + q(1))
+    cache.prefetches["a"] = (landed, 2000, waited_s)
+    return sched, cache
+
+
+def test_waits_for_a_prefetch_that_lands_sooner_than_recomputing() -> None:
+    sched, cache = _prefetching(landed=500, waited_s=0.0, storage_bytes_per_s=1e12)
+    rest_fetch = sched.cost.storage_seconds(1500)
+    assert rest_fetch < sched.cost.extend_seconds(1500, 500)  # the premise, from the same model
+    plan = sched.schedule(cache)
+    assert plan.prefill_ids == () and sched.stats().prefetch_waits == 1 and sched.stats().prefetch_wait_rounds == 1
+    assert sched.stats().deferrals == 0  # not a delay-hit deferral
+    sched.schedule(cache)
+    assert sched.stats().prefetch_waits == 1 and sched.stats().prefetch_wait_rounds == 2
+    del cache.prefetches["a"]  # landed
+    plan = sched.schedule(cache)
+    assert plan.prefill_ids == ("a",) and plan.prefill[0].load_storage_tokens == 2000
+    assert sched.stats().prefetch_not_waited == 0
+
+
+def test_does_not_wait_when_recomputing_is_sooner_by_the_rate_or_by_its_own_pace() -> None:
+    sched, cache = _prefetching(landed=500, waited_s=0.0, storage_bytes_per_s=1e3)  # 1.5 MB at 1 KB/s
+    assert sched.cost.storage_seconds(1500) > sched.cost.extend_seconds(1500, 500)
+    assert sched.schedule(cache).prefill_ids == ("a",)
+    assert sched.stats().prefetch_not_waited == 1 and sched.stats().prefetch_waits == 0
+    # slower than the measured rate says: its own pace (500 tokens in 100 s) decides
+    sched, cache = _prefetching(landed=500, waited_s=100.0, storage_bytes_per_s=1e12)
+    assert 1500 * 100.0 / 500 > sched.cost.extend_seconds(1500, 500)
+    assert sched.schedule(cache).prefill_ids == ("a",)
+    assert sched.stats().prefetch_not_waited == 1
+    sched, cache = _prefetching(landed=1900, waited_s=1e-3, storage_bytes_per_s=1e12)  # a fast one nearly done
+    assert sched.schedule(cache).prefill_ids == () and sched.stats().prefetch_waits == 1
+
+
+def test_without_wait_for_prefetch_the_progress_is_never_asked() -> None:
+    sched, cache = Scheduler(SchedulerConfig()), FakeCache()
+    cache.add_ready(doc(1, 2000), tier="storage")
+    sched.submit("a", doc(1, 2000) + q(1))
+    cache.prefetches["a"] = (0, 2000, 0.0)
+    assert sched.schedule(cache).prefill_ids == ("a",)
+    assert sched.stats().prefetch_waits == 0 and sched.stats().prefetch_not_waited == 0

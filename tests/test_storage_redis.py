@@ -133,3 +133,10 @@ def test_server_going_away_is_served_as_misses(server, tmp_path, caplog):
         engine.check_accounting()
     finally:
         engine.shutdown()
+
+
+@needs_server
+def test_a_fresh_engine_takes_the_whole_stored_prefix_by_default(server):
+    from test_prefetch_wait import check_fresh_engine_takes_the_whole_stored_prefix
+
+    check_fresh_engine_takes_the_whole_stored_prefix(storage_backend="redis", storage_url=server.url)

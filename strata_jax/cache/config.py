@@ -13,7 +13,10 @@ Every default, and why:
 * ``write_policy = "write_through"``: back up to L2 on insert (cheap on an idle
   link, and device eviction then never waits for a copy);
   ``write_through_threshold = 2`` for ``write_through_selective``.
-* ``prefetch_policy = "best_effort"``: never delay a request for storage;
+* ``prefetch_policy = "best_effort"``: never delay a request for storage; ``cost``
+  (the engine's default): the same here, the scheduler holding the request back while
+  the cost model says the rest of its prefetch lands sooner than recomputing it
+  (``SchedulerConfig.wait_for_prefetch``);
   ``timeout`` waits ``prefetch_timeout_base_s + pages * prefetch_timeout_per_page_s``
   (defaults 1.0 s and 2 ms/page = ~0.125 s per 1K tokens at page 16).
 * ``prefetch_min_tokens = 256``: shorter storage hits are recomputed, not fetched.
@@ -44,7 +47,7 @@ from pathlib import Path
 
 TIERS = ("L1", "L1+L2", "L1+L2+L3")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout", "cost")
 
 
 class CacheConfigError(ValueError):

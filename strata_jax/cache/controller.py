@@ -126,6 +126,7 @@ class CacheController(Transfers, StorageIO, Eviction):
         self._key_memo_tokens = 0
         self._probe_memo: dict[tuple[bytes, bytes], tuple[int, float]] = {}  # (first, last key) -> (hits, when)
         self._recent_writes: dict[bytes, float] = {}  # keys this instance wrote to L3 lately
+        self._storage_read_bps: float | None = None  # measured on prefetches (storage_io)
         self._bandwidth = float(config.initial_bandwidth_bytes_per_s)
         self._bandwidth_samples = 0
         self._link_free_at = float("-inf")  # when the last measured load landed

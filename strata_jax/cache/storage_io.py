@@ -191,6 +191,29 @@ class StorageIO:
         self._pending.append(handle)
         return handle
 
+    def prefetch_progress(self, request_id: Hashable) -> tuple[int, int, float] | None:
+        """``request_id``'s prefetch still in flight: (tokens landed, tokens in all, seconds since issue)."""
+        for h in self._pending:
+            if isinstance(h, PrefetchHandle) and h.request_id == request_id and not h.finished and not self._finished(h):
+                landed = h.landed
+                if self._timer is not None and h.landed_at is not None:  # simulated: pages land evenly
+                    span = max(h.landed_at - h.issued_at, 1e-12)
+                    landed = min(h.num_pages, int(h.num_pages * max(0.0, self._clock() - h.issued_at) / span))
+                return landed * self.page_size, h.num_pages * self.page_size, self._clock() - h.issued_at
+        return None
+
+    @property
+    def storage_read_bandwidth(self) -> float | None:
+        """L3 -> L2 bytes per second measured on prefetches (an average over recent reads); None before the first."""
+        return self._storage_read_bps
+
+    def _note_storage_read(self, nbytes: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        sample = nbytes / seconds
+        prev = self._storage_read_bps
+        self._storage_read_bps = sample if prev is None else 0.8 * prev + 0.2 * sample
+
     def _prefetch_worker(self, handle: PrefetchHandle, chunk: int = 32) -> None:
         pool = self.host_pool
         shape = self.layout.page_first_shape(1)[1:]  # type: ignore[union-attr]
@@ -199,7 +222,9 @@ class StorageIO:
             if handle.cancel.is_set():
                 return
             try:
+                t0 = time.perf_counter()
                 payloads = self.storage.batch_get(handle.keys[s : s + chunk])  # type: ignore[union-attr]
+                self._note_storage_read(sum(len(p) for p in payloads if p is not None), time.perf_counter() - t0)
             except Exception as exc:  # noqa: BLE001 - what landed so far is kept; the rest is recomputed
                 self._storage_failed("read", exc)
                 handle.missed = True
@@ -214,7 +239,8 @@ class StorageIO:
     def finish_prefetch(self, handle: PrefetchHandle) -> int:
         """Apply the stop policy, put the landed pages into the tree as host nodes; returns tokens landed.
 
-        ``best_effort``: stop now and keep what landed; ``wait_complete``: wait for
+        ``best_effort`` and ``cost``: stop now and keep what landed (under ``cost`` the
+        scheduler already waited as long as waiting was estimated to pay); ``wait_complete``: wait for
         every page; ``timeout``: wait until the handle's deadline (base + per-page
         budget), then stop.  Unlocks the anchor and frees unused host pages.
         """

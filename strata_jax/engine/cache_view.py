@@ -68,6 +68,9 @@ class EngineCacheView:
     def load_pending(self, request_id: str) -> bool:
         return self.ctl.load_pending(request_id)
 
+    def prefetch_progress(self, request_id: str) -> tuple[int, int, float] | None:
+        return self.ctl.prefetch_progress(request_id)
+
     def free_device_tokens(self) -> int:
         return self.ctl.free_device_tokens()
 

@@ -31,7 +31,11 @@ class EngineConfig:
     tiers: "L1", "L1+L2" (default) or "L1+L2+L3".
     hicache_ratio: L2 size as a multiple of L1 (default 2).
     write_policy: "write_through" | "write_through_selective" | "write_back".
-    prefetch_policy: "best_effort" | "wait_complete" | "timeout".
+    prefetch_policy: what a request whose L3 hit is being prefetched does: "cost" (default)
+        waits while the rest is estimated to land sooner than recomputing it would take
+        (the scheduler holds it back; other work runs meanwhile), "best_effort" never
+        waits (what landed is used, the rest recomputed), "wait_complete" waits for every
+        page (the engine thread blocks), "timeout" waits up to a deadline per page.
     prefetch_min_tokens: storage hits shorter than this are recomputed, not prefetched.
     storage_backend / storage_dir: L3 backend by name ("file", "redis") and its directory.
     storage_url: the Redis/Valkey server of storage_backend "redis"
@@ -98,7 +102,7 @@ class EngineConfig:
     tiers: str = "L1+L2"
     hicache_ratio: float = 2.0
     write_policy: str = "write_through"
-    prefetch_policy: str = "best_effort"
+    prefetch_policy: str = "cost"
     prefetch_min_tokens: int = 256
     storage_backend: str = "file"
     storage_dir: str | None = None
@@ -199,4 +203,5 @@ class EngineConfig:
             max_decode_batch_size=self.max_batch_size,
             max_waiting=self.max_waiting,
             max_running_requests=self.resolved_max_running_requests,
+            wait_for_prefetch=(self.cache.prefetch_policy if self.cache is not None else self.prefetch_policy) == "cost",
         )

@@ -58,6 +58,7 @@ def cache_stats(engine: Engine) -> dict[str, Any]:
         "waiting": core.scheduler.num_waiting,
         "running": core.scheduler.num_running,
         "deferrals": s.deferrals,
+        "prefetch": {"waits": s.prefetch_waits, "wait_rounds": s.prefetch_wait_rounds, "not_waited": s.prefetch_not_waited},
         "retractions": s.retractions,
         "device_dispatches": device.dispatches,
         "device_idle_dispatches": device.idle_dispatches,

@@ -79,6 +79,12 @@ class CacheView(Protocol):
         """True while a load or prefetch already issued for this request has not landed."""
         ...
 
+    def prefetch_progress(self, request_id: str) -> tuple[int, int, float] | None:
+        """The request's L3 prefetch still in flight: (tokens landed, tokens fetched in all,
+        seconds since it was issued); None when there is none (asked only with
+        ``SchedulerConfig.wait_for_prefetch``)."""
+        ...
+
     def free_device_tokens(self) -> int:
         """Device (L1) tokens allocatable right now without evicting anything."""
         ...

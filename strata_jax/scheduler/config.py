@@ -46,6 +46,11 @@ class SchedulerConfig:
         (bytes over the measured link/storage bandwidth plus
         ``CostPrior.transfer_overhead_s``) exceeds the estimated time to recompute
         it (the fitted extend model).  Counted in ``SchedulerStats``.
+    wait_for_prefetch: hold a request back while its L3 prefetch is in flight and the
+        cost model estimates the rest lands sooner than recomputing it would take (the
+        storage read rate measured on the prefetches so far vs the fitted extend
+        model), for at most that recompute estimate; then start it with what landed.
+        The engine sets it for ``prefetch_policy="cost"`` (its default).
     max_lookahead: queued requests examined (prefix-matched) per round, from the
         head; bounds the cost of one round under a long queue (bundle hits
         further back are found once they move up).
@@ -64,6 +69,7 @@ class SchedulerConfig:
     enable_bubble_filling: bool = True
     enable_load_or_recompute: bool = False
     max_lookahead: int = 1024
+    wait_for_prefetch: bool = False
 
     def __post_init__(self) -> None:
         from strata_jax.scheduler.policy import available_policies  # no cycle at import time
@@ -81,7 +87,7 @@ class SchedulerConfig:
             r = self.loading_bound_ratio
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0 or r != r or r == float("inf"):
                 raise SchedulerConfigError(f"loading_bound_ratio must be a positive finite number or None, got {r!r}")
-        for name in ("enable_delay_hit", "enable_balanced_batch", "enable_bubble_filling", "enable_load_or_recompute"):
+        for name in ("enable_delay_hit", "enable_balanced_batch", "enable_bubble_filling", "enable_load_or_recompute", "wait_for_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise SchedulerConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -183,6 +183,10 @@ class CostModel:
         b = self.bytes_per_token
         return (host_tokens + storage_tokens) * b / self.link_bytes_per_s + storage_tokens * b / self.storage_bytes_per_s
 
+    def storage_seconds(self, tokens: int) -> float:
+        """Time to read ``tokens`` of KV from L3 into L2 (the L3 read alone)."""
+        return tokens * self.bytes_per_token / self.storage_bytes_per_s
+
     def extend_seconds(self, new_tokens: int, context_tokens: int = 0) -> float:
         """One request computing ``new_tokens`` on top of ``context_tokens`` cached ones."""
         return self.batch_extend_seconds(((new_tokens, context_tokens),))

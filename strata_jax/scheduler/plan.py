@@ -137,4 +137,7 @@ class SchedulerStats:
     recomputed_prompt_tokens: int  # prompt tokens computed (not taken from any tier)
     load_or_recompute_recomputed: int  # first chunks that recomputed a cached prefix instead of loading it
     load_or_recompute_tokens: int  # cached (L2/L3) tokens recomputed by that choice
+    prefetch_waits: int  # requests held back until their L3 prefetch landed (loading it estimated sooner)
+    prefetch_wait_rounds: int  # (request, round) pairs spent so
+    prefetch_not_waited: int  # requests started with a prefetch in flight (recomputing the rest estimated sooner)
     hit_tokens: dict[str, int]  # per tier, taken by first chunks

@@ -56,6 +56,7 @@ class ScheduledRequest:
     inflight_end: int | None = None
     decode_inflight: bool = False
     held: bool = False  # its next step needs host work on its last token first (a grammar's mask)
+    prefetch_choice: str | None = None  # "waited" / "not_waited": what the scheduler chose for its L3 prefetch
     cached_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     deferrals: int = 0
     retractions: int = 0

@@ -29,13 +29,15 @@ from __future__ import annotations
 
 from strata_jax.api import InvalidRequestError, OverloadedError
 from strata_jax.scheduler.batch import BatchBuilder, Candidate
-from strata_jax.scheduler.cache_view import CacheView
+from strata_jax.scheduler.cache_view import CacheView, PrefixMatchLike
 from strata_jax.scheduler.config import SchedulerConfig
 from strata_jax.scheduler.cost_model import CostModel
 from strata_jax.scheduler.errors import SchedulerStateError, UnknownRequestError
 from strata_jax.scheduler.plan import AbortResult, PrefillItem, SchedulerStats, StepPlan
 from strata_jax.scheduler.policy import FORMERS, resolve_stages
 from strata_jax.scheduler.queue import RoundQueue
+
+PREFETCH_PACE_SLACK = 4.0  # see Scheduler._wait_for_prefetch
 from strata_jax.scheduler.request import RequestStatus, ScheduledRequest
 
 _S = RequestStatus
@@ -61,7 +63,9 @@ class Scheduler:
             finished=0, aborted=0, deferrals=0, deferred_rounds=0, set_asides=0, bundle_hits=0,
             retractions=0, decode_first_rounds=0, recomputed_prompt_tokens=0,
             load_or_recompute_recomputed=0, load_or_recompute_tokens=0,
+            prefetch_waits=0, prefetch_wait_rounds=0, prefetch_not_waited=0,
         )  # fmt: skip
+        self._prefetch_holds: set[str] = set()  # this round's requests held for their prefetch
         self._hits = {"device": 0, "host": 0, "storage": 0}
         self._decoding = 0  # requests in DECODING (kept as they change)
 
@@ -138,12 +142,19 @@ class Scheduler:
         queue = RoundQueue(
             [rid for rid in self._queue if rid not in skip], lambda rid: self._classify(rid, cache), cfg.max_lookahead
         )
+        self._prefetch_holds.clear()
         formed = FORMERS[self.stages.balanced_batch](queue, batch)
         self._queue = [rid for rid in self._queue if rid in skip] + queue.new_order()
 
         # 3. bookkeeping for what was decided.
         for rid in queue.deferred:
             req = self._requests[rid]
+            if rid in self._prefetch_holds:  # waiting on its own prefetch, not on another request
+                self._c["prefetch_wait_rounds"] += 1
+                if req.prefetch_choice is None:
+                    req.prefetch_choice = "waited"
+                    self._c["prefetch_waits"] += 1
+                continue
             if req.status is _S.WAITING:
                 req.deferrals += 1
                 self._c["deferrals"] += 1
@@ -190,10 +201,37 @@ class Scheduler:
         if self.stages.delay_hit and match.transient_tokens > self.config.delay_hit_threshold:
             if any(self._blocks(owner, req) for owner in match.transient_owners):
                 return None
+        if self.config.wait_for_prefetch and self._wait_for_prefetch(req, match, cache):
+            self._prefetch_holds.add(rid)
+            return None
         cand = Candidate.from_match(req, match, cache.page_size)
         if self.stages.load_or_recompute and cand.loads and self._recompute_is_cheaper(cand):
             return cand.recomputing_cached(cache.page_size)
         return cand
+
+    def _wait_for_prefetch(self, req: ScheduledRequest, match: PrefixMatchLike, cache: CacheView) -> bool:
+        """Should ``req`` wait for its L3 prefetch in flight?  While the rest is estimated to
+        land sooner than recomputing it.  The arrival estimate is the measured storage read
+        rate's; once the prefetch has taken ``PREFETCH_PACE_SLACK`` times longer than that
+        rate says the whole would, it is this prefetch's own pace so far (a stalled store
+        is not waited for forever; the slack absorbs thread scheduling on small reads)."""
+        progress = cache.prefetch_progress(req.request_id)
+        if progress is None:
+            return False
+        landed, total, waited_s = progress
+        before = match.device_tokens + match.host_tokens  # cached ahead of what the prefetch brings
+        rest = total - landed
+        fetch_s = self.cost.storage_seconds(rest)
+        if waited_s > PREFETCH_PACE_SLACK * self.cost.storage_seconds(total):
+            # its pace so far; with nothing landed yet, at least what it took plus the estimate
+            pace_s = rest * waited_s / landed if landed else waited_s + fetch_s
+            fetch_s = max(fetch_s, pace_s)
+        if fetch_s < self.cost.extend_seconds(rest, before + landed):
+            return True
+        if req.prefetch_choice is None:
+            req.prefetch_choice = "not_waited"
+            self._c["prefetch_not_waited"] += 1
+        return False
 
     def _recompute_is_cheaper(self, cand: Candidate) -> bool:
         """Load-or-recompute: would recomputing ``cand``'s L2/L3 part beat loading it?

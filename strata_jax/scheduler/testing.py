@@ -25,6 +25,7 @@ class FakeCache:
     ready: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (ns, tokens, tier)
     transient: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # owner -> (ns, tokens)
     pending: set[str] = field(default_factory=set)
+    prefetches: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # rid -> (landed, total, waited_s)
     match_calls: int = 0
 
     # -- CacheView ---------------------------------------------------------
@@ -51,6 +52,9 @@ class FakeCache:
 
     def load_pending(self, request_id: str) -> bool:
         return request_id in self.pending
+
+    def prefetch_progress(self, request_id: str) -> tuple[int, int, float] | None:
+        return self.prefetches.get(request_id)
 
     def free_device_tokens(self) -> int:
         return self.free_tokens
