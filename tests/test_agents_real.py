@@ -113,6 +113,7 @@ def test_parse_with_a_pydantic_model_20_of_20(client, model):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the default run keeps the pydantic parse and the 400s: the server starts once for them
 def test_json_object_regex_and_choice_every_time(client, model):
     def json_object(i):
         return client.chat.completions.create(
@@ -179,6 +180,7 @@ def _check_calls(calls) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the default run keeps the pydantic parse and the 400s: the server starts once for them
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_required_and_named_tool_calls_20_of_20(client, model, stream):
     def ask(args):

@@ -101,6 +101,7 @@ def _p99(gaps: list[float]) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~3.5 min on 2 cores
 def test_hang_ups_do_not_stall_the_other_streams(server):
     engine, model = server.frontend.engine(), server.frontend.model_name
     calm: list[float] = []
