@@ -143,7 +143,9 @@ class Engine:
         )
         self.kv_events = self._start_kv_events(config)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._inbox_size = 0
+        self._inbox_size = 0  # everything posted and not yet run
+        self._inbox_admits = 0  # of which submissions (what counts against max_waiting)
+        self._inbox_lock = threading.Lock()  # both counters move on callers' threads and the engine's
         self._wake = threading.Event()
         self._ids = itertools.count()
         self._grammar_lock = threading.Lock()
@@ -289,7 +291,7 @@ class Engine:
         prompt_ids = self._prompt_ids(prompt)
         self._check_fits(prompt_ids, params)
         namespace = _namespace(cache_salt)
-        if self.scheduler.num_waiting + self._inbox_size >= self.scheduler.config.max_waiting:
+        if self.scheduler.num_waiting + self._inbox_admits >= self.scheduler.config.max_waiting:
             raise OverloadedError(
                 f"server overloaded: {self.scheduler.num_waiting} requests waiting "
                 f"(max_waiting={self.scheduler.config.max_waiting}); retry later"
@@ -312,7 +314,14 @@ class Engine:
             follows=follows,
             grammar=grammar,
         )
-        self._post(lambda: self.core.admit(tracked))
+        def admit() -> None:
+            with self._inbox_lock:
+                self._inbox_admits -= 1
+            self.core.admit(tracked)
+
+        with self._inbox_lock:
+            self._inbox_admits += 1
+        self._post(admit)
         return rid
 
     def _grammar_state(self, spec: Any, budget: int) -> Any:
@@ -469,7 +478,8 @@ class Engine:
 
     # ------------------------------------------------------------------ inbox (engine thread side)
     def _post(self, fn: Callable[[], None]) -> None:
-        self._inbox_size += 1
+        with self._inbox_lock:
+            self._inbox_size += 1
         self._inbox.put(fn)
         self._wake.set()
 
@@ -498,7 +508,8 @@ class Engine:
                 fn = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            self._inbox_size -= 1
+            with self._inbox_lock:
+                self._inbox_size -= 1
             fn()
 
     def _loop(self) -> None:
