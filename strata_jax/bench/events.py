@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     shared = rng.integers(3, vocab, size=args.prompt_tokens // 2).tolist()
 
     def prompts(round_: int) -> list[list[int]]:
-        r = np.random.default_rng(round_)
+        r = np.random.default_rng(round_ + 1)  # (-1: the warm-up round)
         return [shared + r.integers(3, vocab, size=args.prompt_tokens - len(shared)).tolist() for _ in range(args.batch)]
 
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)

@@ -128,7 +128,13 @@ class Engine:
             pool=self.ctl.device_pool,
             mesh=self.mesh,
         )
-        cost = CostModel(CostPrior(bytes_per_token=layout.token_bytes, link_bytes_per_s=self.ctl.link_bandwidth))
+        from strata_jax.runtime.compute_prior import extend_prior, matmul_flops_per_s
+
+        self.matmul_flops_per_s = matmul_flops_per_s(jnp.dtype(dtype))  # the first device (tp: each does its share)
+        cost = CostModel(CostPrior(
+            bytes_per_token=layout.token_bytes, link_bytes_per_s=self.ctl.link_bandwidth,
+            extend_coeffs=extend_prior(loaded.config, self.matmul_flops_per_s, config.tp),
+        ))  # fmt: skip
         self.executor = JaxExecutor(self.runner, eos_token_ids=self.eos_token_ids)
         threaded_output = start if output_thread is None else output_thread
         self.output = ThreadedOutput(self._stopped_by_output) if threaded_output else InlineOutput(self._stopped_by_output)
