@@ -15,6 +15,7 @@ import enum
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence
 
 from strata_jax.api import (
@@ -54,6 +55,29 @@ class EngineLike(Protocol):
     def start_profile(self, log_dir: str) -> None: ...
     def stop_profile(self) -> str: ...
     def shutdown(self, grace_s: float = 10.0) -> None: ...
+
+
+@dataclass
+class _RequestLoad:
+    """One in-flight request as the load report counts it."""
+
+    prompt_tokens: int
+    generated_tokens: int = 0
+    started: bool = False  # its first chunk (the end of its prefill) has come
+
+
+@dataclass(frozen=True)
+class Load:
+    """What this server holds now, as the faces see it (SGLang's ``/get_load`` counts).
+
+    ``requests``: admitted and not finished; ``waiting``: of those, the ones whose first
+    token has not come yet (queued or prefilling); ``tokens``: their prompt tokens plus
+    the tokens generated so far (the KV they hold or will hold).
+    """
+
+    requests: int
+    waiting: int
+    tokens: int
 
 
 class State(enum.Enum):
@@ -103,6 +127,7 @@ class Frontend:
         self._state = State.WARMING
         self._served_name = served_model_name
         self._in_flight: set[str] = set()
+        self._load: dict[str, _RequestLoad] = {}  # in-flight requests admitted with a known prompt length
         self.failure: str | None = None
         self.warmup_progress = None  # a strata_jax WarmupProgress while the engine starts (serve sets it)
 
@@ -141,6 +166,15 @@ class Frontend:
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
+
+    def load(self) -> Load:
+        """The in-flight requests, those still waiting for their first token, and their tokens."""
+        loads = list(self._load.values())
+        return Load(
+            requests=len(loads),
+            waiting=sum(1 for r in loads if not r.started),
+            tokens=sum(r.prompt_tokens + r.generated_tokens for r in loads),
+        )
 
     @property
     def model_name(self) -> str:
@@ -224,12 +258,14 @@ class Frontend:
                 rid = None
                 raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
             self._in_flight.add(rid)
+            load = self._load[rid] = _RequestLoad(len(checked) if isinstance(checked, list) else 0)
             extra = {"follows": follows} if follows is not None else {}
             engine_stream = engine.stream(checked, params, cache_salt=cache_salt or None, request_id=rid, **extra)
             last = None
             async for chunk in engine_stream:
                 now = time.perf_counter()
                 if last is None:
+                    load.started = True
                     self.metrics.ttft.observe(now - t0)
                     self.metrics.prompt_tokens.inc(chunk.prompt_tokens)  # the prefill is done
                     for tier in TIERS:
@@ -240,6 +276,7 @@ class Frontend:
                         self.metrics.inter_token.observe(gap)
                 last = now
                 if chunk.token_ids:
+                    load.generated_tokens += len(chunk.token_ids)
                     self.metrics.completion_tokens.inc(len(chunk.token_ids))
                 if chunk.finished:
                     finished = True
@@ -271,6 +308,7 @@ class Frontend:
                     except Exception:
                         log.exception("abort(%s) failed", rid)
                 self._in_flight.discard(rid)
+                self._load.pop(rid, None)
             self.metrics.in_flight.dec()
             if reason is not None:
                 self.metrics.count_rejected(api, reason)

@@ -1,9 +1,15 @@
 """The OpenAI-compatible HTTP face (FastAPI).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
-``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` and the admin
+``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, the admin
 routes ``GET /admin/cache_stats``, ``POST /admin/flush_cache``,
-``POST /admin/profile/start``, ``POST /admin/profile/stop``.
+``POST /admin/profile/start``, ``POST /admin/profile/stop``, and what a router asks
+of a worker in SGLang's shapes (``serving/worker_info.py``): ``GET /server_info``,
+``GET /model_info`` (and the older ``/get_server_info``, ``/get_model_info``),
+``GET /get_load``, ``POST /flush_cache``.
+
+Every response carries ``X-Strata-Instance: <id>`` (also in ``/server_info`` as
+``instance_id``), so a client behind a router can tell which replica answered.
 
 Bodies are read by hand (size-capped, UTF-8 checked, JSON parsed, then validated
 strictly) so every malformed request gets a 4xx in OpenAI's error envelope.
@@ -23,6 +29,7 @@ import hmac
 import json
 import logging
 import time
+import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -41,6 +48,7 @@ from strata_jax.api import (
 
 from serving import openai_logprobs as olp
 from serving import tool_calls
+from serving import worker_info
 from serving import openai_protocol as oai
 from serving.config import ServerConfig
 from serving.frontend import TIERS, Frontend, PromptTooLongError, check_prompt
@@ -64,6 +72,30 @@ _REJECTION_BY_STATUS = {
 }
 # The routes whose requests are counted in strata_requests_total.
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+INSTANCE_HEADER = "x-strata-instance"
+
+
+class InstanceHeader:
+    """ASGI middleware: every HTTP response carries ``X-Strata-Instance`` (which replica answered).
+
+    Plain ASGI (it only touches ``http.response.start``), so streaming and disconnect
+    detection behave exactly as without it."""
+
+    def __init__(self, app: Any, instance_id: str) -> None:
+        self.app = app
+        self.header = (INSTANCE_HEADER.encode(), instance_id.encode())
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
 
 
 class HTTPError(Exception):
@@ -317,6 +349,8 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
     """The FastAPI application serving ``frontend``."""
     app = FastAPI(title="strata-jax", docs_url=None, redoc_url=None, openapi_url=None)
     limit = config.max_body_bytes
+    app.state.instance_id = instance_id = uuid.uuid4().hex[:16]
+    app.add_middleware(InstanceHeader, instance_id=instance_id)
 
     def model_defaults(engine: Any) -> Any:
         """The engine's generation_config.json defaults, unless --generation-config none."""
@@ -634,6 +668,39 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         if engine is not None:
             entry["max_model_len"] = engine.max_context_tokens
         return JSONResponse({"object": "list", "data": [entry] if engine is not None else []})
+
+    # ---- what a router asks of a worker (SGLang's routes; serving/worker_info.py) ----
+    def _worker_answer(build: Callable[[], Any]) -> JSONResponse:
+        try:
+            return JSONResponse(build())
+        except Exception as exc:  # noqa: BLE001 - 503 while warming up / draining
+            return map_error(exc).response()
+
+    @app.get("/server_info", dependencies=auth)
+    @app.get("/get_server_info", dependencies=auth)
+    async def server_info() -> JSONResponse:
+        return _worker_answer(lambda: worker_info.server_info(frontend, instance_id))
+
+    @app.get("/model_info", dependencies=auth)
+    @app.get("/get_model_info", dependencies=auth)
+    async def model_info() -> JSONResponse:
+        return _worker_answer(lambda: worker_info.model_info(frontend))
+
+    @app.get("/get_load", dependencies=auth)
+    async def get_load() -> JSONResponse:
+        return _worker_answer(lambda: worker_info.load_info(frontend))
+
+    @app.post("/flush_cache", dependencies=auth)
+    async def sglang_flush_cache() -> JSONResponse:
+        """SGLang's flush: this server's own tiers (L1, L2); the shared L3 is left alone
+        (``POST /admin/flush_cache {"tier": "storage"}`` clears it)."""
+        try:
+            engine = frontend.engine()
+            for tier in worker_info.LOCAL_TIERS:
+                await asyncio.to_thread(engine.flush_cache, tier)
+        except Exception as exc:  # noqa: BLE001
+            return map_error(exc).response()
+        return JSONResponse({"flushed": list(worker_info.LOCAL_TIERS)})
 
     # ---- operations ----------------------------------------------------
     @app.get("/health")
