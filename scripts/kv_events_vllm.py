@@ -100,7 +100,7 @@ while True:
     replayed[int.from_bytes(seq, "big")] = payload
 assert all(replayed[seq] == payload for seq, _, payload in received), "the replay differs from what was published"
 
-kinds = sorted({type(e).__name__ for e in events})
+kinds = sorted({f"{type(e).__name__}({getattr(e, 'medium', '') or ''})" for e in events})
 print(f"decoded {len(received)} batches, {len(events)} events with vLLM's KVEventBatch: {', '.join(kinds)}")
 print(f"first question: {prompt_tokens} prompt tokens -> {len(blocks)} GPU blocks stored; "
       f"second: {cached} cached tokens, {sum(len(e.block_hashes) for e in later)} new blocks chained on block "
