@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from strata_jax.api import InvalidRequestError, SamplingParams
-from strata_jax.cache.hashing import chain_hashes, namespace_seed
+from strata_jax.cache.hashing import chain_hashes
 from strata_jax.engine import Engine, EngineConfig
 
 GREEDY = SamplingParams(max_tokens=4)
@@ -94,7 +94,7 @@ def _tree_view(engine: Engine) -> dict[str, set[int]]:
             walk(child, keys[-1])
 
     for namespace in tree.namespaces():
-        walk(tree.root(namespace), namespace_seed(namespace))
+        walk(tree.root(namespace), tree.seed(namespace))
     return view
 
 
@@ -171,7 +171,7 @@ def test_stored_blocks_carry_the_chain_hash_parent_and_tokens(tmp_path):
         engine.run_until_idle()
         sub.drain_until(engine.kv_events.stats()["queued_batches_total"])
         stored = [ev for _, b in sub.batches for ev in b[1] if ev["type"] == "BlockStored"]
-        keys = chain_hashes(namespace_seed(""), prompt, PAGE)
+        keys = chain_hashes(engine.ctl.tree.seed(""), prompt, PAGE)
         ints = [int.from_bytes(k[:8], "big") for k in keys]
         first = stored[0]
         assert first["medium"] == "GPU" and first["parent_block_hash"] is None

@@ -82,6 +82,7 @@ class CacheConfig:
     initial_bandwidth_bytes_per_s: float = 16e9
     bandwidth_ema: float = 0.2
     io_threads: int = 2
+    kv_identity: str = ""  # what the KV depends on besides tokens (the engine: weights, dtype, layout); seeds L3 keys
     transfer_chunk_bytes: int = 4 << 20
     storage_probe_ttl_s: float = 0.5
     kernel_backend: str = "auto"

@@ -97,7 +97,7 @@ class CacheController(Transfers, StorageIO, Eviction):
         if timer is not None and self.move_data:
             raise CacheError("a TransferTimer is for bookkeeping-only controllers (move_data=False)")
         self._timer = timer
-        self.tree = HiRadixTree(config.page_size)
+        self.tree = HiRadixTree(config.page_size, config.kv_identity)
         self.device_alloc = PageAllocator(config.num_device_pages, "device")
         self.host_alloc = PageAllocator(config.num_host_pages(self.page_bytes or None), "host")
         self.device_pool = None

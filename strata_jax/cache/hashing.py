@@ -1,9 +1,11 @@
 """Content keys of KV pages: a SHA-256 chain seeded by the tenant namespace.
 
 ``hash(page i) = SHA256(hash(page i-1) || little-endian int64 token ids of page i)``
-with ``hash(page -1) = namespace_seed(namespace)``.  Two tenants therefore never
-share a key, and a key names a page *and its whole prefix* (equal keys mean equal
-KV).  Pure Python (hashlib); no jax.
+with ``hash(page -1) = namespace_seed(namespace, identity)``.  ``identity`` names what
+the KV depends on besides the tokens (the model's weights, the KV dtype and layout:
+``CacheConfig.kv_identity``), so two models, or one model at two dtypes, never share a
+key; two tenants never do either; and a key names a page *and its whole prefix* (equal
+keys mean equal KV).  Pure Python (hashlib); no jax.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from collections.abc import Sequence
 _SEED_TAG = b"strata-jax/kv-chain/v1\x00"
 
 
-def namespace_seed(namespace: str) -> bytes:
-    """The chain's starting value for ``namespace`` (32 bytes)."""
-    return hashlib.sha256(_SEED_TAG + namespace.encode("utf-8")).digest()
+def namespace_seed(namespace: str, identity: str = "") -> bytes:
+    """The chain's starting value for ``namespace`` of the KV named by ``identity`` (32 bytes)."""
+    if not identity:  # (the seed before identities existed: bookkeeping-only caches and old L3 keep their keys)
+        return hashlib.sha256(_SEED_TAG + namespace.encode("utf-8")).digest()
+    return hashlib.sha256(_SEED_TAG + identity.encode("utf-8") + b"\x00" + namespace.encode("utf-8")).digest()
 
 
 def page_hash(prev: bytes, page_tokens: Sequence[int]) -> bytes:

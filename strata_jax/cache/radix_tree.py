@@ -67,10 +67,11 @@ class HiRadixTree(TierBookkeeping):
     Not thread-safe: one owner (the engine thread / the controller) calls it.
     """
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, kv_identity: str = "") -> None:
         if not isinstance(page_size, int) or page_size <= 0:
             raise TreeError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
+        self.kv_identity = kv_identity  # seeds every chain key (hashing.namespace_seed)
         self._roots: dict[str, TreeNode] = {}
         self._owned: dict[Hashable, set[TreeNode]] = {}
         self._next_id = 1
@@ -553,13 +554,17 @@ class HiRadixTree(TierBookkeeping):
         while node.parent is not None and not node.key:
             node = node.parent
         if node.parent is None:
-            return namespace_seed(node.namespace)
+            return self.seed(node.namespace)
         return self.page_hashes(node)[-1]
 
     def _seed_of(self, node: TreeNode) -> bytes:
         while node.parent is not None:
             node = node.parent
-        return namespace_seed(node.namespace)
+        return self.seed(node.namespace)
+
+    def seed(self, namespace: str) -> bytes:
+        """The chain key before the first page of ``namespace``."""
+        return namespace_seed(namespace, self.kv_identity)
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from strata_jax.cache.controller import CacheController, CacheFullError
-from strata_jax.cache.hashing import chain_hashes, namespace_seed
+from strata_jax.cache.hashing import chain_hashes
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class CacheReplayer:
         self.verified_pages = 0
 
     def _fill_values(self, namespace: str, tokens: Sequence[int], first_page: int, last_page: int) -> np.ndarray:
-        keys = chain_hashes(namespace_seed(namespace), tokens[: last_page * self.ctl.page_size], self.ctl.page_size)
+        keys = chain_hashes(self.ctl.tree.seed(namespace), tokens[: last_page * self.ctl.page_size], self.ctl.page_size)
         return np.array([int.from_bytes(k[:3], "little") for k in keys[first_page:last_page]], dtype=np.float32)
 
     def serve(

@@ -109,6 +109,10 @@ class Engine:
         cache_config = config.cache_config(self.max_context_tokens)
         self.page_size = cache_config.page_size
         layout = KVLayout(loaded.config.num_layers, loaded.config.num_kv_heads, loaded.config.head_dim, self.page_size, kv_dtype)
+        if not cache_config.kv_identity:  # L3 keys are this model's, dtype's and layout's only
+            from strata_jax.models.fingerprint import kv_identity
+
+            cache_config = dataclasses.replace(cache_config, kv_identity=kv_identity(loaded.model, loaded.config, str(dtype), layout))
         # tp: the L1 pool is split on its KV heads; host pages and L3 objects stay whole pages.
         pool_device = tp_sharding.pool_sharding(self.mesh) if self.mesh is not None else None
         self.ctl = CacheController(cache_config, layout, device=pool_device)
