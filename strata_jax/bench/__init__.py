@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "host": "strata_jax.bench.host",
     "structured": "strata_jax.bench.structured",
     "events": "strata_jax.bench.events",
+    "prefill": "strata_jax.bench.prefill",
 }
 
 
