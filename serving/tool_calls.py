@@ -135,13 +135,7 @@ class HermesFormat:
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
         """Lark (llguidance): only calls of ``tools``, arguments valid against their parameters."""
-        rules = []
-        alternatives = []
-        for i, t in enumerate(tools):
-            head = json.dumps('{"name": ' + json.dumps(t.name) + ', "arguments": ')
-            rules.append(f"call_{i}: {head} args_{i} \"}}\"")
-            rules.append(f"args_{i}: %json {_compact(t.parameters)}")
-            alternatives.append(f"call_{i}")
+        rules, alternatives = _call_rules(tools, "arguments")
         repeat = '("\\n" block)*' if parallel else ""
         return "\n".join([f"start: block {repeat}", f'block: "{self.opener}\\n" ({" | ".join(alternatives)}) "\\n{self.closer}"', *rules])
 
@@ -177,12 +171,7 @@ class Llama3JsonFormat:
         return content
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
-        rules, alternatives = [], []
-        for i, t in enumerate(tools):
-            head = json.dumps('{"name": ' + json.dumps(t.name) + ', "parameters": ')
-            rules.append(f"call_{i}: {head} args_{i} \"}}\"")
-            rules.append(f"args_{i}: %json {_compact(t.parameters)}")
-            alternatives.append(f"call_{i}")
+        rules, alternatives = _call_rules(tools, "parameters")
         repeat = '("; " call)*' if parallel else ""
         return "\n".join([f"start: call {repeat}", f"call: {' | '.join(alternatives)}", *rules])
 
@@ -215,6 +204,18 @@ def _dense(value: Any) -> str:
 def _compact(schema: dict) -> str:
     """The schema for an embedded ``%json``: compact JSON (no padding whitespace), as structured outputs."""
     return json.dumps({**schema, "x-guidance": {**schema.get("x-guidance", {}), "whitespace_flexible": False}})
+
+
+def _call_rules(tools: list[Tool], arguments_key: str) -> tuple[list[str], list[str]]:
+    """Lark rules ``call_i`` (``{"name": <tool i>, <arguments_key>: <its parameters>}``, compact
+    JSON) and ``args_i`` for each tool, and the ``call_i`` names to choose among."""
+    rules, alternatives = [], []
+    for i, t in enumerate(tools):
+        head = json.dumps('{"name": ' + json.dumps(t.name) + f', "{arguments_key}": ')
+        rules.append(f"call_{i}: {head} args_{i} \"}}\"")
+        rules.append(f"args_{i}: %json {_compact(t.parameters)}")
+        alternatives.append(f"call_{i}")
+    return rules, alternatives
 
 
 def _call_from_json(text: str, arguments_key: str) -> ToolCall | None:
