@@ -8,7 +8,8 @@ import json
 import pytest
 
 from strata_jax.bench import BENCHMARKS, run_benchmark
-from strata_jax.bench.prefill import PARTS, ChunkPlan, attention_flops, plan_chunks, projection_flops, split_shares
+from strata_jax.bench.prefill import PARTS, ChunkPlan, plan_chunks, split_shares
+from strata_jax.runtime.compute_prior import attention_flops, projection_flops
 from strata_jax.models.config import ModelConfig
 
 

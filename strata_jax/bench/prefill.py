@@ -36,7 +36,7 @@ The shares of TTFT sum to 1.  The matmuls are also set against the machine: thei
 (``projection_flops``) over their time, next to the rate of a square float32 matmul of
 a comparable size (the cube root of tokens x hidden x intermediate) timed with jax, and
 attention's causal work (``attention_flops``) against the same rate.  The whole and the
-parts are measured minutes apart, so a 1024^3 matmul is timed when the engine starts and
+parts are measured minutes apart, so a 1024^3 matmul is timed when the process's first engine starts (this one, from the CLI) and
 again after the pieces: a machine whose speed changed meanwhile is warned about.
 With several chunk sizes a per-chunk table shows each chunk's device time per token,
 whether work grows faster than linearly with the chunk.
@@ -52,6 +52,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
+
+from strata_jax.runtime.compute_prior import attention_flops, lm_head_flops, projection_flops
 
 DESCRIPTION = "one cold prefill split into matmuls, attention, KV writes, LM head, sampling, padding and host time"
 
@@ -88,27 +90,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------- pure helpers
-def projection_flops(config, tokens: int) -> float:
-    """FLOPs of the linear projections of every layer over ``tokens`` tokens: q, k, v, o and
-    gate, up, down (2 per multiply-add; no attention scores, no LM head, no biases)."""
-    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_token_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
-    return 2.0 * tokens * config.num_layers * per_token_layer
-
-
-def attention_flops(config, start: int, tokens: int) -> float:
-    """Causal attention FLOPs of ``tokens`` new tokens after ``start`` cached ones, every layer:
-    token ``i`` scores and weights ``i + 1`` keys (QK^T and PV, 2 FLOPs per multiply-add per
-    head dimension of every query head).  The work any implementation must do; the reference
-    also scores the keys a token cannot see (masked), which this does not count."""
-    pairs = tokens * start + tokens * (tokens + 1) // 2
-    return 4.0 * pairs * config.num_heads * config.head_dim * config.num_layers
-
-
-def lm_head_flops(config, rows: int) -> float:
-    return 2.0 * rows * config.hidden_size * config.vocab_size
-
-
 @dataclass(frozen=True)
 class ChunkPlan:
     """One prefill step of the prompt: ``tokens`` new tokens from ``start``, padded to the
@@ -479,7 +460,7 @@ def _breakdown(args: argparse.Namespace, chunk: int) -> dict:
     from strata_jax.runtime.compute_prior import matmul_flops_per_s
 
     engine_numbers, engine = _measure_engine(args, chunk)
-    rate_at_start = engine.matmul_flops_per_s  # the engine times a 1024^3 matmul when it starts
+    rate_at_start = engine.matmul_flops_per_s  # timed (1024^3) when the first engine of the process starts: this one, run from the CLI
     engine.shutdown()
     r = engine.runner
     runner = SimpleNamespace(graphdef=r.graphdef, state=r.state, config=r.config, kernel_backend=r.kernel_backend)

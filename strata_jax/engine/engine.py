@@ -132,9 +132,9 @@ class Engine:
             pool=self.ctl.device_pool,
             mesh=self.mesh,
         )
-        from strata_jax.runtime.compute_prior import extend_prior, matmul_flops_per_s
+        from strata_jax.runtime.compute_prior import device_matmul_rate, extend_prior
 
-        self.matmul_flops_per_s = matmul_flops_per_s(jnp.dtype(dtype))  # the first device (tp: each does its share)
+        self.matmul_flops_per_s = device_matmul_rate(str(jnp.dtype(dtype)))  # the first device (tp: each does its share)
         cost = CostModel(CostPrior(
             bytes_per_token=layout.token_bytes, link_bytes_per_s=self.ctl.link_bandwidth,
             extend_coeffs=extend_prior(loaded.config, self.matmul_flops_per_s, config.tp),

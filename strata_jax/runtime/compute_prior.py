@@ -3,9 +3,10 @@
 The cost model (``strata_jax.scheduler.cost_model``) fits ``extend = a + b * tokens +
 c * tokens * context`` online from measured steps, but a fresh server decides with its
 prior before any step ran (whether to wait for an L3 prefetch, to load or recompute).
-A fixed prior is off by orders of magnitude between an H200 and a CPU, so the engine
-measures the device's matmul rate once at start-up (a few square products, ~0.1 s on a
-CPU) and derives the prior from the FLOPs of the model:
+A fixed prior is off by orders of magnitude between an H200 and a CPU, so the first
+engine of a process measures the device's matmul rate (a few square products, ~0.1 s on
+a CPU; later engines reuse it) and derives the prior from the model's FLOPs, counted by
+the functions below (``bench prefill`` counts with them too):
 
 * ``b``: 2 FLOPs per weight per token (attention projections and MLP, all layers);
 * ``c``: 4 FLOPs per head dimension per head per layer per (token, context token) pair
@@ -17,6 +18,7 @@ It is a prior: real steps run below the matmul peak and replace it as they are o
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -41,12 +43,39 @@ def matmul_flops_per_s(dtype: jnp.dtype, n: int | None = None, device: jax.Devic
     return 2.0 * n**3 / max(statistics.median(times), 1e-9)
 
 
+@functools.lru_cache(maxsize=None)
+def device_matmul_rate(dtype_name: str) -> float:
+    """``matmul_flops_per_s`` on the first device, measured once per process and dtype (a
+    property of the machine: every engine of a process starts from the same figure)."""
+    return matmul_flops_per_s(jnp.dtype(dtype_name))
+
+
+# ---------------------------------------------------------------------------- model FLOPs
+def projection_flops(config: ModelConfig, tokens: int) -> float:
+    """FLOPs of the linear projections of every layer over ``tokens`` tokens: q, k, v, o and
+    gate, up, down (2 per multiply-add; no attention scores, no LM head, no biases)."""
+    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_token_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
+    return 2.0 * tokens * config.num_layers * per_token_layer
+
+
+def attention_flops(config: ModelConfig, start: int, tokens: int) -> float:
+    """Causal attention FLOPs of ``tokens`` new tokens after ``start`` cached ones, every layer:
+    token ``i`` scores and weights ``i + 1`` keys (QK^T and PV, 2 FLOPs per multiply-add per
+    head dimension of every query head).  The work any implementation must do; the reference
+    also scores the keys a token cannot see (masked), which this does not count."""
+    pairs = tokens * start + tokens * (tokens + 1) // 2
+    return 4.0 * pairs * config.num_heads * config.head_dim * config.num_layers
+
+
+def lm_head_flops(config: ModelConfig, rows: int) -> float:
+    return 2.0 * rows * config.hidden_size * config.vocab_size
+
+
 def extend_prior(config: ModelConfig, flops_per_s: float, tp: int = 1) -> tuple[float, float, float]:
     """``(a, b, c)`` of the extend model for ``config`` at ``flops_per_s`` per device, ``tp`` devices."""
-    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
     rate = flops_per_s * max(1, tp)
-    b = 2.0 * config.num_layers * per_layer / rate
-    c = 4.0 * config.num_layers * q / rate
-    a = 1e-3 + 2.0 * h * config.vocab_size / rate
+    b = projection_flops(config, 1) / rate
+    c = attention_flops(config, 0, 1) / rate  # one (token, context token) pair
+    a = 1e-3 + lm_head_flops(config, 1) / rate
     return a, b, c
