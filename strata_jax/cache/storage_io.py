@@ -195,10 +195,7 @@ class StorageIO:
         """``request_id``'s prefetch still in flight: (tokens landed, tokens in all, seconds since issue)."""
         for h in self._pending:
             if isinstance(h, PrefetchHandle) and h.request_id == request_id and not h.finished and not self._finished(h):
-                landed = h.landed
-                if self._timer is not None and h.landed_at is not None:  # simulated: pages land evenly
-                    span = max(h.landed_at - h.issued_at, 1e-12)
-                    landed = min(h.num_pages, int(h.num_pages * max(0.0, self._clock() - h.issued_at) / span))
+                landed = self._simulated_pages_landed(h) if self._timer is not None else h.landed
                 return landed * self.page_size, h.num_pages * self.page_size, self._clock() - h.issued_at
         return None
 
@@ -269,6 +266,11 @@ class StorageIO:
             self._timer.wait_until(end)  # type: ignore[union-attr]
         elif policy == "timeout":
             self._timer.wait_until(min(end, handle.deadline))  # type: ignore[union-attr]
+        return self._simulated_pages_landed(handle)
+
+    def _simulated_pages_landed(self, handle: PrefetchHandle) -> int:
+        """Pages of a simulated prefetch landed by now: they land evenly until ``landed_at``."""
+        end = handle.landed_at if handle.landed_at is not None else handle.issued_at
         now = self._clock()
         if now >= end:
             return handle.num_pages
