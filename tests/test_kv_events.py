@@ -66,7 +66,7 @@ class Subscriber:
 
 def _connected(engine: Engine, sub: Subscriber) -> None:
     """PUB drops what is sent before a subscriber joins: wait until a probe batch arrives."""
-    pub = engine.kv_events
+    pub = engine.kv_event_publisher
     deadline = time.monotonic() + 10
     while not sub.sock.poll(50):
         assert time.monotonic() < deadline, "the subscriber never connected"
@@ -128,10 +128,10 @@ def _replay(batches: list[tuple[int, list]], rank: int = 0) -> dict[str, set[int
 
 def test_events_replayed_give_what_the_tree_holds_in_every_tier(tmp_path):
     engine = _engine(tmp_path)
-    sub = Subscriber(engine.kv_events.endpoint)
+    sub = Subscriber(engine.kv_event_publisher.endpoint)
     try:
         _connected(engine, sub)
-        probe_events = engine.kv_events.stats()["queued_batches_total"]  # one event each
+        probe_events = engine.kv_event_publisher.stats()["queued_batches_total"]  # one event each
         rng = np.random.default_rng(0)
         documents = [rng.integers(3, 250, size=int(n)).tolist() for n in rng.integers(40, 300, size=6)]
         for round_ in range(40):
@@ -147,7 +147,7 @@ def test_events_replayed_give_what_the_tree_holds_in_every_tier(tmp_path):
             else:
                 engine.flush_cache("storage")
             engine.run_until_idle()
-            published = engine.kv_events.stats()
+            published = engine.kv_event_publisher.stats()
             assert published["dropped_batches_total"] == 0
             sub.drain_until(published["queued_batches_total"])
             assert _replay(sub.batches) == _tree_view(engine), f"round {round_}"
@@ -163,13 +163,13 @@ def test_events_replayed_give_what_the_tree_holds_in_every_tier(tmp_path):
 
 def test_stored_blocks_carry_the_chain_hash_parent_and_tokens(tmp_path):
     engine = _engine(tmp_path, tiers="L1", kv_events_replay_endpoint=None)
-    sub = Subscriber(engine.kv_events.endpoint)
+    sub = Subscriber(engine.kv_event_publisher.endpoint)
     try:
         _connected(engine, sub)
         prompt = list(range(5, 5 + 3 * PAGE + 7))
         engine.generate([prompt], SamplingParams(max_tokens=1))
         engine.run_until_idle()
-        sub.drain_until(engine.kv_events.stats()["queued_batches_total"])
+        sub.drain_until(engine.kv_event_publisher.stats()["queued_batches_total"])
         stored = [ev for _, b in sub.batches for ev in b[1] if ev["type"] == "BlockStored"]
         keys = chain_hashes(engine.ctl.tree.seed(""), prompt, PAGE)
         ints = [int.from_bytes(k[:8], "big") for k in keys]
@@ -189,18 +189,18 @@ def test_stored_blocks_carry_the_chain_hash_parent_and_tokens(tmp_path):
 
 def test_the_replay_socket_returns_a_missed_range(tmp_path):
     engine = _engine(tmp_path, tiers="L1")
-    sub = Subscriber(engine.kv_events.endpoint)
+    sub = Subscriber(engine.kv_event_publisher.endpoint)
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     try:
         _connected(engine, sub)
         for i in range(4):
             engine.generate([list(range(10 + i, 10 + i + 2 * PAGE))], SamplingParams(max_tokens=1))
         engine.run_until_idle()
-        total = engine.kv_events.stats()["queued_batches_total"]
+        total = engine.kv_event_publisher.stats()["queued_batches_total"]
         sub.drain_until(total)
         last = max(sub.payloads)
         first_missed = last - 2
-        dealer.connect(engine.kv_events.replay_endpoint)
+        dealer.connect(engine.kv_event_publisher.replay_endpoint)
         dealer.send_multipart((b"", first_missed.to_bytes(8, "big")))
         replayed = {}
         while True:
@@ -246,7 +246,7 @@ def test_a_full_queue_drops_and_counts_never_blocks(tmp_path):
 def test_off_by_default_and_bad_settings_are_clear_errors(tmp_path):
     engine = Engine(EngineConfig(model="tiny", warmup=False, show_progress=False, tiers="L1", device_tokens=1024), start=False)
     try:
-        assert engine.kv_events is None and engine.ctl.tree.tier_observer is None
+        assert engine.kv_event_publisher is None and engine.ctl.tree.tier_observer is None
         assert "kv_events" not in engine.cache_stats()
     finally:
         engine.shutdown()
@@ -265,13 +265,13 @@ def test_data_parallel_rank_shifts_ports_and_is_written_in_batches(tmp_path):
     assert offset_endpoint("tcp://*:0", 2) == "tcp://*:0"
     assert offset_endpoint("inproc://cache", 1) == "inproc://cache_dp1"
     engine = _engine(tmp_path, tiers="L1", data_parallel_rank=3, kv_events_replay_endpoint=None)
-    sub = Subscriber(engine.kv_events.endpoint)
+    sub = Subscriber(engine.kv_event_publisher.endpoint)
     try:
-        assert engine.kv_events.endpoint == f"ipc://{tmp_path}/events_dp3"
+        assert engine.kv_event_publisher.endpoint == f"ipc://{tmp_path}/events_dp3"
         _connected(engine, sub)
         engine.generate([list(range(3, 3 + 2 * PAGE))], SamplingParams(max_tokens=1))
         engine.run_until_idle()
-        sub.drain_until(engine.kv_events.stats()["queued_batches_total"])
+        sub.drain_until(engine.kv_event_publisher.stats()["queued_batches_total"])
         assert _replay(sub.batches, rank=3)["GPU"]
     finally:
         engine.shutdown()
@@ -286,11 +286,11 @@ def test_metrics_export_the_publisher_counters(tmp_path):
         engine.generate([list(range(3, 3 + 2 * PAGE))], SamplingParams(max_tokens=1))
         engine.run_until_idle()
         deadline = time.monotonic() + 10
-        while engine.kv_events.stats()["batches_total"] < engine.kv_events.stats()["queued_batches_total"]:
+        while engine.kv_event_publisher.stats()["batches_total"] < engine.kv_event_publisher.stats()["queued_batches_total"]:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         samples = {s.name: s.value for m in EngineStatsCollector(lambda: engine).collect() for s in m.samples}
-        stats = engine.kv_events.stats()
+        stats = engine.kv_event_publisher.stats()
         assert samples["strata_engine_kv_events_dropped_events_total"] == 0
         assert samples["strata_engine_kv_events_batches_total"] == stats["batches_total"] > 0
         assert samples["strata_engine_kv_events_events_total"] == stats["events_total"] > 0

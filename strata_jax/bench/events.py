@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     # The engine thread's own cost of events, timed directly (the throughput ratio alone
     # cannot resolve a few percent on a noisy machine): the tree observer and end_step.
-    recorder = engines["on"].core.kv_events
+    recorder = engines["on"].core.kv_event_recorder
     spent = [0.0]
 
     def timed(fn):
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     engines["on"].ctl.tree.tier_observer = timed(recorder.observe)
     recorder.end_step = timed(recorder.end_step)
-    assert engines["off"].ctl.tree.tier_observer is None and engines["off"].core.kv_events is None
+    assert engines["off"].ctl.tree.tier_observer is None and engines["off"].core.kv_event_recorder is None
     consumer = threading.Thread(target=drain, daemon=True)
     consumer.start()
     rng = np.random.default_rng(0)

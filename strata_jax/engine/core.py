@@ -112,7 +112,7 @@ class EngineCore:
             "pipeline_drains": 0, "held_row_drains": 0, "overlapped_steps": 0,
         }  # fmt: skip
         self.plan_log: list[PlanRecord] | None = None  # set to [] to record every step's decisions
-        self.kv_events: KVEventRecorder | None = None  # set by the engine when KV events are published
+        self.kv_event_recorder: KVEventRecorder | None = None  # set by the engine when KV events are published
 
     # ------------------------------------------------------------------ public
     def admit(self, t: TrackedRequest) -> None:
@@ -222,8 +222,8 @@ class EngineCore:
             if not self.pipeline and self._inflight is not None:
                 self._complete(self._take_inflight())
         self.counters["steps"] += 1
-        if self.kv_events is not None:
-            self.kv_events.end_step()
+        if self.kv_event_recorder is not None:
+            self.kv_event_recorder.end_step()
         if launched is None and previous is None:
             self.executor.idle()
 
@@ -526,7 +526,7 @@ class EngineCore:
 
     # ------------------------------------------------------------------ maintenance
     def flush(self, tier: str) -> None:
-        events = self.kv_events
+        events = self.kv_event_recorder
         mark = events.mark() if events is not None else 0
         self.ctl.drain()
         if tier in ("device", "all"):

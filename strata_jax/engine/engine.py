@@ -151,7 +151,7 @@ class Engine:
             outputs=self.output,
             pipeline=config.pipeline,
         )
-        self.kv_events = self._start_kv_events(config)
+        self.kv_event_publisher = self._start_kv_events(config)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._inbox_size = 0  # everything posted and not yet run
         self._inbox_admits = 0  # of which submissions (what counts against max_waiting)
@@ -398,10 +398,10 @@ class Engine:
             self.core.close(stop)
         self.output.close()
         self.executor.close()
-        if self.kv_events is not None:
-            if self.core.kv_events is not None:
-                self.core.kv_events.end_step()
-            self.kv_events.close()
+        if self.kv_event_publisher is not None:
+            if self.core.kv_event_recorder is not None:
+                self.core.kv_event_recorder.end_step()
+            self.kv_event_publisher.close()
         self.ctl.close()
         if self.config.freeze_gc:
             gc.unfreeze()  # what this engine leaves behind can be collected again
@@ -420,7 +420,7 @@ class Engine:
         )  # fmt: skip
         recorder = KVEventRecorder(self.ctl.tree, publisher.publish)
         self.ctl.tree.tier_observer = recorder.observe
-        self.core.kv_events = recorder
+        self.core.kv_event_recorder = recorder
         log.info("publishing KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
         return publisher
 

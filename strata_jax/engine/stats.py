@@ -64,5 +64,5 @@ def cache_stats(engine: Engine) -> dict[str, Any]:
         "device_idle_dispatches": device.idle_dispatches,
         "device_idle_s": device.idle_s,
         **core.counters,
-        **({"kv_events": engine.kv_events.stats()} if engine.kv_events is not None else {}),
+        **({"kv_events": engine.kv_event_publisher.stats()} if engine.kv_event_publisher is not None else {}),
     }

@@ -66,6 +66,3 @@ class KVEventRecorder:
         if self._events:
             events, self._events = self._events, []
             self.sink(time.time(), events)
-
-    def pending(self) -> int:
-        return len(self._events)
