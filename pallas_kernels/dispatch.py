@@ -2,7 +2,10 @@
 
 Backends, by name:
 
-* ``"reference"``: pure-JAX (XLA) reference; the default on CPU (and TPU).
+* ``"xla"``: XLA implementations written for a CPU: block-causal attention
+  (``pallas_kernels.blocked``); the page transfers and KV writes are the reference's.
+  The default on CPU (and TPU).
+* ``"reference"``: the pure-JAX references every other backend is tested against.
 * ``"pallas"``: compiled Pallas kernels, Triton lowering; the default on CUDA and ROCm.
 * ``"interpret"``: the same Pallas kernels in interpret mode (any platform; for tests).
 * ``"auto"``: choose by platform as above.
@@ -15,7 +18,7 @@ default.  The choice is made in Python when a function is traced, so inside
 ``jax.jit`` it is fixed at compile time: a jitted function traced once keeps its
 backend even if the environment changes later.
 
-``"auto"`` falls back to the reference for shapes the compiled kernel cannot tile
+``"auto"`` falls back to ``"xla"`` for shapes the compiled kernel cannot tile
 (attention with a head_dim that is not a power of two >= 16); an explicit
 ``"pallas"`` raises instead.
 
@@ -44,6 +47,7 @@ from pallas_kernels.attention import (
     ragged_paged_attention_pallas,
     ragged_paged_attention_pool_pallas,
 )
+from pallas_kernels.blocked import blocked_paged_attention, blocked_paged_attention_pool
 from pallas_kernels.reference import (
     gather_pages_reference,
     ragged_paged_attention_pool_reference,
@@ -54,7 +58,7 @@ from pallas_kernels.reference import (
 from pallas_kernels.transfer import gather_pages_pallas, scatter_pages_pallas
 
 ENV_VAR = "STRATA_KERNEL_BACKEND"
-BACKENDS = ("auto", "reference", "pallas", "interpret")
+BACKENDS = ("auto", "xla", "reference", "pallas", "interpret")
 _PALLAS_PLATFORMS = ("cuda", "rocm")
 
 
@@ -88,7 +92,7 @@ def platform_name() -> str:
 
 
 def default_backend_for(platform: str) -> str:
-    return "pallas" if platform in _PALLAS_PLATFORMS else "reference"
+    return "pallas" if platform in _PALLAS_PLATFORMS else "xla"
 
 
 _SCOPED_BACKEND: contextvars.ContextVar[str] = contextvars.ContextVar("strata_kernel_backend", default="auto")
@@ -125,6 +129,7 @@ _IMPLEMENTATIONS: Mapping[str, Mapping[str, Callable]] = MappingProxyType(
     {
         "scatter_pages": MappingProxyType(
             {
+                "xla": scatter_pages_reference,
                 "reference": scatter_pages_reference,
                 "pallas": scatter_pages_pallas,
                 "interpret": functools.partial(scatter_pages_pallas, interpret=True),
@@ -132,6 +137,7 @@ _IMPLEMENTATIONS: Mapping[str, Mapping[str, Callable]] = MappingProxyType(
         ),
         "gather_pages": MappingProxyType(
             {
+                "xla": gather_pages_reference,
                 "reference": gather_pages_reference,
                 "pallas": gather_pages_pallas,
                 "interpret": functools.partial(gather_pages_pallas, interpret=True),
@@ -139,6 +145,7 @@ _IMPLEMENTATIONS: Mapping[str, Mapping[str, Callable]] = MappingProxyType(
         ),
         "ragged_paged_attention": MappingProxyType(
             {
+                "xla": blocked_paged_attention,
                 "reference": ragged_paged_attention_reference,
                 "pallas": ragged_paged_attention_pallas,
                 "interpret": functools.partial(ragged_paged_attention_pallas, interpret=True),
@@ -146,6 +153,7 @@ _IMPLEMENTATIONS: Mapping[str, Mapping[str, Callable]] = MappingProxyType(
         ),
         "ragged_paged_attention_pool": MappingProxyType(
             {
+                "xla": blocked_paged_attention_pool,
                 "reference": ragged_paged_attention_pool_reference,
                 "pallas": ragged_paged_attention_pool_pallas,
                 "interpret": functools.partial(ragged_paged_attention_pool_pallas, interpret=True),
@@ -193,8 +201,21 @@ def _attention_backend(head_dim: int, backend: str | KernelConfig | None) -> str
     name = resolve_backend(backend)
     explicit = backend is not None and (backend.backend if isinstance(backend, KernelConfig) else backend) != "auto"
     if name == "pallas" and not attention_supported(head_dim) and not explicit:
-        return "reference"
+        return "xla"
     return name
+
+
+def _attention_options(
+    name: str, sm_scale: float, soft_cap: float | None, max_q_len: int | None, sliding_window
+) -> dict:
+    """Keyword arguments for backend ``name``: only the Pallas kernel takes ``max_q_len``;
+    ``sliding_window`` is passed only when set (``None`` is every backend's default)."""
+    options: dict = {"sm_scale": sm_scale, "soft_cap": soft_cap}
+    if name in ("pallas", "interpret"):
+        options["max_q_len"] = max_q_len
+    if sliding_window is not None:
+        options["sliding_window"] = sliding_window
+    return options
 
 
 def ragged_paged_attention(
@@ -207,23 +228,24 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | jax.Array | None = None,
     max_q_len: int | None = None,
     backend: str | KernelConfig | None = None,
 ) -> jax.Array:
     """Ragged paged attention of one layer (contract: ``ragged_paged_attention_reference``).
 
+    ``sliding_window`` (None, an int or a traced int32 scalar; <= 0 means full
+    attention): a token at position p reads KV positions ``max(0, p - window + 1)..p``.
     ``max_q_len`` (static, optional) bounds the new tokens of any one sequence; the
     Pallas kernel uses it to shrink its grid (pass 1 for decode-only batches), the
-    reference ignores it.  Inside a jitted model step prefer
+    others ignore it.  Inside a jitted model step prefer
     ``ragged_paged_attention_pool``: slicing ``kv_pool[layer, 0]`` for a GPU custom
     call copies the layer.
     """
     name = _attention_backend(q.shape[-1], backend)
     impl = _IMPLEMENTATIONS["ragged_paged_attention"][name]
     args = (q, k_pages, v_pages, page_table, seq_lens, query_start)
-    if name == "reference":
-        return impl(*args, sm_scale=sm_scale, soft_cap=soft_cap)
-    return impl(*args, sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len)
+    return impl(*args, **_attention_options(name, sm_scale, soft_cap, max_q_len, sliding_window))
 
 
 def ragged_paged_attention_pool(
@@ -236,29 +258,34 @@ def ragged_paged_attention_pool(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | jax.Array | None = None,
     max_q_len: int | None = None,
     backend: str | KernelConfig | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``ragged_paged_attention(q, kv_pool[layer, 0], kv_pool[layer, 1], ...)`` without the slice.
 
     ``kv_pool[L, 2, P, S, H, D]`` is the whole layer-first pool, ``layer`` a Python
-    int or a traced int32 scalar (the index of a layer scan).  Returns ``(out, kv_pool)`` and the caller continues with the returned
-    pool: the reference threads the pool through its block loop (a loop that only
+    int or a traced int32 scalar (the index of a layer scan), ``sliding_window`` as in
+    ``ragged_paged_attention`` (under a scan: this layer's entry of a per-layer array).
+    Returns ``(out, kv_pool)`` and the caller continues with the returned
+    pool: the XLA backends thread the pool through their block loops (a loop that only
     closed over it would make XLA copy the donated pool every step); the Pallas
     kernel reads the layer in place and hands the pool back unchanged.
     """
     name = _attention_backend(q.shape[-1], backend)
     impl = _IMPLEMENTATIONS["ragged_paged_attention_pool"][name]
-    args = (q, kv_pool, layer, page_table, seq_lens, query_start)
-    if name == "reference":
-        call = functools.partial(impl, sm_scale=sm_scale, soft_cap=soft_cap)
-    else:
+    options = _attention_options(name, sm_scale, soft_cap, max_q_len, None)
+    threads_pool = name in ("xla", "reference")
 
-        def call(*a):  # noqa: ANN002, ANN202
-            return impl(*a, sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len), a[1]
+    def call(q, kv_pool, layer, page_table, seq_lens, query_start, window):  # noqa: ANN001, ANN202
+        extra = {} if window is None else {"sliding_window": window}
+        result = impl(q, kv_pool, layer, page_table, seq_lens, query_start, **options, **extra)
+        return result if threads_pool else (result, kv_pool)
 
-    # Heads: q's axis 1 and the pool's axis 4 (a shard's q heads attend its own KV heads).
-    return sharded.per_head_shard(call, args, (1, 4, None, None, None, None), (1, 4))
+    args = (q, kv_pool, layer, page_table, seq_lens, query_start, sliding_window)
+    # Heads: q's axis 1 and the pool's axis 4 (a shard's q heads attend its own KV heads);
+    # the window, like the layer index, is replicated.
+    return sharded.per_head_shard(call, args, (1, 4, None, None, None, None, None), (1, 4))
 
 
 __all__ = [

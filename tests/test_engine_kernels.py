@@ -70,19 +70,22 @@ def assert_tiers_agree(got: dict, want_tokens: list[list[int]] | None = None) ->
         assert toks == reference, (tier, toks, reference)
 
 
-def test_interpreted_kernels_give_the_reference_tokens_from_every_tier(tmp_path):
+def test_interpreted_and_xla_kernels_give_the_reference_tokens_from_every_tier(tmp_path):
     reference = tier_tokens("reference", str(tmp_path / "ref"))
     assert reference["kernels"] == set()
     assert_tiers_agree(reference["tiers"])
     interpreted = tier_tokens("interpret", str(tmp_path / "interp"))
     assert interpreted["kernels"] == KERNELS  # attention, L2->L1 scatter and L1->L2 gather all ran as Pallas
     assert_tiers_agree(interpreted["tiers"], reference["tiers"]["cold"][0])
+    blocked = tier_tokens("xla", str(tmp_path / "xla"))  # the CPU default: block-causal attention
+    assert blocked["kernels"] == set()
+    assert_tiers_agree(blocked["tiers"], reference["tiers"]["cold"][0])
 
 
 def test_unknown_kernel_backend_is_a_clear_config_error():
     from strata_jax.api import InvalidRequestError
 
-    with pytest.raises(InvalidRequestError, match="kernel_backend must be one of auto, reference, pallas, interpret"):
+    with pytest.raises(InvalidRequestError, match="kernel_backend must be one of auto, xla, reference, pallas, interpret"):
         EngineConfig(kernel_backend="triton")
 
 

@@ -17,16 +17,19 @@ def _no_env(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
 
 
-@pytest.mark.parametrize("platform,want", [("cpu", "reference"), ("cuda", "pallas"), ("rocm", "pallas"), ("tpu", "reference")])
+@pytest.mark.parametrize("platform,want", [("cpu", "xla"), ("cuda", "pallas"), ("rocm", "pallas"), ("tpu", "xla")])
 def test_platform_defaults(platform, want):
     assert dispatch.resolve_backend(platform=platform) == want
     assert dispatch.resolve_backend("auto", platform=platform) == want
 
 
-def test_this_machine_is_cpu_and_uses_the_reference():
+def test_this_machine_is_cpu_and_uses_the_xla_backend():
+    from pallas_kernels.blocked import blocked_paged_attention
+
     assert dispatch.platform_name() == "cpu"
     assert dispatch.get_implementation("scatter_pages") is scatter_pages_reference
-    assert dispatch.get_implementation("ragged_paged_attention") is ragged_paged_attention_reference
+    assert dispatch.get_implementation("ragged_paged_attention") is blocked_paged_attention
+    assert dispatch.get_implementation("ragged_paged_attention", "reference") is ragged_paged_attention_reference
 
 
 def test_env_overrides_auto_but_not_an_explicit_choice(monkeypatch):
@@ -76,11 +79,11 @@ def test_bad_names_raise(monkeypatch):
 
 def test_every_op_has_every_concrete_backend():
     for op in dispatch.operations():
-        for backend in ("reference", "pallas", "interpret"):
+        for backend in ("xla", "reference", "pallas", "interpret"):
             assert callable(dispatch.get_implementation(op, backend))
 
 
-def test_auto_falls_back_to_reference_for_untileable_head_dim(monkeypatch):
+def test_auto_falls_back_to_xla_for_untileable_head_dim(monkeypatch):
     # head_dim 12 cannot be tiled by Triton: "auto" on a GPU platform falls back, an explicit "pallas" raises.
     monkeypatch.setattr(dispatch, "platform_name", lambda: "cuda")
     q = jnp.ones((2, 2, 12))

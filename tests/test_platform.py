@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_defaults_per_platform():
     cpu, cuda, rocm = defaults_for("cpu"), defaults_for("cuda"), defaults_for("rocm")
-    assert (cpu.dtype, cpu.kv_dtype, cpu.kernel_backend, cpu.host_memory_kind) == ("float32", "float32", "reference", "unpinned_host")
+    assert (cpu.dtype, cpu.kv_dtype, cpu.kernel_backend, cpu.host_memory_kind) == ("float32", "float32", "xla", "unpinned_host")
     assert cpu.max_context_cap == CPU_CONTEXT_CAP
     for gpu in (cuda, rocm):
         assert (gpu.dtype, gpu.kv_dtype, gpu.kernel_backend, gpu.host_memory_kind) == ("bfloat16", "bfloat16", "pallas", "pinned_host")
@@ -32,7 +32,7 @@ def test_defaults_per_platform():
 def test_resolve_applies_explicit_choices_over_defaults(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     here = resolve()
-    assert here.platform == "cpu" and here.kv_dtype == "float32" and here.kernel_backend == "reference"
+    assert here.platform == "cpu" and here.kv_dtype == "float32" and here.kernel_backend == "xla"
     gpu = resolve(platform="cuda", kv_dtype="float32", kernel_backend="interpret")
     assert (gpu.dtype, gpu.kv_dtype, gpu.kernel_backend) == ("bfloat16", "float32", "interpret")
     monkeypatch.setenv(dispatch.ENV_VAR, "interpret")  # "auto" defers to the environment, as dispatch does
@@ -87,7 +87,7 @@ def test_info_json_reports_devices_versions_and_choices():
     assert len(info["devices"]) == jax.device_count()  # the session's XLA_FLAGS reach the subprocess
     assert all("device" in d["memory_kinds"] for d in info["devices"])
     assert info["chosen"]["defaults"] == defaults_for("cpu").to_dict()
-    assert info["chosen"]["kernels"]["ragged_paged_attention_pool"].endswith("ragged_paged_attention_pool_reference")
+    assert info["chosen"]["kernels"]["ragged_paged_attention_pool"].endswith("blocked_paged_attention_pool")
     for platform in ("cuda", "rocm"):
         col = info["would_choose"][platform]
         assert col["defaults"] == defaults_for(platform).to_dict()

@@ -196,7 +196,7 @@ def format_text(info: dict[str, Any]) -> str:
         for op, fn in kernels.items():
             lines.append(f"  {op}: {fn}")
         if backend == "pallas":
-            lines.append("  (attention falls back to the reference for a head_dim that is not a power of two >= 16)")
+            lines.append("  (attention falls back to the xla backend for a head_dim that is not a power of two >= 16)")
 
     c = info["chosen"]
     env = f" (${info['kernel_env_var']}={c['kernel_backend_env']})" if c["kernel_backend_env"] else ""

@@ -16,7 +16,7 @@ Why each default (measured or documented, never a guess):
 * ``dtype`` (weights): float32 on CPU (the test platform; greedy parity with the
   Hugging Face reference in f32), bfloat16 on GPUs.
 * ``kernel_backend``: ``pallas_kernels.dispatch.default_backend_for`` (Pallas
-  Triton kernels on CUDA and ROCm, the pure-JAX reference elsewhere);
+  Triton kernels on CUDA and ROCm, the XLA block-causal attention (``"xla"``) elsewhere);
   ``$STRATA_KERNEL_BACKEND`` and an explicit choice override ``"auto"``.
 * ``host_memory_kind``: ``pinned_host`` on GPUs (page-locked memory DMAs at link
   speed; pageable memory goes through a driver bounce buffer), ``unpinned_host`` on
@@ -45,7 +45,7 @@ class PlatformDefaults:
     platform: str
     dtype: str
     kv_dtype: str
-    kernel_backend: str  # a concrete pallas_kernels backend: "pallas", "reference" or "interpret"
+    kernel_backend: str  # a concrete pallas_kernels backend: "pallas", "xla", "reference" or "interpret"
     host_memory_kind: str
     max_context_cap: int | None  # None: the model's own limit
 
