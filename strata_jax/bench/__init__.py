@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "structured": "strata_jax.bench.structured",
     "events": "strata_jax.bench.events",
     "prefill": "strata_jax.bench.prefill",
+    "prefill-hf": "strata_jax.bench.prefill_hf",
 }
 
 

@@ -16,16 +16,18 @@ table width of the engine), warm, median of ``--repeats``:
   stacked weights, as the model runs them) over the bucket's tokens;
 * **norms, RoPE, SiLU**: the elementwise rest of the layers;
 * **attention**: ``pallas_kernels.ragged_paged_attention_pool``, with the backend the
-  engine resolved (on CPU: the pure-JAX reference), over the chunk's pages, every layer;
+  engine resolved (on CPU: ``"xla"``, the block-causal ``pallas_kernels.blocked``), over
+  the chunk's pages, every layer;
 * **KV writes**: ``pallas_kernels.write_kv`` of the chunk's K/V, every layer;
 * **LM head**: the logits of the rows that sample (one per real sequence);
 * **sampling**: ``sampling_step.sample_with_extras`` on the bucket's rows;
 * **step inputs, embedding, final norm**: ``model_inputs`` (page tables, positions,
   slot mapping), the embedding gather, the final norm and the tables' update;
 * **padding**: what the bucket computes beyond the chunk: its padding tokens' share of
-  the per-token pieces (matmuls, elementwise, attention and KV writes are linear in the
-  bucket's tokens: the reference scores every token of the bucket against each KV
-  block) plus the LM head's padding rows (measured: all rows minus one row).
+  the per-token pieces (matmuls, elementwise and KV writes are linear in the bucket's
+  tokens; so is attention on the ``"reference"`` backend, which scores every token of
+  the bucket against each KV block, while the others skip padding tokens) plus the LM
+  head's padding rows (measured: all rows minus one row).
 * **host**: TTFT minus the device time (admission, scheduling, page bookkeeping,
   dispatch gaps, reading the token);
 * **other / overlap**: device time minus the sum of the pieces: what the pieces do not
@@ -423,13 +425,24 @@ class _Pieces:
         return out
 
 
-def _split_padding(plan: ChunkPlan, piece: dict[str, float]) -> dict[str, float]:
+# Backends whose extend attention costs per bucket token (padding tokens included): the
+# reference scores every token of the bucket against each KV block of each sequence.  The
+# others walk only the sequences' real tokens.
+ATTENTION_PER_BUCKET_TOKEN = ("reference",)
+
+
+def _split_padding(plan: ChunkPlan, piece: dict[str, float], kernel_backend: str) -> dict[str, float]:
     """One chunk's parts: per-token pieces split between its real tokens and its bucket's
     padding (linear in tokens), the LM head's padding rows measured."""
     real = plan.tokens / plan.bucket
     parts = {}
     padding = 0.0
-    for name in ("matmuls", "elementwise", "attention", "kv_write"):
+    per_bucket_token = ["matmuls", "elementwise", "kv_write"]
+    if kernel_backend in ATTENTION_PER_BUCKET_TOKEN:
+        per_bucket_token.append("attention")
+    else:
+        parts["attention"] = piece["attention"]
+    for name in per_bucket_token:
         parts[name] = piece[name] * real
         padding += piece[name] * (1.0 - real)
     parts["lm_head"] = min(piece["lm_head_one"], piece["lm_head_rows"])
@@ -473,7 +486,7 @@ def _breakdown(args: argparse.Namespace, chunk: int) -> dict:
     per_chunk = []
     for plan in plans:
         measured = pieces.measure(plan, args.repeats, shape_cache)
-        per_chunk.append({"plan": asdict(plan), "pieces": measured, "parts": _split_padding(plan, measured)})
+        per_chunk.append({"plan": asdict(plan), "pieces": measured, "parts": _split_padding(plan, measured, runner.kernel_backend)})
     parts = {name: sum(c["parts"][name] for c in per_chunk) for name in PARTS}
     median = engine_numbers["median"]
     seconds, shares = split_shares(parts, median["device_s"], median["ttft_s"])
