@@ -83,3 +83,18 @@ def attention_flops_tiny(start: int, tokens: int) -> float:
     from strata_jax.models.loader import tiny_config
 
     return attention_flops(tiny_config(), start, tokens)
+
+
+def test_prefill_hf_side_by_side_on_a_random_llama(tmp_path, capsys):
+    """``bench prefill-hf`` on a small random Llama saved as a HF folder: both sides prefill
+    the same prompts in chunks, agree on every greedy first token, and report their ratio."""
+    from hf_reference import make_hf_model
+
+    make_hf_model("qwen2", tmp_path / "model")
+    out = tmp_path / "r.json"
+    argv = ["--model", str(tmp_path / "model"), "--tokens", "70", "--chunk", "32", "--repeats", "2", "--json", str(out)]
+    assert run_benchmark("prefill-hf", argv) == 0
+    report = json.loads(out.read_text())
+    assert len(report["rounds"]) == 2
+    assert all(r["engine_token"] == r["hf_token"] and r["engine_s"] > 0 and r["hf_s"] > 0 for r in report["rounds"])
+    assert "strata-jax / transformers" in capsys.readouterr().out

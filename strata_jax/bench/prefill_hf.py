@@ -20,6 +20,7 @@ error, not a footnote.  Needs torch and transformers (the ``test`` extra).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import time
@@ -65,13 +66,15 @@ def hf_chunked_prefill(model, prompt: list[int], chunk: int) -> tuple[float, int
     from transformers import DynamicCache
 
     ids = torch.tensor([prompt], dtype=torch.long)
+    # transformers 5.x renames past_key_values to cache; the DynamicCache fills in place either way
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
         t0 = time.perf_counter()
         cache = DynamicCache()
         logits = None
         for start in range(0, len(prompt), chunk):
-            out = model(input_ids=ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache, logits = out.past_key_values, out.logits
+            out = model(input_ids=ids[:, start : start + chunk], use_cache=True, logits_to_keep=1, **{cache_arg: cache})
+            logits = out.logits
         seconds = time.perf_counter() - t0
     return seconds, int(logits[0, -1].argmax())
 
