@@ -95,7 +95,7 @@ def server_info(frontend: Frontend, instance_id: str) -> dict[str, Any]:
         "version": _version(),
         "max_batch_size": _int_or_none(getattr(cfg, "max_batch_size", None)),
         "max_total_tokens": max_total_tokens,
-        "max_prefill_tokens": _int_or_none(getattr(cfg, "max_batch_tokens", None)),
+        "max_prefill_tokens": _int_or_none(getattr(engine, "prefill_chunk", getattr(cfg, "max_batch_tokens", None))),
         "max_running_requests": _int_or_none(running),
         "context_length": _int_or_none(engine.max_context_tokens),
         "page_size": _int_or_none(getattr(engine, "page_size", None)),

@@ -41,7 +41,14 @@ class EngineConfig:
     storage_url: the Redis/Valkey server of storage_backend "redis"
         (default redis://127.0.0.1:6379/0); engines sharing it share L3.
     policy: scheduler policy, "strata" (default) or "fifo".
-    max_batch_tokens: new tokens computed per prefill step (longer prompts are chunked).
+    max_batch_tokens: new tokens computed per prefill step at most (longer prompts are
+        chunked); the largest extend program compiled.
+    prefill_chunk: the prefill token budget per step: "max" (default: max_batch_tokens),
+        an integer up to max_batch_tokens given as text (e.g. "1024"), or "auto": after
+        warm-up time one step per compiled extend bucket (continuing a prompt as long as
+        the largest bucket) and use the smallest bucket
+        whose time per token is within 10% of the cheapest bucket's
+        (strata_jax/runtime/chunk_tuning.py; needs warmup).
     max_batch_size: sequences per prefill or decode step.
     max_running_requests: requests running (prefilling or decoding) at once, each holding a
         row of per-sequence state on the device; more wait in the queue.  None = 4 *
@@ -66,8 +73,9 @@ class EngineConfig:
         serving walks only what serving created, not the ~0.4M objects of the model and
         jax's traced programs (otherwise a 0.3 s pause of the engine loop, measured).
     kernel_backend: attention and KV-transfer kernels: "auto" (default: Pallas on
-        CUDA/ROCm, pure-JAX reference on CPU; $STRATA_KERNEL_BACKEND overrides auto),
-        "pallas", "reference" or "interpret" (Pallas interpreted; slow, for tests).
+        CUDA/ROCm, "xla" on CPU; $STRATA_KERNEL_BACKEND overrides auto), "pallas",
+        "xla" (block-causal XLA attention, pallas_kernels.blocked), "reference" (the
+        pure-JAX references) or "interpret" (Pallas interpreted; slow, for tests).
     scan_layers: run the decoder layers under ``jax.lax.scan`` (default: compile time
         independent of depth); False unrolls them (for step-time comparisons).
     pipeline: overlap the host and the device (default): step N+1 is scheduled and
@@ -109,6 +117,7 @@ class EngineConfig:
     storage_url: str = "redis://127.0.0.1:6379/0"
     policy: str = "strata"
     max_batch_tokens: int = 512
+    prefill_chunk: str = "max"
     max_batch_size: int = 16
     max_waiting: int = 1024
     max_running_requests: int | None = None
@@ -153,6 +162,16 @@ class EngineConfig:
                 )
         if self.max_batch_tokens <= self.max_batch_size:
             raise InvalidRequestError("EngineConfig.max_batch_tokens must exceed max_batch_size")
+        chunk = str(self.prefill_chunk)
+        if chunk == "auto" and not self.warmup:
+            raise InvalidRequestError('EngineConfig.prefill_chunk "auto" measures steps at warm-up: it needs warmup=True')
+        if chunk not in ("max", "auto") and not (
+            chunk.isdigit() and self.max_batch_size < int(chunk) <= self.max_batch_tokens
+        ):
+            raise InvalidRequestError(
+                f'EngineConfig.prefill_chunk must be "max", "auto" or an integer above max_batch_size '
+                f"({self.max_batch_size}) and at most max_batch_tokens ({self.max_batch_tokens}), got {self.prefill_chunk!r}"
+            )
         for name in ("dtype", "kv_dtype"):
             if getattr(self, name) not in (None, "float32", "bfloat16"):
                 raise InvalidRequestError(f"EngineConfig.{name} must be float32 or bfloat16, got {getattr(self, name)!r}")
@@ -196,9 +215,10 @@ class EngineConfig:
             if self.scheduler.max_running_requests is None:  # the engine's device rows bound it
                 return dataclasses.replace(self.scheduler, max_running_requests=self.resolved_max_running_requests)
             return self.scheduler
+        chunk = str(self.prefill_chunk)
         return SchedulerConfig(
             policy=self.policy,
-            max_batch_tokens=self.max_batch_tokens,
+            max_batch_tokens=int(chunk) if chunk.isdigit() else self.max_batch_tokens,  # "auto": set after warm-up
             max_prefill_batch_size=self.max_batch_size,
             max_decode_batch_size=self.max_batch_size,
             max_waiting=self.max_waiting,

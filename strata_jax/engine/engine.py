@@ -182,6 +182,11 @@ class Engine:
                 )
             self.ctl.warmup_transfers()  # or the first L2 hit compiles its scatter while serving
             self.transfer_compiles_at_warmup = self._transfer_compiles()
+        self.extend_step_seconds: dict[int, float] = {}  # prefill_chunk "auto": the measured steps
+        if config.warmup and str(config.prefill_chunk) == "auto":
+            progress.phase("measuring prefill steps")
+            self._tune_prefill_chunk()
+        self.prefill_chunk = self.scheduler.config.max_batch_tokens
         # XLA programs of the whole start-up (load + warm-up): compiled vs read from the persistent cache.
         self.startup_compiles = compilation_cache.COUNTER.snapshot().minus(compiles_before)
         if config.freeze_gc:
@@ -196,6 +201,22 @@ class Engine:
         if start:
             self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
             self._thread.start()
+
+    def _tune_prefill_chunk(self) -> None:
+        """``prefill_chunk="auto"``: time a step per extend bucket (before any page is handed
+        out), make the chunk the scheduler fills the one ``chunk_tuning`` picks, and start
+        the scheduler's extend cost model from these measurements."""
+        from strata_jax.runtime import chunk_tuning
+
+        timings = self.runner.time_extend_buckets()
+        seconds = dict(timings.seconds)
+        chunk = chunk_tuning.choose_prefill_chunk(seconds)
+        scheduler = self.scheduler
+        scheduler.config = dataclasses.replace(scheduler.config, max_batch_tokens=chunk)
+        for tokens, step in seconds.items():
+            scheduler.cost.observe_extend([(tokens, timings.context_tokens)], step)
+        self.extend_step_seconds = seconds
+        log.info(chunk_tuning.describe(seconds, chunk))
 
     # ------------------------------------------------------------------ the parts
     @property

@@ -45,6 +45,7 @@ from strata_jax.models.llama import LlamaForCausalLM
 from strata_jax.runtime import executable_cache, sampling_step
 from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.buckets import extend_rows, pick_bucket, power_of_two_buckets
+from strata_jax.runtime.chunk_tuning import BucketTimings
 from strata_jax.runtime.executable_cache import ExecutableCache
 from strata_jax.runtime.sampling_state import SamplingState
 from strata_jax.runtime.seq_state import COUNT_SAMPLE, HOST_TOKEN, RowParams, SeqSlots, after_step
@@ -333,6 +334,39 @@ class ModelRunner:
         """The step's arguments (all but ``all_logits``) for padded inputs of ``shape``."""
         sampling = self.sampling
         return (self.state, self.pool.kv, sampling.bias, sampling.flags, self.seqs.tables, self._empty_inputs(*shape))
+
+    def time_extend_buckets(self, *, min_tokens: int = 64, repeats: int = 2, seed: int = 0) -> BucketTimings:
+        """Seconds of one prefill step per extend bucket of at least ``min_tokens`` tokens
+        (and always the largest), the best of ``repeats``, host work included
+        (``chunk_tuning`` uses them).
+
+        Each step is one sequence of exactly the bucket's tokens continuing a prompt that
+        already holds as many tokens as the largest bucket (when the pool has room): the
+        chunk of a long prompt, whose attention per token then differs little between
+        buckets; at no context a larger bucket's tokens would see more keys on average and
+        look dearer per token than they are.  It writes KV into the pool's first pages:
+        call it before any page is handed out (the engine does, right after warm-up)."""
+        import time
+
+        rng = np.random.default_rng(seed)
+        high = max(4, min(self.model_config.vocab_size, 32000) - 2)
+        largest = self.extend_shapes[-1][0]
+        page_size = self.config.page_size
+        room = min(self.config.num_device_pages * page_size, self.config.max_context_tokens)
+        context = largest if 2 * largest <= room else 0
+        seconds: dict[int, float] = {}
+        for tokens, _ in self.extend_shapes:
+            pages = list(range(-(-(context + tokens) // page_size)))
+            if (tokens < min_tokens and tokens != largest) or len(pages) * page_size > room:
+                continue
+            best = float("inf")
+            for _ in range(repeats):
+                seq = SeqInput(rng.integers(3, high, size=tokens).tolist(), context, pages)
+                start = time.perf_counter()
+                self.step([seq])
+                best = min(best, time.perf_counter() - start)
+            seconds[tokens] = best
+        return BucketTimings(context, seconds)
 
     def program_arguments(self, tokens: int, seqs: int, *, decode: bool) -> tuple:
         """The step program a batch of ``tokens`` new tokens over ``seqs`` sequences runs, as
