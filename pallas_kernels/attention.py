@@ -17,6 +17,11 @@ Kernel design (one program per ``(sequence b, row block r, kv head h)``):
   so any page size from 1 to 64 (or more) works with the same tiles.  The loop stops
   at the last position the block's last row may see (causal), so short sequences in
   a long batch cost nothing extra.
+* A sliding window (``sliding_window``: a per-layer runtime scalar, like the layer
+  index, so one compiled kernel serves local and global layers; <= 0 is full
+  attention) also moves the loop's *start*: a program begins at the block holding
+  the first position its first row may see, so a local layer reads only its window,
+  whatever the context length.
 * Online softmax in float32; masked scores are set to a large negative number and
   masked V rows to zero, so NaN-poisoned (never written) slots cannot leak.
 * Rows past a sequence's end store into a trash row (``num_tokens``) that is sliced
@@ -76,6 +81,7 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start) -> Non
 
 def _attention_kernel(
     layer_ref,
+    window_ref,
     qstart_ref,
     seqlen_ref,
     table_ref,
@@ -122,6 +128,13 @@ def _attention_kernel(
         last_tok = (jnp.minimum(row0 + block_rows, n_rows) - 1) // group
         kv_end = jnp.minimum(seq_len - q_len + last_tok + 1, seq_len)
         n_blocks = (kv_end + block_kv - 1) // block_kv
+        # Sliding window (w <= 0: full attention): row r sees positions pos_r - w + 1 .. pos_r;
+        # nothing before the first row's window start is read at all.
+        window = window_ref[0]
+        first_pos = seq_len - q_len + row0 // group
+        kv_start = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+        first_block = kv_start // block_kv
+        lo = jnp.where(window > 0, pos - window + 1, 0)  # [BR], may be negative
         head_dim = q.shape[-1]
 
         def body(kb, carry):
@@ -137,13 +150,13 @@ def _attention_kernel(
             ) * sm_scale
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
-            visible = kv_pos[None, :] <= pos[:, None]
+            visible = (kv_pos[None, :] <= pos[:, None]) & (kv_pos[None, :] >= lo[:, None])
             scores = jnp.where(visible, scores, _NEG)
             new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
             probs = jnp.where(visible, jnp.exp(scores - new_max[:, None]), 0.0)
             correction = jnp.exp(row_max - new_max)
             row_sum = row_sum * correction + jnp.sum(probs, axis=1)
-            v = jnp.where((kv_pos < kv_end)[:, None], v, jnp.zeros_like(v))
+            v = jnp.where(((kv_pos >= kv_start) & (kv_pos < kv_end))[:, None], v, jnp.zeros_like(v))
             pv = jax.lax.dot_general(
                 probs.astype(dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
             )
@@ -155,7 +168,7 @@ def _attention_kernel(
             jnp.full((block_rows,), _NEG, jnp.float32),
             jnp.zeros((block_rows,), jnp.float32),
         )
-        acc, _, row_sum = jax.lax.fori_loop(0, n_blocks, body, init)
+        acc, _, row_sum = jax.lax.fori_loop(first_block, n_blocks, body, init)
         out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
         dest = jnp.where(row_ok, q_start + tok_local, num_tokens)  # trash row for overhang
         o_ref[dest, h, head_in_group, :] = out.astype(o_ref.dtype)
@@ -171,6 +184,7 @@ def ragged_paged_attention_pallas(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | jax.Array | None = None,
     max_q_len: int | None = None,
     block_rows: int | None = None,
     block_kv: int = 64,
@@ -178,7 +192,9 @@ def ragged_paged_attention_pallas(
     num_stages: int = 2,
     interpret: bool = False,
 ) -> jax.Array:
-    """Pallas ragged paged attention; same contract as the reference.
+    """Pallas ragged paged attention; same contract as the reference (``sliding_window``
+    included: None, an int or a traced int32 scalar, <= 0 = full attention; it reaches
+    the kernel as a one-element operand, so windows never cause a recompile).
 
     Extra static knobs: ``max_q_len`` bounds the new tokens of any one sequence
     (default: all T tokens; pass 1 for a decode-only batch to shrink the grid; a
@@ -193,8 +209,8 @@ def ragged_paged_attention_pallas(
     v5 = v_pages.astype(k_pages.dtype).reshape(k5.shape)
     return _attention_call(
         q, k5, v5, 0, 0, 0, page_size, page_table, seq_lens, query_start,
-        sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len, block_rows=block_rows,
-        block_kv=block_kv, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, max_q_len=max_q_len,
+        block_rows=block_rows, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # fmt: skip
 
 
@@ -208,6 +224,7 @@ def ragged_paged_attention_pool_pallas(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | jax.Array | None = None,
     max_q_len: int | None = None,
     block_rows: int | None = None,
     block_kv: int = 64,
@@ -239,14 +256,14 @@ def ragged_paged_attention_pool_pallas(
     kv5 = kv_pool.reshape(layers, 2, num_pages * page_size, num_kv_heads, head_dim)
     return _attention_call(
         q, kv5, kv5, layer, 0, 1, page_size, page_table, seq_lens, query_start,
-        sm_scale=sm_scale, soft_cap=soft_cap, max_q_len=max_q_len, block_rows=block_rows,
-        block_kv=block_kv, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, max_q_len=max_q_len,
+        block_rows=block_rows, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # fmt: skip
 
 
 def _attention_call(
     q, k5, v5, layer, k_kv, v_kv, page_size, page_table, seq_lens, query_start,
-    *, sm_scale, soft_cap, max_q_len, block_rows, block_kv, num_warps, num_stages, interpret,
+    *, sm_scale, soft_cap, sliding_window, max_q_len, block_rows, block_kv, num_warps, num_stages, interpret,
 ) -> jax.Array:  # fmt: skip
     """Launch the kernel on K/V sources ``[L', 2, P*S, H, D]`` read at ``[layer, k_kv]`` /
     ``[layer, v_kv]`` (``layer``: int or int32 scalar array, read by the kernel at run time)."""
@@ -269,6 +286,7 @@ def _attention_call(
         )
     if num_tokens == 0 or batch == 0:
         return jnp.zeros_like(q)
+    window = _window_operand(sliding_window)
 
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     row_blocks = -(-(max_q * group) // block_rows)
@@ -289,7 +307,7 @@ def _attention_call(
     out = pl.pallas_call(
         kernel,
         grid=(batch, row_blocks, num_kv_heads),
-        in_specs=[pl.no_block_spec] * 7,
+        in_specs=[pl.no_block_spec] * 8,
         out_specs=pl.no_block_spec,
         out_shape=jax.ShapeDtypeStruct((num_tokens + 1, num_kv_heads, group, head_dim), q.dtype),
         interpret=interpret,
@@ -297,6 +315,7 @@ def _attention_call(
         name="strata_ragged_paged_attention",
     )(
         jnp.asarray(layer, jnp.int32).reshape(1),
+        window,
         query_start.astype(jnp.int32),
         seq_lens.astype(jnp.int32),
         page_table.astype(jnp.int32),
@@ -307,6 +326,15 @@ def _attention_call(
     out = out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
     is_real = jnp.arange(num_tokens) < query_start[batch]
     return jnp.where(is_real[:, None, None], out, jnp.zeros((), out.dtype))
+
+
+def _window_operand(sliding_window: int | jax.Array | None) -> jax.Array:
+    """The window as the kernel's one-element int32 operand (0: full attention)."""
+    if sliding_window is None:
+        return jnp.zeros((1,), jnp.int32)
+    if jnp.ndim(sliding_window) != 0 or not jnp.issubdtype(jnp.result_type(sliding_window), jnp.integer):
+        raise AttentionShapeError(f"sliding_window must be None, an int or an integer scalar array, got {sliding_window!r}")
+    return jnp.asarray(sliding_window, jnp.int32).reshape(1)
 
 
 __all__ = [

@@ -57,6 +57,7 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | jax.Array | None = None,
     kv_block_tokens: int = 256,
 ) -> jax.Array:
     """Attention of a ragged batch of new tokens over their paged K/V.
@@ -75,6 +76,12 @@ def ragged_paged_attention_reference(
     Tokens past query_start[B] are padding; their output is 0.
     GQA: query head h reads KV head h // (num_q_heads // num_kv_heads).
     soft_cap: if set, scores become soft_cap * tanh(scores / soft_cap).
+    sliding_window: None (full attention), a Python int or a traced int32 scalar (one
+    value of a per-layer array a layer scan walks).  With a window w > 0 a token at
+    position p reads only KV positions max(0, p - w + 1)..p (Hugging Face's
+    ``kv_idx > q_idx - w``); w <= 0 means full attention, so one scanned array can mix
+    local and global layers.  KV blocks entirely older than every token's window are
+    never read: the block loops start at the first block a token needs.
 
     Flash-style online softmax over KV blocks of ``kv_block_tokens``; loops run only
     over the blocks that are needed (dynamic trip counts), so a short batch costs
@@ -94,6 +101,7 @@ def ragged_paged_attention_reference(
         query_start,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
+        sliding_window=sliding_window,
         kv_block_tokens=kv_block_tokens,
     )
     return out
@@ -109,6 +117,7 @@ def ragged_paged_attention_pool_reference(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | jax.Array | None = None,
     kv_block_tokens: int = 256,
 ) -> tuple[jax.Array, jax.Array]:
     """``ragged_paged_attention_reference`` reading layer ``layer`` (a Python int or a
@@ -130,6 +139,7 @@ def ragged_paged_attention_pool_reference(
         query_start,
         sm_scale=sm_scale,
         soft_cap=soft_cap,
+        sliding_window=sliding_window,
         kv_block_tokens=kv_block_tokens,
     )
 
@@ -145,6 +155,7 @@ def _ragged_attention_core(
     *,
     sm_scale: float,
     soft_cap: float | None = None,
+    sliding_window: int | jax.Array | None = None,
     kv_block_tokens: int = 256,
 ):
     """Shared implementation; ``read_block(kv_source, pages[B_or_T, ppb]) -> (k, v)``.
@@ -165,6 +176,9 @@ def _ragged_attention_core(
     q_lens = query_start[1:] - query_start[:-1]
     pos = seq_lens[seq_of_token] - q_lens[seq_of_token] + (token_idx - query_start[seq_of_token])
     kv_len = jnp.where(is_real, pos + 1, 0)  # KV positions this token may read
+    # First KV position each token may read: 0, or the start of its window (a window <= 0 is
+    # full attention).  Static None keeps the plain causal program.
+    kv_lo = jnp.zeros_like(kv_len) if sliding_window is None else _window_start(pos, sliding_window, kv_len)
 
     pages_per_block = max(1, min(max_pages, kv_block_tokens // page_size))
     max_blocks = -(-max_pages // pages_per_block)
@@ -197,15 +211,21 @@ def _ragged_attention_core(
     )
 
     if per_token:
-        # Decode: each token gathers its own sequence's block.
-        num_blocks = jnp.minimum(-(-jnp.max(kv_len) // block_tokens), max_blocks)
+        # Decode: each token gathers its own sequence's blocks, from the first its window
+        # needs (block index first_block[t] + j), so a local layer's loop length is its
+        # window, not the context.
+        first_block = kv_lo // block_tokens
+        end_block = -(-kv_len // block_tokens)
+        num_blocks = jnp.minimum(jnp.max(end_block - first_block), max_blocks)
+        tok_tables = table[seq_of_token]  # [T, max_blocks, ppb]
 
-        def block_body(block, carry):
+        def block_body(j, carry):
             *stats, src = carry
-            pages = jax.lax.dynamic_index_in_dim(table, block, axis=1, keepdims=False)  # [B, ppb]
-            kv_pos = block * block_tokens + jnp.arange(block_tokens)
-            visible = kv_pos[None, :] < kv_len[:, None]  # [T, K]
-            k, v = read_block(src, pages[seq_of_token])
+            block = jnp.minimum(first_block + j, max_blocks - 1)  # [T]
+            pages = jnp.take_along_axis(tok_tables, block[:, None, None], axis=1)[:, 0]  # [T, ppb]
+            kv_pos = (first_block + j)[:, None] * block_tokens + jnp.arange(block_tokens)[None, :]  # [T, K]
+            visible = (kv_pos >= kv_lo[:, None]) & (kv_pos < kv_len[:, None])
+            k, v = read_block(src, pages)
             k = k.reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
             v = v.reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
             scores = jnp.einsum("thgd,tkhd->thgk", qf, k.astype(jnp.float32))
@@ -220,13 +240,19 @@ def _ragged_attention_core(
         # blocks, so padding rows of the batch (seq_lens 0) cost nothing: the cost follows
         # the real sequences, not the batch bucket.
         seq_blocks = jnp.minimum(-(-seq_lens // block_tokens), max_blocks)
+        if sliding_window is None:
+            seq_first_blocks = jnp.zeros_like(seq_blocks)
+        else:  # the window of the sequence's first new token starts its loop
+            first_pos = seq_lens - q_lens
+            seq_first_blocks = _window_start(first_pos, sliding_window, seq_lens) // block_tokens
 
         def seq_body(b, carry):
             def block_body(block, carry):
                 *stats, src = carry
                 pages = jax.lax.dynamic_index_in_dim(table[b], block, axis=0, keepdims=False)  # [ppb]
                 kv_pos = block * block_tokens + jnp.arange(block_tokens)
-                visible = (seq_of_token == b)[:, None] & (kv_pos[None, :] < kv_len[:, None])  # [T, K]
+                in_range = (kv_pos[None, :] >= kv_lo[:, None]) & (kv_pos[None, :] < kv_len[:, None])
+                visible = (seq_of_token == b)[:, None] & in_range  # [T, K]
                 k, v = read_block(src, pages)
                 k = k.reshape(block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
                 v = v.reshape(block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
@@ -235,8 +261,16 @@ def _ragged_attention_core(
                 stats = online_softmax(stats, scores, visible, lambda p: jnp.einsum("thgk,khd->thgd", p, v))
                 return (*stats, src)
 
-            return jax.lax.fori_loop(0, seq_blocks[b], block_body, carry)
+            return jax.lax.fori_loop(seq_first_blocks[b], seq_blocks[b], block_body, carry)
 
         acc, _, row_sum, kv_source = jax.lax.fori_loop(0, batch, seq_body, (*init, kv_source))
     out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype), kv_source
+
+
+def _window_start(pos: jax.Array, sliding_window: int | jax.Array, limit: jax.Array) -> jax.Array:
+    """First KV position a token at ``pos`` reads under ``sliding_window`` (<= 0: full
+    attention, 0), clipped to ``[0, limit]`` so padding (``limit`` 0) reads nothing."""
+    window = jnp.asarray(sliding_window, jnp.int32)
+    start = jnp.where(window > 0, pos - window + 1, 0)
+    return jnp.clip(start, 0, limit)

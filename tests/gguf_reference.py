@@ -14,7 +14,13 @@ import numpy as np
 import torch
 
 # HF model_type -> the architecture llama.cpp writes (Mistral is converted as llama)
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+# Gemma: four norms per layer, ffn_norm is the one before the MLP; llama.cpp stores every norm weight + 1
+_GEMMA_LAYER = {
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -60,7 +66,7 @@ def llama_cpp_rope_freqs(cfg, head_dim: int) -> np.ndarray | None:
     return np.array(divisors, dtype=np.float32)
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf_name == "model.norm.weight":
@@ -68,7 +74,25 @@ def gguf_name(hf_name: str) -> str:
     if hf_name == "lm_head.weight":
         return "output.weight"
     parts = hf_name.split(".")
-    return f"blk.{parts[2]}.{_LAYER['.'.join(parts[3:])]}"
+    rest = ".".join(parts[3:])
+    names = {**_LAYER, **_GEMMA_LAYER} if arch.startswith("gemma") else _LAYER
+    return f"blk.{parts[2]}.{names[rest]}"
+
+
+def _write_gemma_metadata(writer, cfg) -> None:
+    """What llama.cpp's Gemma2Model / Gemma3Model converters add: the window, the soft-caps (Gemma 2),
+    the per-layer pattern (newer converters; true = sliding window) and Gemma 3's local rope base."""
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if cfg.model_type == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    else:
+        writer.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+        full = cfg.rope_parameters["full_attention"]
+        if full.get("rope_type") == "linear":  # Gemma3Model.set_gguf_parameters: global layers' scaling
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
 
 
 def write_gguf(
@@ -91,7 +115,11 @@ def write_gguf(
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    params = getattr(cfg, "rope_parameters", None) or {}
+    params = params.get("full_attention", params)  # Gemma 3: the global layers' rope
+    writer.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or params["rope_theta"]))
+    if arch.startswith("gemma"):
+        _write_gemma_metadata(writer, cfg)
     rope_freqs = llama_cpp_rope_freqs(cfg, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
@@ -117,6 +145,8 @@ def write_gguf(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         array = tensor.detach().float().numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            array = array + 1.0
         if arch == "llama" and ".q_proj." in name:
             array = llama_cpp_permute(array, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
@@ -127,9 +157,9 @@ def write_gguf(
                 raw = gguf.quants.quantize(array, tensor_type)
             except NotImplementedError:  # a type gguf-py cannot quantize: all-zero blocks are still valid data
                 raw = np.zeros((array.shape[0], array.shape[1] // block * type_size), dtype=np.uint8)
-            writer.add_tensor(gguf_name(name), raw, raw_dtype=tensor_type)
+            writer.add_tensor(gguf_name(name, arch), raw, raw_dtype=tensor_type)
         else:  # llama.cpp too keeps norms, biases and rows that are not whole blocks in F32
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+            writer.add_tensor(gguf_name(name, arch), np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -164,7 +164,7 @@ def test_unsupported_config_fields_are_named(hf_folder, tmp_path, field, value, 
         load_model(str(folder))
 
 
-def test_config_reads_transformers4_spelling_and_caps_sliding_window():
+def test_config_reads_transformers4_spelling_and_the_sliding_window():
     raw = {
         "model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -173,9 +173,10 @@ def test_config_reads_transformers4_spelling_and_caps_sliding_window():
     }
     cfg = ModelConfig.from_hf_dict(raw)
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling.rope_type == "linear" and cfg.rope_scaling.factor == 2.0
-    assert cfg.max_context_tokens == 4096  # within the window, sliding == full attention
+    # the window is attention's (per layer), no longer a cap on the context
+    assert cfg.max_context_tokens == 32768 and cfg.layer_windows == (4096,)
     qwen = ModelConfig.from_hf_dict({**raw, "model_type": "qwen2", "use_sliding_window": False})
-    assert qwen.max_context_tokens == 32768 and qwen.attention_bias
+    assert qwen.max_context_tokens == 32768 and qwen.attention_bias and qwen.layer_windows == ()
 
 
 def test_tiny_default_is_in_the_documented_size_range():

@@ -29,15 +29,14 @@ import numpy as np
 from flax import nnx
 
 from strata_jax.models.config import ModelConfig, RopeScaling
-from strata_jax.models.llama import LlamaForCausalLM
-from strata_jax.models.weights import WeightLoadError, aligned_empty, random_model
+from strata_jax.models.weights import CausalLM, WeightLoadError, aligned_empty, random_model
 
 CONFIG_FILE = "strata_model_config.json"
 CHUNK_BYTES = 4 * 1024 * 1024
 log = logging.getLogger(__name__)
 
 
-def save_checkpoint(model: LlamaForCausalLM, directory: str | Path) -> Path:
+def save_checkpoint(model: CausalLM, directory: str | Path) -> Path:
     """Save the model's state with orbax plus its config; ``directory`` must not exist."""
     import orbax.checkpoint as ocp
 
@@ -58,11 +57,12 @@ def read_checkpoint_config(directory: Path) -> ModelConfig:
         raise WeightLoadError(f"{directory} is not a strata-jax checkpoint (no {CONFIG_FILE})")
     raw = json.loads(config_file.read_text())
     raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
-    raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    # JSON lists back to the config's tuples (eos ids, per-layer windows)
+    raw = {key: tuple(value) if isinstance(value, list) else value for key, value in raw.items()}
     return ModelConfig(**raw)
 
 
-def restore_checkpoint(directory: str | Path, *, dtype: jnp.dtype = jnp.float32) -> LlamaForCausalLM:
+def restore_checkpoint(directory: str | Path, *, dtype: jnp.dtype = jnp.float32) -> CausalLM:
     """Restore a checkpoint written by ``save_checkpoint`` (either layout), casting to ``dtype``."""
     directory = Path(directory).absolute()
     config = read_checkpoint_config(directory)

@@ -1,11 +1,17 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
-Supported: ``llama`` (rope scaling ``llama3`` / ``linear`` / none), ``mistral``,
-``qwen2`` (qkv bias), ``qwen3`` (per-head q/k RMSNorm); GQA; explicit ``head_dim``;
-tied or untied embeddings.  Both the transformers-4 (``rope_theta`` +
-``rope_scaling``) and transformers-5 (``rope_parameters``) spellings are read.
-Anything this runtime cannot reproduce exactly raises ``ModelConfigError`` naming
-the field and its value.
+Supported: ``llama`` (rope scaling ``llama3`` / ``linear`` / none), ``mistral``
+(sliding window), ``qwen2`` (qkv bias; ``use_sliding_window`` + ``max_window_layers``),
+``qwen3`` (per-head q/k RMSNorm), ``gemma2`` (local/global layers, attention and final
+logit soft-capping) and ``gemma3_text`` (local/global layers with their own rope
+bases, q/k norm); GQA; explicit ``head_dim``; tied or untied embeddings.  Both the
+transformers-4 (``rope_theta`` + ``rope_scaling``) and transformers-5
+(``rope_parameters``) spellings are read.  Anything this runtime cannot reproduce
+exactly raises ``ModelConfigError`` naming the field and its value.
+
+Per-layer attention is ``layer_windows``: one sliding window per layer (0 = full
+attention), ``()`` when every layer is full; the model scans it as an array, so local
+and global layers stay one program (``docs/models.md``).
 """
 
 from __future__ import annotations
@@ -16,8 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *GEMMA_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# HF activation names -> what the MLP computes (gelu_pytorch_tanh and gelu_new are the same tanh formula)
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# transformers' defaults for fields a Gemma config.json may leave out
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": {"max_position_embeddings": 8192, "rope_theta": 10000.0, "sliding_window": 4096, "pattern": 2,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "gemma3_text": {"max_position_embeddings": 131072, "rope_theta": 1_000_000.0, "sliding_window": 4096, "pattern": 6,
+                    "attn_logit_softcapping": None, "final_logit_softcapping": None, "rope_local_base_freq": 10000.0},
+}  # fmt: skip
 
 
 class ModelConfigError(ValueError):
@@ -52,12 +69,42 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per-layer attention: the sliding window of each layer (0 = full attention); () = all full.
+    layer_windows: tuple[int, ...] = ()
+    # Rope base of the sliding-window layers when it differs from rope_theta (Gemma 3's local
+    # layers; they take no rope scaling); None = every layer uses rope_theta and rope_scaling.
+    rope_local_theta: float | None = None
+    hidden_act: str = "silu"
+    # Softmax scale = query_pre_attn_scalar ** -0.5 (None: head_dim, as Llama).
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
             )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ModelConfigError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+        if any(w < 0 for w in self.layer_windows):
+            raise ModelConfigError(f"layer windows must be >= 0 (0 = full attention), got {self.layer_windows}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ModelConfigError(f"hidden_act={self.hidden_act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma 2/3 layout: (1 + w) RMSNorm, sqrt(hidden)-scaled embedding, norms around
+        attention and MLP (pre/post), always-tied head unless the checkpoint says otherwise."""
+        return self.model_type in GEMMA_MODEL_TYPES
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(self.layer_windows)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def max_context_tokens(self) -> int:
@@ -68,35 +115,63 @@ class ModelConfig:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + embed + self.hidden_size
+        norms = (4 if self.is_gemma else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
+        return self.num_layers * (attn + mlp + norms + bias) + embed + self.hidden_size
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type")
+        if model_type == "gemma3" and isinstance(raw.get("text_config"), dict):
+            raise ModelConfigError(
+                "model_type='gemma3' is the multimodal Gemma 3 (vision + text), which is not supported; "
+                "its text-only checkpoints (model_type 'gemma3_text', e.g. gemma-3-270m / gemma-3-1b) and GGUF files are"
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
                 f"model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError(f"hidden_act={act!r} is not supported (only 'silu')")
+        gemma = _GEMMA_DEFAULTS.get(model_type)
+        if gemma is None:
+            act = raw.get("hidden_act", "silu")
+            if act != "silu":
+                raise ModelConfigError(f"hidden_act={act!r} is not supported (only 'silu')")
+        else:
+            act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+            if act not in SUPPORTED_ACTIVATIONS:
+                raise ModelConfigError(f"hidden_activation={act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+            if raw.get("use_bidirectional_attention"):
+                raise ModelConfigError("use_bidirectional_attention=True is not supported (this runtime serves causal decoders)")
         if raw.get("mlp_bias"):
             raise ModelConfigError("mlp_bias=True is not supported")
         hidden = _required_int(raw, "hidden_size")
         heads = _required_int(raw, "num_attention_heads")
+        layers = _required_int(raw, "num_hidden_layers")
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         head_dim = int(raw.get("head_dim") or hidden // heads)
-        max_pos = int(raw.get("max_position_embeddings", 4096))
-        theta, scaling = _read_rope(raw)
-        max_pos = min(max_pos, _sliding_window_limit(raw, model_type, max_pos))
+        max_pos = int(raw.get("max_position_embeddings", gemma["max_position_embeddings"] if gemma else 4096))
+        if model_type == "gemma3_text":
+            theta, scaling, local_theta = _read_gemma3_rope(raw)
+        else:
+            theta, scaling = _read_rope(raw, default_theta=gemma["rope_theta"] if gemma else 10000.0)
+            local_theta = None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        extra: dict[str, Any] = {}
+        if gemma is not None:
+            extra = dict(
+                hidden_act="gelu_pytorch_tanh" if act == "gelu_new" else act,
+                query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+                # transformers' Gemma 3 attention never applies attn_logit_softcapping (Gemma 2's does)
+                attn_logit_softcapping=None if model_type == "gemma3_text" else _cap(raw, "attn_logit_softcapping", gemma),
+                final_logit_softcapping=_cap(raw, "final_logit_softcapping", gemma),
+            )
         return cls(
             model_type=model_type,
             vocab_size=_required_int(raw, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_required_int(raw, "intermediate_size"),
-            num_layers=_required_int(raw, "num_hidden_layers"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -104,11 +179,14 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma is not None)),
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            layer_windows=_layer_windows(raw, model_type, layers),
+            rope_local_theta=local_theta,
+            **extra,
         )
 
     @classmethod
@@ -132,27 +210,31 @@ def _required_int(raw: dict[str, Any], key: str) -> int:
     return value
 
 
-def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
+def _read_rope(raw: dict[str, Any], default_theta: float = 10000.0) -> tuple[float, RopeScaling]:
     params = raw.get("rope_parameters")
     if isinstance(params, dict):  # transformers >= 5
-        theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
         scaling_raw: dict[str, Any] | None = params
     else:
-        theta = float(raw.get("rope_theta", 10000.0))
+        theta = float(raw.get("rope_theta", default_theta))
         scaling_raw = raw.get("rope_scaling")
+    return theta, _read_scaling(scaling_raw)
+
+
+def _read_scaling(scaling_raw: dict[str, Any] | None) -> RopeScaling:
     if not scaling_raw:
-        return theta, RopeScaling()
+        return RopeScaling()
     rope_type = scaling_raw.get("rope_type", scaling_raw.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
             f"rope_scaling.rope_type={rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     if rope_type == "default":
-        return theta, RopeScaling()
+        return RopeScaling()
     factor = float(scaling_raw.get("factor", 1.0))
     if not math.isfinite(factor) or factor <= 0:
         raise ModelConfigError(f"rope_scaling.factor={factor!r} must be a positive number")
-    return theta, RopeScaling(
+    return RopeScaling(
         rope_type=rope_type,
         factor=factor,
         low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
@@ -161,20 +243,77 @@ def _read_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
     )
 
 
-def _sliding_window_limit(raw: dict[str, Any], model_type: str, max_pos: int) -> int:
-    """Sliding-window attention is honoured by never letting a context exceed the window.
+def _read_gemma3_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling, float]:
+    """(global rope_theta, global scaling, local rope base) of a Gemma 3 config.
 
-    Within the window, sliding and full attention are identical, so capping the
-    served context length keeps outputs exact.
+    transformers 5 nests them per layer type (``rope_parameters.full_attention`` /
+    ``.sliding_attention``); transformers 4 spells ``rope_theta`` + ``rope_scaling`` (global
+    layers only) and ``rope_local_base_freq``.  Local layers take no scaling.
     """
-    window = raw.get("sliding_window")
+    defaults = _GEMMA_DEFAULTS["gemma3_text"]
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        theta = float(full.get("rope_theta", raw.get("rope_theta", defaults["rope_theta"])))
+        local_theta = float(local.get("rope_theta", raw.get("rope_local_base_freq", defaults["rope_local_base_freq"])))
+        if _read_scaling(local).rope_type != "default":
+            raise ModelConfigError(
+                f"rope_parameters.sliding_attention.rope_type={local.get('rope_type')!r}: scaled rope on local layers is not supported"
+            )
+        return theta, _read_scaling(full), local_theta
+    theta, scaling = _read_rope(raw, default_theta=defaults["rope_theta"])
+    return theta, scaling, float(raw.get("rope_local_base_freq", defaults["rope_local_base_freq"]))
+
+
+def _cap(raw: dict[str, Any], key: str, defaults: dict[str, Any]) -> float | None:
+    value = raw.get(key, defaults[key])
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ModelConfigError(f"{key}={value!r} must be null or a positive number")
+    return float(value)
+
+
+def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    """The sliding window of every layer (0 = full attention) as transformers applies it:
+
+    * ``llama``: none (transformers' Llama has no sliding window).
+    * ``mistral``: ``sliding_window`` on every layer (``layer_types`` is ignored, as
+      transformers' ``MistralModel`` does).
+    * ``qwen2`` / ``qwen3``: only with ``use_sliding_window``; the layers ``layer_types``
+      marks ``sliding_attention``, else layers ``i >= max_window_layers``.
+    * ``gemma2`` / ``gemma3_text``: ``layer_types``, else ``sliding_window_pattern``
+      (every N-th layer global: 2 for Gemma 2, 6 for Gemma 3).
+    Returns ``()`` when no layer has a window.
+    """
+    if model_type == "llama":
+        return ()
+    gemma = _GEMMA_DEFAULTS.get(model_type)
+    window = raw.get("sliding_window", gemma["sliding_window"] if gemma else None)
     if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
-        return max_pos
-    layer_types = raw.get("layer_types")
-    if isinstance(layer_types, list) and layer_types and all(t == "full_attention" for t in layer_types):
-        return max_pos
+        window = None
     if window is None:
-        return max_pos
+        return ()
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ModelConfigError(f"sliding_window={window!r} must be null or a positive integer")
-    return window
+    layer_types = raw.get("layer_types")
+    if model_type == "mistral":
+        sliding = [True] * num_layers
+    elif layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise ModelConfigError(f"layer_types must list one type per layer ({num_layers}), got {layer_types!r}")
+        unknown = sorted({t for t in layer_types if t not in LAYER_TYPES}, key=str)
+        if unknown:
+            raise ModelConfigError(f"layer_types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
+        sliding = [t == "sliding_attention" for t in layer_types]
+    elif gemma is not None:
+        pattern = raw.get("sliding_window_pattern", gemma["pattern"])
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+            raise ModelConfigError(f"sliding_window_pattern={pattern!r} must be a positive integer")
+        sliding = [bool((i + 1) % pattern) for i in range(num_layers)]
+    else:  # qwen2 / qwen3
+        first = int(raw.get("max_window_layers", 28))
+        sliding = [i >= first for i in range(num_layers)]
+    windows = tuple(window if s else 0 for s in sliding)
+    return windows if any(windows) else ()

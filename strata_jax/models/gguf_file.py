@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from strata_jax.models.config import SUPPORTED_MODEL_TYPES, ModelConfigError
+from strata_jax.models.config import ModelConfigError
 from strata_jax.models.weights import NamedTensor
 
 GGUF_MAGIC = b"GGUF"
@@ -28,6 +28,19 @@ SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", 
 # Architectures whose attention llama.cpp's converter permutes for its interleaved rope (``permute`` in
 # convert_hf_to_gguf.py); HF applies rope to halves, so q/k rows are put back in HF order here.
 PERMUTED_QK_ARCHS = ("llama", "mistral")
+# general.architecture values this loader reads -> the HF model_type they become.
+GGUF_ARCHITECTURES = {
+    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
+}  # fmt: skip
+# llama.cpp's converter stores Gemma's RMSNorm weights plus one (its norm multiplies by w, Gemma's by 1 + w);
+# the loader subtracts it again so the tensors are the Hugging Face checkpoint's.
+NORM_SHIFTED_ARCHS = ("gemma2", "gemma3")
+# What llama.cpp assumes for Gemma when the file does not say (llama-model.cpp): every 2nd (Gemma 2) /
+# 6th (Gemma 3) layer is global, Gemma 3's local layers rotate with base 10000, and the 27B models scale
+# attention by (hidden / heads) ** -0.5 instead of head_dim ** -0.5 (Gemma 2 27B: 46 layers, Gemma 3 27B: 62).
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # Rows per dequantization chunk are chosen so that a chunk's float32 copy stays under this size.
 DEQUANT_CHUNK_BYTES = 16 * 1024 * 1024
 
@@ -46,6 +59,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma's four norms per layer: llama.cpp's ffn_norm is the norm *before* the MLP (pre_feedforward_layernorm)
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -71,13 +91,14 @@ def require_gguf():
     return gguf
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None when this loader does not know it."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of architecture ``arch``, or None when this loader does not know it."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if arch in NORM_SHIFTED_ARCHS else _LAYER_NAMES
     match = _LAYER_RE.match(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     return None
 
 
@@ -214,9 +235,9 @@ class GGUFFile:
     @cached_property
     def architecture(self) -> str:
         arch = self.required("general.architecture")
-        if arch not in SUPPORTED_MODEL_TYPES:
+        if arch not in GGUF_ARCHITECTURES:
             raise GGUFError(
-                f"{self.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"{self.path}: architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})"
             )
         return arch
 
@@ -235,10 +256,12 @@ class GGUFFile:
         if value_dim != head_dim:
             raise GGUFError(f"{self.path}: attention.value_length={value_dim} differs from key_length={head_dim}")
         tokens = self.field("tokenizer.ggml.tokens")
-        vocab = self.field(key("vocab_size")) or (len(tokens) if tokens else None) or self.tensors["token_embd.weight"].hf_shape[0]
+        # the embedding's rows are the model's vocabulary (Gemma 3 4B+ pads it past the token list)
+        embedding = self.tensors.get("token_embd.weight")
+        vocab = self.field(key("vocab_size")) or (embedding.hf_shape[0] if embedding else None) or (len(tokens) if tokens else None)
         config: dict[str, Any] = {
             "architectures": [_HF_ARCHITECTURES[arch]],
-            "model_type": arch,
+            "model_type": GGUF_ARCHITECTURES[arch],
             "vocab_size": int(vocab),
             "hidden_size": hidden,
             "intermediate_size": int(self.required(key("feed_forward_length"))),
@@ -261,11 +284,39 @@ class GGUFFile:
             config["rope_scaling"] = scaling
         if arch in ("qwen2", "qwen3"):
             config["use_sliding_window"] = False
+        if arch in NORM_SHIFTED_ARCHS:
+            config.update(self._gemma_config(config))
         for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
             value = self.field(f"tokenizer.ggml.{gguf_key}")
             if value is not None:
                 config[hf_key] = int(value)
         return config
+
+    def _gemma_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The Gemma fields of the HF config: activation, window and layer pattern, softmax
+        scale, soft-caps, Gemma 3's local rope base (llama.cpp's defaults where the file is silent)."""
+        arch = self.architecture
+        layers, heads, hidden = config["num_hidden_layers"], config["num_attention_heads"], config["hidden_size"]
+        scalar = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else config["head_dim"]
+        out: dict[str, Any] = {
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": int(self.field(f"{arch}.attention.query_pre_attn_scalar", scalar)),
+            "sliding_window": int(self.required(f"{arch}.attention.sliding_window")),
+        }
+        # soft-caps: absent keys keep transformers' (and llama.cpp's) defaults for the architecture
+        caps = ("final_logit_softcapping", "attn_logit_softcapping") if arch == "gemma2" else ("final_logit_softcapping",)
+        out.update({cap: float(self.field(f"{arch}.{cap}")) for cap in caps if self.field(f"{arch}.{cap}") is not None})
+        if arch == "gemma3":
+            out["rope_local_base_freq"] = float(self.field(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE))
+        pattern = self.field(f"{arch}.attention.sliding_window_pattern", _GEMMA_PATTERN[arch])
+        if isinstance(pattern, list):  # one flag per layer (true: sliding window), as newer converters write it
+            if len(pattern) != layers:
+                raise GGUFError(f"{self.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers")
+            out["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+        else:
+            out["sliding_window_pattern"] = int(pattern)
+        return out
 
     def _rope_scaling(self, config: dict[str, Any]) -> dict[str, Any] | None:
         arch = self.architecture
@@ -334,24 +385,28 @@ class GGUFFile:
 
     def named_tensors(self, dtype: np.dtype, num_heads: int, num_kv_heads: int) -> list[NamedTensor]:
         """Every weight under its HF name, dequantized to ``dtype`` when ``get()`` is called."""
-        permute = self.architecture in PERMUTED_QK_ARCHS
+        arch = self.architecture
+        permute = arch in PERMUTED_QK_ARCHS
         named = []
         for info in self.tensors.values():
             if info.name == ROPE_FREQS:
                 continue  # folded into the config's rope scaling
-            hf_name = hf_tensor_name(info.name)
+            hf_name = hf_tensor_name(info.name, arch)
             if hf_name is None:
-                raise GGUFError(f"{self.path}: unexpected tensor {info.name!r} for a {self.architecture} model")
+                raise GGUFError(f"{self.path}: unexpected tensor {info.name!r} for a {arch} model")
             heads = None
             if permute and ".attn_q." in info.name:
                 heads = num_heads
             elif permute and ".attn_k." in info.name:
                 heads = num_kv_heads
+            shift = arch in NORM_SHIFTED_ARCHS and info.name.endswith("norm.weight")
             nbytes = math.prod(info.hf_shape) * np.dtype(dtype).itemsize
-            named.append(NamedTensor(hf_name, nbytes, partial(self._get, info, dtype, heads), self.path.name))
+            named.append(NamedTensor(hf_name, nbytes, partial(self._get, info, dtype, heads, shift), self.path.name))
         return named
 
-    def _get(self, info: GGUFTensorInfo, dtype: np.dtype, heads: int | None) -> np.ndarray:
+    def _get(self, info: GGUFTensorInfo, dtype: np.dtype, heads: int | None, norm_shift: bool = False) -> np.ndarray:
+        if norm_shift:  # undo llama.cpp's + 1 in float32, then round once to the target dtype
+            return (self.dequantize(info, np.dtype(np.float32)) - 1.0).astype(dtype)
         array = self.dequantize(info, dtype)
         return unpermute_qk(array, heads) if heads else array
 
@@ -361,6 +416,8 @@ _HF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 

@@ -16,8 +16,7 @@ from strata_jax.models.config import ModelConfig
 from strata_jax.models.generation_config import GenerationDefaults
 from strata_jax.models.gguf_file import GGUFError, GGUFFile, hf_tensor_name
 from strata_jax.models.gguf_tokenizer import has_tokenizer, write_tokenizer_files
-from strata_jax.models.llama import LlamaForCausalLM
-from strata_jax.models.weights import load_named_tensors
+from strata_jax.models.weights import CausalLM, load_named_tensors
 from strata_jax.tokenizer import HFTokenizer
 
 _SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16"}
@@ -34,7 +33,7 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
 
 def load_gguf(
     path: str | Path, *, dtype: jnp.dtype = jnp.float32, show_progress: bool = True
-) -> tuple[ModelConfig, LlamaForCausalLM, HFTokenizer | None, GenerationDefaults]:
+) -> tuple[ModelConfig, CausalLM, HFTokenizer | None, GenerationDefaults]:
     """Config, weights (dequantized to ``dtype``, one tensor at a time), tokenizer (None when the file
     carries none: the model then takes token ids only) and generation defaults of a GGUF file."""
     gguf = GGUFFile(path)
@@ -77,7 +76,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path, *, dtype: str = "float32
 
 def _write_safetensors(file: Path, tensors, dtype: np.dtype, gguf: GGUFFile) -> None:
     """Stream tensors into one safetensors file (header first, then each tensor as it is dequantized)."""
-    shapes = {hf_tensor_name(name): info.hf_shape for name, info in gguf.tensors.items()}
+    shapes = {hf_tensor_name(name, gguf.architecture): info.hf_shape for name, info in gguf.tensors.items()}
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": gguf.path.name}}
     offset = 0
     for tensor in tensors:

@@ -11,7 +11,11 @@ has a leading ``[num_layers]`` axis, and the forward runs it under ``jax.lax.sca
 (one traced layer body, so compile time does not grow with depth).  The layer index
 reaching ``write_kv`` and attention is then a traced int32 scalar.  ``scan_layers=False``
 runs the same stacked parameters as an unrolled Python loop (static layer ints), kept
-for side-by-side step-time comparisons.
+for side-by-side step-time comparisons.  What differs between layers besides their
+weights (the sliding window of Mistral / Qwen2 configs, Gemma's local/global layers and
+their rope bases) is a per-layer *value* scanned beside the weights
+(``run_stacked_layers``), never a second program.  Gemma 2/3 live in ``gemma.py`` and
+share this module's attention, linear layers and layer scan.
 
 Parameter paths mirror Hugging Face names with the layer number moved into the
 stacked axis: ``model.layers.{i}.self_attn.q_proj.weight [out, in]`` is
@@ -23,10 +27,12 @@ transposed); norms, biases, ``model.embed_tokens.weight``, ``model.norm.weight``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import pallas_kernels
@@ -73,15 +79,20 @@ class Linear(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
+    """Self-attention over the paged pool.  ``norm_cls`` builds the q/k norms (``qk_norm``);
+    the softmax scale and score soft-cap come from the config (Gemma: ``query_pre_attn_scalar``,
+    ``attn_logit_softcapping``)."""
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float, *, norm_cls: type = RMSNorm):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.sm_scale, self.soft_cap = c.attention_scale, c.attn_logit_softcapping
         self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std)
         self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std)
         self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std)
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype, rngs=rngs, std=std)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+        self.q_norm = norm_cls(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
+        self.k_norm = norm_cls(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
 
     def __call__(
         self,
@@ -91,7 +102,10 @@ class Attention(nnx.Module):
         kv_pool: jax.Array,
         layer: int | jax.Array,
         meta: AttentionMetadata,
+        window: int | jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
+        """``window``: this layer's sliding window (None: the model has none; a traced
+        int32 under the layer scan, 0 = full attention)."""
         tokens = x.shape[0]
         q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
@@ -101,6 +115,7 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         kv_pool = pallas_kernels.write_kv(kv_pool, layer, k, v, meta.slot_mapping)
         decode_only = tokens == meta.page_table.shape[0]  # the runner's decode buckets: one token per sequence
+        window_arg = {} if window is None else {"sliding_window": window}  # no window: the plain causal call
         out, kv_pool = pallas_kernels.ragged_paged_attention_pool(
             q,
             kv_pool,
@@ -108,21 +123,37 @@ class Attention(nnx.Module):
             meta.page_table,
             meta.seq_lens,
             meta.query_start,
-            sm_scale=self.head_dim**-0.5,
+            sm_scale=self.sm_scale,
+            soft_cap=self.soft_cap,
             max_q_len=1 if decode_only else None,
+            **window_arg,
         )
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)), kv_pool
 
 
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    """The gate activation a config names (``ModelConfig.hidden_act``)."""
+    if name == "silu":
+        return jax.nn.silu
+    if name in ("gelu_pytorch_tanh", "gelu_new"):
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    if name == "gelu":
+        return lambda x: jax.nn.gelu(x, approximate=False)
+    raise ValueError(f"unknown activation {name!r}")
+
+
 class MLP(nnx.Module):
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` (SiLU for Llama, GELU-tanh for Gemma)."""
+
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
         h, i = config.hidden_size, config.intermediate_size
+        self.act_name = config.hidden_act
         self.gate_proj = Linear(h, i, bias=False, dtype=dtype, rngs=rngs, std=std)
         self.up_proj = Linear(h, i, bias=False, dtype=dtype, rngs=rngs, std=std)
         self.down_proj = Linear(i, h, bias=False, dtype=dtype, rngs=rngs, std=std)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(activation(self.act_name)(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
@@ -132,8 +163,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, rngs, std)
 
-    def __call__(self, x, positions, inv_freq, kv_pool, layer, meta):
-        attn_out, kv_pool = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_pool, layer, meta)
+    def __call__(self, x, positions, inv_freq, kv_pool, layer, meta, window=None):
+        attn_out, kv_pool = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_pool, layer, meta, window)
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, kv_pool
@@ -147,8 +178,10 @@ class Embedding(nnx.Module):
         return jnp.take(self.weight[...], ids, axis=0)
 
 
-def stacked_layers(config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float) -> DecoderLayer:
-    """One ``DecoderLayer`` whose parameters carry a leading ``[num_layers]`` axis.
+def stacked_layers(
+    config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float, layer_cls: type = DecoderLayer
+) -> nnx.Module:
+    """One ``layer_cls`` (default ``DecoderLayer``) whose parameters carry a leading ``[num_layers]`` axis.
 
     Layer ``i`` draws the same keys it would have drawn as the ``i``-th of a list of
     layers built from ``rngs`` (so a seed gives the same weights as the unstacked model
@@ -156,7 +189,7 @@ def stacked_layers(config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: f
     """
     stream = rngs.params
     base_key, start = stream.key[...], stream.count[...]
-    abstract = nnx.eval_shape(lambda: DecoderLayer(config, dtype, nnx.Rngs(params=0), std))
+    abstract = nnx.eval_shape(lambda: layer_cls(config, dtype, nnx.Rngs(params=0), std))
     graphdef = nnx.graphdef(abstract)
     draws_per_layer = sum(isinstance(node, Linear) for _, node in nnx.iter_graph(abstract))  # one key per Linear
 
@@ -164,7 +197,7 @@ def stacked_layers(config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: f
         layer_rngs = nnx.Rngs(params=0)
         layer_rngs.params.key[...] = base_key
         layer_rngs.params.count[...] = start + layer_idx * draws_per_layer
-        return nnx.state(DecoderLayer(config, dtype, layer_rngs, std))
+        return nnx.state(layer_cls(config, dtype, layer_rngs, std))
 
     state = jax.vmap(one)(jnp.arange(config.num_layers, dtype=jnp.uint32))
     stream.count[...] = start + config.num_layers * draws_per_layer
@@ -203,25 +236,51 @@ class LlamaForCausalLM(nnx.Module):
         unrolled Python loop (same parameters; XLA then sees one copy per layer)."""
         x = self.model.embed_tokens(input_ids)
         inv_freq = jnp.asarray(inverse_frequencies(self.config))  # a trace-time constant
-        layer_graphdef, stacked = nnx.split(self.model.layers)
 
-        def one_layer(carry, layer_state, layer_idx):
+        def one_layer(layer, carry, values):
             x, kv_pool = carry
-            layer = nnx.merge(layer_graphdef, layer_state)
-            return layer(x, positions, inv_freq, kv_pool, layer_idx, meta)
+            return layer(x, positions, inv_freq, kv_pool, values["layer"], meta, values.get("window"))
 
-        carry = (x, kv_pool)
-        if scan_layers:
-            layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-            # The pool is a scan carry: each iteration updates it in place (donated by the runner).
-            carry, _ = jax.lax.scan(lambda c, xs: (one_layer(c, *xs), None), carry, (stacked, layer_ids))
-        else:
-            for layer_idx in range(self.config.num_layers):
-                carry = one_layer(carry, jax.tree.map(lambda a, i=layer_idx: a[i], stacked), layer_idx)
-        x, kv_pool = carry
+        per_layer = {"window": np.asarray(self.config.layer_windows, np.int32)} if self.config.has_sliding_window else {}
+        x, kv_pool = run_stacked_layers(self.model.layers, (x, kv_pool), per_layer, one_layer, scan_layers=scan_layers)
         return self.model.norm(x), kv_pool
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         if self.lm_head is None:
             return (hidden @ self.model.embed_tokens.weight[...].T).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)
+
+
+def run_stacked_layers(
+    layers: nnx.Module,
+    carry: tuple,
+    per_layer: dict[str, np.ndarray],
+    body: Callable[[nnx.Module, tuple, dict], tuple],
+    *,
+    scan_layers: bool,
+) -> tuple:
+    """Run ``body(layer, carry, values) -> carry`` over the stacked ``layers``.
+
+    ``values`` holds ``"layer"`` (the layer index) and row ``i`` of every ``per_layer``
+    array (``[num_layers, ...]``: a window, a rope table).  Under ``jax.lax.scan``
+    (``scan_layers``) they are traced values, so layers that differ only in such values
+    are one program; unrolled, they are static per layer.
+    """
+    graphdef, stacked = nnx.split(layers)
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    if scan_layers:
+        xs = {name: jnp.asarray(v) for name, v in per_layer.items()}
+        xs["layer"] = jnp.arange(num_layers, dtype=jnp.int32)
+
+        def step(carry, layer_xs):
+            layer_state, values = layer_xs
+            return body(nnx.merge(graphdef, layer_state), carry, values), None
+
+        # The pool is a scan carry: each iteration updates it in place (donated by the runner).
+        carry, _ = jax.lax.scan(step, carry, (stacked, xs))
+        return carry
+    for i in range(num_layers):
+        values = {name: v[i] for name, v in per_layer.items()}
+        values["layer"] = i
+        carry = body(nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked)), carry, values)
+    return carry

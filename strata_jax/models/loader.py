@@ -9,9 +9,8 @@ import jax.numpy as jnp
 
 from strata_jax.models.config import ModelConfig, ModelConfigError
 from strata_jax.models.generation_config import GenerationDefaults
-from strata_jax.models.llama import LlamaForCausalLM
 from strata_jax.models.checkpoint import CONFIG_FILE, restore_checkpoint
-from strata_jax.models.weights import load_hf_weights, random_model
+from strata_jax.models.weights import CausalLM, load_hf_weights, random_model
 from strata_jax.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TINY_SEED = 20260501
@@ -46,7 +45,7 @@ def tiny_config() -> ModelConfig:
 class LoadedModel:
     name: str
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: Tokenizer | None  # None when the folder has no tokenizer.json (token ids only)
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # generation_config.json
 

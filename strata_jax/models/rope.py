@@ -1,4 +1,5 @@
-"""Rotary position embeddings, including Llama-3 and linear frequency scaling."""
+"""Rotary position embeddings, including Llama-3 and linear frequency scaling, and per-layer
+frequencies for models whose local and global layers use different rope bases (Gemma 3)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,24 @@ from strata_jax.models.config import ModelConfig
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
     """Per-pair rotation frequencies (float32, ``[head_dim // 2]``), matching HF."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    return _scaled(_base_frequencies(config.rope_theta, config.head_dim), config)
+
+
+def layer_inverse_frequencies(config: ModelConfig) -> np.ndarray | None:
+    """``[num_layers, head_dim // 2]`` frequencies when layers differ (``rope_local_theta``
+    set: sliding-window layers use that base, unscaled), else None (one table for all)."""
+    if config.rope_local_theta is None or not config.has_sliding_window:
+        return None
+    local = _base_frequencies(config.rope_local_theta, config.head_dim)
+    table = [local if window else inverse_frequencies(config) for window in config.layer_windows]
+    return np.stack(table).astype(np.float32)
+
+
+def _base_frequencies(theta: float, dim: int) -> np.ndarray:
+    return (1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))).astype(np.float32)
+
+
+def _scaled(inv_freq: np.ndarray, config: ModelConfig) -> np.ndarray:
     scaling = config.rope_scaling
     if scaling.rope_type == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)

@@ -16,8 +16,13 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from strata_jax.models.config import ModelConfig
+from strata_jax.models.gemma import GemmaForCausalLM
 from strata_jax.models.llama import LlamaForCausalLM
 from strata_jax.models.safetensors_io import checkpoint_files, iter_tensors
+
+
+# The model families; each has LlamaForCausalLM's interface (__call__(ids, positions, kv_pool, meta), logits()).
+CausalLM = LlamaForCausalLM | GemmaForCausalLM
 
 
 class WeightLoadError(ValueError):
@@ -29,8 +34,13 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 PROGRESS_BAR_MIN_BYTES = 64 * 1024 * 1024
 
 
-def random_model(config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: int = 0) -> LlamaForCausalLM:
-    return LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(params=seed))
+def model_class(config: ModelConfig) -> type[CausalLM]:
+    """The module that runs ``config``'s family: ``GemmaForCausalLM`` for Gemma 2/3, else Llama's."""
+    return GemmaForCausalLM if config.is_gemma else LlamaForCausalLM
+
+
+def random_model(config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: int = 0) -> CausalLM:
+    return model_class(config)(config, dtype=dtype, rngs=nnx.Rngs(params=seed))
 
 
 _LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -151,7 +161,7 @@ def load_hf_weights(
     dtype: jnp.dtype = jnp.float32,
     show_progress: bool = True,
     staging: str | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Load HF safetensors (single or sharded) into a model, casting to ``dtype``
     (``staging``: see ``load_named_tensors``)."""
     files = checkpoint_files(folder)
@@ -167,7 +177,7 @@ def load_named_tensors(
     show_progress: bool = True,
     source: str,
     staging: str | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Build a model from tensors named as in Hugging Face checkpoints, casting to ``dtype``.
 
     Raises ``WeightLoadError`` naming the tensor for anything missing, unexpected or
