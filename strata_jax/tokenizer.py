@@ -157,6 +157,11 @@ class HFTokenizer:
         """The ``tokenizers`` library's tokenizer (a grammar engine reads its vocabulary)."""
         return self._tok
 
+    def _template_sources(self) -> str:
+        if str(self.folder).endswith(".gguf"):
+            return f"no tokenizer.chat_template in {self.folder}"
+        return f"none of chat_template.jinja, chat_template.json or a chat_template in tokenizer_config.json in {self.folder}"
+
     def apply_chat_template(
         self,
         messages: list[dict],
@@ -171,8 +176,7 @@ class HFTokenizer:
         messages = _checked_messages(messages)
         if self.chat_templates is None:
             raise InvalidRequestError(
-                f"this model has no chat template (none of chat_template.jinja, chat_template.json or a "
-                f"chat_template in tokenizer_config.json in {self.folder}); use /v1/completions"
+                f"this model has no chat template ({self._template_sources()}); use /v1/completions"
             )
         return self.chat_templates.render(
             messages,

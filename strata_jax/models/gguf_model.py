@@ -45,6 +45,7 @@ def load_gguf(
         with tempfile.TemporaryDirectory(prefix="strata-gguf-tokenizer-") as folder:
             write_tokenizer_files(gguf, Path(folder))
             tokenizer = HFTokenizer(folder)
+        tokenizer.folder = gguf.path  # what errors name: the file, not the temporary folder
     model = load_named_tensors(tensors, config, dtype=dtype, show_progress=show_progress, source=str(gguf.path))
     return config, model, tokenizer, generation
 
