@@ -15,6 +15,14 @@ host pool are loaded into scattered pages of the layer-first device pool by
     put and scattered as soon as it is gathered, so the host gather of chunk i + 1
     overlaps the transfer of chunk i;
 
+(e) **tier formats** (``--tier-formats``, default ``fp8,int8``): (d) from a host pool in
+    a quantized tier format (8-bit values + a float32 scale per page, layer, K/V and KV
+    head; ``pallas_kernels.quant_transfer``) into the same full-width device pool: the
+    staging chunks and the link carry the small pages, and the scatter dequantizes as it
+    writes.  Reported as tokens loaded per second beside (d)'s, conversion included
+    (``tier_tokens_per_s``, ``tier_over_full``; issue 20's target: >= 1.6x at page sizes
+    1, 16 and 64);
+
 plus ``memcpy_gbps``: a plain NumPy copy of the same bytes.  Methods and page
 sizes are interleaved repeat by repeat and the median is kept, so the ratios compare runs
 under the same machine load (page sizes are interleaved too).  A second experiment scatters the same pages into a
@@ -64,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chunk-mb", type=float, default=None,
         help="chunk size of the pipelined path in MiB (default: CacheConfig.transfer_chunk_bytes, 4 MiB)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tier-formats", default="fp8,int8",
+        help="quantized L2 formats loaded beside full width (comma-separated from fp8,int8; 'none' skips; default fp8,int8)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="random seed for page placement")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
@@ -153,6 +165,35 @@ class _PageSizeCase:
         def memcpy() -> None:
             np.copyto(copy_dst, contiguous)
 
+        # (e) the same load from host pools in quantized tier formats (quantized once, here)
+        from pallas_kernels.quant_transfer import dequantize_pages_reference, quantize_pages_reference
+        from strata_jax.cache.tier_format import TierFormat
+
+        tiers: dict[str, tuple] = {}
+        for fmt in args.tier_formats_list:
+            tier = TierFormat.resolve(fmt, args.dtype)
+            q, scales = quantize_pages_reference(jnp.asarray(host_pool), fmt)
+            q, scales = np.asarray(q), np.asarray(scales)
+            tier_host = HostPool.from_array(self.layout, q, scales, tier)
+            tier_device = DevicePool(self.layout, device_pages, device, kernel_backend=backend, tier_format=tier)
+            want = np.asarray(dequantize_pages_reference(jnp.asarray(q[src]), jnp.asarray(scales[src]), np_dtype))
+            tiers[fmt] = (tier_host, tier_device, want, tier.page_bytes(self.layout))
+        self.tier_page_bytes = {fmt: t[3] for fmt, t in tiers.items()}
+        # chunks of the same pages as full width: the budget counts what the scatter writes into
+        # L1 (CacheController._transfer_chunk_pages sizes them so too)
+        self.tier_chunk_pages = {fmt: self.chunk_pages for fmt in tiers}
+
+        def tier_load(fmt: str) -> Callable[[], None]:
+            tier_host, tier_device = tiers[fmt][:2]
+            chunk = self.tier_chunk_pages[fmt]
+
+            def load() -> None:
+                for staged in tier_device.load_from_host(tier_host, src_list, dst_list, chunk_pages=chunk):
+                    staged.block_until_ready()
+                tier_device.kv.block_until_ready()
+
+            return load
+
         def verify() -> None:
             """What was timed is right: the loads wrote the host pages where they belong."""
             want = np.transpose(host_pool[src], (1, 2, 0, 3, 4, 5))
@@ -160,9 +201,14 @@ class _PageSizeCase:
                 got = np.asarray(pool[:, :, dst])
                 if not np.array_equal(got.astype(np.float32), want.astype(np.float32)):
                     raise RuntimeError(f"page size {page_size}, {name}: transferred pages do not match the host pages")
+            for fmt, (_h, tier_device, tier_want, _b) in tiers.items():  # the dequantized host pages, exactly
+                got = np.transpose(np.asarray(tier_device.kv[:, :, dst]), (2, 0, 1, 3, 4, 5))
+                if not np.array_equal(got.astype(np.float32), tier_want.astype(np.float32)):
+                    raise RuntimeError(f"page size {page_size}, tier {fmt}: loaded pages are not the dequantized host pages")
 
         self.methods = {
             "naive": naive, "coalesced": coalesced, "pipelined": pipelined, "contiguous": contiguous_put, "memcpy": memcpy,
+            **{f"tier_{fmt}": tier_load(fmt) for fmt in tiers},
         }  # fmt: skip
         self.samples: dict[str, list[float]] = {name: [] for name in self.methods}
         self.verify = verify
@@ -195,7 +241,22 @@ class _PageSizeCase:
             # Best of the repeats: less sensitive to other processes on a shared machine.
             "best_gbps": {name: _gbps(self.nbytes, min(values)) for name, values in self.samples.items()},
             "scatter_backend": self.backend,
+            **self._tier_result(med),
         }
+
+    def _tier_result(self, med: dict[str, float]) -> dict:
+        """Tokens loaded per second, full width (pipelined) vs each quantized tier format."""
+        if not self.tier_page_bytes:
+            return {}
+        tokens = self.n * self.page_size
+        out = {"tier_tokens_per_s": {"full": tokens / med["pipelined"]}, "tier_over_full": {}, "tier_page_bytes": {}}
+        out["tier_page_bytes"]["full"] = int(self.layout.page_bytes)
+        for fmt, page_bytes in self.tier_page_bytes.items():
+            out["tier_tokens_per_s"][fmt] = tokens / med[f"tier_{fmt}"]
+            out["tier_over_full"][fmt] = med["pipelined"] / med[f"tier_{fmt}"]
+            out["tier_page_bytes"][fmt] = int(page_bytes)
+        out["tier_chunk_pages"] = {"full": int(self.chunk_pages), **self.tier_chunk_pages}
+        return out
 
 
 def _measure_pool_growth(args, page_size: int, total_bytes: int, rng) -> dict:
@@ -268,6 +329,12 @@ def _targets(report: dict) -> dict:
     out["pipelined_over_coalesced"] = {k: row["pipelined_gbps"] / row["coalesced_gbps"] for k, row in sizes.items()}
     if "pool_growth" in report:
         out["donated_scatter_flat_le_1.15"] = report["pool_growth"]["donated_ratio"] <= 1.15
+    tier = {k: row["tier_over_full"] for k, row in sizes.items() if row.get("tier_over_full")}
+    if tier:  # issue 20: quantized tier loads >= 1.6x full width's tokens/s at page sizes 1, 16, 64
+        formats = sorted({fmt for row in tier.values() for fmt in row})
+        for fmt in formats:
+            out[f"tier_{fmt}_over_full"] = {k: row[fmt] for k, row in tier.items()}
+            out[f"tier_{fmt}_ge_1.6x_full"] = all(row[fmt] >= 1.6 for k, row in tier.items() if k in ("1", "16", "64"))
     return out
 
 
@@ -288,6 +355,18 @@ def _table(report: dict) -> str:
             f"{row['coalesced_gbps'] / row['naive_gbps']:>7.2f}   "
             f"{split['gather']:.2f}/{split['transfer']:.2f}/{split['scatter']:.2f}"
         )
+    tier_rows = {size: row for size, row in report["page_sizes"].items() if row.get("tier_tokens_per_s")}
+    if tier_rows:
+        formats = [f for f in next(iter(tier_rows.values()))["tier_tokens_per_s"] if f != "full"]
+        lines.append(
+            f"{'page':>5} {'full tok/s':>12} " + " ".join(f"{f + ' tok/s':>12} {f + '/full':>9}" for f in formats)
+            + "   (tokens loaded per second, engine load path, conversion included)"
+        )
+        for size, row in tier_rows.items():
+            t = row["tier_tokens_per_s"]
+            lines.append(
+                f"{size:>5} {t['full']:>12.0f} " + " ".join(f"{t[f]:>12.0f} {row['tier_over_full'][f]:>9.2f}" for f in formats)
+            )
     if "pool_growth" in report:
         g = report["pool_growth"]
         lines.append(
@@ -314,6 +393,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--total-mb and --repeats must be positive")
     if args.chunk_mb is not None and args.chunk_mb <= 0:
         raise SystemExit("--chunk-mb must be positive")
+    fmts = [] if args.tier_formats.strip().lower() in ("", "none") else [f.strip() for f in args.tier_formats.split(",") if f.strip()]
+    if any(f not in ("fp8", "int8") for f in fmts):
+        raise SystemExit(f"--tier-formats takes fp8 and/or int8 (or none), got {args.tier_formats!r}")
+    args.tier_formats_list = fmts
     total_bytes = int(args.total_mb * (1 << 20))
     rng = np.random.default_rng(args.seed)
     report: dict = {
@@ -321,6 +404,7 @@ def run(args: argparse.Namespace) -> int:
         "config": {
             "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype,
             "total_mb": args.total_mb, "repeats": args.repeats, "backend": args.backend, "chunk_mb": args.chunk_mb,
+            "tier_formats": fmts,
         },  # fmt: skip
         "page_sizes": {},
     }

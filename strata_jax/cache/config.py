@@ -30,10 +30,19 @@ Every default, and why:
   request's pages is reused (each round re-matches every waiting request; with
   Redis a probe is a network round trip).  0 probes every time.
 * ``transfer_chunk_bytes = 4 MiB``: L2->L1 loads and L1->L2 backups move in chunks
-  of about this size (a power of two of pages, at least one): the host gather of
+  of about this size in L1 (a power of two of pages, at least one; a quantized tier
+  format's chunk is smaller on the link by its ratio): the host gather of
   load chunk i + 1 overlaps the link copy of chunk i (``DevicePool.load_from_host``),
   a long node's backup never stages the whole node on the device at once, and the
   transfer programs come from a small set that warm-up compiles.
+* ``kv_tier_format = "full"``: how L2 pages and L3 objects hold KV: ``full`` (the L1
+  dtype, bit-identical round trips), ``fp8`` (float8 e4m3fn) or ``int8``, both with a
+  float32 scale per (page, layer, K/V, KV head): about half the bytes of bf16 and a
+  quarter of float32 per token in L2, on the link and in L3, at a small accuracy cost
+  (outputs from a quantized tier are close to, not bit-identical with, full width;
+  ``strata_jax.cache.tier_format``, docs/cache.md).  The L2 *byte* budget is the same
+  whatever the format: with ``hicache_ratio`` L2 holds ratio x L1's bytes, so a
+  quantized L2 holds more pages.
 * ``kernel_backend = "auto"``: which ``pallas_kernels`` backend the L1 pool's page
   scatter/gather use (``auto``: Pallas on GPU, reference on CPU; see
   ``pallas_kernels.dispatch``); resolved when the pool is built.
@@ -48,6 +57,7 @@ from pathlib import Path
 TIERS = ("L1", "L1+L2", "L1+L2+L3")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout", "cost")
+KV_TIER_FORMATS = ("full", "fp8", "int8")
 
 
 class CacheConfigError(ValueError):
@@ -86,6 +96,7 @@ class CacheConfig:
     transfer_chunk_bytes: int = 4 << 20
     storage_probe_ttl_s: float = 0.5
     kernel_backend: str = "auto"
+    kv_tier_format: str = "full"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> CacheConfigError:
@@ -128,6 +139,8 @@ class CacheConfig:
             raise bad("transfer_chunk_bytes", "must be a positive int")
         if not self.storage_probe_ttl_s >= 0:
             raise bad("storage_probe_ttl_s", "must be >= 0")
+        if self.kv_tier_format not in KV_TIER_FORMATS:
+            raise bad("kv_tier_format", f"must be one of {KV_TIER_FORMATS}")
 
     @property
     def num_device_pages(self) -> int:
@@ -135,14 +148,19 @@ class CacheConfig:
             return self.device_pages
         return self.device_tokens // self.page_size  # type: ignore[operator]
 
-    def num_host_pages(self, page_bytes: int | None = None) -> int:
-        """L2 pages: ``host_bytes // page_bytes`` if both known, else ratio x L1; 0 without L2."""
+    def num_host_pages(self, page_bytes: int | None = None, device_page_bytes: int | None = None) -> int:
+        """L2 pages: ``host_bytes // page_bytes`` if both known, else ratio x L1's bytes over
+        ``page_bytes`` (ratio x L1's pages when the sizes are unknown or equal); 0 without L2.
+
+        ``page_bytes``: one page in L2 (the tier format's); ``device_page_bytes``: one in L1."""
         if not self.has_host:
             return 0
         if self.host_bytes is not None:
             if page_bytes is None:
                 raise CacheConfigError("CacheConfig.host_bytes needs the KV layout's page_bytes")
             return self.host_bytes // page_bytes
+        if page_bytes and device_page_bytes and page_bytes != device_page_bytes:
+            return int(self.num_device_pages * self.hicache_ratio * device_page_bytes // page_bytes)
         return int(self.num_device_pages * self.hicache_ratio)
 
     @property

@@ -53,6 +53,7 @@ from strata_jax.cache.handles import CacheError, CacheFullError, PrefetchHandle,
 from strata_jax.cache.radix_tree import HiRadixTree, InsertResult, PrefixMatch, TreeNode
 from strata_jax.cache.storage import StorageBackend, make_storage
 from strata_jax.cache.storage_io import StorageIO
+from strata_jax.cache.tier_format import TierFormat
 from strata_jax.cache.transfers import Transfers
 
 if TYPE_CHECKING:
@@ -69,7 +70,13 @@ class CacheController(Transfers, StorageIO, Eviction):
     the no-model benchmarks and the simulator use it with the same policies.
     With a ``timer`` (``TransferTimer``) its transfers land in virtual time instead
     of at once (loads, backups and prefetches; the simulator), and ``page_bytes``
-    gives the size of a page it has no layout for.
+    gives the size of a page it has no layout for (in L2 and on the link: the tier
+    format's).
+
+    ``config.kv_tier_format`` (``full``, ``fp8``, ``int8``) is the format of L2 and L3
+    (``tier_format.py``): ``page_bytes`` is one page in that format (values and
+    scales), which is what a load or backup moves, what L2 holds and what the
+    bandwidth estimate is measured in; ``device_page_bytes`` is one L1 page.
     """
 
     def __init__(
@@ -92,24 +99,30 @@ class CacheController(Transfers, StorageIO, Eviction):
         if layout is not None and layout.page_size != config.page_size:
             raise CacheError(f"layout page_size {layout.page_size} != config page_size {config.page_size}")
         self.page_size = config.page_size
-        self.page_bytes = layout.page_bytes if layout is not None else (page_bytes or 0)
+        # L2/L3 format (None without a layout: a bookkeeping controller moves no bytes, page_bytes says how many)
+        self.tier_format = TierFormat.resolve(config.kv_tier_format, layout.dtype) if layout is not None else None
+        self.device_page_bytes = layout.page_bytes if layout is not None else (page_bytes or 0)
+        self.page_bytes = self.tier_format.page_bytes(layout) if layout is not None else (page_bytes or 0)
         self._clock = clock
         if timer is not None and self.move_data:
             raise CacheError("a TransferTimer is for bookkeeping-only controllers (move_data=False)")
         self._timer = timer
         self.tree = HiRadixTree(config.page_size, config.kv_identity)
         self.device_alloc = PageAllocator(config.num_device_pages, "device")
-        self.host_alloc = PageAllocator(config.num_host_pages(self.page_bytes or None), "host")
+        self.host_alloc = PageAllocator(
+            config.num_host_pages(self.page_bytes or None, self.device_page_bytes or None), "host"
+        )
         self.device_pool = None
         self.host_pool = None
         if self.move_data:
             from strata_jax.cache.pools import DevicePool, HostPool
 
             self.device_pool = DevicePool(
-                layout, self.device_alloc.num_pages, device, kernel_backend=config.kernel_backend  # type: ignore[arg-type]
+                layout, self.device_alloc.num_pages, device, kernel_backend=config.kernel_backend,  # type: ignore[arg-type]
+                tier_format=self.tier_format,
             )
             if self.host_alloc.num_pages:
-                self.host_pool = HostPool(layout, self.host_alloc.num_pages)  # type: ignore[arg-type]
+                self.host_pool = HostPool(layout, self.host_alloc.num_pages, self.tier_format)  # type: ignore[arg-type]
         self.storage: StorageBackend | None = None
         if config.has_storage:
             self.storage = storage if storage is not None else make_storage(config)
@@ -138,6 +151,12 @@ class CacheController(Transfers, StorageIO, Eviction):
             "evicted_device_pages": 0,
             "evicted_host_pages": 0,
             "storage_errors": 0,  # L3 reads/writes that raised (served as misses / not written)
+            "storage_format_misses": 0,  # L3 objects of another format / shape / length: misses, never decoded
+            # bytes in the tier format (values + scales): what crossed the link / went to or came from L3
+            "loaded_bytes": 0,
+            "backed_up_bytes": 0,
+            "storage_written_bytes": 0,
+            "prefetched_bytes": 0,
         }
         self._last_error_log = float("-inf")
 
@@ -300,14 +319,37 @@ class CacheController(Transfers, StorageIO, Eviction):
             "link_bandwidth_bytes_per_s": self._bandwidth,
             "pending_transfers": len(self._pending),
             **self.counters,
+            **self.bytes_per_token(),
         }
         if self.storage is not None:
             try:
-                out["storage"] = self.storage.stats().__dict__
+                storage = self.storage.stats()
+                out["storage"] = storage.__dict__
+                if storage.objects > 0 and storage.bytes >= 0:  # (Redis does not count bytes)
+                    out["storage_bytes_per_token"] = storage.bytes / (storage.objects * self.page_size)
             except Exception as exc:  # noqa: BLE001 - stats must not fail because L3 is down
                 self._storage_failed("stats", exc)
                 out["storage"] = None
         return out
+
+    def bytes_per_token(self) -> dict[str, Any]:
+        """KV bytes per token from the pools' and transfers' own counts (the tier format's).
+
+        ``device``: one L1 token; ``host``: one L2 token (``HostPool``: values + scales);
+        ``load``: bytes moved per token loaded L2 -> L1 so far (None before the first load);
+        ``backup``: the same for L1 -> L2.  ``stats()`` adds ``storage_bytes_per_token``
+        (objects with their framing, from the backend's byte count)."""
+        ps = self.page_size
+        # the L1 pool's own count of what it moved when there is one, else the controller's (simulated)
+        c = self.device_pool.moved if self.device_pool is not None else self.counters
+        host = self.host_pool.page_bytes / ps if self.host_pool is not None else self.page_bytes / ps
+        return {
+            "tier_format": self.tier_format.name if self.tier_format is not None else self.config.kv_tier_format,
+            "device_bytes_per_token": self.device_page_bytes / ps,
+            "host_bytes_per_token": host,
+            "load_bytes_per_token": c["loaded_bytes"] / (c["loaded_pages"] * ps) if c["loaded_pages"] else None,
+            "backup_bytes_per_token": c["backed_up_bytes"] / (c["backed_up_pages"] * ps) if c["backed_up_pages"] else None,
+        }
 
     def close(self) -> None:
         for h in list(self._pending):

@@ -13,6 +13,12 @@ which page belongs to whom is the allocators' and the tree's business.
 * ``HostPool.data`` is plain numpy ``[num_pages, L, 2, page_size, H, D]`` (pinned
   host memory on GPU is future work, see docs/cache.md); one page is one
   contiguous block.
+* Tier formats (``strata_jax.cache.tier_format``): with a quantized format (``fp8``,
+  ``int8``) ``HostPool.data`` holds the 8-bit values and ``HostPool.scales[num_pages,
+  L, 2, H]`` (float32) their scales; the device pool quantizes right after the page
+  gather of a backup (``gather_tier``: the device->host copy carries the small
+  format) and dequantizes inside the scatter of a load (``load_tier``), both in
+  ``pallas_kernels.quant_transfer``.  No pass over host memory converts anything.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pallas_kernels.layout import KVLayout
+from strata_jax.cache.tier_format import TierFormat
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -45,28 +52,67 @@ def _is_run(pages: Sequence[int]) -> bool:
     )
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """NumPy dtype of a KV dtype name (bfloat16 and float8_e4m3fn come from ml_dtypes)."""
+    if name in ("bfloat16", "float8_e4m3fn"):
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
+    return np.dtype(name)
+
+
 class HostPool:
-    """Page-first L2 pool in host memory."""
+    """Page-first L2 pool in host memory, in a tier format (default: full width, the layout's dtype).
 
-    def __init__(self, layout: KVLayout, num_pages: int) -> None:
-        from pallas_kernels.layout import _numpy_dtype_name
+    ``data[P, L, 2, S, H, D]`` in the format's element dtype; ``scales[P, L, 2, H]`` (float32)
+    for a quantized format, else ``None``."""
 
+    def __init__(self, layout: KVLayout, num_pages: int, tier_format: TierFormat | None = None) -> None:
         self.layout = layout
         self.num_pages = num_pages
-        self.data = np.zeros(layout.page_first_shape(num_pages), dtype=_numpy_dtype_name(layout.dtype))
+        self.format = tier_format or TierFormat.resolve("full", layout.dtype)
+        self.data = np.zeros(layout.page_first_shape(num_pages), dtype=numpy_dtype(self.format.element_dtype))
+        self.scales = (
+            np.ones((num_pages, layout.num_layers, 2, layout.num_kv_heads), np.float32) if self.format.quantized else None
+        )
 
     @classmethod
-    def from_array(cls, layout: KVLayout, data: np.ndarray) -> HostPool:
-        """A pool over an existing page-first array (no copy), e.g. a benchmark's host pages."""
+    def from_array(cls, layout: KVLayout, data: np.ndarray, scales: np.ndarray | None = None, tier_format: TierFormat | None = None) -> HostPool:
+        """A pool over an existing page-first array (no copy), e.g. a benchmark's host pages
+        (with ``scales`` and a quantized ``tier_format`` for quantized pages)."""
         if data.ndim != 6 or tuple(data.shape[1:]) != tuple(layout.page_first_shape(1)[1:]):
             raise ValueError(f"host array shape {data.shape} does not match the layout's page shape")
         pool = cls.__new__(cls)
         pool.layout, pool.num_pages, pool.data = layout, data.shape[0], data
+        pool.format = tier_format or TierFormat.resolve("full", layout.dtype)
+        if pool.format.quantized != (scales is not None):
+            raise ValueError(f"tier format {pool.format.name} {'needs' if pool.format.quantized else 'takes no'} scales")
+        pool.scales = scales
         return pool
 
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        """Bytes the pool holds (values and scales)."""
+        return self.data.nbytes + (self.scales.nbytes if self.scales is not None else 0)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in this pool (values and scales): ``nbytes / num_pages``."""
+        return self.format.page_bytes(self.layout)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.page_bytes / self.layout.page_size
+
+    def read_scales(self, pages: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
+        """Scales of ``pages`` as ``[n, L, 2, H]`` (a quantized pool only); a copy, or into ``out[:n]``."""
+        if self.scales is None:
+            raise ValueError("a full-width host pool has no scales")
+        idx = np.asarray(pages, dtype=np.int64)
+        if out is None:
+            return self.scales[idx]
+        np.take(self.scales, idx, axis=0, out=out[: len(idx)])
+        return out
 
     def read(self, pages: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
         """Pages as ``[n, L, 2, S, H, D]``: a view for a contiguous run (no copy), else a gather.
@@ -86,52 +132,93 @@ class HostPool:
         # page-first: every page is one contiguous block, copied run by run (np.take goes item by item)
         return gather_host_pages(self.data, np.asarray(pages, dtype=np.int64))
 
-    def write(self, pages: Sequence[int], values: np.ndarray) -> None:
-        """Store ``values[:len(pages)]`` (page-first) into ``pages``."""
+    def write(self, pages: Sequence[int], values: np.ndarray, scales: np.ndarray | None = None) -> None:
+        """Store ``values[:len(pages)]`` (page-first, the pool's element dtype) into ``pages``,
+        and their ``scales[:len(pages)]`` (required by a quantized pool, refused by a full one)."""
         n = len(pages)
+        if (scales is not None) != (self.scales is not None):
+            raise ValueError(f"tier format {self.format.name}: scales {'missing' if scales is None else 'unexpected'}")
         if _is_run(pages):
             self.data[pages[0] : pages[0] + n] = values[:n]
+            if scales is not None:
+                self.scales[pages[0] : pages[0] + n] = scales[:n]  # type: ignore[index]
         else:
-            self.data[np.asarray(pages, dtype=np.int64)] = values[:n]
+            idx = np.asarray(pages, dtype=np.int64)
+            self.data[idx] = values[:n]
+            if scales is not None:
+                self.scales[idx] = scales[:n]  # type: ignore[index]
 
 
 _JITTED: dict[tuple, tuple] = {}
 
 
-def _jitted_transfers(backend: str, sharding=None) -> tuple:  # noqa: ANN001
+def _jitted_transfers(backend: str, sharding=None, tier_format: str = "full") -> tuple:  # noqa: ANN001
     """The jitted scatter (pool donated) and gather for a concrete kernel backend, shared
     by every pool using it (one compile per shape and backend).
 
+    ``tier_format`` ``"fp8"`` / ``"int8"``: the scatter takes ``(pool, q, scales, ids)`` and
+    dequantizes while scattering, the gather returns ``(q, scales)`` quantized right after
+    the gather (``pallas_kernels.quant_transfer``); ``"full"``: plain page moves.
+
     With a head-sharded ``sharding`` (tensor parallelism, ``strata_jax.runtime.sharding``)
     pool, staging and gathered pages are split on the KV heads and the kernels run per
-    shard (``pallas_kernels.sharded``): each device scatters / gathers only its heads.
+    shard (``pallas_kernels.sharded``): each device scatters / gathers only its heads
+    (scales: their axis 3).
     """
-    key = (backend, sharding)
+    key = (backend, sharding, tier_format)
     if key not in _JITTED:  # a cache of compiled functions, not state: pools stay independent
         import jax
 
         import pallas_kernels
+        from pallas_kernels import quant_transfer
         from pallas_kernels.sharded import use_head_sharding
 
         mesh = sharding.mesh if sharding is not None else None
 
-        def _scatter(pool, staging, ids):  # noqa: ANN001, ANN202
-            with use_head_sharding(mesh):
-                return pallas_kernels.scatter_pages(pool, staging, ids, backend=backend)
+        if tier_format == "full":
 
-        def _gather(pool, ids):  # noqa: ANN001, ANN202
-            with use_head_sharding(mesh):
-                return pallas_kernels.gather_pages(pool, ids, backend=backend)
+            def _scatter(pool, staging, ids):  # noqa: ANN001, ANN202
+                with use_head_sharding(mesh):
+                    return pallas_kernels.scatter_pages(pool, staging, ids, backend=backend)
+
+            def _gather(pool, ids):  # noqa: ANN001, ANN202
+                with use_head_sharding(mesh):
+                    return pallas_kernels.gather_pages(pool, ids, backend=backend)
+
+        else:
+
+            def _scatter(pool, q, scales, ids):  # noqa: ANN001, ANN202
+                with use_head_sharding(mesh):
+                    return quant_transfer.scatter_dequantize(pool, q, scales, ids, backend=backend)
+
+            def _gather(pool, ids):  # noqa: ANN001, ANN202
+                with use_head_sharding(mesh):
+                    return quant_transfer.gather_quantize(pool, ids, tier_format, backend=backend)
 
         if sharding is None:
             _JITTED[key] = (jax.jit(_scatter, donate_argnums=0), jax.jit(_gather))
         else:
             ids = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            _JITTED[key] = (
-                jax.jit(_scatter, donate_argnums=0, in_shardings=(sharding, sharding, ids), out_shardings=sharding),
-                jax.jit(_gather, in_shardings=(sharding, ids), out_shardings=sharding),
-            )
+            if tier_format == "full":
+                _JITTED[key] = (
+                    jax.jit(_scatter, donate_argnums=0, in_shardings=(sharding, sharding, ids), out_shardings=sharding),
+                    jax.jit(_gather, in_shardings=(sharding, ids), out_shardings=sharding),
+                )
+            else:
+                scales = scale_sharding(sharding)
+                _JITTED[key] = (
+                    jax.jit(_scatter, donate_argnums=0, in_shardings=(sharding, sharding, scales, ids), out_shardings=sharding),
+                    jax.jit(_gather, in_shardings=(sharding, ids), out_shardings=(sharding, scales)),
+                )
     return _JITTED[key]
+
+
+def scale_sharding(pool_sharding):  # noqa: ANN001, ANN201
+    """Sharding of page-first scales ``[n, L, 2, H]`` matching a pool sharded on its head axis 4."""
+    import jax
+
+    spec = tuple(pool_sharding.spec) + (None,) * (6 - len(pool_sharding.spec))
+    return jax.sharding.NamedSharding(pool_sharding.mesh, jax.sharding.PartitionSpec(None, None, None, spec[4]))
 
 
 class DevicePool:
@@ -144,7 +231,10 @@ class DevicePool:
     receives its heads' bytes only) and a backup's gather comes back as whole pages.
     """
 
-    def __init__(self, layout: KVLayout, num_pages: int, device=None, *, kernel_backend: str = "auto") -> None:  # noqa: ANN001
+    def __init__(
+        self, layout: KVLayout, num_pages: int, device=None, *, kernel_backend: str = "auto",  # noqa: ANN001
+        tier_format: TierFormat | None = None,
+    ) -> None:
         import jax
         import jax.numpy as jnp
 
@@ -163,7 +253,18 @@ class DevicePool:
         # Resolved now (argument, then $STRATA_KERNEL_BACKEND, then platform) and fixed for the pool's life.
         self.kernel_backend = pallas_kernels.resolve_backend(kernel_backend)
         head_sharded = isinstance(device, jax.sharding.NamedSharding) and len(device.mesh.devices.flat) > 1
-        self._scatter, self._gather = _jitted_transfers(self.kernel_backend, device if head_sharded else None)
+        sharding = device if head_sharded else None
+        self._scatter, self._gather = _jitted_transfers(self.kernel_backend, sharding)
+        # The format of L2/L3 (what backups produce and loads consume); full width: the plain moves.
+        self.tier_format = tier_format or TierFormat.resolve("full", layout.dtype)
+        if self.tier_format.quantized:
+            self._scatter_tier, self._gather_tier = _jitted_transfers(self.kernel_backend, sharding, self.tier_format.name)
+            self._scale_device = scale_sharding(device) if isinstance(device, jax.sharding.NamedSharding) else device
+        else:
+            self._scatter_tier, self._gather_tier = self._scatter, self._gather
+        # What crossed the host<->device link in the tier format (values + scales of the pages
+        # named; bucket padding rows not counted): load_from_host in, gather_tier out.
+        self.moved = {"loaded_pages": 0, "loaded_bytes": 0, "backed_up_pages": 0, "backed_up_bytes": 0}
 
     def replace(self, kv) -> None:  # noqa: ANN001
         """Store the pool returned by a step that donated ``self.kv``."""
@@ -188,22 +289,46 @@ class DevicePool:
         self.kv = self._scatter(self.kv, dev_staging, ids)
         return dev_staging
 
+    def load_tier(self, staging: np.ndarray, scales: np.ndarray | None, page_ids: Sequence[int]):  # noqa: ANN201
+        """``load_pages`` in the tier format: one ``device_put`` of the page-first values (and,
+        quantized, their scales ``[n, L, 2, H]``), then one scatter that dequantizes to the
+        pool's dtype as it writes.  Returns the device values array (ready: landed)."""
+        if not self.tier_format.quantized:
+            return self.load_pages(staging, page_ids)
+        import jax
+
+        if self._device is not None:
+            dev_staging, dev_scales = jax.device_put(staging, self._device), jax.device_put(scales, self._scale_device)
+        else:
+            dev_staging, dev_scales = jax.device_put((staging, scales))
+        ids = self._ids(page_ids, staging.shape[0])
+        self.kv = self._scatter_tier(self.kv, dev_staging, dev_scales, ids)
+        return dev_staging
+
     @property
     def compile_count(self) -> int:
         """Programs compiled so far by this pool's (backend-shared) scatter and gather."""
-        return self._scatter._cache_size() + self._gather._cache_size()  # noqa: SLF001
+        fns = {id(f): f for f in (self._scatter, self._gather, self._scatter_tier, self._gather_tier)}
+        return sum(f._cache_size() for f in fns.values())  # noqa: SLF001
 
     def warmup(self, chunk_pages: int) -> int:
         """Compile every transfer shape serving can hit: scatters and gathers of 1 ..
-        ``chunk_pages`` pages in powers of two (loads and backups go in such chunks).
-        Touches no page: the scattered ids are out of range.  Returns programs compiled."""
+        ``chunk_pages`` pages in powers of two (loads and backups go in such chunks), in the
+        tier format.  Touches no page: the scattered ids are out of range.  Returns programs compiled."""
         before = self.compile_count
+        moved = dict(self.moved)  # warm-up moves no real page
+        fmt = self.tier_format
         n = 1
         while n <= chunk_pages:
-            self.load_pages(np.zeros(self.layout.page_first_shape(n), np.dtype(self.kv.dtype)), []).block_until_ready()
-            self.gather_pages([0] * n).block_until_ready()
+            shape = self.layout.page_first_shape(n)
+            values = np.zeros(shape, numpy_dtype(fmt.element_dtype))
+            scales = np.ones((n, self.layout.num_layers, 2, self.layout.num_kv_heads), np.float32) if fmt.quantized else None
+            self.load_tier(values, scales, []).block_until_ready()
+            for array in self.gather_tier([0] * n):
+                array.block_until_ready()
             n *= 2
         self.kv.block_until_ready()
+        self.moved = moved
         return self.compile_count - before
 
     def load_from_host(
@@ -222,13 +347,23 @@ class DevicePool:
             raise ValueError(f"{len(host_pages)} host pages but {len(page_ids)} device pages")
         if chunk_pages < 1 or chunk_pages & (chunk_pages - 1):
             raise ValueError(f"chunk_pages must be a power of two, got {chunk_pages}")
+        if host.format != self.tier_format:
+            raise ValueError(f"host pool format {host.format.describe()} != device pool tier format {self.tier_format.describe()}")
+        quantized = self.tier_format.quantized
         arrays = []
         for start in range(0, len(page_ids), chunk_pages):
             rows = min(chunk_pages, len(page_ids) - start)
-            staging = np.empty(self.layout.page_first_shape(bucket(rows)), dtype=host.data.dtype)
+            size = bucket(rows)
+            staging = np.empty(self.layout.page_first_shape(size), dtype=host.data.dtype)
             host.read(host_pages[start : start + rows], out=staging)
             staging[rows:] = 0
-            arrays.append(self.load_pages(staging, page_ids[start : start + rows]))
+            scales = None
+            if quantized:  # a few bytes per page: one small copy beside the values
+                scales = np.ones((size, *host.scales.shape[1:]), np.float32)  # type: ignore[union-attr]
+                host.read_scales(host_pages[start : start + rows], out=scales)
+            arrays.append(self.load_tier(staging, scales, page_ids[start : start + rows]))
+            self.moved["loaded_pages"] += rows
+            self.moved["loaded_bytes"] += rows * (staging.nbytes + (scales.nbytes if scales is not None else 0)) // size
         return arrays
 
     def gather_pages(self, page_ids: Sequence[int]):  # noqa: ANN201
@@ -245,3 +380,22 @@ class DevicePool:
         except Exception:  # pragma: no cover - optional on some backends
             pass
         return out
+
+    def gather_tier(self, page_ids: Sequence[int]) -> tuple:
+        """A backup's gather in the tier format: ``(values,)`` for full width, ``(q, scales)``
+        quantized on the device right after the gather, so the device->host copy (started
+        here, asynchronously) moves the small format.  Bucketed rows; extra rows junk."""
+        self.moved["backed_up_pages"] += len(page_ids)
+        self.moved["backed_up_bytes"] += len(page_ids) * self.tier_format.page_bytes(self.layout)
+        if not self.tier_format.quantized:
+            return (self.gather_pages(page_ids),)
+        size = bucket(len(page_ids))
+        ids = np.full((size,), 0, dtype=np.int32)
+        ids[: len(page_ids)] = page_ids
+        out = self._gather_tier(self.kv, ids)
+        for array in out:
+            try:
+                array.copy_to_host_async()
+            except Exception:  # pragma: no cover - optional on some backends
+                pass
+        return tuple(out)

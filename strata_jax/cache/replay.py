@@ -94,7 +94,7 @@ class CacheReplayer:
         values = self._fill_values(namespace, tokens, first_page, first_page + len(pages))
         staging = np.zeros(layout.page_first_shape(bucket(len(pages))), np.float32)  # type: ignore[union-attr]
         staging[: len(pages)] = values.reshape(-1, 1, 1, 1, 1, 1)
-        self.ctl.device_pool.load_pages(staging.astype(self.ctl.host_pool.data.dtype if self.ctl.host_pool else np.float32), pages)  # type: ignore[union-attr]
+        self.ctl.device_pool.load_pages(staging.astype(np.dtype(self.ctl.device_pool.kv.dtype)), pages)  # type: ignore[union-attr]
 
     def _verify(self, namespace: str, tokens: Sequence[int], pages: list[int]) -> None:
         got = np.asarray(self.ctl.device_pool.gather_pages(pages))[: len(pages)].astype(np.float32)  # type: ignore[union-attr]

@@ -1,8 +1,11 @@
 """L3 storage: the backend interface, the object format, and the name registry.
 
 Objects are content-addressed pages: the key is the page's SHA-256 chain value
-(``hashing.py``), the payload one page-first page (all layers' K and V).  Every
-object is framed as::
+(``hashing.py``; for a quantized tier format a hash of the format and that value,
+``tier_format.TierFormat.object_key``), the payload one page-first page (all layers' K
+and V) behind a page header naming its tier format (``tier_format.py``: the controller
+writes and checks it; backends treat payloads as opaque bytes).  Every object is framed
+as::
 
     MAGIC (8) | key (32) | payload length (8, little-endian) | SHA-256(payload) (32) | payload
 

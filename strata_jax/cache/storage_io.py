@@ -14,6 +14,11 @@ Contract:
   call that raises is a miss / an unwritten page, never a crash.
 * Storage workers touch only the backend, the host pages reserved for them and
   their handle.
+* Objects are in the controller's tier format (``tier_format.py``): the payload is a
+  page header naming the format, then the values (and scales); a quantized format's
+  objects are stored under ``TierFormat.object_key`` of the chain key.  A read whose
+  header, length or scales do not match is a miss (``storage_format_misses``), never
+  decoded.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ class StorageIO:
         if seen is not None and now - seen[1] < ttl and (seen[0] == len(keys) or keys[seen[0]] not in self._recent_writes):
             return seen[0]
         try:
-            hits = self.storage.batch_exists(keys)  # type: ignore[union-attr]
+            hits = self.storage.batch_exists(self._object_keys(keys))  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - L3 is a cache: unreachable means no hits
             self._storage_failed("exists", exc)
             return 0
@@ -85,6 +90,14 @@ class StorageIO:
                 while len(self._probe_memo) > _PROBE_MEMO_ENTRIES:
                     self._probe_memo.pop(next(iter(self._probe_memo)))
         return hits
+
+    def _object_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """L3 keys of the chain keys ``keys`` in this controller's tier format (the chain keys
+        themselves for full width; another format's objects are other keys)."""
+        fmt = self.tier_format
+        if fmt is None or not fmt.quantized:
+            return list(keys)
+        return [fmt.object_key(k) for k in keys]
 
     def _note_storage_writes(self, keys: Sequence[bytes]) -> None:
         if self.config.storage_probe_ttl_s <= 0:
@@ -108,23 +121,40 @@ class StorageIO:
         self.counters["storage_written_pages"] += n
         self._note_storage_writes(keys)
 
+        object_keys = self._object_keys(keys)
+
         def write(payloads: Sequence[bytes | memoryview]) -> None:
             try:
-                storage.batch_set(keys, payloads)
+                storage.batch_set(object_keys, payloads)
             except Exception as exc:  # noqa: BLE001 - L3 is a cache: a failed write is a later miss
                 self._storage_failed("write", exc)
 
         if not self.move_data:
+            self.counters["storage_written_bytes"] += n * self.page_bytes
             write([b""] * n)
             return
         self._wait_host(host_pages)
-        snapshot = self.host_pool.read(host_pages).copy()  # type: ignore[union-attr]
-        handle = TransferHandle("storage_write", None, n, n * self.page_bytes, self._clock())
-        raw = snapshot.view(np.uint8).reshape(n, -1)  # bytes per page, any dtype (bf16 included)
+        raw = self._storage_payloads(host_pages)  # a snapshot: the host pages may be reused once this returns
+        self.counters["storage_written_bytes"] += raw.nbytes
+        handle = TransferHandle("storage_write", None, n, raw.nbytes, self._clock())
         fut = self._executor.submit(write, [memoryview(raw[i]) for i in range(n)])  # type: ignore[union-attr]
         handle._is_finished = fut.done
         handle._block = fut.result
         self._pending.append(handle)
+
+    def _storage_payloads(self, host_pages: Sequence[int]) -> np.ndarray:
+        """L3 payloads of ``host_pages`` as rows of one uint8 array (one copy out of L2):
+        page header | values | scales (tier_format.py)."""
+        fmt, layout, pool = self.tier_format, self.layout, self.host_pool
+        header = np.frombuffer(fmt.header(layout), np.uint8)  # type: ignore[union-attr]
+        values = pool.read(host_pages)  # type: ignore[union-attr]
+        n, h, v = len(host_pages), header.size, fmt.value_bytes(layout)  # type: ignore[union-attr]
+        raw = np.empty((n, fmt.object_bytes(layout)), np.uint8)  # type: ignore[union-attr]
+        raw[:, :h] = header
+        raw[:, h : h + v] = values.reshape(n, -1).view(np.uint8)  # bytes per page, any dtype (bf16, fp8 included)
+        if fmt.quantized:  # type: ignore[union-attr]
+            raw[:, h + v :] = pool.read_scales(host_pages).astype("<f4").reshape(n, -1).view(np.uint8)  # type: ignore[union-attr]
+        return raw
 
     def _storage_failed(self, op: str, exc: BaseException) -> None:
         """Count (and log, at most every 10 s) an L3 call that raised; callers carry on as a miss.
@@ -213,24 +243,38 @@ class StorageIO:
 
     def _prefetch_worker(self, handle: PrefetchHandle, chunk: int = 32) -> None:
         pool = self.host_pool
-        shape = self.layout.page_first_shape(1)[1:]  # type: ignore[union-attr]
+        fmt, layout = self.tier_format, self.layout
+        shape = layout.page_first_shape(1)[1:]  # type: ignore[union-attr]
         dtype = pool.data.dtype  # type: ignore[union-attr]
+        value_bytes = fmt.value_bytes(layout)  # type: ignore[union-attr]
         for s in range(0, len(handle.keys), chunk):
             if handle.cancel.is_set():
                 return
             try:
                 t0 = time.perf_counter()
-                payloads = self.storage.batch_get(handle.keys[s : s + chunk])  # type: ignore[union-attr]
+                payloads = self.storage.batch_get(self._object_keys(handle.keys[s : s + chunk]))  # type: ignore[union-attr]
                 self._note_storage_read(sum(len(p) for p in payloads if p is not None), time.perf_counter() - t0)
             except Exception as exc:  # noqa: BLE001 - what landed so far is kept; the rest is recomputed
                 self._storage_failed("read", exc)
                 handle.missed = True
                 return
             for i, payload in enumerate(payloads):
-                if payload is None or len(payload) != self.page_bytes:
+                page = fmt.check_object(layout, payload) if payload is not None else None  # type: ignore[union-attr]
+                scales = None
+                if page is not None and fmt.quantized:  # type: ignore[union-attr]
+                    scales = np.frombuffer(page[value_bytes:], dtype="<f4")
+                    if not (np.isfinite(scales).all() and (scales > 0).all()):  # written by no quantizer of ours
+                        page = None
+                if page is None:
+                    if payload is not None:  # another format, shape or length: a miss, never decoded
+                        with _ERROR_LOCK:
+                            self.counters["storage_format_misses"] += 1
                     handle.missed = True
                     return
-                pool.data[handle.host_pages[s + i]] = np.frombuffer(payload, dtype=dtype).reshape(shape)  # type: ignore[union-attr]
+                host_page = handle.host_pages[s + i]
+                pool.data[host_page] = np.frombuffer(page[:value_bytes], dtype=dtype).reshape(shape)  # type: ignore[union-attr]
+                if scales is not None:
+                    pool.scales[host_page] = scales.reshape(pool.scales.shape[1:])  # type: ignore[union-attr]
                 handle.landed = s + i + 1
 
     def finish_prefetch(self, handle: PrefetchHandle) -> int:
@@ -312,6 +356,7 @@ class StorageIO:
         handle.finished = True
         handle.landed = landed
         self.counters["prefetched_pages"] += landed
+        self.counters["prefetched_bytes"] += landed * self.page_bytes
         if not handle.done:
             self._complete(handle)
         if handle in self._pending:

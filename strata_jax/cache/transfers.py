@@ -66,6 +66,7 @@ class Transfers:
             self._backup_landed(node, host_pages, keys)
             self._complete(handle)
         self.counters["backed_up_pages"] += n
+        self.counters["backed_up_bytes"] += handle.nbytes
         return handle
 
     def flush_backups(self) -> None:
@@ -76,21 +77,22 @@ class Transfers:
             return
         chunk = self._transfer_chunk_pages()
         dev = [p for _h, _n, dev_pages, _hp, _k in queue for p in dev_pages]
-        stagings = [self.device_pool.gather_pages(dev[s : s + chunk]) for s in range(0, len(dev), chunk)]  # type: ignore[union-attr]
+        # In the tier format: (values,) or (q, scales) quantized on the device after the gather.
+        stagings = [self.device_pool.gather_tier(dev[s : s + chunk]) for s in range(0, len(dev), chunk)]  # type: ignore[union-attr]
         offset = 0
         for handle, node, dev_pages, host_pages, keys in queue:
             first, last = offset // chunk, (offset + len(dev_pages) - 1) // chunk
             mine = [(c, stagings[c]) for c in range(first, last + 1)]
 
             def on_done(node=node, host_pages=host_pages, keys=keys, offset=offset, mine=mine) -> None:
-                for c, staging in mine:
+                for c, arrays in mine:
                     lo, hi = max(offset, c * chunk), min(offset + len(host_pages), (c + 1) * chunk)
                     if lo < hi:
-                        rows = np.asarray(staging)[lo - c * chunk : hi - c * chunk]
-                        self.host_pool.write(host_pages[lo - offset : hi - offset], rows)  # type: ignore[union-attr]
+                        rows = [np.asarray(a)[lo - c * chunk : hi - c * chunk] for a in arrays]
+                        self.host_pool.write(host_pages[lo - offset : hi - offset], *rows)  # type: ignore[union-attr]
                 self._backup_landed(node, host_pages, keys)
 
-            await_arrays(handle, [s for _c, s in mine])
+            await_arrays(handle, [a for _c, arrays in mine for a in arrays])
             handle._on_done = on_done
             offset += len(dev_pages)
 
@@ -162,6 +164,7 @@ class Transfers:
             self.tree.set_device(x, dev_pages[off : off + k])
             off += k
         self.counters["loaded_pages"] += n
+        self.counters["loaded_bytes"] += handle.nbytes
         return handle
 
     def _measure(self, handle: TransferHandle) -> None:
@@ -247,7 +250,10 @@ class Transfers:
     def _transfer_chunk_pages(self) -> int:
         from strata_jax.cache.pools import chunk_pages_for
 
-        return chunk_pages_for(self.page_bytes, self.config.transfer_chunk_bytes)
+        # The budget counts L1 bytes (what one scatter writes, one gather reads): a quantized
+        # chunk does the same on-device work as a full-width one and moves 1/2 (bf16) or 1/4
+        # (float32) of it over the link; larger dequantizing chunks ran slower on XLA:CPU.
+        return chunk_pages_for(self.device_page_bytes or self.page_bytes, self.config.transfer_chunk_bytes)
 
     def next_landing(self) -> float | None:
         """Earliest stamped landing time of a transfer still in flight (simulated runs know it ahead)."""

@@ -10,6 +10,7 @@ writes a profile.  See docs/study.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -48,6 +49,12 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-kv-tokens", type=int, default=None, help="L2 size in tokens (default: the profile's host_kv_bytes)")
     p.add_argument("--write-policy", choices=("write_through", "write_through_selective", "write_back"), default="write_through")
     p.add_argument(
+        "--kv-tier-format", default="full",
+        help="format of L2/L3 pages: full (bf16, default), fp8 or int8 (8-bit values + a float32 scale per page, layer, "
+        "K/V and KV head); loads and storage reads move, and L2 holds, the smaller pages; comma-separated to compare "
+        "several side by side (e.g. full,fp8)",
+    )  # fmt: skip
+    p.add_argument(
         "--host-model", default="measured",
         help="the engine's host time per step: 'measured' (default: the model bench host fitted on this engine, "
         "sim/host_model.json), 'none' (free) or a JSON path",
@@ -76,6 +83,13 @@ def _requests(args: argparse.Namespace, rate: float) -> list[W.SimRequest]:
         trace = Path(args.trace) if args.trace else W.find_data_dir(args.data_dir) / "mooncake" / "conversation_trace.jsonl"
         return W.mooncake(num_requests=n, path=trace, speedup=rate, max_output=args.output_len)
     return W.sharegpt(num_requests=n, rate=rate, seed=args.seed)
+
+
+def _format_of(system_name: str, formats: list[str]) -> str:
+    """The tier format of a (possibly format-suffixed) system name."""
+    if len(formats) == 1:
+        return formats[0]
+    return system_name.rsplit("[", 1)[1].rstrip("]")
 
 
 def _parse_rates(text: str) -> list[float]:
@@ -114,11 +128,17 @@ def _run(args: argparse.Namespace) -> int:
             raise SystemExit("strata-jax simulate: --plot needs the sim extra (matplotlib): pip install 'strata-jax[sim]'") from None
     systems = [get_system(s.strip()) for s in args.systems.split(",") if s.strip()]
     rates = _parse_rates(args.rates)
+    formats = [f.strip() for f in args.kv_tier_format.split(",") if f.strip()]
+    if not formats or any(f not in ("full", "fp8", "int8") for f in formats):
+        raise ValueError(f"--kv-tier-format takes full, fp8 and/or int8 (comma-separated), got {args.kv_tier_format!r}")
     setup = SimSetup(
         model=load_model_spec(args.model, args.tp), profile=load_profile(args.profile), page_size=args.page_size,
         device_tokens=args.device_kv_tokens, host_tokens=args.host_kv_tokens, write_policy=args.write_policy,
         host=load_host_model(args.host_model), pipeline=not args.serial,
     )  # fmt: skip
+    if len(formats) > 1:  # each system once per format, named system[format]
+        systems = [dataclasses.replace(s, name=f"{s.name}[{f}]") for f in formats for s in systems]
+    setups = {s.name: dataclasses.replace(setup, tier_format=_format_of(s.name, formats)) for s in systems}
     wall0, cpu0 = time.perf_counter(), time.process_time()
     runs: list[RunResult] = []
     bar = None
@@ -131,7 +151,7 @@ def _run(args: argparse.Namespace) -> int:
             requests = _requests(args, math.inf if rate == math.inf else rate)
             if bar is not None:
                 bar.set_postfix_str(f"{system.name} @ {rate:g}")
-            runs.append(simulate(requests, system, setup, rate, progress=bar.update if bar is not None else None))
+            runs.append(simulate(requests, system, setups[system.name], rate, progress=bar.update if bar is not None else None))
     if bar is not None:
         bar.close()
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
@@ -141,7 +161,8 @@ def _run(args: argparse.Namespace) -> int:
     for r in runs:
         by_system.setdefault(r.system, []).append(r)
     warm = ", after a warm-up pass over the documents" if args.warmup else ""
-    print(f"{args.workload} on {setup.profile.name}, {setup.model.name} (tp={setup.model.tp}), {args.num_requests} requests per run{warm}")
+    fmt = f", L2/L3 format {'/'.join(formats)}" if formats != ["full"] else ""
+    print(f"{args.workload} on {setup.profile.name}, {setup.model.name} (tp={setup.model.tp}), {args.num_requests} requests per run{warm}{fmt}")
     print(table(runs))
     print()
     print(ablation_table(by_system, args.ttft_target, baseline=systems[0].name))

@@ -23,8 +23,13 @@ class EngineConfig:
 
     model: "tiny" (embedded random model) or a local Hugging Face folder.
     dtype: weights dtype; None = float32 on CPU, bfloat16 on GPU.
-    kv_dtype: KV cache dtype; None = float32 on CPU (XLA:CPU rewrites bf16 buffers
-        on every update), bfloat16 on GPU.
+    kv_dtype: KV cache dtype of L1 (the device pool); None = float32 on CPU (XLA:CPU
+        rewrites bf16 buffers on every update), bfloat16 on GPU.
+    kv_tier_format: format of L2 (host) pages and L3 objects: "full" (default: the L1
+        dtype, bit-identical from every tier), "fp8" (float8 e4m3) or "int8", both with
+        a float32 scale per (page, layer, K/V, KV head): about half the bytes of bf16 (a
+        quarter of float32) per token held in L2 and L3 and moved per load; outputs from a
+        quantized tier are close to full width, not bit-identical (docs/cache.md).
     page_size: tokens per KV page (the transfer and caching granularity).
     device_tokens: L1 (device pool) capacity in tokens; None = 64 * max_batch_tokens,
         at least 4 * max_context_tokens (enough for a few full-length requests).
@@ -105,6 +110,7 @@ class EngineConfig:
     model: str = "tiny"
     dtype: str | None = None
     kv_dtype: str | None = None
+    kv_tier_format: str = "full"
     page_size: int = 16
     device_tokens: int | None = None
     tiers: str = "L1+L2"
@@ -172,9 +178,15 @@ class EngineConfig:
                 f'EngineConfig.prefill_chunk must be "max", "auto" or an integer above max_batch_size '
                 f"({self.max_batch_size}) and at most max_batch_tokens ({self.max_batch_tokens}), got {self.prefill_chunk!r}"
             )
-        for name in ("dtype", "kv_dtype"):
+        for name in ("dtype", "kv_dtype"):  # an fp8 L1 is not supported yet (issue 20); fp8 tiers are (kv_tier_format)
             if getattr(self, name) not in (None, "float32", "bfloat16"):
                 raise InvalidRequestError(f"EngineConfig.{name} must be float32 or bfloat16, got {getattr(self, name)!r}")
+        from strata_jax.cache.config import KV_TIER_FORMATS
+
+        if self.kv_tier_format not in KV_TIER_FORMATS:
+            raise InvalidRequestError(
+                f"EngineConfig.kv_tier_format must be one of {', '.join(KV_TIER_FORMATS)}, got {self.kv_tier_format!r}"
+            )
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise InvalidRequestError(
                 f"EngineConfig.kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, got {self.kernel_backend!r}"
@@ -208,6 +220,7 @@ class EngineConfig:
             storage_dir=self.storage_dir,
             storage_url=self.storage_url,
             kernel_backend=self.kernel_backend,
+            kv_tier_format=self.kv_tier_format,
         )
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -12,6 +12,10 @@
   PCIe 5.0 for 64 KiB copies); ``coalesced`` moves one contiguous buffer at
   ``coalesced_efficiency`` of peak after a fixed overhead.
 * Storage reads and writes at their bandwidths.
+* ``tier_format`` (``full``, ``fp8``, ``int8``): the format of L2 and L3, so a load or a
+  storage read moves ``ModelSpec.tier_page_bytes`` per page and L2 holds
+  ``host_kv_bytes`` over the tier's bytes per token; the dequantization runs inside the
+  on-device scatter at HBM speed and is not charged (nor is the scatter itself).
 All figures are per tensor-parallel rank (each rank has its own link).
 """
 
@@ -26,10 +30,13 @@ IO_PATHS = ("naive", "coalesced")
 
 
 class SimCostModel:
-    def __init__(self, profile: HardwareProfile, model: ModelSpec, page_size: int) -> None:
+    def __init__(self, profile: HardwareProfile, model: ModelSpec, page_size: int, tier_format: str = "full") -> None:
         self.profile = profile
         self.model = model
         self.page_size = page_size
+        self.tier_format = tier_format
+        self.tier_page_bytes = model.tier_page_bytes(page_size, tier_format)
+        self._tier_share = self.tier_page_bytes / model.page_bytes(page_size)  # of a full-width page
         c = model.config
         self._linear_flops_per_token = 2.0 * model.body_params / model.tp
         self._head_flops = 2.0 * model.lm_head_params / model.tp
@@ -69,19 +76,20 @@ class SimCostModel:
         p = self.profile
         if path == "naive":
             copies = num_pages * self.model.config.num_layers * 2
-            return copies * (p.naive_copy_overhead_s + self.model.copy_bytes(self.page_size) / p.link_peak_bytes_per_s)
+            copy_bytes = self.model.copy_bytes(self.page_size) * self._tier_share
+            return copies * (p.naive_copy_overhead_s + copy_bytes / p.link_peak_bytes_per_s)
         if path == "coalesced":
-            nbytes = num_pages * self.model.page_bytes(self.page_size)
+            nbytes = num_pages * self.tier_page_bytes
             return p.transfer_overhead_s + nbytes / (p.link_peak_bytes_per_s * p.coalesced_efficiency)
         raise ValueError(f"io path must be one of {IO_PATHS}, got {path!r}")
 
     def link_efficiency(self, num_pages: int, path: str) -> float:
         """Achieved share of link peak for a transfer of ``num_pages`` pages."""
         t = self.link_seconds(num_pages, path)
-        return 0.0 if t == 0 else num_pages * self.model.page_bytes(self.page_size) / t / self.profile.link_peak_bytes_per_s
+        return 0.0 if t == 0 else num_pages * self.tier_page_bytes / t / self.profile.link_peak_bytes_per_s
 
     def storage_read_seconds(self, num_pages: int) -> float:
-        return num_pages * self.model.page_bytes(self.page_size) / self.profile.storage_read_bytes_per_s
+        return num_pages * self.tier_page_bytes / self.profile.storage_read_bytes_per_s
 
     # -- memory --------------------------------------------------------------
     def device_kv_tokens(self) -> int:
@@ -93,4 +101,5 @@ class SimCostModel:
         return int(free // self.model.kv_bytes_per_token)
 
     def host_kv_tokens(self) -> int:
-        return int(self.profile.host_kv_bytes // self.model.kv_bytes_per_token)
+        """L2 capacity in tokens: the profile's host bytes in the tier format."""
+        return int(self.profile.host_kv_bytes // (self.tier_page_bytes / self.page_size))

@@ -2,7 +2,10 @@
 
 Built-ins: ``llama-3.1-8b``, ``qwen2.5-14b``, ``llama-3.1-70b-tp4`` (their published
 ``config.json`` shapes); or a path to any supported ``config.json`` (with ``--tp``).
-KV is bf16 (2 bytes), as on GPUs.  Per-rank figures divide heads and weights by ``tp``.
+KV is bf16 (2 bytes) in L1, as on GPUs; ``tier_*`` figures are the L2/L3 format's
+(``full``: bf16; ``fp8``/``int8``: 1 byte per value plus a float32 scale per page,
+layer, K/V and KV head, ``strata_jax.cache.tier_format``).  Per-rank figures divide
+heads and weights by ``tp``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,16 @@ class ModelSpec:
 
     def page_bytes(self, page_size: int) -> int:
         return self.kv_bytes_per_token * page_size
+
+    def tier_page_bytes(self, page_size: int, tier_format: str = "full") -> int:
+        """One page in L2 / on the link / in L3 in ``tier_format``, per rank (values + scales)."""
+        if tier_format == "full":
+            return self.page_bytes(page_size)
+        if tier_format not in ("fp8", "int8"):
+            raise ValueError(f"tier format must be full, fp8 or int8, got {tier_format!r}")
+        c = self.config
+        heads = max(1, c.num_kv_heads // self.tp)
+        return c.num_layers * 2 * heads * (page_size * c.head_dim * 1 + 4)
 
     def copy_bytes(self, page_size: int) -> int:
         """One layer's K (or V) of one page, per rank: the unit of the naive copy path."""

@@ -48,6 +48,7 @@ class SimSetup:
     max_batch_tokens: int = 8192
     host: HostModel | None = None  # the engine's host path per step (None: free)
     pipeline: bool = True  # the engine's loop overlaps the host with the device
+    tier_format: str = "full"  # L2/L3 format: full (bf16), fp8 or int8 (loads and L2 hold the smaller pages)
 
 
 @dataclass
@@ -89,9 +90,9 @@ def build_core(
     replay: StepTimes | None = None, cost_prior: CostPrior | None = None, scheduler_overrides: dict | None = None,
 ) -> tuple[EngineCore, SimExecutor, SimTimer]:
     clock = SimClock()
-    cost = SimCostModel(setup.profile, setup.model, setup.page_size)
+    cost = SimCostModel(setup.profile, setup.model, setup.page_size, setup.tier_format)
     timer = SimTimer(clock, cost, system.io_path)
-    page_bytes = setup.model.page_bytes(setup.page_size)
+    page_bytes = cost.tier_page_bytes  # what L2 holds and a load moves per page
     device_tokens = setup.device_tokens or cost.device_kv_tokens()
     host_tokens = setup.host_tokens if setup.host_tokens is not None else cost.host_kv_tokens()
     cache_config = CacheConfig(
@@ -100,10 +101,11 @@ def build_core(
         host_bytes=max(1, host_tokens // setup.page_size) * page_bytes,
         tiers=system.tiers,
         write_policy=setup.write_policy,
+        kv_tier_format=setup.tier_format,
     )
     ctl = CacheController(cache_config, None, clock=clock.now, timer=timer, page_bytes=page_bytes)
     prior = cost_prior or CostPrior(
-        bytes_per_token=setup.model.kv_bytes_per_token,
+        bytes_per_token=max(1, page_bytes // setup.page_size),  # the tier's: the scheduler weighs real bytes
         link_bytes_per_s=setup.profile.link_peak_bytes_per_s * setup.profile.coalesced_efficiency,
         storage_bytes_per_s=setup.profile.storage_read_bytes_per_s,
         transfer_overhead_s=setup.profile.transfer_overhead_s,
