@@ -136,7 +136,8 @@ class Engine:
 
         self.matmul_flops_per_s = device_matmul_rate(str(jnp.dtype(dtype)))  # the first device (tp: each does its share)
         cost = CostModel(CostPrior(
-            bytes_per_token=layout.token_bytes, link_bytes_per_s=self.ctl.link_bandwidth,
+            bytes_per_token=self.ctl.page_bytes / self.page_size,  # what a load moves: the tier format's bytes
+            link_bytes_per_s=self.ctl.link_bandwidth,
             extend_coeffs=extend_prior(loaded.config, self.matmul_flops_per_s, config.tp),
         ))  # fmt: skip
         self.executor = JaxExecutor(self.runner, eos_token_ids=self.eos_token_ids)
