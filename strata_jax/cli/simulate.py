@@ -55,6 +55,12 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
         "several side by side (e.g. full,fp8)",
     )  # fmt: skip
     p.add_argument(
+        "--loads", default="full",
+        help="pages a load or storage read moves for a model with sliding-window layers: full (default: every layer's, "
+        "what the engine does today) or window (full-attention layers' pages, and of each windowed layer only the pages "
+        "its window reaches: a window-aware hierarchy); comma-separated to compare side by side (full,window)",
+    )  # fmt: skip
+    p.add_argument(
         "--host-model", default="measured",
         help="the engine's host time per step: 'measured' (default: the model bench host fitted on this engine, "
         "sim/host_model.json), 'none' (free) or a JSON path",
@@ -85,10 +91,10 @@ def _requests(args: argparse.Namespace, rate: float) -> list[W.SimRequest]:
     return W.sharegpt(num_requests=n, rate=rate, seed=args.seed)
 
 
-def _format_of(system_name: str, formats: list[str]) -> str:
-    """The tier format of a (possibly format-suffixed) system name."""
-    if len(formats) == 1:
-        return formats[0]
+def _variant_of(system_name: str, options: list[str]) -> str:
+    """The option of a (possibly ``[option]``-suffixed) system name."""
+    if len(options) == 1:
+        return options[0]
     return system_name.rsplit("[", 1)[1].rstrip("]")
 
 
@@ -131,14 +137,27 @@ def _run(args: argparse.Namespace) -> int:
     formats = [f.strip() for f in args.kv_tier_format.split(",") if f.strip()]
     if not formats or any(f not in ("full", "fp8", "int8") for f in formats):
         raise ValueError(f"--kv-tier-format takes full, fp8 and/or int8 (comma-separated), got {args.kv_tier_format!r}")
+    loads = [x.strip() for x in args.loads.split(",") if x.strip()]
+    if not loads or any(x not in ("full", "window") for x in loads):
+        raise ValueError(f"--loads takes full and/or window (comma-separated), got {args.loads!r}")
+    if len(formats) > 1 and len(loads) > 1:
+        raise ValueError("compare either several --kv-tier-format values or several --loads values in one run, not both")
     setup = SimSetup(
         model=load_model_spec(args.model, args.tp), profile=load_profile(args.profile), page_size=args.page_size,
         device_tokens=args.device_kv_tokens, host_tokens=args.host_kv_tokens, write_policy=args.write_policy,
         host=load_host_model(args.host_model), pipeline=not args.serial,
     )  # fmt: skip
-    if len(formats) > 1:  # each system once per format, named system[format]
-        systems = [dataclasses.replace(s, name=f"{s.name}[{f}]") for f in formats for s in systems]
-    setups = {s.name: dataclasses.replace(setup, tier_format=_format_of(s.name, formats)) for s in systems}
+    variants = formats if len(formats) > 1 else loads
+    if len(variants) > 1:  # each system once per format (or loads), named system[format]
+        systems = [dataclasses.replace(s, name=f"{s.name}[{v}]") for v in variants for s in systems]
+    if "window" in loads and not setup.model.config.layer_windows:
+        raise ValueError(f"--loads window needs a model with sliding-window layers; {setup.model.name} has none")
+    setups = {
+        s.name: dataclasses.replace(
+            setup, tier_format=_variant_of(s.name, formats), window_loads=_variant_of(s.name, loads) == "window"
+        )
+        for s in systems
+    }
     wall0, cpu0 = time.perf_counter(), time.process_time()
     runs: list[RunResult] = []
     bar = None
@@ -162,6 +181,7 @@ def _run(args: argparse.Namespace) -> int:
         by_system.setdefault(r.system, []).append(r)
     warm = ", after a warm-up pass over the documents" if args.warmup else ""
     fmt = f", L2/L3 format {'/'.join(formats)}" if formats != ["full"] else ""
+    fmt += f", loads {'/'.join(loads)}" if loads != ["full"] else ""
     print(f"{args.workload} on {setup.profile.name}, {setup.model.name} (tp={setup.model.tp}), {args.num_requests} requests per run{warm}{fmt}")
     print(table(runs))
     print()

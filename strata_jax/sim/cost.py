@@ -16,6 +16,12 @@
   storage read moves ``ModelSpec.tier_page_bytes`` per page and L2 holds
   ``host_kv_bytes`` over the tier's bytes per token; the dequantization runs inside the
   on-device scatter at HBM speed and is not charged (nor is the scatter itself).
+* ``window_loads`` (models with sliding-window layers, e.g. ``gemma-3-27b``): a load or a
+  storage read of ``n`` pages moves ``ModelSpec.load_share(n)`` of them: all layers'
+  pages for full-attention layers, the window's last pages for the others (what a
+  window-aware hierarchy moves, issue 22; the engine itself still moves every layer).
+  Attention of a windowed layer counts at most ``window`` keys per query either way (the
+  kernels skip older blocks).
 All figures are per tensor-parallel rank (each rank has its own link).
 """
 
@@ -30,11 +36,14 @@ IO_PATHS = ("naive", "coalesced")
 
 
 class SimCostModel:
-    def __init__(self, profile: HardwareProfile, model: ModelSpec, page_size: int, tier_format: str = "full") -> None:
+    def __init__(
+        self, profile: HardwareProfile, model: ModelSpec, page_size: int, tier_format: str = "full", window_loads: bool = False
+    ) -> None:
         self.profile = profile
         self.model = model
         self.page_size = page_size
         self.tier_format = tier_format
+        self.window_loads = window_loads
         self.tier_page_bytes = model.tier_page_bytes(page_size, tier_format)
         self._tier_share = self.tier_page_bytes / model.page_bytes(page_size)  # of a full-width page
         c = model.config
@@ -54,7 +63,7 @@ class SimCostModel:
         for n, ctx in items:
             new += n
             seqs += 1
-            pairs += n * (ctx + n / 2.0)
+            pairs += self.model.attention_pairs(n, ctx)
         if new == 0:
             return 0.0
         linear = (new * self._linear_flops_per_token + seqs * self._head_flops) / self._mm_rate
@@ -74,22 +83,27 @@ class SimCostModel:
         if num_pages <= 0:
             return 0.0
         p = self.profile
+        share = self._load_share(num_pages)
         if path == "naive":
-            copies = num_pages * self.model.config.num_layers * 2
+            copies = num_pages * self.model.config.num_layers * 2 * share
             copy_bytes = self.model.copy_bytes(self.page_size) * self._tier_share
             return copies * (p.naive_copy_overhead_s + copy_bytes / p.link_peak_bytes_per_s)
         if path == "coalesced":
-            nbytes = num_pages * self.tier_page_bytes
+            nbytes = num_pages * self.tier_page_bytes * share
             return p.transfer_overhead_s + nbytes / (p.link_peak_bytes_per_s * p.coalesced_efficiency)
         raise ValueError(f"io path must be one of {IO_PATHS}, got {path!r}")
 
     def link_efficiency(self, num_pages: int, path: str) -> float:
         """Achieved share of link peak for a transfer of ``num_pages`` pages."""
         t = self.link_seconds(num_pages, path)
-        return 0.0 if t == 0 else num_pages * self.tier_page_bytes / t / self.profile.link_peak_bytes_per_s
+        moved = num_pages * self.tier_page_bytes * self._load_share(num_pages)
+        return 0.0 if t == 0 else moved / t / self.profile.link_peak_bytes_per_s
 
     def storage_read_seconds(self, num_pages: int) -> float:
-        return num_pages * self.tier_page_bytes / self.profile.storage_read_bytes_per_s
+        return num_pages * self.tier_page_bytes * self._load_share(num_pages) / self.profile.storage_read_bytes_per_s
+
+    def _load_share(self, num_pages: int) -> float:
+        return self.model.load_share(num_pages, self.page_size) if self.window_loads else 1.0
 
     # -- memory --------------------------------------------------------------
     def device_kv_tokens(self) -> int:

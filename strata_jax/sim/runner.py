@@ -49,6 +49,7 @@ class SimSetup:
     host: HostModel | None = None  # the engine's host path per step (None: free)
     pipeline: bool = True  # the engine's loop overlaps the host with the device
     tier_format: str = "full"  # L2/L3 format: full (bf16), fp8 or int8 (loads and L2 hold the smaller pages)
+    window_loads: bool = False  # loads move only the pages each layer's window needs (sim/cost.py)
 
 
 @dataclass
@@ -90,7 +91,7 @@ def build_core(
     replay: StepTimes | None = None, cost_prior: CostPrior | None = None, scheduler_overrides: dict | None = None,
 ) -> tuple[EngineCore, SimExecutor, SimTimer]:
     clock = SimClock()
-    cost = SimCostModel(setup.profile, setup.model, setup.page_size, setup.tier_format)
+    cost = SimCostModel(setup.profile, setup.model, setup.page_size, setup.tier_format, setup.window_loads)
     timer = SimTimer(clock, cost, system.io_path)
     page_bytes = cost.tier_page_bytes  # what L2 holds and a load moves per page
     device_tokens = setup.device_tokens or cost.device_kv_tokens()
