@@ -26,26 +26,6 @@ from pallas_kernels.reference import ragged_paged_attention_reference
 SMALL_BLOCKS = dict(q_blocks=(1, 3, 8), kv_block_tokens=8)
 
 
-def windowed_brute_force(q, k_pages, v_pages, table, seq_lens, query_start, sm_scale, window):
-    """Dense attention in float64 where a token at position p reads positions max(0, p - window + 1)..p."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
-    group = num_q_heads // num_kv_heads
-    out = np.zeros((num_tokens, num_q_heads, head_dim))
-    for b in range(len(seq_lens)):
-        q_len = query_start[b + 1] - query_start[b]
-        for i in range(q_len):
-            t, pos = query_start[b] + i, seq_lens[b] - q_len + i
-            positions = range(max(0, pos - window + 1), pos + 1)
-            k = np.stack([k_pages[table[b, p // page_size], p % page_size] for p in positions]).astype(np.float64)
-            v = np.stack([v_pages[table[b, p // page_size], p % page_size] for p in positions]).astype(np.float64)
-            for h in range(num_q_heads):
-                s = k[:, h // group] @ q[t, h].astype(np.float64) * sm_scale
-                p = np.exp(s - s.max())
-                out[t, h] = (p / p.sum()) @ v[:, h // group]
-    return out
-
-
 @pytest.mark.parametrize("page_size", (1, 4, 16))
 @pytest.mark.parametrize("soft_cap", (None, 5.0))
 @pytest.mark.parametrize("blocks", ("default", "small"))
@@ -93,7 +73,7 @@ def test_random_batches_and_windows(seed, page_size, heads, batch, shape, window
         return
     got = np.asarray(blocked_paged_attention(*args, sm_scale=0.3, sliding_window=window, **SMALL_BLOCKS))
     span = 1 << 30 if not window else window
-    np.testing.assert_allclose(got, windowed_brute_force(*host, 0.3, span), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(got, brute_force(*host, 0.3, None, span), atol=2e-5, rtol=2e-5)
     if window is None:
         default_blocks = np.asarray(blocked_paged_attention(*args, sm_scale=0.3))
         np.testing.assert_allclose(default_blocks, got, atol=2e-5, rtol=2e-5)
@@ -126,7 +106,7 @@ def test_window_as_a_traced_per_layer_value_under_scan():
     _, outs = run(pool)
     for layer, window in enumerate((5, 1 << 30, 12)):
         s = layer + 1
-        want = windowed_brute_force(host[0], host[1] * s, host[2] * s, *host[3:], 0.25, window)
+        want = brute_force(host[0], host[1] * s, host[2] * s, *host[3:], 0.25, None, window)
         np.testing.assert_allclose(np.asarray(outs[layer]), want, atol=2e-5, rtol=2e-5, err_msg=f"layer {layer}")
 
 

@@ -53,8 +53,9 @@ def make_batch(rng, *, page_size, q_lens, ctx_lens, num_q_heads, num_kv_heads, h
     return args, host
 
 
-def brute_force(q, k_pages, v_pages, table, seq_lens, query_start, sm_scale, soft_cap):
-    """Dense per-token softmax attention in float64 NumPy."""
+def brute_force(q, k_pages, v_pages, table, seq_lens, query_start, sm_scale, soft_cap, window=None):
+    """Dense per-token softmax attention in float64 NumPy; with ``window`` a token at
+    position p reads positions max(0, p - window + 1)..p only."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
     group = num_q_heads // num_kv_heads
@@ -64,7 +65,8 @@ def brute_force(q, k_pages, v_pages, table, seq_lens, query_start, sm_scale, sof
         for i in range(q_len):
             t = query_start[b] + i
             pos = seq_lens[b] - q_len + i
-            slots = [(table[b, p // page_size], p % page_size) for p in range(pos + 1)]
+            first = 0 if window is None else max(0, pos - window + 1)
+            slots = [(table[b, p // page_size], p % page_size) for p in range(first, pos + 1)]
             k = np.stack([k_pages[pg, off] for pg, off in slots]).astype(np.float64)  # [K, Hkv, D]
             v = np.stack([v_pages[pg, off] for pg, off in slots]).astype(np.float64)
             for h in range(num_q_heads):

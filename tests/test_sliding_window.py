@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_pallas_attention import MIXED, make_batch
+from test_pallas_attention import MIXED, brute_force, make_batch
 
 from pallas_kernels import reference
 from pallas_kernels.attention import (
@@ -33,24 +33,7 @@ FULL = 1 << 30
 
 def windowed_brute_force(q, k_pages, v_pages, table, seq_lens, query_start, sm_scale, window, soft_cap=None):
     """Dense attention in float64 where a token at position p reads positions max(0, p - window + 1)..p."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
-    group = num_q_heads // num_kv_heads
-    out = np.zeros((num_tokens, num_q_heads, head_dim))
-    for b in range(len(seq_lens)):
-        q_len = query_start[b + 1] - query_start[b]
-        for i in range(q_len):
-            t, pos = query_start[b] + i, seq_lens[b] - q_len + i
-            positions = range(max(0, pos - window + 1), pos + 1)
-            k = np.stack([k_pages[table[b, p // page_size], p % page_size] for p in positions]).astype(np.float64)
-            v = np.stack([v_pages[table[b, p // page_size], p % page_size] for p in positions]).astype(np.float64)
-            for h in range(num_q_heads):
-                s = k[:, h // group] @ q[t, h].astype(np.float64) * sm_scale
-                if soft_cap is not None:
-                    s = soft_cap * np.tanh(s / soft_cap)
-                p = np.exp(s - s.max())
-                out[t, h] = (p / p.sum()) @ v[:, h // group]
-    return out
+    return brute_force(q, k_pages, v_pages, table, seq_lens, query_start, sm_scale, soft_cap, window)
 
 
 def _span(window) -> int:
