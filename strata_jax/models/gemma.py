@@ -27,11 +27,20 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from strata_jax.models.config import ModelConfig
-from strata_jax.models.llama import MLP, Attention, AttentionMetadata, Embedding, Linear, run_stacked_layers, stacked_layers
+from strata_jax.models.llama import (
+    MLP,
+    Attention,
+    AttentionMetadata,
+    Embedding,
+    Linear,
+    head_logits,
+    layer_window_values,
+    run_stacked_layers,
+    stacked_layers,
+)
 from strata_jax.models.rope import inverse_frequencies, layer_inverse_frequencies
 
 
@@ -100,9 +109,7 @@ class GemmaForCausalLM(nnx.Module):
         config = self.config
         x = self.model.embed_tokens(input_ids)
         x = x * jnp.asarray(config.hidden_size**0.5, jnp.float32).astype(x.dtype)
-        per_layer: dict[str, np.ndarray] = {}
-        if config.has_sliding_window:
-            per_layer["window"] = np.asarray(config.layer_windows, np.int32)
+        per_layer = layer_window_values(config)
         table = layer_inverse_frequencies(config)  # [L, D/2] when local and global rope bases differ
         if table is not None:
             per_layer["inv_freq"] = table
@@ -117,9 +124,6 @@ class GemmaForCausalLM(nnx.Module):
         return self.model.norm(x), kv_pool
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        if self.lm_head is None:
-            logits = (hidden @ self.model.embed_tokens.weight[...].T).astype(jnp.float32)
-        else:
-            logits = self.lm_head(hidden).astype(jnp.float32)
+        logits = head_logits(self.lm_head, self.model.embed_tokens, hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -241,14 +241,26 @@ class LlamaForCausalLM(nnx.Module):
             x, kv_pool = carry
             return layer(x, positions, inv_freq, kv_pool, values["layer"], meta, values.get("window"))
 
-        per_layer = {"window": np.asarray(self.config.layer_windows, np.int32)} if self.config.has_sliding_window else {}
+        per_layer = layer_window_values(self.config)
         x, kv_pool = run_stacked_layers(self.model.layers, (x, kv_pool), per_layer, one_layer, scan_layers=scan_layers)
         return self.model.norm(x), kv_pool
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        if self.lm_head is None:
-            return (hidden @ self.model.embed_tokens.weight[...].T).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+        return head_logits(self.lm_head, self.model.embed_tokens, hidden)
+
+
+def head_logits(lm_head: Linear | None, embed_tokens: Embedding, hidden: jax.Array) -> jax.Array:
+    """float32 logits of ``hidden`` through ``lm_head``, or the embedding when tied (None)."""
+    if lm_head is None:
+        return (hidden @ embed_tokens.weight[...].T).astype(jnp.float32)
+    return lm_head(hidden).astype(jnp.float32)
+
+
+def layer_window_values(config: ModelConfig) -> dict[str, np.ndarray]:
+    """``run_stacked_layers``' per-layer values for the attention window: ``{"window":
+    int32[num_layers]}`` (0 = full attention), or nothing for a model without windows (its
+    layers then trace the plain causal call)."""
+    return {"window": np.asarray(config.layer_windows, np.int32)} if config.has_sliding_window else {}
 
 
 def run_stacked_layers(
