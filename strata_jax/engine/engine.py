@@ -187,7 +187,6 @@ class Engine:
         if config.warmup and str(config.prefill_chunk) == "auto":
             progress.phase("measuring prefill steps")
             self._tune_prefill_chunk()
-        self.prefill_chunk = self.scheduler.config.max_batch_tokens
         # XLA programs of the whole start-up (load + warm-up): compiled vs read from the persistent cache.
         self.startup_compiles = compilation_cache.COUNTER.snapshot().minus(compiles_before)
         if config.freeze_gc:
@@ -223,6 +222,11 @@ class Engine:
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
+
+    @property
+    def prefill_chunk(self) -> int:
+        """New tokens a prefill step computes at most: the scheduler's budget (``prefill_chunk``)."""
+        return self.scheduler.config.max_batch_tokens
 
     @property
     def counters(self) -> dict[str, int]:
