@@ -145,9 +145,11 @@ class ZmqKVEventPublisher:
                 batch = KVEventBatch(ts, [to_struct(e, self.block_size) for e in raw], self.rank)
                 payload = self._encoder.encode(batch)
                 seq = next(self._seq)
-                self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
-                self._buffer.append((seq, payload))
+                # Counted under the lock the send happens in: whoever has received this batch and
+                # then reads stats() sees it counted (stats() waits for the lock).
                 with self._lock:
+                    self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+                    self._buffer.append((seq, payload))
                     self.counters["batches_total"] += 1
                     self.counters["events_total"] += len(raw)
             except Exception:  # noqa: BLE001 - a bad batch must not stop the stream; it is counted as dropped
