@@ -118,8 +118,9 @@ def _attention_kernel(
         head_in_group = rows - tok_local * group
         tok = jnp.minimum(q_start + tok_local, num_tokens - 1)
         # Mixed q / KV dtypes (an f32 model over a bf16 pool, say) compute in the
-        # promoted dtype, like the reference; Triton's dot needs equal operand types.
-        dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
+        # promoted dtype, like the reference; Triton's dot needs equal operand types.  An fp8
+        # pool (no implicit promotion) is upcast to the queries' dtype.
+        dtype = q_ref.dtype if jnp.dtype(k_ref.dtype).itemsize == 1 else jnp.promote_types(q_ref.dtype, k_ref.dtype)
         # float32 means float32: Triton's default dot precision for f32 inputs is TF32
         # (10-bit mantissa), which would put ~1e-3 errors into an f32 pool's attention.
         precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None

@@ -67,8 +67,6 @@ class KVLayout:
 
 
 def _numpy_dtype_name(dtype: str) -> str:
-    if dtype == "bfloat16":
-        import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
-
-        return "bfloat16"
+    if dtype not in ("float32", "float16"):
+        import ml_dtypes  # noqa: F401  (registers bfloat16 and the float8 names with numpy)
     return dtype

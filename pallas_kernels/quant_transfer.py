@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import dispatch, sharded
-from pallas_kernels.reference import gather_pages_reference, scatter_pages_reference
+from pallas_kernels.reference import gather_pages_reference, scatter_pages_reference, to_kv_dtype
 from pallas_kernels.transfer import TransferShapeError, _check_ids, _check_shapes
 
 TIER_FORMATS = ("full", "fp8", "int8")
@@ -131,7 +131,7 @@ def _to_float32(q: jax.Array) -> jax.Array:
 
 def dequantize_pages_reference(q: jax.Array, scales: jax.Array, dtype) -> jax.Array:  # noqa: ANN001
     """``float32(q) * scale`` per (page, layer, kv, head), cast to ``dtype``."""
-    return (_to_float32(q) * scales[:, :, :, None, :, None]).astype(dtype)
+    return to_kv_dtype(_to_float32(q) * scales[:, :, :, None, :, None], dtype)
 
 
 def gather_quantize_reference(pool: jax.Array, page_ids: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
@@ -179,7 +179,7 @@ def _scatter_dequant_kernel(ids_ref, q_ref, scales_ref, pool_in_ref, pool_out_re
     def _write():
         scale = scales_ref[i, j, h]
         x = q_ref[...].astype(jnp.float32) * scale  # [rows, D]
-        pool_out_ref[j, page, pl.ds(c * rows, rows), h, :] = x.astype(pool_out_ref.dtype)
+        pool_out_ref[j, page, pl.ds(c * rows, rows), h, :] = to_kv_dtype(x, pool_out_ref.dtype)
 
 
 def scatter_dequantize_pallas(

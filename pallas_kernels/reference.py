@@ -10,6 +10,16 @@ import jax
 import jax.numpy as jnp
 
 
+def to_kv_dtype(x: jax.Array, dtype) -> jax.Array:  # noqa: ANN001
+    """``x`` cast to a KV pool's ``dtype``; for an 8-bit float pool, clipped to its finite
+    range first (a plain cast turns anything past e4m3fn's +-448 into NaN)."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating) and x.dtype != dtype:
+        limit = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -limit, limit)
+    return x.astype(dtype)
+
+
 def scatter_pages_reference(pool: jax.Array, staging: jax.Array, page_ids: jax.Array) -> jax.Array:
     """Write page-first ``staging[n, L, 2, S, H, D]`` into layer-first ``pool[L, 2, P, S, H, D]``.
 
@@ -17,7 +27,7 @@ def scatter_pages_reference(pool: jax.Array, staging: jax.Array, page_ids: jax.A
     padding a batch of pages up to a bucket size).  Returns the updated pool; callers
     donate ``pool`` so XLA updates it in place.
     """
-    layer_first = jnp.transpose(staging, (1, 2, 0, 3, 4, 5)).astype(pool.dtype)
+    layer_first = to_kv_dtype(jnp.transpose(staging, (1, 2, 0, 3, 4, 5)), pool.dtype)
     return pool.at[:, :, page_ids].set(layer_first, mode="drop")
 
 
@@ -41,7 +51,7 @@ def write_kv_reference(
     ``[T, 2, H, D]``.)
     """
     page_size = kv_pool.shape[3]
-    new = jnp.stack([k, v], axis=1).astype(kv_pool.dtype)  # [T, 2, H, D]
+    new = to_kv_dtype(jnp.stack([k, v], axis=1), kv_pool.dtype)  # [T, 2, H, D]
     # Index the 6-D pool directly: a reshaped (flat-slot) view would give XLA two
     # shapes of one buffer and it would copy the pool to serve both.
     return kv_pool.at[layer, :, slot_mapping // page_size, slot_mapping % page_size].set(new, mode="drop")

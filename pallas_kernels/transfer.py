@@ -38,6 +38,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.reference import to_kv_dtype
+
 # Largest block (elements) one program copies; 4096 f32 = 16 KB.
 _MAX_BLOCK_ELEMS = 4096
 
@@ -119,7 +121,7 @@ def scatter_pages_pallas(
     chunk = page_size * heads * dim
     block = chunk_block(chunk, max_block)
     pool2 = pool.reshape(layers * 2, num_pages, chunk)
-    staging2 = staging.astype(pool.dtype).reshape(n, layers * 2, chunk)
+    staging2 = to_kv_dtype(staging, pool.dtype).reshape(n, layers * 2, chunk)
     kernel = functools.partial(_scatter_kernel, num_pages=num_pages, block=block)
     out = pl.pallas_call(
         kernel,

@@ -41,7 +41,7 @@ BENCH=("$PY" -c "import sys; from strata_jax.bench import run_benchmark; sys.exi
 # Only the GPU module is collected: others import server extras (fastapi, uvicorn) a GPU
 # image may lack, and a collection error would fail the step however the GPU tests went.
 step tests 270 "$OUT_DIR/tests.txt" \
-  "$PY" -m pytest tests/test_pallas_gpu.py tests/test_sliding_window.py tests/test_kv_tier_format.py -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+  "$PY" -m pytest tests/test_pallas_gpu.py tests/test_sliding_window.py tests/test_kv_tier_format.py tests/test_kv_fp8_l1.py -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
   --junitxml "$OUT_DIR/tests.xml"
 step transfer 120 "$OUT_DIR/transfer.txt" "${BENCH[@]}" transfer --json "$OUT_DIR/transfer.json"
 step attention 60 "$OUT_DIR/attention.txt" "${BENCH[@]}" attention --json "$OUT_DIR/attention.json"

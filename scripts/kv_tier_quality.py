@@ -24,8 +24,10 @@ reference's chosen tokens (the quantized run's logprob of that token, from its t
 a token outside the top 20 counts with the 20th logprob, a lower bound on the gap, and
 is counted in ``outside_top``).  Targets: agreement >= 0.97 and mean |delta| <= 0.05.
 
-An fp8 L1 (``--kv-dtype fp8``) is not supported by the engine yet (docs/cache.md), so it
-is not measured here.
+* ``l1-fp8`` in ``--formats``: an fp8 L1 (``--kv-dtype fp8``: e4m3fn, clipped, no
+  scales) and no other tier, the same teacher-forced protocol: every prompt's KV, and
+  the teacher-forced tokens', is held in fp8 (it must come after an L2 format, whose
+  cold run is its reference).
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class Tally:
         }
 
 
-def reference_and_l2(model: str, fmt: str, prompts: list[list[int]], positions: int) -> tuple[dict, list, list]:
+def reference_and_l2(model: str, fmt: str, prompts: list[list[int]], positions: int) -> tuple[dict, list, list, list]:
     """Cold run (the full-width reference) and the teacher-forced run from L2 in ``fmt``."""
     from strata_jax.api import SamplingParams
 
@@ -123,7 +125,25 @@ def reference_and_l2(model: str, fmt: str, prompts: list[list[int]], positions: 
             "device_bytes_per_token": stats["device_bytes_per_token"],
             "load_bytes_per_token": stats["load_bytes_per_token"],
         }
-        return row, ref_tokens, ref_lps
+        return row, ref_tokens, ref_lps, margins
+    finally:
+        engine.shutdown()
+
+
+def l1_fp8(model: str, prompts: list[list[int]], ref_tokens: list, ref_lps: list, margins: list, positions: int) -> dict:
+    """Teacher-forced positions on an engine whose L1 is fp8 (no other tier)."""
+    from strata_jax.api import SamplingParams
+
+    need = len(prompts) * (len(prompts[0]) + positions + 32)
+    engine = _engine(model, tiers="L1", kv_dtype="fp8", device_tokens=max(4096, need))
+    try:
+        tally = Tally()
+        for j in range(positions):
+            asks = [p + c[:j] for p, c in zip(prompts, ref_tokens)]
+            outs = engine.generate(asks, SamplingParams(max_tokens=1, logprobs=TOP))
+            for i, out in enumerate(outs):
+                tally.add(out.token_ids[0], ref_tokens[i][j], ref_lps[i][j], out.logprobs[0], (i, j), margins[i][j])
+        return tally.result() | {"device_bytes_per_token": engine.ctl.stats()["device_bytes_per_token"]}
     finally:
         engine.shutdown()
 
@@ -138,10 +158,15 @@ def run(model: str, *, prompts: int = 32, prompt_tokens: int = 640, positions: i
     ref = None
     for fmt in formats:
         t0 = time.perf_counter()
-        row, tokens, lps = reference_and_l2(model, fmt, asks, positions)
+        if fmt == "l1-fp8":
+            if ref is None:
+                raise SystemExit("--formats: l1-fp8 needs an L2 format before it (its cold run is the reference)")
+            report["runs"]["L1 fp8"] = l1_fp8(model, asks, *ref, positions) | {"seconds": time.perf_counter() - t0}
+            continue
+        row, tokens, lps, margins = reference_and_l2(model, fmt, asks, positions)
         if ref is not None and tokens != ref[0]:
             raise RuntimeError("two cold runs of the same prompts gave different tokens")
-        ref = (tokens, lps)
+        ref = (tokens, lps, margins)
         report["runs"][f"L2 {fmt}"] = row | {"seconds": time.perf_counter() - t0}
     report["targets"] = {
         name: {"top1_ge_0.97": r["top1_agreement"] >= 0.97, "mean_abs_delta_le_0.05": r["mean_abs_delta_logprob"] <= 0.05}
@@ -167,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     formats = tuple(f for f in args.formats.split(",") if f)
     report = run(model, prompts=args.prompts, prompt_tokens=args.prompt_tokens, positions=args.positions,
                  formats=formats)  # fmt: skip
-    print(f"{'run':<9} {'positions':>9} {'top-1':>7} {'mean|dlp|':>10} {'max|dlp|':>9} {'>top20':>7} {'B/token L2':>11}")
+    print(f"{'run':<9} {'positions':>9} {'top-1':>7} {'mean|dlp|':>10} {'max|dlp|':>9} {'>top20':>7} {'B/token':>11}")
     for name, r in report["runs"].items():
         print(f"{name:<9} {r['positions']:>9} {r['top1_agreement']:>7.4f} {r['mean_abs_delta_logprob']:>10.4f} "
-              f"{r['max_abs_delta_logprob']:>9.4f} {r['outside_top']:>7} {r.get('host_bytes_per_token') or 0:>11.0f}")  # fmt: skip
+              f"{r['max_abs_delta_logprob']:>9.4f} {r['outside_top']:>7} {r.get('host_bytes_per_token') or r['device_bytes_per_token']:>11.0f}")  # fmt: skip
     print("targets:", json.dumps(report["targets"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

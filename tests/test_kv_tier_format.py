@@ -177,8 +177,7 @@ def test_engine_config_flags():
 
     cfg = EngineConfig(kv_tier_format="int8")
     assert cfg.cache_config(512).kv_tier_format == "int8"
-    with pytest.raises(InvalidRequestError, match="kv_dtype must be float32 or bfloat16"):  # an fp8 L1: not yet
-        EngineConfig(kv_dtype="fp8")
+    assert EngineConfig(kv_dtype="fp8", kv_tier_format="int8").kv_dtype == "fp8"  # an fp8 L1 (test_kv_fp8_l1.py)
     with pytest.raises(InvalidRequestError, match="kv_tier_format"):
         EngineConfig(kv_tier_format="q4")
     from serving.server_cli import engine_flag_fields

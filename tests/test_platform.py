@@ -40,7 +40,7 @@ def test_resolve_applies_explicit_choices_over_defaults(monkeypatch):
     assert here.max_context_tokens(32768, None) == CPU_CONTEXT_CAP
     assert resolve(platform="rocm").max_context_tokens(32768, None) == 32768
     assert here.max_context_tokens(32768, 100) == 100
-    with pytest.raises(ValueError, match="kv_dtype must be one of float32, bfloat16, got 'float16'"):
+    with pytest.raises(ValueError, match="kv_dtype must be one of float32, bfloat16, float8_e4m3fn \\(or fp8\\), got .float16."):
         resolve(kv_dtype="float16")
 
 

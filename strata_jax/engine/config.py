@@ -23,8 +23,11 @@ class EngineConfig:
 
     model: "tiny" (embedded random model) or a local Hugging Face folder.
     dtype: weights dtype; None = float32 on CPU, bfloat16 on GPU.
-    kv_dtype: KV cache dtype of L1 (the device pool); None = float32 on CPU (XLA:CPU
-        rewrites bf16 buffers on every update), bfloat16 on GPU.
+    kv_dtype: KV cache dtype of L1 (the device pool): "float32", "bfloat16" or "fp8"
+        (float8 e4m3fn, values clipped to +-448, no scales, like vLLM's
+        --kv-cache-dtype fp8; half the device bytes of bf16, close to but not
+        bit-identical with full width); None = float32 on CPU (XLA:CPU rewrites bf16
+        and fp8 buffers on every update), bfloat16 on GPU.
     kv_tier_format: format of L2 (host) pages and L3 objects: "full" (default: the L1
         dtype, bit-identical from every tier), "fp8" (float8 e4m3) or "int8", both with
         a float32 scale per (page, layer, K/V, KV head): about half the bytes of bf16 (a
@@ -178,9 +181,12 @@ class EngineConfig:
                 f'EngineConfig.prefill_chunk must be "max", "auto" or an integer above max_batch_size '
                 f"({self.max_batch_size}) and at most max_batch_tokens ({self.max_batch_tokens}), got {self.prefill_chunk!r}"
             )
-        for name in ("dtype", "kv_dtype"):  # an fp8 L1 is not supported yet (issue 20); fp8 tiers are (kv_tier_format)
-            if getattr(self, name) not in (None, "float32", "bfloat16"):
-                raise InvalidRequestError(f"EngineConfig.{name} must be float32 or bfloat16, got {getattr(self, name)!r}")
+        from strata_jax.runtime.platform import KV_DTYPE_ALIASES, KV_DTYPES
+
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise InvalidRequestError(f"EngineConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.kv_dtype not in (None, *KV_DTYPES, *KV_DTYPE_ALIASES):
+            raise InvalidRequestError(f"EngineConfig.kv_dtype must be float32, bfloat16 or fp8, got {self.kv_dtype!r}")
         from strata_jax.cache.config import KV_TIER_FORMATS
 
         if self.kv_tier_format not in KV_TIER_FORMATS:

@@ -36,6 +36,15 @@ from pallas_kernels import dispatch
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 CPU_CONTEXT_CAP = 16384
 DTYPES = ("float32", "bfloat16")
+# L1 KV may also be float8 e4m3 (vLLM's ``--kv-cache-dtype fp8``): values are clipped to
+# +-448 and stored without scales; attention upcasts them.  "fp8" is an alias.
+KV_DTYPES = (*DTYPES, "float8_e4m3fn")
+KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+
+def canonical_kv_dtype(name: str | None) -> str | None:
+    """``"fp8"`` / ``"fp8_e4m3"`` -> ``"float8_e4m3fn"``; other names unchanged."""
+    return KV_DTYPE_ALIASES.get(name, name) if name is not None else None
 
 
 @dataclass(frozen=True)
@@ -107,9 +116,11 @@ def resolve(
     platform: str | None = None,
 ) -> ResolvedPlatform:
     """Apply explicit choices (None / "auto" = default) over ``platform``'s defaults (default: this host's)."""
-    for name, value in (("dtype", dtype), ("kv_dtype", kv_dtype)):
-        if value is not None and value not in DTYPES:
-            raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    kv_dtype = canonical_kv_dtype(kv_dtype)
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or fp8), got {kv_dtype!r}")
     defaults = defaults_for(platform or current_platform())
     return ResolvedPlatform(
         defaults=defaults,
