@@ -23,7 +23,7 @@ OUT="${OUT:-$(mktemp -d -t strata-lm-eval-ll.XXXXXX)}"
 mkdir -p "$OUT"
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
-MODEL="${MODEL:-$(cd "$REPO" && "$PYTHON" tests/real_model.py)}"
+MODEL="${MODEL:-$(cd "$REPO" && "$PYTHON" tests/real_model.py | sed -n 1p)}"  # its first line: SmolLM2
 
 if [[ ! -x "$LM_EVAL_VENV/bin/lm_eval" ]]; then
     log "creating $LM_EVAL_VENV (pip install lm-eval[api]==0.4.13)"
