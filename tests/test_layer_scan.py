@@ -55,3 +55,47 @@ def test_parameters_are_stacked_per_layer():
 )
 def test_hf_names_map_to_stacked_rows(name, path, layer, transpose):
     assert hf_name_to_param(name) == (path, layer, transpose)
+
+
+def _runner(scan_layers: bool, mesh=None) -> ModelRunner:  # noqa: ANN001
+    return ModelRunner(
+        random_model(CONFIG, seed=3),
+        RunnerConfig(page_size=4, num_device_pages=32, max_batch_tokens=32, max_batch_size=2, max_context_tokens=64, scan_layers=scan_layers),
+        mesh=mesh,
+    )
+
+
+def test_unrolled_runner_holds_each_layers_weights_in_arrays_of_their_own():
+    """scan_layers=False: the runner splits the stacked weights into per-layer arrays (no
+    slice of a stacked weight inside the step, see run_stacked_layers) and drops the stacked
+    copies; stacked_state() gives the stacked arrays back."""
+    import jax
+
+    stacked = _runner(True).state["model"]["layers"]
+    runner = _runner(False)
+    base, per_layer = runner.state
+    assert len(per_layer) == CONFIG.num_layers
+    assert all(a.shape == () for a in jax.tree.leaves(base["model"]["layers"]))  # placeholders only
+    for i, layer in enumerate(per_layer):
+        for got, want in zip(jax.tree.leaves(layer), jax.tree.leaves(stacked)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[i])
+    back = runner.stacked_state()["model"]["layers"]
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(stacked)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_unrolled_per_layer_weights_under_tensor_parallelism_agree_with_scan():
+    """tp=2: each layer's arrays keep the stacked weights' split (minus the layer axis)."""
+    from strata_jax.runtime import sharding
+
+    def logits(scan_layers: bool):  # noqa: ANN202
+        runner = _runner(scan_layers, mesh=sharding.make_mesh(2))
+        if not scan_layers:
+            q = runner.state[1][0]["self_attn"]["q_proj"]["kernel"][...]
+            assert q.ndim == 2 and len(q.sharding.device_set) == 2 and q.sharding.spec[-1] == "tp"
+        prefill = runner.step([SeqInput(list(range(1, 12)), 0, [0, 1, 2])], all_logits=True).logits
+        decode = runner.step([SeqInput([5], 11, [0, 1, 2])], all_logits=True).logits
+        return prefill, decode
+
+    for a, b in zip(logits(True), logits(False)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

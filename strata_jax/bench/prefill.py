@@ -476,7 +476,7 @@ def _breakdown(args: argparse.Namespace, chunk: int) -> dict:
     rate_at_start = engine.matmul_flops_per_s  # timed (1024^3) when the first engine of the process starts: this one, run from the CLI
     engine.shutdown()
     r = engine.runner
-    runner = SimpleNamespace(graphdef=r.graphdef, state=r.state, config=r.config, kernel_backend=r.kernel_backend)
+    runner = SimpleNamespace(graphdef=r.graphdef, state=r.stacked_state(), config=r.config, kernel_backend=r.kernel_backend)
     plans = plan_chunks(args.tokens, chunk, r.extend_shapes)
     del engine, r  # the engine's pool and tables go; the weights stay (the pieces use them)
     gc.collect()

@@ -85,7 +85,9 @@ class EngineConfig:
         "xla" (block-causal XLA attention, pallas_kernels.blocked), "reference" (the
         pure-JAX references) or "interpret" (Pallas interpreted; slow, for tests).
     scan_layers: run the decoder layers under ``jax.lax.scan`` (default: compile time
-        independent of depth); False unrolls them (for step-time comparisons).
+        independent of depth); False unrolls them over per-layer weight arrays (faster
+        decode steps on CPU, where a slice of a stacked weight is copied every step;
+        compiling takes several times longer: docs/runtime.md).
     pipeline: overlap the host and the device (default): step N+1 is scheduled and
         dispatched while step N runs, and N's tokens are read after; stop rules that need
         a token's value apply one step late (a token computed past a stop is discarded).

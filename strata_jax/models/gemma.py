@@ -25,6 +25,8 @@ stacked as in ``llama.py``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -105,6 +107,7 @@ class GemmaForCausalLM(nnx.Module):
         meta: AttentionMetadata,
         *,
         scan_layers: bool = True,
+        layer_states: Sequence[nnx.State] | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         config = self.config
         x = self.model.embed_tokens(input_ids)
@@ -120,7 +123,9 @@ class GemmaForCausalLM(nnx.Module):
             inv_freq = values["inv_freq"] if "inv_freq" in values else shared_freq
             return layer(x, positions, jnp.asarray(inv_freq), kv_pool, values["layer"], meta, values.get("window"))
 
-        x, kv_pool = run_stacked_layers(self.model.layers, (x, kv_pool), per_layer, one_layer, scan_layers=scan_layers)
+        x, kv_pool = run_stacked_layers(
+            self.model.layers, (x, kv_pool), per_layer, one_layer, scan_layers=scan_layers, layer_states=layer_states
+        )
         return self.model.norm(x), kv_pool
 
     def logits(self, hidden: jax.Array) -> jax.Array:

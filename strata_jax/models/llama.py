@@ -27,7 +27,7 @@ transposed); norms, biases, ``model.embed_tokens.weight``, ``model.norm.weight``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -231,9 +231,11 @@ class LlamaForCausalLM(nnx.Module):
         meta: AttentionMetadata,
         *,
         scan_layers: bool = True,
+        layer_states: Sequence[nnx.State] | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """``scan_layers``: run the stacked layers under ``jax.lax.scan`` (default) or as an
-        unrolled Python loop (same parameters; XLA then sees one copy per layer)."""
+        unrolled Python loop (XLA then sees one copy per layer), over ``layer_states``
+        when given (``run_stacked_layers``)."""
         x = self.model.embed_tokens(input_ids)
         inv_freq = jnp.asarray(inverse_frequencies(self.config))  # a trace-time constant
 
@@ -242,7 +244,9 @@ class LlamaForCausalLM(nnx.Module):
             return layer(x, positions, inv_freq, kv_pool, values["layer"], meta, values.get("window"))
 
         per_layer = layer_window_values(self.config)
-        x, kv_pool = run_stacked_layers(self.model.layers, (x, kv_pool), per_layer, one_layer, scan_layers=scan_layers)
+        x, kv_pool = run_stacked_layers(
+            self.model.layers, (x, kv_pool), per_layer, one_layer, scan_layers=scan_layers, layer_states=layer_states
+        )
         return self.model.norm(x), kv_pool
 
     def logits(self, hidden: jax.Array) -> jax.Array:
@@ -270,6 +274,7 @@ def run_stacked_layers(
     body: Callable[[nnx.Module, tuple, dict], tuple],
     *,
     scan_layers: bool,
+    layer_states: Sequence[nnx.State] | None = None,
 ) -> tuple:
     """Run ``body(layer, carry, values) -> carry`` over the stacked ``layers``.
 
@@ -277,8 +282,22 @@ def run_stacked_layers(
     array (``[num_layers, ...]``: a window, a rope table).  Under ``jax.lax.scan``
     (``scan_layers``) they are traced values, so layers that differ only in such values
     are one program; unrolled, they are static per layer.
+
+    ``layer_states`` (unrolled only): each layer's weights as its own arrays
+    (``split_layer_weights``), used instead of slices of the stacked ones.  On XLA:CPU a
+    slice of a stacked weight feeding a matmul is copied first, every step (under scan
+    as a dynamic slice too): a decode step, which reads each weight once, then moves the
+    weights three times.  ``layers`` then only lends its structure.
     """
     graphdef, stacked = nnx.split(layers)
+    if layer_states is not None:
+        if scan_layers:
+            raise ValueError("layer_states are for the unrolled loop (scan_layers=False)")
+        for i, state in enumerate(layer_states):
+            values = {name: v[i] for name, v in per_layer.items()}
+            values["layer"] = i
+            carry = body(nnx.merge(graphdef, state), carry, values)
+        return carry
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     if scan_layers:
         xs = {name: jnp.asarray(v) for name, v in per_layer.items()}
@@ -296,3 +315,36 @@ def run_stacked_layers(
         values["layer"] = i
         carry = body(nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked)), carry, values)
     return carry
+
+
+def split_layer_weights(state: nnx.State, shardings: nnx.State | None = None) -> tuple[nnx.State, list[nnx.State]]:
+    """A model state's stacked layer weights (``state["model"]["layers"]``, ``[L, ...]``)
+    as ``L`` per-layer states of their own arrays (``run_stacked_layers(layer_states=)``),
+    and the state with 0-d placeholders where the stacked arrays were (the stacked copies
+    are dropped).  ``shardings``: the stacked state's shardings (tensor parallel); each
+    layer's arrays keep them minus the layer axis."""
+    layers = state["model"]["layers"]
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    if shardings is None:
+        per_layer = [jax.tree.map(lambda a, i=i: jnp.array(a[i]), layers) for i in range(num_layers)]
+    else:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        def one(a, sh, i):  # noqa: ANN001, ANN202
+            target = NamedSharding(sh.mesh, PartitionSpec(*sh.spec[1:]))
+            return jax.jit(lambda x: x[i], out_shardings=target)(a)
+
+        per_layer = [jax.tree.map(lambda a, sh, i=i: one(a, sh, i), layers, shardings["model"]["layers"]) for i in range(num_layers)]
+    state["model"]["layers"] = jax.tree.map(lambda a: jnp.zeros((), a.dtype), layers)
+    return state, per_layer
+
+
+def stack_layer_weights(state: nnx.State, layer_states: Sequence[nnx.State]) -> nnx.State:
+    """The inverse of ``split_layer_weights``: a state with stacked layer arrays (copies)."""
+    from copy import copy
+
+    stacked = jax.tree.map(lambda *arrays: jnp.stack(arrays), *layer_states)
+    out = copy(state)
+    out["model"] = copy(state["model"])
+    out["model"]["layers"] = stacked
+    return out

@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 import pallas_kernels
 from pallas_kernels.layout import KVLayout
 from pallas_kernels.sharded import use_head_sharding
-from strata_jax.models.llama import LlamaForCausalLM
+from strata_jax.models.llama import LlamaForCausalLM, split_layer_weights, stack_layer_weights
 from strata_jax.runtime import executable_cache, sampling_step
 from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.buckets import extend_rows, pick_bucket, power_of_two_buckets
@@ -62,7 +62,7 @@ class RunnerConfig:
     kv_dtype: str = "float32"
     min_token_bucket: int = 16
     kernel_backend: str = "auto"  # pallas_kernels backend for the model's attention (resolved at construction)
-    scan_layers: bool = True  # layers under jax.lax.scan (False: unrolled loop, for comparisons)
+    scan_layers: bool = True  # layers under jax.lax.scan (False: unrolled over per-layer weight arrays)
     sampling_slots: int = 0  # sequences holding penalty/bias/min_tokens state at once (0: max_batch_size)
     max_running: int = 0  # sequences holding a row of device state at once (0: 4 * max_batch_size)
 
@@ -216,6 +216,12 @@ class ModelRunner:
             state_sh = tp_sharding.state_shardings(self.state, self.mesh, vocab_parallel=vocab_parallel)
             self.state = jax.device_put(self.state, state_sh)
             pool_sh, rep = tp_sharding.pool_sharding(self.mesh), tp_sharding.replicated(self.mesh)
+        if not config.scan_layers:  # unrolled: every layer's weights in arrays of their own (run_stacked_layers)
+            split_sh = jax.tree.map(lambda a: a.sharding, self.state) if self.mesh is not None else None
+            base, layer_states = split_layer_weights(self.state, split_sh)
+            self.state = (base, layer_states)
+            if self.mesh is not None:
+                state_sh = jax.tree.map(lambda a: a.sharding, self.state)
         if pool is None:
             zeros = partial(jnp.zeros, pool_shape, jnp.dtype(config.kv_dtype))
             pool = _OwnPool(jax.jit(zeros, out_shardings=pool_sh)() if self.mesh is not None else zeros())
@@ -258,6 +264,13 @@ class ModelRunner:
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}  # (tokens, rows) -> warm-up's program
         # (tokens, rows) -> removes its executable cache entry: for programs read back from it
         self._reused: dict[tuple[int, int], Callable[[Exception], None]] = {}
+
+    def stacked_state(self) -> nnx.State:
+        """The model state with stacked ``[L, ...]`` layer weights (copies when the runner
+        holds them per layer): for code that merges the whole model (benchmarks)."""
+        if isinstance(self.state, tuple):
+            return stack_layer_weights(*self.state)
+        return self.state
 
     # ---- compile accounting -------------------------------------------------------
     @property
@@ -564,12 +577,13 @@ def _forward_step(
     graphdef, mesh, state, kv_pool, bias_table, flags_table, tables, inputs: dict, all_logits: bool, *,
     scan_layers: bool, page_size: int, num_kv_slots: int, no_sampling_slot: int,
 ):  # fmt: skip
+    state, layer_states = state if isinstance(state, tuple) else (state, None)
     model = nnx.merge(graphdef, state)
     input_ids, positions, meta, sampling, new_lens, tables = model_inputs(
         tables, inputs, page_size=page_size, num_kv_slots=num_kv_slots, no_sampling_slot=no_sampling_slot
     )
     with use_head_sharding(mesh):  # attention and the KV write per shard of the heads (tp)
-        hidden, kv_pool = model(input_ids, positions, kv_pool, meta, scan_layers=scan_layers)
+        hidden, kv_pool = model(input_ids, positions, kv_pool, meta, scan_layers=scan_layers, layer_states=layer_states)
     last_logits = model.logits(hidden[sampling["last_index"]])
     next_tokens, sample_lp, prompt_lp, flags_table = sampling_step.sample_with_extras(
         last_logits, hidden, model.logits, sampling, flags_table, bias_table, tables.token_mask
