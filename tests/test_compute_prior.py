@@ -3,11 +3,10 @@ rate, against the engine's own measured prefill on the same machine."""
 
 from __future__ import annotations
 
-import pytest
-
 import time
 
 import numpy as np
+import pytest
 
 from strata_jax.api import SamplingParams
 from strata_jax.runtime.compute_prior import extend_prior, matmul_flops_per_s
