@@ -18,20 +18,33 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TASK = SCRIPTS / "lm_eval_task"
 
 
-@pytest.mark.parametrize("name", ["chat_clients_common.sh", "lm_eval_chat.sh", "load_chat.sh"])
-def test_scripts_parse(name):
-    proc = subprocess.run(["bash", "-n", str(SCRIPTS / name)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-
-
-def test_task_yaml_and_data():
+def load_task_yaml(path: Path) -> dict:
+    """An lm-eval task file as lm-eval reads it (``!function x.y`` -> ``("function", "x.y")``)."""
     yaml = pytest.importorskip("yaml")  # pyyaml comes with lm-eval; not a dependency of this project
 
     class FunctionTag(yaml.SafeLoader):
         pass
 
     FunctionTag.add_constructor("!function", lambda loader, node: ("function", loader.construct_scalar(node)))
-    task = yaml.load((TASK / "strata_capitals.yaml.in").read_text(), Loader=FunctionTag)
+    return yaml.load(path.read_text(), Loader=FunctionTag)
+
+
+def load_module(path: Path):  # noqa: ANN201
+    """A task's Python helper (its scorer), loaded from its file as lm-eval does."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["chat_clients_common.sh", "lm_eval_chat.sh", "load_chat.sh", "lm_eval_tiers.sh"])
+def test_scripts_parse(name):
+    proc = subprocess.run(["bash", "-n", str(SCRIPTS / name)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_task_yaml_and_data():
+    task = load_task_yaml(TASK / "strata_capitals.yaml.in")
     assert task["output_type"] == "generate_until" and task["dataset_path"] == "json"
     assert task["dataset_kwargs"]["data_files"]["test"] == "@DATA_FILE@"  # filled in by lm_eval_chat.sh
     assert task["process_results"] == ("function", "capitals_metrics.process_results")
@@ -42,9 +55,7 @@ def test_task_yaml_and_data():
 
 
 def test_task_scorer():
-    spec = importlib.util.spec_from_file_location("capitals_metrics", TASK / "capitals_metrics.py")
-    metrics = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(metrics)
+    metrics = load_module(TASK / "capitals_metrics.py")
     doc = {"country": "Mexico", "capital": "Mexico City"}
     assert metrics.process_results(doc, ["Mexico City."]) == {"exact_match": 1.0, "contains_answer": 1.0}
     assert metrics.process_results(doc, ["The capital is Mexico City"]) == {"exact_match": 0.0, "contains_answer": 1.0}

@@ -9,13 +9,12 @@ scores answers as a reader would.  No lm-eval, no model, no network.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
+from test_client_scripts import load_module, load_task_yaml
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TASK = SCRIPTS / "lm_eval_tier_task"
@@ -23,29 +22,15 @@ TASK = SCRIPTS / "lm_eval_tier_task"
 
 @pytest.fixture(scope="module")
 def tier_task():
-    spec = importlib.util.spec_from_file_location("tier_task", TASK / "tier_task.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(TASK / "tier_task.py")
 
 
 def _rows(name: str) -> list[dict]:
     return [json.loads(line) for line in (TASK / name).read_text().splitlines()]
 
 
-def test_script_parses():
-    proc = subprocess.run(["bash", "-n", str(SCRIPTS / "lm_eval_tiers.sh")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-
-
-def test_task_yaml():
-    yaml = pytest.importorskip("yaml")  # pyyaml comes with lm-eval; not a dependency of this project
-
-    class FunctionTag(yaml.SafeLoader):
-        pass
-
-    FunctionTag.add_constructor("!function", lambda loader, node: ("function", loader.construct_scalar(node)))
-    task = yaml.load((TASK / "strata_tier_mc.yaml.in").read_text(), Loader=FunctionTag)
+def test_task_yaml():  # (test_client_scripts.test_scripts_parse parses lm_eval_tiers.sh)
+    task = load_task_yaml(TASK / "strata_tier_mc.yaml.in")
     assert task["task"] == "strata_tier_mc"
     assert task["output_type"] == "generate_until" and task["dataset_path"] == "json"
     assert task["dataset_kwargs"]["data_files"]["test"] == "@DATA_FILE@"  # filled in by lm_eval_tiers.sh
