@@ -98,27 +98,46 @@ class Tally:
         }
 
 
+def _device_tokens(prompts: list[list[int]], positions: int) -> int:
+    """An L1 that holds every prompt with its teacher-forced tokens (nothing evicted)."""
+    return max(4096, len(prompts) * (len(prompts[0]) + positions + 32))
+
+
+def teacher_forced(engine, prompts: list[list[int]], ref_tokens: list, ref_lps: list, margins: list, positions: int,
+                   check_first=None) -> Tally:  # noqa: ANN001  # fmt: skip
+    """Position j of every prompt asked as prompt + the reference's first j tokens, one token
+    each; ``check_first(i, output)`` sees each prompt's first ask (where its pages came from)."""
+    from strata_jax.api import SamplingParams
+
+    tally = Tally()
+    for j in range(positions):
+        asks = [p + c[:j] for p, c in zip(prompts, ref_tokens)]
+        outs = engine.generate(asks, SamplingParams(max_tokens=1, logprobs=TOP))
+        for i, out in enumerate(outs):
+            if j == 0 and check_first is not None:
+                check_first(i, out)
+            tally.add(out.token_ids[0], ref_tokens[i][j], ref_lps[i][j], out.logprobs[0], (i, j), margins[i][j])
+    return tally
+
+
 def reference_and_l2(model: str, fmt: str, prompts: list[list[int]], positions: int) -> tuple[dict, list, list, list]:
     """Cold run (the full-width reference) and the teacher-forced run from L2 in ``fmt``."""
     from strata_jax.api import SamplingParams
 
-    need = len(prompts) * (len(prompts[0]) + positions + 32)
-    engine = _engine(model, tiers="L1+L2", kv_tier_format=fmt, device_tokens=max(4096, need))
+    engine = _engine(model, tiers="L1+L2", kv_tier_format=fmt, device_tokens=_device_tokens(prompts, positions))
     try:
         cold = engine.generate(prompts, SamplingParams(max_tokens=positions, ignore_eos=True, logprobs=TOP))
         ref_tokens = [o.token_ids for o in cold]
         ref_lps = [[lp.logprob for lp in o.logprobs] for o in cold]
         margins = [[lp.top[0][1] - lp.top[1][1] if len(lp.top) > 1 else None for lp in o.logprobs] for o in cold]
         engine.flush_cache("device")
-        tally = Tally()
         full_pages = [(len(p) - 1) // 16 * 16 for p in prompts]  # the last token is always computed
-        for j in range(positions):
-            asks = [p + c[:j] for p, c in zip(prompts, ref_tokens)]
-            outs = engine.generate(asks, SamplingParams(max_tokens=1, logprobs=TOP))
-            for i, out in enumerate(outs):
-                if j == 0 and out.cached_tokens["host"] < full_pages[i]:
-                    raise RuntimeError(f"prompt {i}: {out.cached_tokens} - its pages did not come from L2")
-                tally.add(out.token_ids[0], ref_tokens[i][j], ref_lps[i][j], out.logprobs[0], (i, j), margins[i][j])
+
+        def from_l2(i: int, out) -> None:  # noqa: ANN001
+            if out.cached_tokens["host"] < full_pages[i]:
+                raise RuntimeError(f"prompt {i}: {out.cached_tokens} - its pages did not come from L2")
+
+        tally = teacher_forced(engine, prompts, ref_tokens, ref_lps, margins, positions, from_l2)
         stats = engine.ctl.stats()
         row = tally.result() | {
             "host_bytes_per_token": stats["host_bytes_per_token"],
@@ -132,17 +151,9 @@ def reference_and_l2(model: str, fmt: str, prompts: list[list[int]], positions: 
 
 def l1_fp8(model: str, prompts: list[list[int]], ref_tokens: list, ref_lps: list, margins: list, positions: int) -> dict:
     """Teacher-forced positions on an engine whose L1 is fp8 (no other tier)."""
-    from strata_jax.api import SamplingParams
-
-    need = len(prompts) * (len(prompts[0]) + positions + 32)
-    engine = _engine(model, tiers="L1", kv_dtype="fp8", device_tokens=max(4096, need))
+    engine = _engine(model, tiers="L1", kv_dtype="fp8", device_tokens=_device_tokens(prompts, positions))
     try:
-        tally = Tally()
-        for j in range(positions):
-            asks = [p + c[:j] for p, c in zip(prompts, ref_tokens)]
-            outs = engine.generate(asks, SamplingParams(max_tokens=1, logprobs=TOP))
-            for i, out in enumerate(outs):
-                tally.add(out.token_ids[0], ref_tokens[i][j], ref_lps[i][j], out.logprobs[0], (i, j), margins[i][j])
+        tally = teacher_forced(engine, prompts, ref_tokens, ref_lps, margins, positions)
         return tally.result() | {"device_bytes_per_token": engine.ctl.stats()["device_bytes_per_token"]}
     finally:
         engine.shutdown()

@@ -183,9 +183,9 @@ class EngineConfig:
                 f'EngineConfig.prefill_chunk must be "max", "auto" or an integer above max_batch_size '
                 f"({self.max_batch_size}) and at most max_batch_tokens ({self.max_batch_tokens}), got {self.prefill_chunk!r}"
             )
-        from strata_jax.runtime.platform import KV_DTYPE_ALIASES, KV_DTYPES
+        from strata_jax.runtime.platform import DTYPES, KV_DTYPE_ALIASES, KV_DTYPES
 
-        if self.dtype not in (None, "float32", "bfloat16"):
+        if self.dtype not in (None, *DTYPES):
             raise InvalidRequestError(f"EngineConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.kv_dtype not in (None, *KV_DTYPES, *KV_DTYPE_ALIASES):
             raise InvalidRequestError(f"EngineConfig.kv_dtype must be float32, bfloat16 or fp8, got {self.kv_dtype!r}")

@@ -290,15 +290,9 @@ def run_stacked_layers(
     weights three times.  ``layers`` then only lends its structure.
     """
     graphdef, stacked = nnx.split(layers)
-    if layer_states is not None:
-        if scan_layers:
-            raise ValueError("layer_states are for the unrolled loop (scan_layers=False)")
-        for i, state in enumerate(layer_states):
-            values = {name: v[i] for name, v in per_layer.items()}
-            values["layer"] = i
-            carry = body(nnx.merge(graphdef, state), carry, values)
-        return carry
-    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    if layer_states is not None and scan_layers:
+        raise ValueError("layer_states are for the unrolled loop (scan_layers=False)")
+    num_layers = len(layer_states) if layer_states is not None else jax.tree.leaves(stacked)[0].shape[0]
     if scan_layers:
         xs = {name: jnp.asarray(v) for name, v in per_layer.items()}
         xs["layer"] = jnp.arange(num_layers, dtype=jnp.int32)
@@ -313,7 +307,8 @@ def run_stacked_layers(
     for i in range(num_layers):
         values = {name: v[i] for name, v in per_layer.items()}
         values["layer"] = i
-        carry = body(nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked)), carry, values)
+        state = layer_states[i] if layer_states is not None else jax.tree.map(lambda a, i=i: a[i], stacked)
+        carry = body(nnx.merge(graphdef, state), carry, values)
     return carry
 
 
@@ -321,7 +316,7 @@ def split_layer_weights(state: nnx.State, shardings: nnx.State | None = None) ->
     """A model state's stacked layer weights (``state["model"]["layers"]``, ``[L, ...]``)
     as ``L`` per-layer states of their own arrays (``run_stacked_layers(layer_states=)``),
     and the state with 0-d placeholders where the stacked arrays were (the stacked copies
-    are dropped).  ``shardings``: the stacked state's shardings (tensor parallel); each
+    are dropped; ``state`` is changed in place).  ``shardings``: the stacked state's shardings (tensor parallel); each
     layer's arrays keep them minus the layer axis."""
     layers = state["model"]["layers"]
     num_layers = jax.tree.leaves(layers)[0].shape[0]

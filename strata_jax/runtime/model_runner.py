@@ -217,9 +217,7 @@ class ModelRunner:
             self.state = jax.device_put(self.state, state_sh)
             pool_sh, rep = tp_sharding.pool_sharding(self.mesh), tp_sharding.replicated(self.mesh)
         if not config.scan_layers:  # unrolled: every layer's weights in arrays of their own (run_stacked_layers)
-            split_sh = jax.tree.map(lambda a: a.sharding, self.state) if self.mesh is not None else None
-            base, layer_states = split_layer_weights(self.state, split_sh)
-            self.state = (base, layer_states)
+            self.state = split_layer_weights(self.state, state_sh if self.mesh is not None else None)
             if self.mesh is not None:
                 state_sh = jax.tree.map(lambda a: a.sharding, self.state)
         if pool is None:
