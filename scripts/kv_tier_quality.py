@@ -1,7 +1,7 @@
 """Quality of quantized KV (issue 20) on the real SmolLM2-135M-Instruct, against full width.
 
     python scripts/kv_tier_quality.py [--model GGUF_OR_HF_DIR] [--prompts 32] [--prompt-tokens 640]
-                                      [--positions 8] [--formats fp8,int8] [--json PATH]
+                                      [--positions 32] [--formats fp8,int8] [--json PATH]
 
 Protocol (everything greedy, float32 weights, float32 L1 unless said otherwise):
 
@@ -159,26 +159,43 @@ def l1_fp8(model: str, prompts: list[list[int]], ref_tokens: list, ref_lps: list
         engine.shutdown()
 
 
-def run(model: str, *, prompts: int = 32, prompt_tokens: int = 640, positions: int = 8,
-        formats: tuple[str, ...] = ("fp8", "int8")) -> dict:  # fmt: skip
+def _print_row(name: str, r: dict) -> None:
+    print(f"{name:<9} {r['positions']:>9} {r['top1_agreement']:>7.4f} {r['mean_abs_delta_logprob']:>10.4f} "
+          f"{r['max_abs_delta_logprob']:>9.4f} {r['outside_top']:>7} "
+          f"{r.get('host_bytes_per_token') or r['device_bytes_per_token']:>11.0f} {r['seconds']:>8.0f}", flush=True)  # fmt: skip
+
+
+def _checkpoint(report: dict, name: str, json_path: str | None) -> None:
+    _print_row(name, report["runs"][name])
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def run(model: str, *, prompts: int = 32, prompt_tokens: int = 640, positions: int = 32,
+        formats: tuple[str, ...] = ("fp8", "int8"), json_path: str | None = None) -> dict:  # fmt: skip
+    """Each configuration's row is printed (and the report so far written to ``json_path``)
+    as soon as it finishes: a long run keeps what it measured."""
     from strata_jax.models.loader import load_model
 
     tokenizer = load_model(model, show_progress=False).tokenizer
     asks = demo_prompts(tokenizer, prompts, prompt_tokens)
     report: dict = {"model": model, "prompts": prompts, "prompt_tokens": prompt_tokens, "positions": positions, "runs": {}}
     ref = None
+    print(f"{'run':<9} {'positions':>9} {'top-1':>7} {'mean|dlp|':>10} {'max|dlp|':>9} {'>top20':>7} {'B/token':>11} {'seconds':>8}")
     for fmt in formats:
         t0 = time.perf_counter()
         if fmt == "l1-fp8":
             if ref is None:
                 raise SystemExit("--formats: l1-fp8 needs an L2 format before it (its cold run is the reference)")
             report["runs"]["L1 fp8"] = l1_fp8(model, asks, *ref, positions) | {"seconds": time.perf_counter() - t0}
+            _checkpoint(report, "L1 fp8", json_path)
             continue
         row, tokens, lps, margins = reference_and_l2(model, fmt, asks, positions)
         if ref is not None and tokens != ref[0]:
             raise RuntimeError("two cold runs of the same prompts gave different tokens")
         ref = (tokens, lps, margins)
         report["runs"][f"L2 {fmt}"] = row | {"seconds": time.perf_counter() - t0}
+        _checkpoint(report, f"L2 {fmt}", json_path)
     report["targets"] = {
         name: {"top1_ge_0.97": r["top1_agreement"] >= 0.97, "mean_abs_delta_le_0.05": r["mean_abs_delta_logprob"] <= 0.05}
         for name, r in report["runs"].items()
@@ -191,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: the test suite's SmolLM2 GGUF)")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=640)
-    parser.add_argument("--positions", type=int, default=8, help="teacher-forced positions per prompt")
+    parser.add_argument("--positions", type=int, default=32, help="teacher-forced positions per prompt (default 32)")
     parser.add_argument("--formats", default="fp8,int8")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -202,11 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         model = str(smollm2_gguf_path())
     formats = tuple(f for f in args.formats.split(",") if f)
     report = run(model, prompts=args.prompts, prompt_tokens=args.prompt_tokens, positions=args.positions,
-                 formats=formats)  # fmt: skip
-    print(f"{'run':<9} {'positions':>9} {'top-1':>7} {'mean|dlp|':>10} {'max|dlp|':>9} {'>top20':>7} {'B/token':>11}")
-    for name, r in report["runs"].items():
-        print(f"{name:<9} {r['positions']:>9} {r['top1_agreement']:>7.4f} {r['mean_abs_delta_logprob']:>10.4f} "
-              f"{r['max_abs_delta_logprob']:>9.4f} {r['outside_top']:>7} {r.get('host_bytes_per_token') or r['device_bytes_per_token']:>11.0f}")  # fmt: skip
+                 formats=formats, json_path=args.json)  # fmt: skip
     print("targets:", json.dumps(report["targets"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
