@@ -4,11 +4,13 @@ Pure Python bookkeeping (no jax, no arrays): the tree stores *page ids* of the
 device pool (L1) and the host pool (L2) plus, lazily, the storage (L3) key of
 every page.  The cache controller owns the allocators and moves the data.
 
-Three modules: ``tree_node.py`` (``TreeNode``, node states, ``PrefixMatch``,
+Five modules: ``tree_node.py`` (``TreeNode``, node states, ``PrefixMatch``,
 ``InsertResult``, ``TreeError``; re-exported here), this one (the structure:
-match, insert, split, transient life cycle, locks, storage keys) and
+match, insert, split, transient life cycle, locks), ``tree_keys.py`` (the
+``StorageKeys`` mixin: each page's L3 key along the hash chain),
 ``tree_tiers.py`` (the ``TierBookkeeping`` mixin: what each tier holds, per-tier
-LRU eviction, ``check``).
+LRU eviction, ``check``) and ``tree_window.py`` (where a match may end on a
+sliding-window model: ``local_pages`` says which pages kept their local-layer KV).
 
 Invariants (asserted by :meth:`HiRadixTree.check`):
 
@@ -42,7 +44,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
 
-from strata_jax.cache.hashing import chain_hashes, namespace_seed
 from strata_jax.cache.tree_node import (
     IN_FLIGHT,
     IN_QUEUE,
@@ -53,7 +54,9 @@ from strata_jax.cache.tree_node import (
     TreeError,
     TreeNode,
 )
+from strata_jax.cache.tree_keys import StorageKeys
 from strata_jax.cache.tree_tiers import TierBookkeeping, TierObserver
+from strata_jax.cache.tree_window import LOCAL_MISSING, LOCAL_ON_DEVICE, LOCAL_ON_HOST, LocalPages, window_match
 
 __all__ = [
     "IN_FLIGHT", "IN_QUEUE", "READY", "TRANSIENT_STATES",
@@ -61,7 +64,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-class HiRadixTree(TierBookkeeping):
+class HiRadixTree(TierBookkeeping, StorageKeys):
     """Radix tree of cached prefixes across the device and host tiers.
 
     Not thread-safe: one owner (the engine thread / the controller) calls it.
@@ -85,6 +88,9 @@ class HiRadixTree(TierBookkeeping):
         self._device_nodes: set[TreeNode] = set()
         self._host_nodes: set[TreeNode] = set()
         self.tier_observer: TierObserver | None = None  # tree_tiers.TierObserver (KV events)
+        # Sliding-window models: where each page's local-layer KV is; a match ends only
+        # where that window is complete (tree_window).  None: every layer is global.
+        self.local_pages: LocalPages | None = None
 
     # ------------------------------------------------------------------ helpers
     def _tick(self) -> int:
@@ -209,6 +215,11 @@ class HiRadixTree(TierBookkeeping):
         at the first node owned by ``requester`` (a request never waits for
         itself).  ``storage_tokens`` is 0 here.
 
+        With ``local_pages`` set (a model with sliding-window layers), the data part ends
+        at the longest prefix whose window pages have their local-layer KV
+        (``tree_window.window_match``; the node it ends in is split there), and a cut
+        data part is followed by no transient tokens.
+
         ``hint``: an earlier match of the *same tokens object* (a tuple; anything
         else is ignored).  The walk re-checks that hint's path node by node (each
         node still hangs below the previous one with the same key length: keys
@@ -245,32 +256,42 @@ class HiRadixTree(TierBookkeeping):
             path.append(child)
             lens.append(klen)
             children = child.children
+        kinds: list[int] = []  # per path node: 0 device, 1 host, 2 transient (the walk's tiers, in order)
+        phase = 0
+        for node in path:
+            if phase == 0 and node.device is not None:
+                kind = 0
+            elif phase <= 1 and node.host is not None and node.device is None:
+                kind = 1
+            elif node.is_transient:
+                if requester is not None and node.owner == requester:
+                    break
+                kind = 2
+            else:  # pragma: no cover - excluded by the invariants
+                raise AssertionError(f"tree invariant broken on the match path at {node!r}")
+            kinds.append(kind)
+            phase = kind
+        if self.local_pages is not None and self.local_pages.window_pages > 0:
+            self._stop_at_complete_window(path, lens, kinds)
         now = self._tick() if touch else 0
         device = host = transient = 0
         owners: list[Hashable] = []
         device_pages: list[int] = []
         last = root
-        phase = 0  # 0 device, 1 host, 2 transient
-        for node in path:
+        for node, kind in zip(path, kinds):
             if touch:
                 node.last_access = now
             ntok = len(node.key)
-            if phase == 0 and node.device is not None:
+            if kind == 0:
                 device += ntok
-                device_pages.extend(node.device)
-            elif phase <= 1 and node.host is not None and node.device is None:
-                phase = 1
+                device_pages.extend(node.device)  # type: ignore[arg-type]
+            elif kind == 1:
                 host += ntok
-            elif node.is_transient:
-                if requester is not None and node.owner == requester:
-                    break
-                phase = 2
+            else:
                 transient += ntok
                 if node.owner not in owners:
                     owners.append(node.owner)
                 continue
-            else:  # pragma: no cover - excluded by the invariants
-                raise AssertionError(f"tree invariant broken on the match path at {node!r}")
             if touch:
                 node.hit_count += 1
             last = node
@@ -287,6 +308,49 @@ class HiRadixTree(TierBookkeeping):
             walk_path=tuple(path),
             walk_lens=tuple(lens),
         )
+
+    def _stop_at_complete_window(self, path: list[TreeNode], lens: list[int], kinds: list[int]) -> None:
+        """Cut the walk (``path``, ``lens``, ``kinds``, in place) at the longest prefix whose
+        local-layer window is complete (``tree_window``), splitting the node it ends in.
+        A cut data prefix is not followed by transient tokens: the gap is this request's
+        to compute."""
+        local = self.local_pages
+        assert local is not None
+        codes: list[int] = []
+        device_pages = 0
+        data_nodes = 0
+        for node, kind in zip(path, kinds):
+            if kind == 2:
+                break
+            data_nodes += 1
+            if kind == 0:
+                host_ids = node.host
+                for j, page in enumerate(node.device):  # type: ignore[arg-type]
+                    if local.on_device(page):
+                        codes.append(LOCAL_ON_DEVICE)
+                    else:
+                        codes.append(LOCAL_ON_HOST if host_ids is not None and local.on_host(host_ids[j]) else LOCAL_MISSING)
+                device_pages = len(codes)
+            else:
+                codes.extend(LOCAL_ON_HOST if local.on_host(page) else LOCAL_MISSING for page in node.host)  # type: ignore[union-attr]
+        dev, host = window_match(codes, device_pages, local.window_pages)
+        keep = dev + host
+        if keep == len(codes):
+            return
+        ps = self.page_size
+        pages = 0
+        for i in range(data_nodes):
+            npages = lens[i] // ps
+            if pages + npages > keep:
+                cut = keep - pages
+                if cut > 0:
+                    path[i] = self._split(path[i], cut * ps)
+                    lens[i] = cut * ps
+                    i += 1
+                del path[i:], lens[i:], kinds[i:]
+                return
+            pages += npages
+        raise AssertionError("window cut beyond the data prefix")  # pragma: no cover
 
     # ------------------------------------------------------------------ insert
     def insert(
@@ -515,56 +579,6 @@ class HiRadixTree(TierBookkeeping):
             if node.lock_ref == 0 and node.device is not None:
                 self.locked_device_pages -= len(node.device)
             node = node.parent
-
-    # ------------------------------------------------------------------ storage keys
-    def page_hashes(self, node: TreeNode) -> list[bytes]:
-        """Storage keys of ``node``'s pages (computed lazily along the chain)."""
-        chain: list[TreeNode] = []
-        x = node
-        while x.hashes is None:
-            chain.append(x)
-            x = x.parent  # type: ignore[assignment]
-        prev = x.hashes[-1] if x.hashes else self._seed_of(x)
-        for y in reversed(chain):
-            y.hashes = chain_hashes(prev, y.key, self.page_size)
-            prev = y.hashes[-1]
-        return node.hashes  # type: ignore[return-value]
-
-    def adopt_hashes(self, node: TreeNode, keys: Sequence[bytes], first_page: int) -> None:
-        """Record known storage keys for pages ``first_page ..`` of the path ending at ``node``.
-
-        ``keys[i]`` is the key of path page ``first_page + i`` and the path to
-        ``node`` ends at page ``first_page + len(keys)``; nodes lying entirely in
-        that range and without keys get theirs (saves re-hashing after a prefetch).
-        """
-        end = first_page + len(keys)
-        ps = self.page_size
-        while node.parent is not None:
-            npg = len(node.key) // ps
-            start = end - npg
-            if start < first_page:
-                break
-            if node.hashes is None:
-                node.hashes = list(keys[start - first_page : end - first_page])
-            end = start
-            node = node.parent
-
-    def last_hash(self, node: TreeNode) -> bytes:
-        """Key of the last page on the path to ``node`` (the namespace seed at the root)."""
-        while node.parent is not None and not node.key:
-            node = node.parent
-        if node.parent is None:
-            return self.seed(node.namespace)
-        return self.page_hashes(node)[-1]
-
-    def _seed_of(self, node: TreeNode) -> bytes:
-        while node.parent is not None:
-            node = node.parent
-        return self.seed(node.namespace)
-
-    def seed(self, namespace: str) -> bytes:
-        """The chain key before the first page of ``namespace``."""
-        return namespace_seed(namespace, self.kv_identity)
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children."""
