@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 import numpy as np
@@ -11,6 +13,7 @@ from strata_jax.bench import run_benchmark, workloads
 from strata_jax.engine import Engine, EngineConfig
 
 
+@pytest.mark.heavy  # 20-50 s on 2 cores; the default suite stays near 15 min
 def test_serve_bench_multiturn_json(tmp_path):
     out = tmp_path / "serve.json"
     code = run_benchmark(

@@ -310,7 +310,7 @@ class TreeMachine(RuleBasedStateMachine):
 
 
 TreeMachine.TestCase.settings = settings(
-    max_examples=400, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=250, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestTreeAgainstModel = TreeMachine.TestCase
 

@@ -47,6 +47,7 @@ def test_a_longer_bucket_that_is_slower_per_token_is_never_chosen():
         choose_prefill_chunk({64: 0.0})
 
 
+@pytest.mark.heavy  # 20-50 s on 2 cores; the default suite stays near 15 min
 def test_engine_auto_chunk_sets_the_scheduler_budget_and_serves():
     engine = Engine(EngineConfig(
         model="tiny", show_progress=False, tiers="L1", max_batch_tokens=256, max_batch_size=4, prefill_chunk="auto",

@@ -115,6 +115,7 @@ def test_second_warmup_reads_every_program_back_and_computes_the_same(tmp_path, 
     _assert_same(_steps(_runner()), expected)
 
 
+@pytest.mark.heavy  # 20-50 s on 2 cores; the default suite stays near 15 min
 def test_a_program_read_from_the_xla_cache_is_not_stored(tmp_path):
     """XLA:CPU re-serializes an executable it read from its own cache without all its
     functions: stored and read back by a third start, such a copy failed with "Function
@@ -135,6 +136,7 @@ def test_a_program_read_from_the_xla_cache_is_not_stored(tmp_path):
         compilation_cache.configure("none")
 
 
+@pytest.mark.heavy  # 20-50 s on 2 cores; the default suite stays near 15 min
 def test_a_tensor_parallel_runner_reads_its_programs_back_onto_its_devices(tmp_path, no_xla_cache):
     from strata_jax.runtime.sharding import make_mesh, pool_sharding
 
@@ -181,6 +183,7 @@ def test_another_model_or_runner_config_is_another_key():
         seen |= keys
 
 
+@pytest.mark.heavy  # 20-50 s on 2 cores; the default suite stays near 15 min
 def test_an_unreadable_entry_is_compiled_again_and_overwritten(stored_entries, tmp_path, no_xla_cache, caplog):
     tmp_path, expected = _filled(stored_entries, tmp_path)
     entries = sorted(tmp_path.glob("*.exe"))
@@ -340,6 +343,7 @@ def test_a_read_back_program_that_fails_on_the_device_leaves_the_cache(stored_en
     assert len(list(tmp_path.glob("*.exe"))) == len(runner.program_shapes) - 1  # the others stay
 
 
+@pytest.mark.heavy  # 20-50 s on 2 cores; the default suite stays near 15 min
 def test_engine_starts_without_the_executable_cache_when_its_directory_cannot_be_made(tmp_path, caplog):
     from strata_jax.engine import Engine, EngineConfig
     from strata_jax.runtime import executable_cache

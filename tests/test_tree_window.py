@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import test_cache_radix_tree as base
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, rule
 
@@ -187,12 +187,55 @@ class WindowTreeMachine(base.TreeMachine):
 
 
 WindowTreeMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=120, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestWindowTreeAgainstBruteForce = WindowTreeMachine.TestCase
 
 
 # ---------------------------------------------------------------------- directed tests
+@settings(max_examples=300, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 4]),
+    window_pages=st.integers(1, 5),
+    device_pages=st.integers(0, 10),
+    host_pages=st.integers(0, 6),
+    local_device=st.lists(st.booleans(), min_size=16, max_size=16),
+    local_host=st.lists(st.booleans(), min_size=16, max_size=16),
+)
+def test_one_path_with_random_local_pages_matches_the_brute_force(
+    ps: int, window_pages: int, device_pages: int, host_pages: int, local_device: list[bool], local_host: list[bool]
+) -> None:
+    """One sequence: ``device_pages`` pages in L1, then ``host_pages`` in L2 only, each page's
+    local KV present or not at random; the match of the sequence (and one token more) against
+    the definition: the longest e whose last min(w, e) pages have local KV in the right tier."""
+    tree = HiRadixTree(ps)
+    local = LocalSets(window_pages)
+    tree.local_pages = local
+    total = device_pages + host_pages
+    tokens = list(range(total * ps))
+    dev_ids, host_ids = list(range(100, 100 + device_pages)), list(range(200, 200 + host_pages))
+    if device_pages:
+        tree.insert(tokens[: device_pages * ps], device_pages=dev_ids)
+    if host_pages:
+        tree.insert(tokens, host_pages=host_ids, start_page=device_pages)
+    local.device.update(g for i, g in enumerate(dev_ids) if local_device[i])
+    local.host.update(h for i, h in enumerate(host_ids) if local_host[i])
+
+    def has_local(i: int) -> bool:
+        return local_device[i] if i < device_pages else local_host[i - device_pages]
+
+    def valid(e: int) -> bool:
+        return all(has_local(i) for i in range(e - min(window_pages, e), e))
+
+    want_device = max(e for e in range(device_pages + 1) if valid(e))
+    want_host = 0
+    if want_device == device_pages:
+        want_host = max((e - device_pages for e in range(device_pages + 1, total + 1) if valid(e)), default=0)
+    m = tree.match_prefix(tokens + [999])
+    assert (m.device_tokens, m.host_tokens) == (want_device * ps, want_host * ps)
+    assert m.device_page_ids == tuple(dev_ids[:want_device])
+
+
 def test_window_pages_cover_the_keys_of_the_first_new_token() -> None:
     # window 512 at page 16: positions e-511 .. e-1 lie in the 32 pages before e
     assert window_pages_for(512, 16) == 32
