@@ -66,6 +66,59 @@ class KVLayout:
         return self.page_bytes // self.page_size
 
 
+@dataclass(frozen=True)
+class RowLayout:
+    """A device pool as one array of rows, ``pool[num_rows, page_size, num_kv_heads, head_dim]``,
+    in which each layer may have its own page count (issue 22's layer groups: local,
+    sliding-window layers keep fewer pages than global ones).
+
+    Layer ``l``'s K of page ``p`` is row ``k_base[l] + p`` and its V row ``v_base[l] + p``;
+    each layer's K rows, then its V rows, follow the previous layer's.  With one page
+    count for every layer (``uniform``) this is today's layer-first pool
+    ``[L, 2, P, S, H, D]`` reshaped, a free view.  A layer scan reads its rows at traced
+    offsets, so both kinds of layer stay one program and the donated pool is updated in
+    place (``lax.cond`` over two pools copies both: scripts/probe_layer_group_pools.py).
+    Not used by the kernels yet (docs/models.md, "Layer groups").
+    """
+
+    layout: KVLayout
+    layer_pages: tuple[int, ...]  # pages of each layer's group, one entry per layer
+
+    def __post_init__(self) -> None:
+        if len(self.layer_pages) != self.layout.num_layers:
+            raise ValueError(f"{len(self.layer_pages)} page counts for {self.layout.num_layers} layers")
+        if any(not isinstance(p, int) or p <= 0 for p in self.layer_pages):
+            raise ValueError(f"every layer needs a positive page count, got {self.layer_pages}")
+
+    @classmethod
+    def uniform(cls, layout: KVLayout, num_pages: int) -> RowLayout:
+        return cls(layout, (num_pages,) * layout.num_layers)
+
+    @classmethod
+    def grouped(cls, layout: KVLayout, local_layers: tuple[bool, ...], global_pages: int, local_pages: int) -> RowLayout:
+        """Global layers with ``global_pages`` pages, local ones (``local_layers[l]``) with ``local_pages``."""
+        return cls(layout, tuple(local_pages if local else global_pages for local in local_layers))
+
+    @property
+    def k_base(self) -> np.ndarray:
+        return np.cumsum((0, *(2 * p for p in self.layer_pages[:-1])), dtype=np.int64).astype(np.int32)
+
+    @property
+    def v_base(self) -> np.ndarray:
+        return self.k_base + np.asarray(self.layer_pages, np.int32)
+
+    @property
+    def num_rows(self) -> int:
+        return 2 * sum(self.layer_pages)
+
+    def pool_shape(self) -> tuple[int, ...]:
+        return (self.num_rows, self.layout.page_size, self.layout.num_kv_heads, self.layout.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.layout.page_size * self.layout.num_kv_heads * self.layout.head_dim * self.layout.itemsize
+
+
 def _numpy_dtype_name(dtype: str) -> str:
     if dtype not in ("float32", "float16"):
         import ml_dtypes  # noqa: F401  (registers bfloat16 and the float8 names with numpy)
