@@ -108,6 +108,10 @@ class TreeMachine(RuleBasedStateMachine):
         pages = [self.dev_free.pop() for _ in pres]
         res = self.tree.insert(seq, ns, device_pages=pages)
         self.dev_free.extend(res.unused_pages)
+        self._mark_on_device(ns, pres)
+
+    def _mark_on_device(self, ns: str, pres: list[tuple]) -> None:
+        """The model after a device insert of the page prefixes ``pres``."""
         for pre in pres:
             tier = self.model[ns].get(pre)
             if tier is None or isinstance(tier, tuple):
@@ -115,23 +119,25 @@ class TreeMachine(RuleBasedStateMachine):
             elif tier == "H":
                 self.model[ns][pre] = "DH"
 
+    def _insert_after_match(self, ns: str, seq: list[int]) -> tuple | None:
+        """A device insert as the engine makes it: its page table starts with the match's
+        device pages, fresh ids after them.  Returns ``(result, fresh ids)``, or None when
+        too few ids are free (nothing inserted)."""
+        pres = self._prefixes(seq)
+        own = list(self.tree.match_prefix(seq, ns).device_page_ids)
+        if len(pres) - len(own) > len(self.dev_free):
+            return None
+        fresh = [self.dev_free.pop() for _ in range(len(pres) - len(own))]
+        res = self.tree.insert(seq, ns, device_pages=own + fresh)
+        self._mark_on_device(ns, pres)
+        return res, fresh
+
     @rule(ns=st.sampled_from(NAMESPACES), seq=seqs)
     def insert_like_engine(self, ns: str, seq: list[int]) -> None:
         """The engine's page table starts with the tree's own device pages: nothing comes back unused."""
-        pres = self._prefixes(seq)
-        m = self.tree.match_prefix(seq, ns)
-        own = list(m.device_page_ids)
-        if len(pres) - len(own) > len(self.dev_free):
-            return
-        fresh = [self.dev_free.pop() for _ in range(len(pres) - len(own))]
-        res = self.tree.insert(seq, ns, device_pages=own + fresh)
-        assert res.unused_pages == ()
-        for pre in pres:
-            tier = self.model[ns].get(pre)
-            if tier is None or isinstance(tier, tuple):
-                self.model[ns][pre] = "D"
-            elif tier == "H":
-                self.model[ns][pre] = "DH"
+        inserted = self._insert_after_match(ns, seq)
+        if inserted is not None:
+            assert inserted[0].unused_pages == ()
 
     @rule(ns=st.sampled_from(NAMESPACES), seq=seqs, start=st.integers(0, 6))
     def insert_host(self, ns: str, seq: list[int], start: int) -> None:

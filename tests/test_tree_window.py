@@ -141,22 +141,13 @@ class WindowTreeMachine(base.TreeMachine):
     def insert_like_engine(self, ns: str, seq: list[int]) -> None:  # type: ignore[override]
         """As the engine: its page table starts with the match's device pages; a window cut can
         leave device pages beyond the match, so some fresh ids may come back unused."""
-        pres = self._prefixes(seq)
-        m = self.tree.match_prefix(seq, ns)
-        own = list(m.device_page_ids)
-        if len(pres) - len(own) > len(self.dev_free):
+        inserted = self._insert_after_match(ns, seq)
+        if inserted is None:
             return
-        fresh = [self.dev_free.pop() for _ in range(len(pres) - len(own))]
-        res = self.tree.insert(seq, ns, device_pages=own + fresh)
+        res, fresh = inserted
         assert set(res.unused_pages) <= set(fresh)
         self.dev_free.extend(res.unused_pages)
         self.seen.append((ns, seq))
-        for pre in pres:
-            tier = self.model[ns].get(pre)
-            if tier is None or isinstance(tier, tuple):
-                self.model[ns][pre] = "D"
-            elif tier == "H":
-                self.model[ns][pre] = "DH"
 
     @rule(ns=st.sampled_from(base.NAMESPACES), pick=PICKS, keep=st.integers(0, 6))
     def trim_like_a_running_request(self, ns: str, pick: tuple[str, int, int], keep: int) -> None:
