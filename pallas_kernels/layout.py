@@ -67,56 +67,77 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
-class RowLayout:
-    """A device pool as one array of rows, ``pool[num_rows, page_size, num_kv_heads, head_dim]``,
-    in which each layer may have its own page count (issue 22's layer groups: local,
-    sliding-window layers keep fewer pages than global ones).
+class GroupedPoolLayout:
+    """A device pool in which each layer may have its own page count (issue 22's layer
+    groups: local, sliding-window layers can keep fewer pages than global ones)::
 
-    Layer ``l``'s K of page ``p`` is row ``k_base[l] + p`` and its V row ``v_base[l] + p``;
-    each layer's K rows, then its V rows, follow the previous layer's.  With one page
-    count for every layer (``uniform``) this is today's layer-first pool
-    ``[L, 2, P, S, H, D]`` reshaped, a free view.  A layer scan reads its rows at traced
-    offsets, so both kinds of layer stay one program and the donated pool is updated in
-    place (``lax.cond`` over two pools copies both: scripts/probe_layer_group_pools.py).
-    Not used by the kernels yet (docs/models.md, "Layer groups").
+        kv_pool[1, 2, num_rows, page_size, num_kv_heads, head_dim]
+
+    Layer ``l``'s page ``p`` is row ``page_base[l] + p`` of ``kv_pool[0, 0]`` (K) and of
+    ``kv_pool[0, 1]`` (V); each layer's rows follow the previous layer's.  To the kernels
+    this is a one-layer pool read at layer 0 through a page table offset by ``page_base[l]``,
+    so they run unchanged, a layer scan reads its rows at a traced offset (both kinds of
+    layer stay one program) and the donated pool is updated in place (``lax.cond`` over two
+    pools would copy both: scripts/probe_layer_group_pools.py).  A global layer's pages are
+    the tree's page ids; a local layer's are local ids (``local_pages`` of them).  With
+    equal page counts this holds the layer-first pool's pages, ``kv_pool[0, kv, page_base[l]
+    + p] == layer_first[l, kv, p]`` (``uniform``).
     """
 
     layout: KVLayout
-    layer_pages: tuple[int, ...]  # pages of each layer's group, one entry per layer
+    local_layers: tuple[bool, ...]  # one entry per layer: True for a sliding-window layer
+    global_pages: int
+    local_pages: int
 
     def __post_init__(self) -> None:
-        if len(self.layer_pages) != self.layout.num_layers:
-            raise ValueError(f"{len(self.layer_pages)} page counts for {self.layout.num_layers} layers")
-        if any(not isinstance(p, int) or p <= 0 for p in self.layer_pages):
-            raise ValueError(f"every layer needs a positive page count, got {self.layer_pages}")
+        if len(self.local_layers) != self.layout.num_layers:
+            raise ValueError(f"{len(self.local_layers)} layer kinds for {self.layout.num_layers} layers")
+        for name in ("global_pages", "local_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GroupedPoolLayout.{name} must be a positive int, got {value!r}")
 
     @classmethod
-    def uniform(cls, layout: KVLayout, num_pages: int) -> RowLayout:
-        return cls(layout, (num_pages,) * layout.num_layers)
-
-    @classmethod
-    def grouped(cls, layout: KVLayout, local_layers: tuple[bool, ...], global_pages: int, local_pages: int) -> RowLayout:
-        """Global layers with ``global_pages`` pages, local ones (``local_layers[l]``) with ``local_pages``."""
-        return cls(layout, tuple(local_pages if local else global_pages for local in local_layers))
+    def uniform(cls, layout: KVLayout, num_pages: int) -> GroupedPoolLayout:
+        return cls(layout, (False,) * layout.num_layers, num_pages, num_pages)
 
     @property
-    def k_base(self) -> np.ndarray:
-        return np.cumsum((0, *(2 * p for p in self.layer_pages[:-1])), dtype=np.int64).astype(np.int32)
+    def layer_pages(self) -> tuple[int, ...]:
+        return tuple(self.local_pages if local else self.global_pages for local in self.local_layers)
 
     @property
-    def v_base(self) -> np.ndarray:
-        return self.k_base + np.asarray(self.layer_pages, np.int32)
+    def page_base(self) -> np.ndarray:
+        """int32 ``[num_layers]``: the row of each layer's page 0."""
+        return np.cumsum((0, *self.layer_pages[:-1]), dtype=np.int64).astype(np.int32)
 
     @property
     def num_rows(self) -> int:
-        return 2 * sum(self.layer_pages)
+        return sum(self.layer_pages)
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots of one of K / V over every row: a slot at or past it is out of the pool."""
+        return self.num_rows * self.layout.page_size
 
     def pool_shape(self) -> tuple[int, ...]:
-        return (self.num_rows, self.layout.page_size, self.layout.num_kv_heads, self.layout.head_dim)
+        return (1, 2, self.num_rows, self.layout.page_size, self.layout.num_kv_heads, self.layout.head_dim)
+
+    def rows(self, global_ids: np.ndarray, local_ids: np.ndarray) -> np.ndarray:
+        """int32 ``[n, num_layers]``: the rows holding pages ``global_ids[n]`` (global layers)
+        and ``local_ids[n]`` (local layers).  An id outside its group's range (padding, or a
+        local page that is not there) gives ``num_rows``: out of the pool."""
+        global_ids = np.asarray(global_ids, np.int64)[:, None]
+        local_ids = np.asarray(local_ids, np.int64)[:, None]
+        local = np.asarray(self.local_layers)[None, :]
+        ids = np.where(local, local_ids, global_ids)
+        limit = np.where(local, self.local_pages, self.global_pages)
+        inside = (ids >= 0) & (ids < limit)
+        return np.where(inside, self.page_base[None, :] + ids, self.num_rows).astype(np.int32)
 
     @property
     def nbytes(self) -> int:
-        return self.num_rows * self.layout.page_size * self.layout.num_kv_heads * self.layout.head_dim * self.layout.itemsize
+        lay = self.layout
+        return 2 * self.num_rows * lay.page_size * lay.num_kv_heads * lay.head_dim * lay.itemsize
 
 
 def _numpy_dtype_name(dtype: str) -> str:
