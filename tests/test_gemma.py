@@ -272,8 +272,9 @@ def gemma3_gguf() -> str:
         pytest.skip(f"real model unavailable: {exc}")
 
 
-@pytest.fixture(scope="module")
-def gemma_engine(gemma3_gguf, tmp_path_factory):
+# the L1 pool layer-first (the default) and with layer groups (--kv-layer-groups; heavy: 2 more minutes)
+@pytest.fixture(scope="module", params=[False, pytest.param(True, marks=pytest.mark.heavy)], ids=["layer_first", "grouped"])
+def gemma_engine(request, gemma3_gguf, tmp_path_factory):
     from strata_jax.engine import Engine, EngineConfig
 
     engine = Engine(
@@ -281,8 +282,10 @@ def gemma_engine(gemma3_gguf, tmp_path_factory):
             model=gemma3_gguf, warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16, dtype="float32",
             device_tokens=4096, max_batch_tokens=512, max_batch_size=2, max_context_tokens=2048,
             prefetch_policy="wait_complete", prefetch_min_tokens=0, storage_dir=str(tmp_path_factory.mktemp("kv")),
+            kv_layer_groups=request.param,
         )
     )  # fmt: skip
+    assert (engine.ctl.device_pool.grouped is not None) == request.param
     yield engine
     engine.shutdown()
 

@@ -41,3 +41,39 @@ def test_step_program_never_copies_the_pool(tokens, tp):
     if tp > 1:
         assert pool_lines, "the sharded program should hold the pool at its per-device shape"
         assert "all-reduce" in hlo  # row-parallel o_proj / down_proj partial sums
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_step_program_never_copies_a_pool_with_layer_groups(tokens, tp):
+    """The grouped pool (one layer of rows, read at per-layer offsets; local layers through
+    the step's page map) is updated in place by the layer scan as well."""
+    import dataclasses
+
+    from pallas_kernels.layout import KVLayout
+    from strata_jax.cache.pools import DevicePool
+    from strata_jax.runtime.model_runner import grouped_pool_layout
+    from strata_jax.runtime.sharding import pool_sharding
+
+    if jax.device_count() < tp:
+        pytest.skip(f"needs {tp} devices")
+    config = dataclasses.replace(CONFIG, layer_windows=(8, 0, 8))
+    mesh = make_mesh(tp) if tp > 1 else None
+    layout = KVLayout(3, 2, 16, 4)
+    pool = DevicePool(layout, 97, pool_sharding(mesh) if mesh else None, grouped=grouped_pool_layout(config, layout, 97))
+    pool.local.allocated(list(range(97)))
+    runner = ModelRunner(
+        random_model(config),
+        RunnerConfig(page_size=4, num_device_pages=97, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128,
+                     kv_layer_groups=True),
+        pool=pool, mesh=mesh,
+    )  # fmt: skip
+    args = runner.program_arguments(tokens, 1, decode=tokens == 1)
+    assert "local_map" in args[-1]
+    hlo = runner._step.lower(*args, False).compile().as_text()  # noqa: SLF001
+    heads = 2 // tp
+    pool_shapes = {f"1,2,291,4,{heads},16", f"1,2,1164,{heads},16"}  # 3 x 97 rows, and a flat-slot view
+    pool_lines = [line for line in hlo.splitlines() if any(f"[{s}]" in line for s in pool_shapes)]
+    assert pool_lines
+    copies = [line for line in pool_lines if re.search(r"\b(copy|all-gather|all-reduce|all-to-all|collective-permute)\(", line)]
+    assert not copies, copies[:3]

@@ -9,10 +9,17 @@ gather, only a view).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 
 class AllocatorError(ValueError):
     """A page id freed twice, out of range, or a negative request."""
+
+
+class AllocationListener(Protocol):
+    def allocated(self, pages: list[int]) -> None: ...
+
+    def freed(self, pages: list[int]) -> None: ...
 
 
 class PageAllocator:
@@ -28,6 +35,9 @@ class PageAllocator:
             raise AllocatorError(f"{name}: num_pages must be a non-negative int, got {num_pages!r}")
         self.name = name
         self.num_pages = num_pages
+        # told of every allocation and free (``allocated(ids)`` / ``freed(ids)``): the local
+        # pages of a pool with layer groups follow the global ones (local_pages.DeviceLocalPages)
+        self.listener: AllocationListener | None = None
         self._free = list(range(num_pages - 1, -1, -1))  # pop() yields 0, 1, 2, ...
         self._is_free = bytearray(b"\x01") * num_pages
 
@@ -52,6 +62,8 @@ class PageAllocator:
         flags = self._is_free
         for p in out:
             flags[p] = 0
+        if self.listener is not None:
+            self.listener.allocated(out)
         return out
 
     def free(self, pages: Iterable[int]) -> None:
@@ -64,6 +76,8 @@ class PageAllocator:
                 raise AllocatorError(f"{self.name}: page {p} freed twice")
             flags[p] = 1
         self._free.extend(reversed(pages))
+        if self.listener is not None:
+            self.listener.freed(pages)
 
     def free_pages(self) -> list[int]:
         """A copy of the free list (for invariant checks)."""

@@ -57,7 +57,7 @@ from strata_jax.cache.tier_format import TierFormat
 from strata_jax.cache.transfers import Transfers
 
 if TYPE_CHECKING:
-    from pallas_kernels.layout import KVLayout
+    from pallas_kernels.layout import GroupedPoolLayout, KVLayout
 
 __all__ = ["CacheController", "CacheError", "CacheFullError", "PrefetchHandle", "TransferHandle"]
 
@@ -77,6 +77,7 @@ class CacheController(Transfers, StorageIO, Eviction):
     (``tier_format.py``): ``page_bytes`` is one page in that format (values and
     scales), which is what a load or backup moves, what L2 holds and what the
     bandwidth estimate is measured in; ``device_page_bytes`` is one L1 page.
+    ``grouped``: the L1 pool has layer groups (``DevicePool``).
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class CacheController(Transfers, StorageIO, Eviction):
         clock: Callable[[], float] = time.perf_counter,
         timer: TransferTimer | None = None,
         page_bytes: int | None = None,
+        grouped: GroupedPoolLayout | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -119,8 +121,10 @@ class CacheController(Transfers, StorageIO, Eviction):
 
             self.device_pool = DevicePool(
                 layout, self.device_alloc.num_pages, device, kernel_backend=config.kernel_backend,  # type: ignore[arg-type]
-                tier_format=self.tier_format,
+                tier_format=self.tier_format, grouped=grouped,
             )
+            if self.device_pool.local is not None:  # local-layer pages follow the device pages
+                self.device_alloc.listener = self.device_pool.local
             if self.host_alloc.num_pages:
                 self.host_pool = HostPool(layout, self.host_alloc.num_pages, self.tier_format)  # type: ignore[arg-type]
         self.storage: StorageBackend | None = None
@@ -309,6 +313,9 @@ class CacheController(Transfers, StorageIO, Eviction):
             device_reserved=device_held,
             host_reserved=sorted(self._prefetch_reserved),
         )
+        if self.device_pool is not None and self.device_pool.local is not None:
+            free = set(self.device_alloc.free_pages())
+            self.device_pool.local.check(p for p in range(self.device_alloc.num_pages) if p not in free)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -7,12 +7,18 @@ local page holding the same tokens' local-layer KV.  ``TieredLocalPages`` is the
 ``tree_window.LocalPages`` the tree reads.  ``first_needed_page`` is the rule a running
 request trims by: the local KV of pages before it is never read again.
 
-Not wired into the pools and the controller yet (the next steps in docs/models.md).
+``DeviceLocalPages`` is the L1 map of a pool with layer groups (``--kv-layer-groups``):
+every device page the allocator hands out gets a local page, freed with it, and the map
+is an int32 array the model step reads (a local layer's page table is the map applied to
+the request's).  Trimming local pages out of a running request's window, and the tree's
+and L2/L3's use of the map, are the next steps (docs/models.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from strata_jax.cache.tree_window import window_pages_for
 
@@ -66,6 +72,50 @@ class LocalPageMap:
         attached = list(self._local_of.values())
         assert len(set(attached)) == len(attached), "a local page attached twice"
         assert sorted(attached + self._free) == list(range(self.num_pages)), "local pages lost or duplicated"
+
+
+class DeviceLocalPages:
+    """L1 local pages kept in step with the device page allocator (its ``listener``): each
+    allocated global page gets a local page and gives it back when freed.  ``array`` is
+    the global -> local map (``NO_LOCAL_PAGE`` where none) the step ships to the device,
+    ``version`` changes whenever it does."""
+
+    def __init__(self, global_pages: int, local_pages: int) -> None:
+        self.map = LocalPageMap(local_pages)
+        self.array = np.full(global_pages, NO_LOCAL_PAGE, np.int32)
+        self.version = 0
+
+    def allocated(self, pages: list[int]) -> None:
+        local = self.map.attach(pages)
+        if local is None:  # cannot happen while every global page has a local one
+            raise RuntimeError(f"{len(pages)} local pages wanted, {self.map.free_pages} free")
+        self.array[pages] = local
+        self.version += 1
+
+    def freed(self, pages: list[int]) -> None:
+        self.map.detach(pages)
+        self.array[pages] = NO_LOCAL_PAGE
+        self.version += 1
+
+    def local_ids(self, global_ids: np.ndarray) -> np.ndarray:
+        """The local page of each id; ``NO_LOCAL_PAGE`` for none or an id out of range (padding)."""
+        ids = np.asarray(global_ids)
+        inside = (ids >= 0) & (ids < len(self.array))
+        return np.where(inside, self.array[np.where(inside, ids, 0)], NO_LOCAL_PAGE).astype(np.int32)
+
+    def hand_out_in(self, order: Sequence[int]) -> None:
+        """Hand free local pages out in ``order`` (a permutation of them) instead of ascending:
+        for tests, so a local page id differs from its global one."""
+        if self.map.used_pages or sorted(order) != list(range(self.map.num_pages)):
+            raise ValueError("hand_out_in needs every local page free and a permutation of them")
+        self.map._free = list(reversed(order))  # noqa: SLF001
+
+    def check(self, used_global: Iterable[int]) -> None:
+        """Exactly the allocated global pages have local pages, and the array says which."""
+        self.map.check()
+        used = sorted(used_global)
+        assert [g for g in range(len(self.array)) if self.array[g] != NO_LOCAL_PAGE] == used, "local pages out of step"
+        assert self.map.local_ids(used) == self.array[used].tolist(), "map array out of step"
 
 
 class TieredLocalPages:

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pallas_kernels.layout import KVLayout
+from pallas_kernels.layout import GroupedPoolLayout, KVLayout
+from strata_jax.cache.local_pages import DeviceLocalPages
 from strata_jax.cache.tier_format import TierFormat
 
 
@@ -152,7 +153,7 @@ class HostPool:
 _JITTED: dict[tuple, tuple] = {}
 
 
-def _jitted_transfers(backend: str, sharding=None, tier_format: str = "full") -> tuple:  # noqa: ANN001
+def _jitted_transfers(backend: str, sharding=None, tier_format: str = "full", grouped: bool = False) -> tuple:  # noqa: ANN001
     """The jitted scatter (pool donated) and gather for a concrete kernel backend, shared
     by every pool using it (one compile per shape and backend).
 
@@ -164,8 +165,11 @@ def _jitted_transfers(backend: str, sharding=None, tier_format: str = "full") ->
     pool, staging and gathered pages are split on the KV heads and the kernels run per
     shard (``pallas_kernels.sharded``): each device scatters / gathers only its heads
     (scales: their axis 3).
+
+    ``grouped``: the pool has layer groups (``pallas_kernels.grouped``, XLA on every
+    platform) and ``ids`` are rows ``[n, L]`` (``GroupedPoolLayout.rows``).
     """
-    key = (backend, sharding, tier_format)
+    key = (backend, sharding, tier_format, grouped)
     if key not in _JITTED:  # a cache of compiled functions, not state: pools stay independent
         import jax
 
@@ -175,7 +179,22 @@ def _jitted_transfers(backend: str, sharding=None, tier_format: str = "full") ->
 
         mesh = sharding.mesh if sharding is not None else None
 
-        if tier_format == "full":
+        if grouped:
+            from pallas_kernels import grouped as moves
+
+            def _scatter(pool, *pages_and_rows):  # noqa: ANN001, ANN202
+                with use_head_sharding(mesh):
+                    if tier_format == "full":
+                        return moves.scatter_pages_grouped(pool, *pages_and_rows)
+                    return moves.scatter_dequantize_grouped(pool, *pages_and_rows)
+
+            def _gather(pool, rows):  # noqa: ANN001, ANN202
+                with use_head_sharding(mesh):
+                    if tier_format == "full":
+                        return moves.gather_pages_grouped(pool, rows)
+                    return moves.gather_quantize_grouped(pool, rows, tier_format)
+
+        elif tier_format == "full":
 
             def _scatter(pool, staging, ids):  # noqa: ANN001, ANN202
                 with use_head_sharding(mesh):
@@ -222,7 +241,9 @@ def scale_sharding(pool_sharding):  # noqa: ANN001, ANN201
 
 
 class DevicePool:
-    """Layer-first L1 pool ``kv[L, 2, num_pages, S, H, D]`` with donated page transfers.
+    """Layer-first L1 pool ``kv[L, 2, num_pages, S, H, D]`` with donated page transfers;
+    with ``grouped`` (``GroupedPoolLayout``) the pool has layer groups,
+    ``kv[1, 2, rows, S, H, D]``, and the same page-first moves (``pallas_kernels.grouped``).
 
     ``device``: a device, or a sharding; a ``NamedSharding`` splitting axis 4 (the KV
     heads) over a ``tp`` mesh axis (``strata_jax.runtime.sharding.pool_sharding``)
@@ -233,7 +254,7 @@ class DevicePool:
 
     def __init__(
         self, layout: KVLayout, num_pages: int, device=None, *, kernel_backend: str = "auto",  # noqa: ANN001
-        tier_format: TierFormat | None = None,
+        tier_format: TierFormat | None = None, grouped: GroupedPoolLayout | None = None,
     ) -> None:
         import jax
         import jax.numpy as jnp
@@ -243,7 +264,12 @@ class DevicePool:
         self.layout = layout
         self.num_pages = num_pages
         self._device = device
-        shape = layout.device_pool_shape(num_pages)
+        if grouped is not None and (grouped.layout != layout or grouped.global_pages != num_pages):
+            raise ValueError(f"grouped layout {grouped} does not match {layout} with {num_pages} pages")
+        self.grouped = grouped
+        # local-layer pages of a grouped pool: they follow the global pages' allocator (controller)
+        self.local = DeviceLocalPages(num_pages, grouped.local_pages) if grouped is not None else None
+        shape = grouped.pool_shape() if grouped is not None else layout.device_pool_shape(num_pages)
         if isinstance(device, jax.sharding.Sharding):  # allocated in place, shard by shard
             self.kv = jax.jit(lambda: jnp.zeros(shape, dtype=layout.dtype), out_shardings=device)()
         else:
@@ -254,11 +280,14 @@ class DevicePool:
         self.kernel_backend = pallas_kernels.resolve_backend(kernel_backend)
         head_sharded = isinstance(device, jax.sharding.NamedSharding) and len(device.mesh.devices.flat) > 1
         sharding = device if head_sharded else None
-        self._scatter, self._gather = _jitted_transfers(self.kernel_backend, sharding)
+        is_grouped = grouped is not None
+        self._scatter, self._gather = _jitted_transfers(self.kernel_backend, sharding, grouped=is_grouped)
         # The format of L2/L3 (what backups produce and loads consume); full width: the plain moves.
         self.tier_format = tier_format or TierFormat.resolve("full", layout.dtype)
         if self.tier_format.quantized:
-            self._scatter_tier, self._gather_tier = _jitted_transfers(self.kernel_backend, sharding, self.tier_format.name)
+            self._scatter_tier, self._gather_tier = _jitted_transfers(
+                self.kernel_backend, sharding, self.tier_format.name, grouped=is_grouped
+            )
             self._scale_device = scale_sharding(device) if isinstance(device, jax.sharding.NamedSharding) else device
         else:
             self._scatter_tier, self._gather_tier = self._scatter, self._gather
@@ -270,10 +299,15 @@ class DevicePool:
         """Store the pool returned by a step that donated ``self.kv``."""
         self.kv = kv
 
-    def _ids(self, page_ids: Sequence[int], size: int) -> np.ndarray:
-        ids = np.full((size,), self.num_pages, dtype=np.int32)  # out of range: dropped by scatter
+    def _ids(self, page_ids: Sequence[int], size: int, padding: int | None = None) -> np.ndarray:
+        """The scatter's / gather's targets of ``page_ids`` padded to ``size`` (default padding:
+        out of range, dropped by a scatter): page ids, or with layer groups rows ``[size, L]``
+        (local layers at the pages' local ids)."""
+        ids = np.full((size,), self.num_pages if padding is None else padding, dtype=np.int32)
         ids[: len(page_ids)] = page_ids
-        return ids
+        if self.grouped is None:
+            return ids
+        return self.grouped.rows(ids, self.local.local_ids(ids))  # type: ignore[union-attr]
 
     def load_pages(self, staging: np.ndarray, page_ids: Sequence[int]):  # noqa: ANN201
         """One ``device_put`` of page-first ``staging`` (rows beyond ``len(page_ids)`` are padding), then scatter.
@@ -371,10 +405,7 @@ class DevicePool:
 
         Starts the device->host copy asynchronously; ``np.asarray(result)[:n]`` waits for it.
         """
-        size = bucket(len(page_ids))
-        ids = np.full((size,), 0, dtype=np.int32)
-        ids[: len(page_ids)] = page_ids
-        out = self._gather(self.kv, ids)
+        out = self._gather(self.kv, self._ids(page_ids, bucket(len(page_ids)), padding=0))
         try:
             out.copy_to_host_async()
         except Exception:  # pragma: no cover - optional on some backends
@@ -389,10 +420,7 @@ class DevicePool:
         self.moved["backed_up_bytes"] += len(page_ids) * self.tier_format.page_bytes(self.layout)
         if not self.tier_format.quantized:
             return (self.gather_pages(page_ids),)
-        size = bucket(len(page_ids))
-        ids = np.full((size,), 0, dtype=np.int32)
-        ids[: len(page_ids)] = page_ids
-        out = self._gather_tier(self.kv, ids)
+        out = self._gather_tier(self.kv, self._ids(page_ids, bucket(len(page_ids)), padding=0))
         for array in out:
             try:
                 array.copy_to_host_async()

@@ -88,6 +88,11 @@ class EngineConfig:
         independent of depth); False unrolls them over per-layer weight arrays (faster
         decode steps on CPU, where a slice of a stacked weight is copied every step;
         compiling takes several times longer: docs/runtime.md).
+    kv_layer_groups: hold the L1 pool as layer groups (``GroupedPoolLayout``: each layer
+        its own rows, read through a per-layer offset), the layout in which a model's
+        sliding-window layers will keep fewer pages than its full-attention layers
+        (issue 22).  Every layer still keeps every page, so it holds the same bytes as the
+        default layer-first pool; default False.
     pipeline: overlap the host and the device (default): step N+1 is scheduled and
         dispatched while step N runs, and N's tokens are read after; stop rules that need
         a token's value apply one step late (a token computed past a stop is discarded).
@@ -140,6 +145,7 @@ class EngineConfig:
     freeze_gc: bool = True
     kernel_backend: str = "auto"
     scan_layers: bool = True
+    kv_layer_groups: bool = False
     pipeline: bool = True
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None

@@ -55,7 +55,7 @@ from strata_jax.runtime import compilation_cache, executable_cache
 from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.executable_cache import ExecutableCache
 from strata_jax.runtime.jax_executor import JaxExecutor
-from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig
+from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, grouped_pool_layout
 from strata_jax.runtime.platform import resolve as resolve_platform
 from strata_jax.runtime.warmup_progress import WarmupProgress
 from strata_jax.scheduler.cost_model import CostModel, CostPrior
@@ -115,7 +115,8 @@ class Engine:
             cache_config = dataclasses.replace(cache_config, kv_identity=kv_identity(loaded.model, loaded.config, str(dtype), layout))
         # tp: the L1 pool is split on its KV heads; host pages and L3 objects stay whole pages.
         pool_device = tp_sharding.pool_sharding(self.mesh) if self.mesh is not None else None
-        self.ctl = CacheController(cache_config, layout, device=pool_device)
+        grouped = grouped_pool_layout(loaded.config, layout, cache_config.num_device_pages) if config.kv_layer_groups else None
+        self.ctl = CacheController(cache_config, layout, device=pool_device, grouped=grouped)
         self.runner = ModelRunner(
             loaded.model,
             RunnerConfig(
@@ -128,6 +129,7 @@ class Engine:
                 kernel_backend=self.platform.kernel_backend,
                 scan_layers=config.scan_layers,
                 max_running=config.resolved_max_running_requests,
+                kv_layer_groups=config.kv_layer_groups,
             ),
             pool=self.ctl.device_pool,
             mesh=self.mesh,

@@ -103,6 +103,11 @@ class ModelConfig:
         return any(self.layer_windows)
 
     @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """One entry per layer: True for a sliding-window (local) layer."""
+        return tuple(w > 0 for w in self.layer_windows) if self.layer_windows else (False,) * self.num_layers
+
+    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 

@@ -49,12 +49,37 @@ class AttentionMetadata:
     page_table:   [B, W]  page ids of each sequence in order
     seq_lens:     [B]     KV length of each sequence after this step (0 = padding)
     query_start:  [B + 1] token offsets of each sequence's new tokens
+
+    A pool with layer groups (``pallas_kernels.layout.GroupedPoolLayout``, one layer of
+    rows) adds ``layer_page_base [L]``: layer ``l`` reads and writes its pages at rows
+    ``layer_page_base[l] + page`` (slots shifted by as many pages), so the kernels see a
+    one-layer pool.  Its padding slot is the whole pool's slot count, out of range
+    after any shift.  Its local (sliding-window) layers read ``local_page_table`` and write
+    ``local_slot_mapping`` (local page ids) when given, the global ones otherwise.
     """
 
     slot_mapping: jax.Array
     page_table: jax.Array
     seq_lens: jax.Array
     query_start: jax.Array
+    layer_page_base: jax.Array | None = None
+    local_page_table: jax.Array | None = None
+    local_slot_mapping: jax.Array | None = None
+
+    def for_layer(
+        self, kv_pool: jax.Array, layer: int | jax.Array, window: int | jax.Array | None
+    ) -> tuple[jax.Array, jax.Array, int | jax.Array]:
+        """(page table, slot mapping, pool layer index) that layer ``layer`` (sliding window
+        ``window``: > 0 for a local layer) uses in ``kv_pool``."""
+        if self.layer_page_base is None:
+            return self.page_table, self.slot_mapping, layer
+        table, slots = self.page_table, self.slot_mapping
+        if self.local_page_table is not None and window is not None:
+            local = jnp.asarray(window) > 0
+            table = jnp.where(local, self.local_page_table, table)
+            slots = jnp.where(local, self.local_slot_mapping, slots)
+        base = self.layer_page_base[layer]
+        return table + base, slots + base * kv_pool.shape[3], 0
 
 
 class RMSNorm(nnx.Module):
@@ -113,14 +138,15 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        kv_pool = pallas_kernels.write_kv(kv_pool, layer, k, v, meta.slot_mapping)
+        page_table, slot_mapping, pool_layer = meta.for_layer(kv_pool, layer, window)
+        kv_pool = pallas_kernels.write_kv(kv_pool, pool_layer, k, v, slot_mapping)
         decode_only = tokens == meta.page_table.shape[0]  # the runner's decode buckets: one token per sequence
         window_arg = {} if window is None else {"sliding_window": window}  # no window: the plain causal call
         out, kv_pool = pallas_kernels.ragged_paged_attention_pool(
             q,
             kv_pool,
-            layer,
-            meta.page_table,
+            pool_layer,
+            page_table,
             meta.seq_lens,
             meta.query_start,
             sm_scale=self.sm_scale,

@@ -39,8 +39,9 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import pallas_kernels
-from pallas_kernels.layout import KVLayout
+from pallas_kernels.layout import GroupedPoolLayout, KVLayout
 from pallas_kernels.sharded import use_head_sharding
+from strata_jax.models.config import ModelConfig
 from strata_jax.models.llama import LlamaForCausalLM, split_layer_weights, stack_layer_weights
 from strata_jax.runtime import executable_cache, sampling_step
 from strata_jax.runtime import sharding as tp_sharding
@@ -65,6 +66,7 @@ class RunnerConfig:
     scan_layers: bool = True  # layers under jax.lax.scan (False: unrolled over per-layer weight arrays)
     sampling_slots: int = 0  # sequences holding penalty/bias/min_tokens state at once (0: max_batch_size)
     max_running: int = 0  # sequences holding a row of device state at once (0: 4 * max_batch_size)
+    kv_layer_groups: bool = False  # the pool as layer groups (pallas_kernels.layout.GroupedPoolLayout)
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_device_pages", "max_batch_tokens", "max_batch_size", "max_context_tokens"):
@@ -209,7 +211,8 @@ class ModelRunner:
         self.kernel_backend = pallas_kernels.resolve_backend(config.kernel_backend)
         self.graphdef, self.state = nnx.split(model)
         self.mesh = mesh if mesh is not None and mesh.shape[tp_sharding.TP_AXIS] > 1 else None
-        pool_shape = self.layout.device_pool_shape(config.num_device_pages)
+        self.grouped = grouped_pool_layout(model.config, self.layout, config.num_device_pages) if config.kv_layer_groups else None
+        pool_shape = self.grouped.pool_shape() if self.grouped else self.layout.device_pool_shape(config.num_device_pages)
         rep = None
         if self.mesh is not None:
             tp_sharding.check_model(model.config, self.mesh.shape[tp_sharding.TP_AXIS], vocab_parallel=vocab_parallel)
@@ -228,6 +231,9 @@ class ModelRunner:
         elif self.mesh is not None and not pool.kv.sharding.is_equivalent_to(pool_sh, len(pool_shape)):
             raise ValueError(f"tensor parallel runner needs a pool split on its KV heads ({pool_sh}), got {pool.kv.sharding}")
         self.pool = pool
+        self._replicated = rep
+        self._local_map_version: int | None = None
+        self._local_map_array: jax.Array | None = None
         self.token_buckets = power_of_two_buckets(
             min(config.min_token_bucket, config.max_batch_tokens), config.max_batch_tokens
         )
@@ -237,7 +243,8 @@ class ModelRunner:
         self.extend_shapes = tuple(
             (t, extend_rows(t, self.token_buckets[-1], config.max_batch_size)) for t in self.token_buckets if t >= 2
         )
-        self.num_slots = config.num_device_pages * config.page_size
+        # the padding slot of the step's slot mapping: out of the pool (grouped: after any layer's shift)
+        self.num_slots = self.grouped.num_slots if self.grouped else config.num_device_pages * config.page_size
         self.sampling = SamplingState(config.sampling_slots or config.max_batch_size, model.config.vocab_size, sharding=rep)
         self.seqs = SeqSlots(
             config.running_slots, config.max_pages_per_seq, no_sampling_slot=self.sampling.no_slot,
@@ -254,6 +261,7 @@ class ModelRunner:
             partial(
                 _forward_step, self.graphdef, self.mesh, scan_layers=config.scan_layers, page_size=config.page_size,
                 num_kv_slots=self.num_slots, no_sampling_slot=self.sampling.no_slot,
+                layer_page_base=tuple(int(b) for b in self.grouped.page_base) if self.grouped else None,
             ),  # fmt: skip
             donate_argnums=(1, 3, 4),  # the KV pool, the sampling flags and the sequence tables, updated in place
             static_argnums=(6,),
@@ -549,7 +557,23 @@ class ModelRunner:
         return self.pool.kv
 
     def _empty_inputs(self, tokens: int, batch: int) -> dict:
-        return empty_inputs(tokens, batch, padding_slot=self.seqs.padding_slot, page_size=self.config.page_size)
+        x = empty_inputs(tokens, batch, padding_slot=self.seqs.padding_slot, page_size=self.config.page_size)
+        local_map = self._local_map()
+        if local_map is not None:
+            x["local_map"] = local_map
+        return x
+
+    def _local_map(self) -> jax.Array | None:
+        """The pool's global -> local page map on the device (pools with layer groups whose
+        local pages follow an allocator, ``DeviceLocalPages``), copied when it changed."""
+        local = getattr(self.pool, "local", None)
+        if local is None:
+            return None
+        if self._local_map_version != local.version:
+            array = local.array.copy()  # the host array keeps changing; the device copy must not
+            self._local_map_array = jax.device_put(array, self._replicated) if self._replicated else jnp.asarray(array)
+            self._local_map_version = local.version
+        return self._local_map_array
 
     def _shape_for(self, total_tokens: int, num_seqs: int, *, decode: bool) -> tuple[int, int]:
         """The (tokens, rows) program of a batch: a decode bucket, or the smallest extend
@@ -563,6 +587,12 @@ class ModelRunner:
         raise ValueError(f"no extend program holds {total_tokens} tokens of {num_seqs} sequences")
 
 
+def grouped_pool_layout(config: ModelConfig, layout: KVLayout, num_pages: int) -> GroupedPoolLayout:
+    """The pool with layer groups for ``config``: its sliding-window layers local, the rest
+    global, ``num_pages`` pages each (local layers do not trim yet: docs/models.md)."""
+    return GroupedPoolLayout(layout, config.local_layers, num_pages, num_pages)
+
+
 def _row_params(s: SeqInput) -> RowParams:
     return RowParams(
         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, repetition_penalty=s.repetition_penalty,
@@ -573,12 +603,13 @@ def _row_params(s: SeqInput) -> RowParams:
 
 def _forward_step(
     graphdef, mesh, state, kv_pool, bias_table, flags_table, tables, inputs: dict, all_logits: bool, *,
-    scan_layers: bool, page_size: int, num_kv_slots: int, no_sampling_slot: int,
+    scan_layers: bool, page_size: int, num_kv_slots: int, no_sampling_slot: int, layer_page_base: tuple[int, ...] | None,
 ):  # fmt: skip
     state, layer_states = state if isinstance(state, tuple) else (state, None)
     model = nnx.merge(graphdef, state)
     input_ids, positions, meta, sampling, new_lens, tables = model_inputs(
-        tables, inputs, page_size=page_size, num_kv_slots=num_kv_slots, no_sampling_slot=no_sampling_slot
+        tables, inputs, page_size=page_size, num_kv_slots=num_kv_slots, no_sampling_slot=no_sampling_slot,
+        layer_page_base=layer_page_base,
     )
     with use_head_sharding(mesh):  # attention and the KV write per shard of the heads (tp)
         hidden, kv_pool = model(input_ids, positions, kv_pool, meta, scan_layers=scan_layers, layer_states=layer_states)

@@ -15,6 +15,10 @@ extend (ragged prompt chunks; positions ``start[i] ..``)::
     slots [B]  input_ids [T]  query_start [B + 1]  start [B]  row_bits [B]
     pt_updates [T // page_size + 2B, 3]  targets [T]   (prompt-logprob targets, -1: none)
 
+A pool with layer groups whose local pages have ids of their own adds ``local_map``
+(int32 ``[num_pages]``, global -> local page, -1 for none; a device array the runner
+copies only when it changed).
+
 Rows are packed first, padding after (slot ``S``, out of range); ``pt_updates`` padding
 triples have slot ``S`` too and are dropped.
 """
@@ -96,10 +100,13 @@ def pack_extend(x: dict[str, np.ndarray], rows: Sequence[ExtendRow]) -> int:
 
 
 def model_inputs(
-    tables: SeqTables, x: dict, *, page_size: int, num_kv_slots: int, no_sampling_slot: int
+    tables: SeqTables, x: dict, *, page_size: int, num_kv_slots: int, no_sampling_slot: int,
+    layer_page_base: tuple[int, ...] | None = None,
 ) -> tuple[jax.Array, jax.Array, AttentionMetadata, dict, jax.Array, SeqTables]:
     """Inside the jitted step: (input_ids, positions, attention metadata, sampling inputs,
-    each row's KV length after the step, tables with the page updates applied)."""
+    each row's KV length after the step, tables with the page updates applied).
+    ``layer_page_base``: a pool with layer groups (``AttentionMetadata``); ``num_kv_slots``
+    is then its whole slot count."""
     tables = apply_page_updates(tables, x["pt_updates"])
     slots = x["slots"]
     rows = step_rows(tables, slots, no_sampling_slot)
@@ -132,7 +139,17 @@ def model_inputs(
     page_index = jnp.minimum(positions // page_size, width - 1)
     page = rows["page_table"][row_of_token, page_index]  # T elements, not T rows
     slot_mapping = jnp.where(token_valid, page * page_size + positions % page_size, num_kv_slots)
-    meta = AttentionMetadata(slot_mapping=slot_mapping, page_table=rows["page_table"], seq_lens=new_lens, query_start=query_start)
+    base = None if layer_page_base is None else jnp.asarray(layer_page_base, jnp.int32)
+    local_table = local_slots = None
+    if "local_map" in x:  # local layers' pages are local ids: the map applied to the tables
+        local_map = x["local_map"]
+        local_table = jnp.maximum(local_map[jnp.clip(rows["page_table"], 0, local_map.shape[0] - 1)], 0)
+        local_page = local_map[jnp.clip(page, 0, local_map.shape[0] - 1)]
+        local_slots = jnp.where(token_valid & (local_page >= 0), local_page * page_size + positions % page_size, num_kv_slots)
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping, page_table=rows["page_table"], seq_lens=new_lens, query_start=query_start,
+        layer_page_base=base, local_page_table=local_table, local_slot_mapping=local_slots,
+    )  # fmt: skip
     kept = valid & ((bits & COUNT_SAMPLE) != 0)
     row_bits = (
         jnp.where(rows["sampled"] < rows["min_tokens"], sampling_step.MIN_TOKENS_ACTIVE, 0)
