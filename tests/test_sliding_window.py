@@ -242,10 +242,12 @@ def test_windowed_kernel_lowers_for_gpu_with_a_traced_window(platform, dtype):
     assert TRITON_CALL in lower_for_gpu(step, *args, platform=platform).as_text()
 
 
+@pytest.mark.parametrize("groups", (False, True), ids=("layer_first", "grouped"))
 @pytest.mark.parametrize("platform", ("cuda", "rocm"))
-def test_gemma_engine_step_is_one_program_for_local_and_global_layers(platform, monkeypatch):
+def test_gemma_engine_step_is_one_program_for_local_and_global_layers(platform, groups, monkeypatch):
     """The engine's whole jitted step of a Gemma 3 model (local and global layers, two rope bases)
-    on the Pallas backend: one Triton attention call in the layer scan's body, no per-kind program."""
+    on the Pallas backend: one Triton attention call in the layer scan's body, no per-kind program;
+    with layer groups (``kv_layer_groups``) too, local layers reading through the page map."""
     from pallas_kernels.aot import gpu_lowering_target
     from strata_jax.models.config import ModelConfig
     from strata_jax.models.weights import random_model
@@ -257,11 +259,21 @@ def test_gemma_engine_step_is_one_program_for_local_and_global_layers(platform, 
         num_kv_heads=1, head_dim=32, qk_norm=True, tie_word_embeddings=True, layer_windows=(8, 8, 0, 8, 8, 0),
         rope_local_theta=10000.0, rope_theta=1e6, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=32.0,
     )  # fmt: skip
-    runner = ModelRunner(
-        random_model(config),
-        RunnerConfig(page_size=16, num_device_pages=33, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128, kv_dtype="bfloat16"),
+    runner_config = RunnerConfig(
+        page_size=16, num_device_pages=33, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128,
+        kv_dtype="bfloat16", kv_layer_groups=groups,
     )  # fmt: skip
+    pool = None
+    if groups:
+        from pallas_kernels.layout import KVLayout
+        from strata_jax.cache.pools import DevicePool
+        from strata_jax.runtime.model_runner import grouped_pool_layout
+
+        layout = KVLayout(6, 1, 32, 16, "bfloat16")
+        pool = DevicePool(layout, 33, grouped=grouped_pool_layout(config, layout, 33))
+    runner = ModelRunner(random_model(config), runner_config, pool=pool)
     args = runner.program_arguments(5, 1, decode=False)
+    assert ("local_map" in args[-1]) == groups
     with gpu_lowering_target(platform):
         text = runner._step.trace(*args, False).lower(lowering_platforms=(platform,)).as_text()  # noqa: SLF001
     assert text.count(TRITON_CALL) == 1 and "stablehlo.while" in text
