@@ -87,6 +87,16 @@ class Tally:
         if argmax != ref_token:  # how close the reference itself was to choosing otherwise
             self.flips.append({"at": where, "reference_top1_minus_top2": ref_margin, "delta_logprob": abs(value - ref_logprob)})
 
+    def merge(self, other: Tally, prompt_offset: int = 0) -> None:
+        """Add ``other``'s positions (asked of prompts numbered from ``prompt_offset``)."""
+        self.agree += other.agree
+        self.total += other.total
+        self.outside += other.outside
+        self.deltas += other.deltas
+        for flip in other.flips:
+            i, j = flip["at"]
+            self.flips.append(flip | {"at": (i + prompt_offset, j)})
+
     def result(self) -> dict:
         return {
             "positions": self.total,
@@ -150,10 +160,16 @@ def reference_and_l2(model: str, fmt: str, prompts: list[list[int]], positions: 
 
 
 def l1_fp8(model: str, prompts: list[list[int]], ref_tokens: list, ref_lps: list, margins: list, positions: int) -> dict:
-    """Teacher-forced positions on an engine whose L1 is fp8 (no other tier)."""
-    engine = _engine(model, tiers="L1", kv_dtype="fp8", device_tokens=_device_tokens(prompts, positions))
+    """Teacher-forced positions on an engine whose L1 is fp8 (no other tier), one prompt at a
+    time over a small pool: XLA:CPU rewrites a whole fp8 buffer on every update, so the
+    pool is sized for one prompt (a pool for all of them made this row take hours)."""
+    engine = _engine(model, tiers="L1", kv_dtype="fp8", device_tokens=1024 + 128)
     try:
-        tally = teacher_forced(engine, prompts, ref_tokens, ref_lps, margins, positions)
+        tally = Tally()
+        for i in range(len(prompts)):
+            one = teacher_forced(engine, prompts[i : i + 1], ref_tokens[i : i + 1], ref_lps[i : i + 1], margins[i : i + 1], positions)
+            tally.merge(one, prompt_offset=i)
+            engine.flush_cache("device")
         return tally.result() | {"device_bytes_per_token": engine.ctl.stats()["device_bytes_per_token"]}
     finally:
         engine.shutdown()

@@ -242,8 +242,8 @@ def test_windowed_kernel_lowers_for_gpu_with_a_traced_window(platform, dtype):
     assert TRITON_CALL in lower_for_gpu(step, *args, platform=platform).as_text()
 
 
-@pytest.mark.parametrize("groups", (False, True), ids=("layer_first", "grouped"))
-@pytest.mark.parametrize("platform", ("cuda", "rocm"))
+# (the grouped pool's offsets and page map are the same for both GPU targets: one is enough)
+@pytest.mark.parametrize(("platform", "groups"), [("cuda", False), ("rocm", False), ("cuda", True)])
 def test_gemma_engine_step_is_one_program_for_local_and_global_layers(platform, groups, monkeypatch):
     """The engine's whole jitted step of a Gemma 3 model (local and global layers, two rope bases)
     on the Pallas backend: one Triton attention call in the layer scan's body, no per-kind program;
