@@ -96,6 +96,8 @@ class GroupedPoolLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"GroupedPoolLayout.{name} must be a positive int, got {value!r}")
+        if self.num_slots >= 2**31:  # slots are int32 in the step
+            raise ValueError(f"a grouped pool of {self.num_slots} token slots does not fit int32 slot ids")
 
     @classmethod
     def uniform(cls, layout: KVLayout, num_pages: int) -> GroupedPoolLayout:

@@ -24,7 +24,7 @@ LAYOUT = KVLayout(num_layers=5, num_kv_heads=2, head_dim=8, page_size=4)
 LOCAL = (True, True, False, True, False)
 
 
-@pytest.mark.parametrize("fmt", ["full", "int8"])
+@pytest.mark.parametrize("fmt", ["full", "int8", "fp8"])
 def test_grouped_pool_moves_the_pages_the_layer_first_pool_moves(fmt):
     rng = np.random.default_rng(0)
     host_pages = rng.standard_normal(LAYOUT.page_first_shape(12)).astype(np.float32)
@@ -93,6 +93,13 @@ def test_steps_on_grouped_pool_match_transformers(tmp_path, kind, backend):
     ref = hf_logits(hf, ids).numpy()
     assert np.abs(got - ref).max() <= TOL
     assert (got.argmax(-1) == ref.argmax(-1)).all()
+    # the local layers' KV went to the pages' local ids (reversed), and only there
+    kv, grouped = np.asarray(runner.pool.kv), runner.pool.grouped
+    local_rows = 64 - 1 - np.asarray(pages)
+    for layer, local in enumerate(model.config.local_layers):
+        rows = kv[0][:, grouped.page_base[layer] : grouped.page_base[layer] + 64]  # [2, 64 pages, S, H, D]
+        written = np.flatnonzero(np.abs(rows).reshape(2, 64, -1).max(axis=(0, 2)) > 0)
+        assert sorted(written) == sorted(local_rows if local else pages), layer
 
 
 def test_engine_tiers_on_grouped_pool_give_the_layer_first_tokens(tmp_path):
@@ -133,4 +140,32 @@ def test_engine_tiers_on_grouped_pool_give_the_layer_first_tokens(tmp_path):
         results[groups] = {tier: [o.token_ids for o in outs] for tier, outs in out.items()}
         for tier, tokens in results[groups].items():
             assert tokens == results[groups]["cold"], (groups, tier)
+    assert results[True] == results[False]
+
+
+def test_write_back_eviction_keeps_the_local_layers_kv(tmp_path):
+    """Under write_back an evicted page is backed up to L2 on its way out: its local rows
+    must be gathered before its local page is given back (and handed to another page)."""
+    make_hf_model("gemma3", tmp_path / "model")
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    rng = np.random.default_rng(12)
+    docs = [rng.integers(0, 96, size=200).tolist() for _ in range(3)]  # 12 full pages each, 28 in L1
+    results = {}
+    for groups in (False, True):
+        engine = Engine(EngineConfig(
+            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1+L2", page_size=16,
+            device_tokens=448, max_batch_tokens=64, max_batch_size=2, max_context_tokens=256, write_policy="write_back",
+            kv_layer_groups=groups,
+        ))  # fmt: skip
+        try:
+            if groups:
+                engine.ctl.device_pool.local.hand_out_in(np.random.default_rng(4).permutation(28).tolist())
+            cold = [engine.generate([d + [1]], greedy)[0] for d in docs]  # each evicts the one before to L2
+            again = [engine.generate([d + [2]], greedy)[0] for d in docs]
+            assert engine.ctl.counters["evicted_device_pages"] > 0
+            assert again[0].cached_tokens["host"] == 192, again[0].cached_tokens  # came back from the write-back
+            engine.check_accounting()
+        finally:
+            engine.shutdown()
+        results[groups] = [o.token_ids for o in cold + again]
     assert results[True] == results[False]

@@ -48,6 +48,8 @@ class Eviction:
         """Free at least ``num_pages`` L1 pages if possible; returns pages freed."""
         backup = self._write_back_hook if (self.config.write_policy == "write_back" and self.config.has_host) else None
         freed = self.tree.evict_device(num_pages, backup, self._drop_host_pages)
+        if self._backup_queue:  # write-backs of the freed pages: gather them while their local pages are theirs
+            self.flush_backups()
         # Freed device pages may still be read by a just-dispatched gather (a
         # write-back); the next writer of the donated pool is ordered after it.
         self.device_alloc.free(freed)

@@ -79,7 +79,9 @@ class AttentionMetadata:
             table = jnp.where(local, self.local_page_table, table)
             slots = jnp.where(local, self.local_slot_mapping, slots)
         base = self.layer_page_base[layer]
-        return table + base, slots + base * kv_pool.shape[3], 0
+        page_size, total_slots = kv_pool.shape[3], kv_pool.shape[2] * kv_pool.shape[3]
+        shifted = jnp.where(slots < total_slots, slots + base * page_size, total_slots)  # padding stays out, no overflow
+        return table + base, shifted, 0
 
 
 class RMSNorm(nnx.Module):

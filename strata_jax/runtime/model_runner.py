@@ -228,6 +228,8 @@ class ModelRunner:
             pool = _OwnPool(jax.jit(zeros, out_shardings=pool_sh)() if self.mesh is not None else zeros())
         elif tuple(pool.kv.shape) != pool_shape:
             raise ValueError(f"pool shape {tuple(pool.kv.shape)} does not match the runner's layout")
+        elif getattr(pool, "grouped", None) != self.grouped:  # same shape, other layer groups: rows would disagree
+            raise ValueError(f"the pool's layer groups {getattr(pool, 'grouped', None)} are not the runner's {self.grouped}")
         elif self.mesh is not None and not pool.kv.sharding.is_equivalent_to(pool_sh, len(pool_shape)):
             raise ValueError(f"tensor parallel runner needs a pool split on its KV heads ({pool_sh}), got {pool.kv.sharding}")
         self.pool = pool
