@@ -116,6 +116,10 @@ class GroupedPoolLayout:
     def num_rows(self) -> int:
         return sum(self.layer_pages)
 
+    def layer_rows(self) -> tuple[tuple[int, int], ...]:
+        """Each layer's (first row, page count): what the model step needs (static)."""
+        return tuple((int(base), pages) for base, pages in zip(self.page_base, self.layer_pages))
+
     @property
     def num_slots(self) -> int:
         """Token slots of one of K / V over every row: a slot at or past it is out of the pool."""

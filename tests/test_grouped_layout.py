@@ -59,3 +59,27 @@ def test_rows_against_a_brute_force() -> None:
             page, pages = (local_ids[i], 4) if GEMMA_LOCAL[layer] else (global_ids[i], 9)
             want = row + page if 0 <= page < pages else grouped.num_rows
             assert rows[i, layer] == want
+
+
+def test_a_layer_never_reaches_another_layers_rows():
+    """``AttentionMetadata.for_layer`` on a grouped pool: a page id past the layer's count is
+    clipped into the layer's own rows, a slot past it (or padding) lands out of the pool."""
+    import jax.numpy as jnp
+
+    from strata_jax.models.llama import AttentionMetadata
+
+    layout = KVLayout(num_layers=3, num_kv_heads=1, head_dim=4, page_size=2)
+    grouped = GroupedPoolLayout(layout, (True, False, True), global_pages=5, local_pages=3)
+    (base, count) = (jnp.asarray(c, jnp.int32) for c in zip(*grouped.layer_rows()))
+    assert grouped.layer_rows() == ((0, 3), (3, 5), (8, 3))
+    pool = jnp.zeros(grouped.pool_shape())
+    total = grouped.num_slots  # 22 rows x 2
+    meta = AttentionMetadata(
+        slot_mapping=jnp.asarray([0, 9, 10, total]), page_table=jnp.asarray([[0, 4, 7]]),
+        seq_lens=jnp.asarray([5]), query_start=jnp.asarray([0, 4]), layer_page_base=base, layer_page_count=count,
+        local_page_table=jnp.asarray([[2, 1, 6]]), local_slot_mapping=jnp.asarray([5, 6, -1, total]),
+    )  # fmt: skip
+    table, slots, layer = meta.for_layer(pool, 1, jnp.int32(0))  # global layer: rows 3..7
+    assert layer == 0 and table.tolist() == [[3, 7, 7]] and slots.tolist() == [6, 15, total, total]
+    table, slots, _ = meta.for_layer(pool, 2, jnp.int32(4))  # local layer: rows 8..10, local ids
+    assert table.tolist() == [[10, 9, 10]] and slots.tolist() == [21, total, total, total]

@@ -51,10 +51,11 @@ class AttentionMetadata:
     query_start:  [B + 1] token offsets of each sequence's new tokens
 
     A pool with layer groups (``pallas_kernels.layout.GroupedPoolLayout``, one layer of
-    rows) adds ``layer_page_base [L]``: layer ``l`` reads and writes its pages at rows
-    ``layer_page_base[l] + page`` (slots shifted by as many pages), so the kernels see a
-    one-layer pool.  Its padding slot is the whole pool's slot count, out of range
-    after any shift.  Its local (sliding-window) layers read ``local_page_table`` and write
+    rows) adds ``layer_page_base [L]`` and ``layer_page_count [L]``: layer ``l`` reads and
+    writes its pages at rows ``layer_page_base[l] + page`` (slots shifted by as many
+    pages), so the kernels see a one-layer pool; a page id past the layer's count is
+    clipped on reads and a slot past it dropped on writes (never another layer's rows).
+    Its padding slot is the whole pool's slot count, out of range after any shift.  Its local (sliding-window) layers read ``local_page_table`` and write
     ``local_slot_mapping`` (local page ids) when given, the global ones otherwise.
     """
 
@@ -63,6 +64,7 @@ class AttentionMetadata:
     seq_lens: jax.Array
     query_start: jax.Array
     layer_page_base: jax.Array | None = None
+    layer_page_count: jax.Array | None = None
     local_page_table: jax.Array | None = None
     local_slot_mapping: jax.Array | None = None
 
@@ -78,10 +80,11 @@ class AttentionMetadata:
             local = jnp.asarray(window) > 0
             table = jnp.where(local, self.local_page_table, table)
             slots = jnp.where(local, self.local_slot_mapping, slots)
-        base = self.layer_page_base[layer]
+        base, count = self.layer_page_base[layer], self.layer_page_count[layer]
         page_size, total_slots = kv_pool.shape[3], kv_pool.shape[2] * kv_pool.shape[3]
-        shifted = jnp.where(slots < total_slots, slots + base * page_size, total_slots)  # padding stays out, no overflow
-        return table + base, shifted, 0
+        inside = (slots >= 0) & (slots < count * page_size)  # padding stays out, no overflow
+        shifted = jnp.where(inside, slots + base * page_size, total_slots)
+        return jnp.clip(table, 0, count - 1) + base, shifted, 0
 
 
 class RMSNorm(nnx.Module):

@@ -263,7 +263,7 @@ class ModelRunner:
             partial(
                 _forward_step, self.graphdef, self.mesh, scan_layers=config.scan_layers, page_size=config.page_size,
                 num_kv_slots=self.num_slots, no_sampling_slot=self.sampling.no_slot,
-                layer_page_base=tuple(int(b) for b in self.grouped.page_base) if self.grouped else None,
+                layer_pages=self.grouped.layer_rows() if self.grouped else None,
             ),  # fmt: skip
             donate_argnums=(1, 3, 4),  # the KV pool, the sampling flags and the sequence tables, updated in place
             static_argnums=(6,),
@@ -605,13 +605,14 @@ def _row_params(s: SeqInput) -> RowParams:
 
 def _forward_step(
     graphdef, mesh, state, kv_pool, bias_table, flags_table, tables, inputs: dict, all_logits: bool, *,
-    scan_layers: bool, page_size: int, num_kv_slots: int, no_sampling_slot: int, layer_page_base: tuple[int, ...] | None,
+    scan_layers: bool, page_size: int, num_kv_slots: int, no_sampling_slot: int,
+    layer_pages: tuple[tuple[int, int], ...] | None,
 ):  # fmt: skip
     state, layer_states = state if isinstance(state, tuple) else (state, None)
     model = nnx.merge(graphdef, state)
     input_ids, positions, meta, sampling, new_lens, tables = model_inputs(
         tables, inputs, page_size=page_size, num_kv_slots=num_kv_slots, no_sampling_slot=no_sampling_slot,
-        layer_page_base=layer_page_base,
+        layer_pages=layer_pages,
     )
     with use_head_sharding(mesh):  # attention and the KV write per shard of the heads (tp)
         hidden, kv_pool = model(input_ids, positions, kv_pool, meta, scan_layers=scan_layers, layer_states=layer_states)

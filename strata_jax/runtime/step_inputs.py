@@ -101,11 +101,12 @@ def pack_extend(x: dict[str, np.ndarray], rows: Sequence[ExtendRow]) -> int:
 
 def model_inputs(
     tables: SeqTables, x: dict, *, page_size: int, num_kv_slots: int, no_sampling_slot: int,
-    layer_page_base: tuple[int, ...] | None = None,
+    layer_pages: tuple[tuple[int, int], ...] | None = None,
 ) -> tuple[jax.Array, jax.Array, AttentionMetadata, dict, jax.Array, SeqTables]:
     """Inside the jitted step: (input_ids, positions, attention metadata, sampling inputs,
     each row's KV length after the step, tables with the page updates applied).
-    ``layer_page_base``: a pool with layer groups (``AttentionMetadata``); ``num_kv_slots``
+    ``layer_pages``: a pool with layer groups, each layer's (first row, page count)
+    (``GroupedPoolLayout.layer_rows``, ``AttentionMetadata``); ``num_kv_slots``
     is then its whole slot count."""
     tables = apply_page_updates(tables, x["pt_updates"])
     slots = x["slots"]
@@ -139,7 +140,9 @@ def model_inputs(
     page_index = jnp.minimum(positions // page_size, width - 1)
     page = rows["page_table"][row_of_token, page_index]  # T elements, not T rows
     slot_mapping = jnp.where(token_valid, page * page_size + positions % page_size, num_kv_slots)
-    base = None if layer_page_base is None else jnp.asarray(layer_page_base, jnp.int32)
+    base = count = None
+    if layer_pages is not None:
+        base, count = (jnp.asarray(column, jnp.int32) for column in zip(*layer_pages))
     local_table = local_slots = None
     if "local_map" in x:  # local layers' pages are local ids: the map applied to the tables
         local_map = x["local_map"]
@@ -148,7 +151,7 @@ def model_inputs(
         local_slots = jnp.where(token_valid & (local_page >= 0), local_page * page_size + positions % page_size, num_kv_slots)
     meta = AttentionMetadata(
         slot_mapping=slot_mapping, page_table=rows["page_table"], seq_lens=new_lens, query_start=query_start,
-        layer_page_base=base, local_page_table=local_table, local_slot_mapping=local_slots,
+        layer_page_base=base, layer_page_count=count, local_page_table=local_table, local_slot_mapping=local_slots,
     )  # fmt: skip
     kept = valid & ((bits & COUNT_SAMPLE) != 0)
     row_bits = (
