@@ -9,6 +9,8 @@ or was recomputed.  ``test_pallas_gpu.py`` runs the same check compiled on a GPU
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
@@ -20,9 +22,13 @@ from strata_jax.engine import Engine, EngineConfig
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-def tier_tokens(backend: str, storage_dir: str, **overrides: object) -> dict:
+def tier_tokens(
+    backend: str, storage_dir: str, *, prepare: Callable[[Engine], None] | None = None,
+    inspect: Callable[[Engine], None] | None = None, **overrides: object,
+) -> dict:  # fmt: skip
     """Generate one prompt cold, then with its prefix from L1, L2 and L3: the tokens and
-    cache hits of each, and the names of the Pallas kernels traced meanwhile."""
+    cache hits of each, and the names of the Pallas kernels traced meanwhile.
+    ``prepare`` / ``inspect`` see the engine before the first request and after the last."""
     traced: set[str] = set()
     real_pallas_call = pl.pallas_call
 
@@ -41,6 +47,8 @@ def tier_tokens(backend: str, storage_dir: str, **overrides: object) -> dict:
         patch.setattr(pl, "pallas_call", recording_pallas_call)
         engine = Engine(EngineConfig(**config))
         try:
+            if prepare is not None:
+                prepare(engine)
             rng = np.random.default_rng(11)
             doc = rng.integers(0, 256, size=150).tolist()
             prompts = [doc + [1, 2, 3], rng.integers(0, 256, size=37).tolist()]  # a prefix hit beside a cold request
@@ -53,6 +61,8 @@ def tier_tokens(backend: str, storage_dir: str, **overrides: object) -> dict:
             out["L3"] = engine.generate(prompts, GREEDY)
             acc = engine.check_accounting()
             assert acc["locked_nodes"] == 0 and acc["live_requests"] == 0
+            if inspect is not None:
+                inspect(engine)
         finally:
             engine.shutdown()
     result = {tier: ([o.token_ids for o in outs], outs[0].cached_tokens) for tier, outs in out.items()}

@@ -103,44 +103,27 @@ def test_steps_on_grouped_pool_match_transformers(tmp_path, kind, backend):
 
 
 def test_engine_tiers_on_grouped_pool_give_the_layer_first_tokens(tmp_path):
-    make_hf_model("gemma3", tmp_path / "model")
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
-    rng = np.random.default_rng(11)
-    doc = rng.integers(0, 96, size=150).tolist()
-    prompts = [doc + [1, 2, 3], rng.integers(0, 96, size=37).tolist()]  # a prefix hit beside a cold request
-    results = {}
-    for groups in (False, True):
-        engine = Engine(EngineConfig(
-            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16,
-            device_tokens=2048, max_batch_tokens=64, max_batch_size=4, max_context_tokens=512,
-            prefetch_policy="wait_complete", prefetch_min_tokens=0, storage_dir=str(tmp_path / f"kv{groups}"),
-            kv_layer_groups=groups,
-        ))  # fmt: skip
-        try:
-            pool = engine.ctl.device_pool
-            assert pool.kv.ndim == 6 and (pool.kv.shape[0] == 1) == groups
-            if groups:  # local page ids unlike the global ones
-                pool.local.hand_out_in(np.random.default_rng(3).permutation(pool.num_pages).tolist())
-            out = {"cold": engine.generate(prompts, greedy)}
-            out["L1"] = engine.generate(prompts, greedy)
-            engine.flush_cache("device")
-            out["L2"] = engine.generate(prompts, greedy)
-            engine.flush_cache("device")
-            engine.flush_cache("host")
-            out["L3"] = engine.generate(prompts, greedy)
-            acc = engine.check_accounting()  # (the local pages follow the device pages exactly)
-            assert acc["locked_nodes"] == 0 and acc["live_requests"] == 0
-            if groups:
-                used = np.flatnonzero(pool.local.array >= 0)
-                assert len(used) and (pool.local.array[used] != used).mean() > 0.9
-        finally:
-            engine.shutdown()
-        assert out["L1"][0].cached_tokens["device"] == 144
-        assert out["L2"][0].cached_tokens["host"] == 144 and out["L3"][0].cached_tokens["storage"] == 144
-        results[groups] = {tier: [o.token_ids for o in outs] for tier, outs in out.items()}
-        for tier, tokens in results[groups].items():
-            assert tokens == results[groups]["cold"], (groups, tier)
-    assert results[True] == results[False]
+    from test_engine_kernels import assert_tiers_agree, tier_tokens
+
+    make_hf_model("gemma3", tmp_path / "model", vocab_size=256)  # tier_tokens' prompts use ids < 256
+
+    def shuffle_local_ids(engine) -> None:  # noqa: ANN001
+        pool = engine.ctl.device_pool
+        assert pool.kv.shape[:2] == (1, 2)
+        pool.local.hand_out_in(np.random.default_rng(3).permutation(pool.num_pages).tolist())
+
+    def local_ids_differ(engine) -> None:  # noqa: ANN001  (the accounting check saw them follow the pages)
+        array = engine.ctl.device_pool.local.array
+        used = np.flatnonzero(array >= 0)
+        assert len(used) and (array[used] != used).mean() > 0.9
+
+    model = str(tmp_path / "model")
+    layer_first = tier_tokens("auto", str(tmp_path / "kv0"), model=model)
+    grouped = tier_tokens(
+        "auto", str(tmp_path / "kv1"), model=model, kv_layer_groups=True, prepare=shuffle_local_ids, inspect=local_ids_differ
+    )
+    assert_tiers_agree(layer_first["tiers"])
+    assert_tiers_agree(grouped["tiers"], layer_first["tiers"]["cold"][0])  # every tier: the layer-first tokens
 
 
 def test_write_back_eviction_keeps_the_local_layers_kv(tmp_path):

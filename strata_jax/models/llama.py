@@ -54,8 +54,9 @@ class AttentionMetadata:
     rows) adds ``layer_page_base [L]`` and ``layer_page_count [L]``: layer ``l`` reads and
     writes its pages at rows ``layer_page_base[l] + page`` (slots shifted by as many
     pages), so the kernels see a one-layer pool; a page id past the layer's count is
-    clipped on reads and a slot past it dropped on writes (never another layer's rows).
-    Its padding slot is the whole pool's slot count, out of range after any shift.  Its local (sliding-window) layers read ``local_page_table`` and write
+    clipped on reads and a slot past it (or negative) dropped on writes, never another
+    layer's rows.  Its padding slot is the whole pool's slot count, out of range after any
+    shift.  Its local (sliding-window) layers read ``local_page_table`` and write
     ``local_slot_mapping`` (local page ids) when given, the global ones otherwise.
     """
 

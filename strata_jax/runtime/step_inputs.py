@@ -145,10 +145,11 @@ def model_inputs(
         base, count = (jnp.asarray(column, jnp.int32) for column in zip(*layer_pages))
     local_table = local_slots = None
     if "local_map" in x:  # local layers' pages are local ids: the map applied to the tables
+        # (a missing local page, -1, is clipped / dropped by AttentionMetadata.for_layer)
         local_map = x["local_map"]
-        local_table = jnp.maximum(local_map[jnp.clip(rows["page_table"], 0, local_map.shape[0] - 1)], 0)
+        local_table = local_map[jnp.clip(rows["page_table"], 0, local_map.shape[0] - 1)]
         local_page = local_map[jnp.clip(page, 0, local_map.shape[0] - 1)]
-        local_slots = jnp.where(token_valid & (local_page >= 0), local_page * page_size + positions % page_size, num_kv_slots)
+        local_slots = jnp.where(token_valid, local_page * page_size + positions % page_size, num_kv_slots)
     meta = AttentionMetadata(
         slot_mapping=slot_mapping, page_table=rows["page_table"], seq_lens=new_lens, query_start=query_start,
         layer_page_base=base, layer_page_count=count, local_page_table=local_table, local_slot_mapping=local_slots,
