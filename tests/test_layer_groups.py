@@ -42,7 +42,7 @@ def test_grouped_pool_moves_the_pages_the_layer_first_pool_moves(fmt):
     }
     local = pools["grouped"].local
     local.hand_out_in([4, 7, 0, 8, 2, 6, 1, 3, 5])  # local page ids unlike the global ones
-    local.allocated(list(range(9)))
+    local.attach(list(range(9)))
     src, dst = [3, 0, 7, 11, 5], [8, 2, 0, 5, 1]  # 5 pages: chunks of 4 + 1, the last padded
     for pool in pools.values():
         for staged in pool.load_from_host(host, src, dst, chunk_pages=4):
@@ -70,7 +70,7 @@ def _runner(model, backend: str, pages: int = 64) -> ModelRunner:
     grouped = GroupedPoolLayout(layout, model.config.local_layers, pages, pages)
     pool = DevicePool(layout, pages, grouped=grouped)
     pool.local.hand_out_in(list(range(pages))[::-1])
-    pool.local.allocated(list(range(pages)))
+    pool.local.attach(list(range(pages)))
     assert pool.local.array.tolist() == list(range(pages))[::-1]
     return ModelRunner(model, config, pool=pool)
 
@@ -126,6 +126,32 @@ def test_engine_tiers_on_grouped_pool_give_the_layer_first_tokens(tmp_path):
     assert_tiers_agree(grouped["tiers"], layer_first["tiers"]["cold"][0])  # every tier: the layer-first tokens
 
 
+def test_trimmed_local_pages_give_the_layer_first_tokens_from_every_tier(tmp_path):
+    """A local-layer pool of 13 pages for 128 global ones (``kv_local_ratio=0.1``): local KV
+    outside the running windows is trimmed, loads move only the window's, and every tier
+    still gives the layer-first engine's tokens with the same hits."""
+    from test_engine_kernels import assert_tiers_agree, tier_tokens
+
+    make_hf_model("gemma3", tmp_path / "model", vocab_size=256)
+    seen = {}
+
+    def inspect(engine) -> None:  # noqa: ANN001
+        ctl = engine.ctl
+        seen.update(evicted=ctl.device_pool.local.evicted, local_pages=ctl.device_pool.local.num_pages, **ctl.bytes_per_token())
+
+    model = str(tmp_path / "model")
+    layer_first = tier_tokens("auto", str(tmp_path / "kv0"), model=model)
+    trimmed = tier_tokens(
+        "auto", str(tmp_path / "kv1"), model=model, kv_layer_groups=True, kv_local_ratio=0.1, inspect=inspect
+    )
+    assert_tiers_agree(trimmed["tiers"], layer_first["tiers"]["cold"][0])
+    assert seen["local_pages"] == 13 and seen["evicted"] > 0, seen
+    # 1 of 4 layers global; of the 3 local ones only each prefix's window page came back
+    # from L2/L3: the document's 9 pages and the short prompt's 2 pages, one window page each
+    full = seen["device_bytes_per_token"]
+    assert seen["load_bytes_per_token"] == pytest.approx(full * (1 / 4 + 3 / 4 * 2 / 11)), seen
+
+
 def test_write_back_eviction_keeps_the_local_layers_kv(tmp_path):
     """Under write_back an evicted page is backed up to L2 on its way out: its local rows
     must be gathered before its local page is given back (and handed to another page)."""
@@ -152,3 +178,87 @@ def test_write_back_eviction_keeps_the_local_layers_kv(tmp_path):
             engine.shutdown()
         results[groups] = [o.token_ids for o in cold + again]
     assert results[True] == results[False]
+
+
+def test_trimmed_pages_reach_l2_and_l3_as_global_only(tmp_path):
+    """Pages whose local KV was trimmed are backed up to L2 and written to L3 as global-only
+    (a flag per L2 page, a header flag per L3 object): a reuse whose window was kept hits
+    all of it, one whose window was trimmed recomputes, and a layer-first server sharing
+    the L3 store misses the global-only objects instead of decoding them; every answer is
+    the cold one."""
+    make_hf_model("gemma3", tmp_path / "model", vocab_size=256)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    rng = np.random.default_rng(8)
+    doc = rng.integers(0, 256, size=128).tolist()  # 8 pages of 16; the window (16) needs 1 page
+    again, branch = doc + [4, 5, 6], doc[:64] + [7, 8, 9]
+
+    def engine(groups: bool, storage: str) -> Engine:
+        return Engine(EngineConfig(
+            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16,
+            device_tokens=1024, max_batch_tokens=64, max_batch_size=2, max_context_tokens=256, write_policy="write_back",
+            storage_dir=str(tmp_path / storage), prefetch_policy="wait_complete", prefetch_min_tokens=0, kv_layer_groups=groups,
+        ))  # fmt: skip
+
+    cold = engine(False, "cold")
+    try:
+        want = [o.token_ids for o in (cold.generate([again], greedy)[0], cold.generate([branch], greedy)[0])]
+    finally:
+        cold.shutdown()
+
+    grouped = engine(True, "shared")
+    try:
+        grouped.generate([doc + [1, 2, 3]], greedy)
+        ctl = grouped.ctl
+        pages = ctl.page_table(doc)
+        ctl.local_pages.device.detach(pages[:6])  # trimmed: only the last two pages keep local KV
+        grouped.flush_cache("device")  # write-back to L2
+        host_pages = [p for node in ctl.tree.iter_nodes() if node.host for p in node.host]
+        assert sorted(ctl.local_pages.on_host(p) for p in host_pages) == [False] * 6 + [True] * 2
+        grouped.flush_cache("host")  # write-back to L3
+        got_again = grouped.generate([again], greedy)[0]
+        assert got_again.cached_tokens["storage"] == 128, got_again.cached_tokens
+        got_branch = grouped.generate([branch], greedy)[0]
+        assert sum(got_branch.cached_tokens.values()) == 0, got_branch.cached_tokens  # its window was trimmed
+        assert [got_again.token_ids, got_branch.token_ids] == want
+        grouped.check_accounting()
+    finally:
+        grouped.shutdown()
+
+    layer_first = engine(False, "shared")
+    try:
+        got = layer_first.generate([again], greedy)[0]
+        assert got.token_ids == want[0] and got.cached_tokens["storage"] == 0, got.cached_tokens
+        assert layer_first.ctl.counters["storage_format_misses"] > 0
+    finally:
+        layer_first.shutdown()
+
+
+def test_documents_with_questions_on_a_tight_local_pool(tmp_path):
+    """Four documents, three rounds of questions, two requests at a time, on a local-layer
+    pool of 16 pages for 64 global ones (about two documents' worth): local KV is trimmed
+    and reused where its window survived; every answer is the layer-first engine's."""
+    make_hf_model("gemma3", tmp_path / "model", vocab_size=256)
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    rng = np.random.default_rng(9)
+    docs = [rng.integers(0, 256, size=112).tolist() for _ in range(4)]  # 7 pages each
+    rounds = [[d + rng.integers(0, 256, size=5).tolist() for d in docs] for _ in range(3)]
+    results, stats = {}, {}
+    for groups in (False, True):
+        engine = Engine(EngineConfig(
+            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1+L2", page_size=16,
+            device_tokens=1024, max_batch_tokens=64, max_batch_size=2, max_context_tokens=256,
+            kv_layer_groups=groups, kv_local_ratio=0.25 if groups else 1.0,
+        ))  # fmt: skip
+        try:
+            outs = [o for prompts in rounds for o in engine.generate(prompts, greedy)]
+            engine.check_accounting()
+            stats[groups] = {
+                "hit": sum(o.cached_tokens["device"] + o.cached_tokens["host"] for o in outs),
+                "evicted": engine.ctl.device_pool.local.evicted if groups else 0,
+            }
+        finally:
+            engine.shutdown()
+        results[groups] = [o.token_ids for o in outs]
+    assert results[True] == results[False]
+    # trimmed, yet lazily enough that every document's end kept its window: no hit lost
+    assert stats[True]["evicted"] > 0 and stats[True]["hit"] == stats[False]["hit"] > 0, stats

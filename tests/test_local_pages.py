@@ -85,3 +85,82 @@ def test_a_finished_request_keeping_its_last_window_is_a_hit_at_its_end_only() -
     assert tree.match_prefix(tokens[:48] + [999] * 8).device_tokens == 40
     tree.check(device_free=[], device_total=20, device_reserved=[])
     local.device.check()
+
+
+def test_device_local_pages_against_a_plain_model() -> None:
+    """Random attach / pin / unpin / move / free on ``DeviceLocalPages`` against a plain model:
+    a set of attached pages, each owner's pinned set, and a list of unpinned attached pages
+    in the order they were last unpinned (attach evicts from its front)."""
+    from strata_jax.cache.local_pages import DeviceLocalPages, LocalPagesFull
+
+    rng = random.Random(7)
+    num_local, num_global = 10, 30
+    dev = DeviceLocalPages(num_global, num_local)
+    attached: set[int] = set()
+    pins: dict[str, set[int]] = {}
+    order: list[int] = []  # unpinned attached pages, least recently unpinned first
+    evicted = 0
+
+    def pinned() -> set[int]:
+        return set().union(*pins.values()) if pins else set()
+
+    def release(pages) -> None:  # noqa: ANN001  (pages that just lost their last pin, in id order)
+        for g in sorted(pages):
+            if g in attached and g not in pinned():
+                order.append(g)
+
+    for _ in range(4000):
+        op = rng.random()
+        if op < 0.35:
+            ids = rng.sample(range(num_global), rng.randint(1, 5))
+            want = [g for g in dict.fromkeys(ids) if g not in attached]
+            short = len(want) - (num_local - len(attached))
+            if short > len(order):
+                with pytest.raises(LocalPagesFull):
+                    dev.attach(ids)
+                continue
+            dev.attach(ids)
+            for _ in range(max(0, short)):
+                attached.discard(order.pop(0))
+            evicted += max(0, short)
+            attached.update(want)
+            order.extend(want)
+        elif op < 0.65:
+            owner = rng.choice("abc")
+            new = {g for g in rng.sample(range(num_global), rng.randint(0, 4)) if g in attached}
+            old = pins.pop(owner, set())
+            if new:
+                pins[owner] = new
+            for g in new:
+                if g in order:
+                    order.remove(g)
+            release(old - new)
+            dev.pin(owner, new)
+        elif op < 0.8:
+            src, dst = rng.sample(range(num_global), 2)
+            dev.move(src, dst)
+            if src in attached and dst not in attached:
+                attached.remove(src)
+                attached.add(dst)
+                for pages in pins.values():
+                    if src in pages:
+                        pages.discard(src)
+                        pages.add(dst)
+                if src in order:
+                    order.remove(src)
+                    order.append(dst)
+        else:
+            freed = rng.sample(range(num_global), rng.randint(1, 3))
+            dev.freed(freed)
+            for g in freed:
+                attached.discard(g)
+                if g in order:
+                    order.remove(g)
+                for pages in pins.values():
+                    pages.discard(g)
+            pins = {o: p for o, p in pins.items() if p}
+        dev.check(range(num_global))
+        assert {g for g in range(num_global) if dev.has(g)} == attached
+        assert dev.evicted == evicted and dev.room == num_local - len(attached) + len(order)
+        assert set(order) == attached - pinned()
+    assert evicted > 100

@@ -130,7 +130,7 @@ def grouped_runner_logits(backend: str, groups: bool) -> np.ndarray:
         layout = KVLayout(6, 1, 32, 4)
         pool = DevicePool(layout, pages, grouped=grouped_pool_layout(config, layout, pages))
         pool.local.hand_out_in(list(range(pages))[::-1])
-        pool.local.allocated(list(range(pages)))
+        pool.local.attach(list(range(pages)))
     runner = ModelRunner(
         random_model(config),
         RunnerConfig(page_size=4, num_device_pages=pages, max_batch_tokens=32, max_batch_size=2, max_context_tokens=96,

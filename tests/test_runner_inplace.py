@@ -61,7 +61,7 @@ def test_step_program_never_copies_a_pool_with_layer_groups(tokens, tp):
     mesh = make_mesh(tp) if tp > 1 else None
     layout = KVLayout(3, 2, 16, 4)
     pool = DevicePool(layout, 97, pool_sharding(mesh) if mesh else None, grouped=grouped_pool_layout(config, layout, 97))
-    pool.local.allocated(list(range(97)))
+    pool.local.attach(list(range(97)))
     runner = ModelRunner(
         random_model(config),
         RunnerConfig(page_size=4, num_device_pages=97, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128,

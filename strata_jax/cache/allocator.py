@@ -17,8 +17,6 @@ class AllocatorError(ValueError):
 
 
 class AllocationListener(Protocol):
-    def allocated(self, pages: list[int]) -> None: ...
-
     def freed(self, pages: list[int]) -> None: ...
 
 
@@ -35,8 +33,8 @@ class PageAllocator:
             raise AllocatorError(f"{name}: num_pages must be a non-negative int, got {num_pages!r}")
         self.name = name
         self.num_pages = num_pages
-        # told of every allocation and free (``allocated(ids)`` / ``freed(ids)``): the local
-        # pages of a pool with layer groups follow the global ones (local_pages.DeviceLocalPages)
+        # told of every free (``freed(ids)``): the local pages of a pool with layer groups go
+        # back with their global pages (local_pages.DeviceLocalPages)
         self.listener: AllocationListener | None = None
         self._free = list(range(num_pages - 1, -1, -1))  # pop() yields 0, 1, 2, ...
         self._is_free = bytearray(b"\x01") * num_pages
@@ -62,8 +60,6 @@ class PageAllocator:
         flags = self._is_free
         for p in out:
             flags[p] = 0
-        if self.listener is not None:
-            self.listener.allocated(out)
         return out
 
     def free(self, pages: Iterable[int]) -> None:

@@ -50,6 +50,7 @@ from strata_jax.cache.allocator import PageAllocator
 from strata_jax.cache.config import CacheConfig
 from strata_jax.cache.eviction import Eviction
 from strata_jax.cache.handles import CacheError, CacheFullError, PrefetchHandle, TransferHandle, TransferTimer
+from strata_jax.cache.local_pages import LocalPagesFull, TreeLocalPages, first_needed_page
 from strata_jax.cache.radix_tree import HiRadixTree, InsertResult, PrefixMatch, TreeNode
 from strata_jax.cache.storage import StorageBackend, make_storage
 from strata_jax.cache.storage_io import StorageIO
@@ -77,7 +78,12 @@ class CacheController(Transfers, StorageIO, Eviction):
     (``tier_format.py``): ``page_bytes`` is one page in that format (values and
     scales), which is what a load or backup moves, what L2 holds and what the
     bandwidth estimate is measured in; ``device_page_bytes`` is one L1 page.
-    ``grouped``: the L1 pool has layer groups (``DevicePool``).
+    ``grouped``: the L1 pool has layer groups (``DevicePool``); ``local_window``: the
+    sliding window of its local layers.  Their KV is then trimmed lazily
+    (``local_pages.DeviceLocalPages``: requests ``attach_local`` the pages they write and
+    ``pin_local`` their windows), L2 pages record whether they hold it, loads move only
+    the window a match end needs, and matches end where a window is complete
+    (``tree_window``).
     """
 
     def __init__(
@@ -92,6 +98,7 @@ class CacheController(Transfers, StorageIO, Eviction):
         timer: TransferTimer | None = None,
         page_bytes: int | None = None,
         grouped: GroupedPoolLayout | None = None,
+        local_window: int = 0,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -116,6 +123,7 @@ class CacheController(Transfers, StorageIO, Eviction):
         )
         self.device_pool = None
         self.host_pool = None
+        self.local_pages: TreeLocalPages | None = None  # a pool with layer groups: where local KV is
         if self.move_data:
             from strata_jax.cache.pools import DevicePool, HostPool
 
@@ -123,8 +131,13 @@ class CacheController(Transfers, StorageIO, Eviction):
                 layout, self.device_alloc.num_pages, device, kernel_backend=config.kernel_backend,  # type: ignore[arg-type]
                 tier_format=self.tier_format, grouped=grouped,
             )
-            if self.device_pool.local is not None:  # local-layer pages follow the device pages
+            if self.device_pool.local is not None:  # local-layer pages go back with their device pages
                 self.device_alloc.listener = self.device_pool.local
+            if grouped is not None and any(grouped.local_layers):
+                if local_window <= 0:
+                    raise CacheError("a pool with sliding-window layers needs their window (local_window)")
+                self.local_pages = TreeLocalPages(local_window, self.page_size, self.device_pool.local, self.host_alloc.num_pages)  # type: ignore[arg-type]
+                self.tree.local_pages = self.local_pages
             if self.host_alloc.num_pages:
                 self.host_pool = HostPool(layout, self.host_alloc.num_pages, self.tier_format)  # type: ignore[arg-type]
         self.storage: StorageBackend | None = None
@@ -261,6 +274,42 @@ class CacheController(Transfers, StorageIO, Eviction):
         self.tree.unlock(locked)
         return node, self.tree.device_pages_of(node)
 
+    # ------------------------------------------------------------------ local-layer KV (layer groups)
+    def attach_local(self, pages: Sequence[int]) -> None:
+        """Device ``pages`` will hold their local-layer KV (a step writes it, a load brings it):
+        give them local pages, trimming unpinned ones if none is free.  Raises
+        ``CacheFullError`` when the running requests' windows pin every other one."""
+        if self.local_pages is None:
+            return
+        self.flush_backups()  # a queued backup reads the local pages its page had when issued
+        try:
+            self.local_pages.device.attach(pages)
+        except LocalPagesFull as exc:
+            raise CacheFullError(str(exc)) from None
+
+    def pin_local(self, owner: Hashable, page_table: Sequence[int], next_position: int) -> None:
+        """``owner``'s next token is at ``next_position``: it still reads the local KV of the
+        pages of ``page_table`` from ``first_needed_page`` on; the rest becomes evictable."""
+        if self.local_pages is None:
+            return
+        first = first_needed_page(next_position, self.local_pages.window, self.page_size)
+        self.local_pages.device.pin(owner, page_table[first:])
+
+    def unpin_local(self, owner: Hashable) -> None:
+        if self.local_pages is not None:
+            self.local_pages.device.unpin(owner)
+
+    def complete_window_end(self, pages: Sequence[int], end: int) -> int:
+        """The largest ``e <= end`` whose window (the ``window_pages`` before it) has its local
+        KV on the device: where a prefix of the device ``pages`` may end (``end`` without layer groups)."""
+        if self.local_pages is None:
+            return end
+        w, has = self.local_pages.window_pages, self.local_pages.on_device
+        e = end
+        while e > 0 and not all(has(p) for p in pages[max(0, e - w) : e]):
+            e -= 1
+        return e
+
     def page_table(self, tokens: Sequence[int], namespace: str = "") -> list[int]:
         """L1 page ids of the cached device prefix of ``tokens`` (lock first if you keep using them)."""
         return list(self.tree.match_prefix(tokens, namespace, touch=False).device_page_ids)
@@ -287,6 +336,11 @@ class CacheController(Transfers, StorageIO, Eviction):
         """
         res = self.tree.insert(tokens, namespace, device_pages=device_pages, hint=hint)  # hint: tree.insert
         if res.unused_pages:
+            if self.local_pages is not None:  # a duplicate's local KV goes to the tree's page if it has none
+                assert res.last_node is not None
+                for mine, kept in zip(device_pages, self.tree.device_pages_of(res.last_node)):
+                    if mine != kept:
+                        self.local_pages.device.move(mine, kept)
             self.device_alloc.free(res.unused_pages)
         if self.config.write_policy == "write_through" and self.config.has_host:
             last = res.last_node  # the deepest node of the path (all of it on the device now)

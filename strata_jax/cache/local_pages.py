@@ -8,15 +8,18 @@ local page holding the same tokens' local-layer KV.  ``TieredLocalPages`` is the
 request trims by: the local KV of pages before it is never read again.
 
 ``DeviceLocalPages`` is the L1 map of a pool with layer groups (``--kv-layer-groups``):
-every device page the allocator hands out gets a local page, freed with it, and the map
-is an int32 array the model step reads (a local layer's page table is the map applied to
-the request's).  Trimming local pages out of a running request's window, and the tree's
-and L2/L3's use of the map, are the next steps (docs/models.md).
+a global page gets a local page when its local KV will be written or read, running
+requests pin the pages of their windows, and the rest are trimmed lazily (evicted, least
+recently unpinned first, when a local page is wanted and none is free).  The map is an
+int32 array the model step reads (a local layer's page table is the map applied to the
+request's).  ``TreeLocalPages`` is what the tree's matches read: the L1 map and one flag
+per L2 page.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -63,6 +66,12 @@ class LocalPageMap:
         self._free.extend(freed)
         return freed
 
+    def reassign(self, src: int, dst: int) -> None:
+        """Move ``src``'s local page to ``dst`` (which has none)."""
+        if dst in self._local_of:
+            raise ValueError(f"reassign: page {dst} already has a local page")
+        self._local_of[dst] = self._local_of.pop(src)
+
     def local_ids(self, global_ids: Sequence[int]) -> list[int]:
         """The local page of each id (``NO_LOCAL_PAGE`` where none): a local layer's page table."""
         return [self._local_of.get(g, NO_LOCAL_PAGE) for g in global_ids]
@@ -74,27 +83,132 @@ class LocalPageMap:
         assert sorted(attached + self._free) == list(range(self.num_pages)), "local pages lost or duplicated"
 
 
+class LocalPagesFull(RuntimeError):
+    """More local pages wanted than are free or held by no running request's window."""
+
+
 class DeviceLocalPages:
-    """L1 local pages kept in step with the device page allocator (its ``listener``): each
-    allocated global page gets a local page and gives it back when freed.  ``array`` is
-    the global -> local map (``NO_LOCAL_PAGE`` where none) the step ships to the device,
-    ``version`` changes whenever it does."""
+    """L1 local pages of a pool with layer groups, trimmed lazily (docs/models.md, "Trimming").
+
+    A global page gets a local page when something will read or write its local-layer KV
+    (``attach``: a request's new pages, a load's window pages), and gives it back when the
+    global page is freed (the device allocator's ``listener``).  A running request *pins*
+    the pages of its window (``pin``); every attached page no request pins is evictable,
+    least recently unpinned first, and ``attach`` takes those when no local page is free
+    (``evicted`` counts them).  The page keeps its global KV: the tree's matches then end
+    where a window is still complete (``tree_window``).
+
+    ``array`` is the global -> local map (``NO_LOCAL_PAGE`` where none) the step ships to
+    the device; ``version`` changes whenever it does.
+    """
 
     def __init__(self, global_pages: int, local_pages: int) -> None:
         self.map = LocalPageMap(local_pages)
         self.array = np.full(global_pages, NO_LOCAL_PAGE, np.int32)
         self.version = 0
+        self.evicted = 0
+        self._pins: dict[Hashable, set[int]] = {}  # owner -> global ids it pins
+        self._pinned_by: dict[int, set[Hashable]] = {}  # global id -> owners pinning it
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # attached, unpinned: oldest first
 
-    def allocated(self, pages: list[int]) -> None:
-        local = self.map.attach(pages)
-        if local is None:  # cannot happen while every global page has a local one
-            raise RuntimeError(f"{len(pages)} local pages wanted, {self.map.free_pages} free")
-        self.array[pages] = local
+    @property
+    def num_pages(self) -> int:
+        return self.map.num_pages
+
+    @property
+    def room(self) -> int:
+        """Local pages ``attach`` can hand out now: free ones and evictable ones."""
+        return self.map.free_pages + len(self._evictable)
+
+    @property
+    def pinned_pages(self) -> int:
+        return len(self._pinned_by)
+
+    def has(self, global_id: int) -> bool:
+        return self.map.has(global_id)
+
+    def attach(self, global_ids: Sequence[int]) -> None:
+        """Give each of ``global_ids`` without one a local page (evicting the least recently
+        unpinned pages if none is free); raises ``LocalPagesFull`` (nothing changed) when
+        every other local page is pinned.  New pages are evictable until pinned."""
+        want = list(dict.fromkeys(g for g in global_ids if not self.map.has(g)))
+        if not want:
+            return
+        short = len(want) - self.map.free_pages
+        if short > len(self._evictable):
+            raise LocalPagesFull(
+                f"{len(want)} local-layer pages wanted, {self.room} free or evictable of {self.num_pages} "
+                f"({self.pinned_pages} pinned by running requests' windows)"
+            )
+        if short > 0:
+            victims = [self._evictable.popitem(last=False)[0] for _ in range(short)]
+            self._drop(victims)
+            self.evicted += short
+        local = self.map.attach(want)
+        assert local is not None
+        self.array[want] = local
+        self._evictable.update(dict.fromkeys(want))
         self.version += 1
 
+    def detach(self, global_ids: Iterable[int]) -> None:
+        """Drop the local pages of ``global_ids`` (their local KV is not wanted); none may be pinned."""
+        ids = [g for g in global_ids if self.map.has(g)]
+        if any(g in self._pinned_by for g in ids):
+            raise ValueError("detach: a pinned page")
+        for g in ids:
+            self._evictable.pop(g, None)
+        self._drop(ids)
+
     def freed(self, pages: list[int]) -> None:
-        self.map.detach(pages)
-        self.array[pages] = NO_LOCAL_PAGE
+        """Allocator listener: global pages went back to the pool; so do their local pages."""
+        for g in pages:
+            for owner in self._pinned_by.pop(g, ()):
+                self._pins[owner].discard(g)
+            self._evictable.pop(g, None)
+        self._drop([g for g in pages if self.map.has(g)])
+
+    def _drop(self, ids: list[int]) -> None:
+        if ids:
+            self.map.detach(ids)
+            self.array[ids] = NO_LOCAL_PAGE
+            self.version += 1
+
+    def pin(self, owner: Hashable, global_ids: Iterable[int]) -> None:
+        """``owner`` (a running request) reads the local KV of ``global_ids`` (those attached):
+        they are not evictable until no owner pins them.  Replaces ``owner``'s earlier pins."""
+        new = {g for g in global_ids if self.map.has(g)}
+        old = self._pins.pop(owner, set())
+        for g in sorted(old - new):  # (a fixed eviction order)
+            owners = self._pinned_by[g]
+            owners.discard(owner)
+            if not owners:
+                del self._pinned_by[g]
+                self._evictable[g] = None  # the most recently released: evicted last
+        for g in new - old:
+            self._pinned_by.setdefault(g, set()).add(owner)
+            self._evictable.pop(g, None)
+        if new:
+            self._pins[owner] = new
+
+    def unpin(self, owner: Hashable) -> None:
+        self.pin(owner, ())
+
+    def move(self, src: int, dst: int) -> None:
+        """The tree kept page ``dst`` for the tokens of ``src`` (a duplicate about to be freed):
+        if only ``src`` has local KV, it becomes ``dst``'s, with its pins."""
+        if src == dst or not self.map.has(src) or self.map.has(dst):
+            return
+        self.map.reassign(src, dst)
+        self.array[dst], self.array[src] = self.array[src], NO_LOCAL_PAGE
+        owners = self._pinned_by.pop(src, None)
+        if owners:
+            self._pinned_by[dst] = owners
+            for owner in owners:
+                self._pins[owner].discard(src)
+                self._pins[owner].add(dst)
+        if src in self._evictable:
+            del self._evictable[src]
+            self._evictable[dst] = None
         self.version += 1
 
     def local_ids(self, global_ids: np.ndarray) -> np.ndarray:
@@ -111,11 +225,36 @@ class DeviceLocalPages:
         self.map._free = list(reversed(order))  # noqa: SLF001
 
     def check(self, used_global: Iterable[int]) -> None:
-        """Exactly the allocated global pages have local pages, and the array says which."""
+        """Only allocated global pages have local pages, the array says which, every attached
+        page is pinned or evictable (not both), and pins name attached pages."""
         self.map.check()
-        used = sorted(used_global)
-        assert [g for g in range(len(self.array)) if self.array[g] != NO_LOCAL_PAGE] == used, "local pages out of step"
-        assert self.map.local_ids(used) == self.array[used].tolist(), "map array out of step"
+        used = set(used_global)
+        attached = [g for g in range(len(self.array)) if self.array[g] != NO_LOCAL_PAGE]
+        assert set(attached) <= used, "a free global page holds a local page"
+        assert self.map.local_ids(attached) == self.array[attached].tolist(), "map array out of step"
+        assert self.map.used_pages == len(attached), "map and array disagree on what is attached"
+        assert set(self._pinned_by) | set(self._evictable) == set(attached), "an attached page neither pinned nor evictable"
+        assert not set(self._pinned_by) & set(self._evictable), "a pinned page is evictable"
+        for owner, pages in self._pins.items():
+            assert all(owner in self._pinned_by[g] for g in pages), "pins out of step"
+
+
+class TreeLocalPages:
+    """``tree_window.LocalPages`` of a controller whose L1 pool has layer groups: L1 from its
+    ``DeviceLocalPages``, L2 from one flag per host page (``host[p]``: set when a backup or an
+    L3 read wrote page ``p`` with its local-layer KV)."""
+
+    def __init__(self, window: int, page_size: int, device: DeviceLocalPages, host_pages: int) -> None:
+        self.window = window
+        self.window_pages = window_pages_for(window, page_size)
+        self.device = device
+        self.host = bytearray(host_pages)
+
+    def on_device(self, page_id: int) -> bool:
+        return self.device.has(page_id)
+
+    def on_host(self, page_id: int) -> bool:
+        return bool(self.host[page_id])
 
 
 class TieredLocalPages:

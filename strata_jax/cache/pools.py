@@ -299,43 +299,47 @@ class DevicePool:
         """Store the pool returned by a step that donated ``self.kv``."""
         self.kv = kv
 
-    def _ids(self, page_ids: Sequence[int], size: int, padding: int | None = None) -> np.ndarray:
+    def _ids(self, page_ids: Sequence[int], size: int, padding: int | None = None, layers: np.ndarray | None = None) -> np.ndarray:
         """The scatter's / gather's targets of ``page_ids`` padded to ``size`` (default padding:
         out of range, dropped by a scatter): page ids, or with layer groups rows ``[size, L]``
-        (local layers at the pages' local ids)."""
+        (local layers at the pages' local ids; ``layers``: those columns only)."""
         ids = np.full((size,), self.num_pages if padding is None else padding, dtype=np.int32)
         ids[: len(page_ids)] = page_ids
         if self.grouped is None:
             return ids
-        return self.grouped.rows(ids, self.local.local_ids(ids))  # type: ignore[union-attr]
+        rows = self.grouped.rows(ids, self.local.local_ids(ids))  # type: ignore[union-attr]
+        return rows if layers is None else np.ascontiguousarray(rows[:, layers])
 
-    def load_pages(self, staging: np.ndarray, page_ids: Sequence[int]):  # noqa: ANN201
+    def load_pages(self, staging: np.ndarray, page_ids: Sequence[int], layers: np.ndarray | None = None):  # noqa: ANN201
         """One ``device_put`` of page-first ``staging`` (rows beyond ``len(page_ids)`` are padding), then scatter.
 
         ``staging`` must have a bucketed row count (``bucket(len(page_ids))``) and
         must not be modified afterwards (the copy may still be reading it).
         Returns the device staging array: ready means the link transfer landed.
+        ``layers`` (a pool with layer groups): ``staging`` holds those layers only.
         """
         import jax
 
         dev_staging = jax.device_put(staging, self._device) if self._device is not None else jax.device_put(staging)
-        ids = self._ids(page_ids, staging.shape[0])
+        ids = self._ids(page_ids, staging.shape[0], layers=layers)
         self.kv = self._scatter(self.kv, dev_staging, ids)
         return dev_staging
 
-    def load_tier(self, staging: np.ndarray, scales: np.ndarray | None, page_ids: Sequence[int]):  # noqa: ANN201
+    def load_tier(  # noqa: ANN201
+        self, staging: np.ndarray, scales: np.ndarray | None, page_ids: Sequence[int], layers: np.ndarray | None = None
+    ):
         """``load_pages`` in the tier format: one ``device_put`` of the page-first values (and,
         quantized, their scales ``[n, L, 2, H]``), then one scatter that dequantizes to the
         pool's dtype as it writes.  Returns the device values array (ready: landed)."""
         if not self.tier_format.quantized:
-            return self.load_pages(staging, page_ids)
+            return self.load_pages(staging, page_ids, layers)
         import jax
 
         if self._device is not None:
             dev_staging, dev_scales = jax.device_put(staging, self._device), jax.device_put(scales, self._scale_device)
         else:
             dev_staging, dev_scales = jax.device_put((staging, scales))
-        ids = self._ids(page_ids, staging.shape[0])
+        ids = self._ids(page_ids, staging.shape[0], layers=layers)
         self.kv = self._scatter_tier(self.kv, dev_staging, dev_scales, ids)
         return dev_staging
 
@@ -352,12 +356,19 @@ class DevicePool:
         before = self.compile_count
         moved = dict(self.moved)  # warm-up moves no real page
         fmt = self.tier_format
+        # a pool with layer groups loads its global and its local layers apart (load_from_host)
+        groups: list[np.ndarray | None] = [None]
+        if self.grouped is not None:
+            local = np.asarray(self.grouped.local_layers)
+            groups = [g for g in (np.flatnonzero(~local), np.flatnonzero(local)) if len(g)]
         n = 1
         while n <= chunk_pages:
             shape = self.layout.page_first_shape(n)
-            values = np.zeros(shape, numpy_dtype(fmt.element_dtype))
-            scales = np.ones((n, self.layout.num_layers, 2, self.layout.num_kv_heads), np.float32) if fmt.quantized else None
-            self.load_tier(values, scales, []).block_until_ready()
+            for layers in groups:
+                num_layers = self.layout.num_layers if layers is None else len(layers)
+                values = np.zeros((n, num_layers, *shape[2:]), numpy_dtype(fmt.element_dtype))
+                scales = np.ones((n, num_layers, 2, self.layout.num_kv_heads), np.float32) if fmt.quantized else None
+                self.load_tier(values, scales, [], layers).block_until_ready()
             for array in self.gather_tier([0] * n):
                 array.block_until_ready()
             n *= 2
@@ -366,7 +377,8 @@ class DevicePool:
         return self.compile_count - before
 
     def load_from_host(
-        self, host: HostPool, host_pages: Sequence[int], page_ids: Sequence[int], *, chunk_pages: int
+        self, host: HostPool, host_pages: Sequence[int], page_ids: Sequence[int], *, chunk_pages: int,
+        with_local: Sequence[bool] | None = None,
     ) -> list:
         """Pipelined coalesced load of host pages ``host_pages`` into device pages ``page_ids``.
 
@@ -376,6 +388,10 @@ class DevicePool:
         4 MiB) and scattered; gathering chunk i + 1 then overlaps the copy of chunk i,
         instead of the whole host gather preceding the whole transfer.  Returns the
         device staging arrays: when all are ready the transfer has landed.
+
+        A pool with layer groups moves the global layers' KV of every page and the local
+        layers' KV of the pages ``with_local`` names (default: those with a local page):
+        the window a match end needs, not the whole prefix (issue 22).
         """
         if len(host_pages) != len(page_ids):
             raise ValueError(f"{len(host_pages)} host pages but {len(page_ids)} device pages")
@@ -383,20 +399,53 @@ class DevicePool:
             raise ValueError(f"chunk_pages must be a power of two, got {chunk_pages}")
         if host.format != self.tier_format:
             raise ValueError(f"host pool format {host.format.describe()} != device pool tier format {self.tier_format.describe()}")
+        if self.grouped is None:
+            if with_local is not None:
+                raise ValueError("with_local is for a pool with layer groups")
+            return self._load_layers(host, list(host_pages), list(page_ids), None, chunk_pages)
+        if with_local is None:
+            with_local = [self.local.has(p) for p in page_ids]  # type: ignore[union-attr]
+        local = np.asarray(self.grouped.local_layers)
+        global_layers, local_layers = np.flatnonzero(~local), np.flatnonzero(local)
+        arrays = []
+        if len(global_layers):
+            arrays += self._load_layers(host, list(host_pages), list(page_ids), global_layers, chunk_pages)
+        picked = [i for i, keep in enumerate(with_local) if keep]
+        if len(local_layers) and picked:
+            arrays += self._load_layers(
+                host, [host_pages[i] for i in picked], [page_ids[i] for i in picked], local_layers, chunk_pages,
+                count_pages=False,
+            )
+        return arrays
+
+    def _load_layers(
+        self, host: HostPool, host_pages: list[int], page_ids: list[int], layers: np.ndarray | None, chunk_pages: int,
+        *, count_pages: bool = True,
+    ) -> list:
+        """``load_from_host``'s chunks, of every layer or (a pool with layer groups) of ``layers`` only."""
         quantized = self.tier_format.quantized
         arrays = []
+        num_layers = self.layout.num_layers if layers is None else len(layers)
         for start in range(0, len(page_ids), chunk_pages):
             rows = min(chunk_pages, len(page_ids) - start)
             size = bucket(rows)
-            staging = np.empty(self.layout.page_first_shape(size), dtype=host.data.dtype)
-            host.read(host_pages[start : start + rows], out=staging)
+            shape = self.layout.page_first_shape(size)
+            staging = np.empty((size, num_layers, *shape[2:]), dtype=host.data.dtype)
+            pages = host_pages[start : start + rows]
+            if layers is None:
+                host.read(pages, out=staging)
+            else:
+                staging[:rows] = host.data[np.ix_(pages, layers)]
             staging[rows:] = 0
             scales = None
             if quantized:  # a few bytes per page: one small copy beside the values
-                scales = np.ones((size, *host.scales.shape[1:]), np.float32)  # type: ignore[union-attr]
-                host.read_scales(host_pages[start : start + rows], out=scales)
-            arrays.append(self.load_tier(staging, scales, page_ids[start : start + rows]))
-            self.moved["loaded_pages"] += rows
+                scales = np.ones((size, num_layers, *host.scales.shape[2:]), np.float32)  # type: ignore[union-attr]
+                if layers is None:
+                    host.read_scales(pages, out=scales)
+                else:
+                    scales[:rows] = host.scales[np.ix_(pages, layers)]  # type: ignore[index]
+            arrays.append(self.load_tier(staging, scales, page_ids[start : start + rows], layers))
+            self.moved["loaded_pages"] += rows if count_pages else 0
             self.moved["loaded_bytes"] += rows * (staging.nbytes + (scales.nbytes if scales is not None else 0)) // size
         return arrays
 

@@ -34,6 +34,7 @@ import numpy as np
 from strata_jax.cache.handles import PrefetchHandle, TransferHandle, land_at
 from strata_jax.cache.hashing import chain_hashes
 from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
+from strata_jax.cache.tier_format import GLOBAL_ONLY
 
 log = logging.getLogger("strata_jax.cache.controller")
 
@@ -151,6 +152,10 @@ class StorageIO:
         n, h, v = len(host_pages), header.size, fmt.value_bytes(layout)  # type: ignore[union-attr]
         raw = np.empty((n, fmt.object_bytes(layout)), np.uint8)  # type: ignore[union-attr]
         raw[:, :h] = header
+        if self.local_pages is not None:  # a page whose local-layer KV was trimmed says so
+            global_only = np.frombuffer(fmt.header(layout, GLOBAL_ONLY), np.uint8)  # type: ignore[union-attr]
+            trimmed = [i for i, p in enumerate(host_pages) if not self.local_pages.on_host(p)]
+            raw[trimmed, :h] = global_only
         raw[:, h : h + v] = values.reshape(n, -1).view(np.uint8)  # bytes per page, any dtype (bf16, fp8 included)
         if fmt.quantized:  # type: ignore[union-attr]
             raw[:, h + v :] = pool.read_scales(host_pages).astype("<f4").reshape(n, -1).view(np.uint8)  # type: ignore[union-attr]
@@ -259,7 +264,12 @@ class StorageIO:
                 handle.missed = True
                 return
             for i, payload in enumerate(payloads):
-                page = fmt.check_object(layout, payload) if payload is not None else None  # type: ignore[union-attr]
+                page, flags = None, 0
+                if payload is not None:
+                    if self.local_pages is not None:  # pages with global KV only are hits too
+                        page, flags = fmt.check_object_flags(layout, payload) or (None, 0)  # type: ignore[union-attr]
+                    else:
+                        page = fmt.check_object(layout, payload)  # type: ignore[union-attr]
                 scales = None
                 if page is not None and fmt.quantized:  # type: ignore[union-attr]
                     scales = np.frombuffer(page[value_bytes:], dtype="<f4")
@@ -275,6 +285,8 @@ class StorageIO:
                 pool.data[host_page] = np.frombuffer(page[:value_bytes], dtype=dtype).reshape(shape)  # type: ignore[union-attr]
                 if scales is not None:
                     pool.scales[host_page] = scales.reshape(pool.scales.shape[1:])  # type: ignore[union-attr]
+                if self.local_pages is not None:
+                    self.local_pages.host[host_page] = not flags & GLOBAL_ONLY
                 handle.landed = s + i + 1
 
     def finish_prefetch(self, handle: PrefetchHandle) -> int:

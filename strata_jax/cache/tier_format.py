@@ -22,8 +22,11 @@ A quantized page is stored as two arrays in L2 (``HostPool.data`` in the element
     page header (32 bytes) | values [L, 2, S, H, D] | scales [L, 2, H] (float32, little-endian)
 
 The page header names the format, so a reader never decodes bytes of another
-format: ``MAGIC "SJKVPG01" | format | element dtype | scale layout | 0 | L | S | H | D``
-(u8 x 4, u32 x 4, little-endian, zero padded).  Every object carries it, full width
+format: ``MAGIC "SJKVPG01" | format | element dtype | scale layout | flags | L | S | H | D``
+(u8 x 4, u32 x 4, little-endian, zero padded).  ``flags`` bit 0 (``GLOBAL_ONLY``): the
+page lacks its sliding-window layers' KV (a server with layer groups trimmed it before
+the backup, issue 22); only such a server reads it, as a page with global KV only, and
+everyone else misses on it.  Every object carries it, full width
 included; a headerless object of exactly the full-width page size is read as full
 width (objects written before headers existed).  On top of that, a quantized format's
 objects live under other keys (``object_key``): servers with different tier formats
@@ -44,6 +47,7 @@ SCALE_LAYOUT = "f32/page-layer-kv-head"
 
 PAGE_MAGIC = b"SJKVPG01"
 PAGE_HEADER = struct.Struct("<8sBBBBIIII4x")  # 32 bytes
+GLOBAL_ONLY = 1  # header flag: the page's local-layer (sliding-window) KV is not in it
 _FORMAT_CODES = {"full": 0, "fp8": 1, "int8": 2}
 _DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3, FP8_DTYPE: 4, "int8": 5}
 _SCALE_CODES = {"none": 0, SCALE_LAYOUT: 1}
@@ -120,9 +124,9 @@ class TierFormat:
         return PAGE_HEADER.size + self.page_bytes(layout)
 
     # -- L3 objects ---------------------------------------------------------------------
-    def header(self, layout) -> bytes:  # noqa: ANN001
+    def header(self, layout, flags: int = 0) -> bytes:  # noqa: ANN001
         return PAGE_HEADER.pack(
-            PAGE_MAGIC, _FORMAT_CODES[self.name], _DTYPE_CODES[self.element_dtype], _SCALE_CODES[self.scale_layout], 0,
+            PAGE_MAGIC, _FORMAT_CODES[self.name], _DTYPE_CODES[self.element_dtype], _SCALE_CODES[self.scale_layout], flags,
             layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim,
         )  # fmt: skip
 
@@ -130,15 +134,26 @@ class TierFormat:
         """The page bytes (values then scales) of an L3 payload in exactly this format, else ``None``.
 
         ``None`` (a miss) for another format, element dtype, scale layout or shape, a bad
-        magic, or a wrong length (a truncated object).  A headerless payload of exactly the
-        full-width page size is accepted as full width (objects from before page headers)."""
+        magic, a wrong length (a truncated object), or a page without its local-layer KV.
+        A headerless payload of exactly the full-width page size is accepted as full width
+        (objects from before page headers)."""
+        got = self.check_object_flags(layout, payload)
+        return got[0] if got is not None and got[1] == 0 else None
+
+    def check_object_flags(self, layout, payload: bytes | memoryview) -> tuple[memoryview, int] | None:  # noqa: ANN001
+        """``check_object`` that also accepts a ``GLOBAL_ONLY`` page: ``(page bytes, flags)``
+        (what a server with layer groups reads), else ``None``."""
         view = memoryview(payload)
         size = self.page_bytes(layout)
         if not self.quantized and len(view) == size and bytes(view[:8]) != PAGE_MAGIC:
-            return view
-        if len(view) != PAGE_HEADER.size + size or bytes(view[: PAGE_HEADER.size]) != self.header(layout):
+            return view, 0
+        if len(view) != PAGE_HEADER.size + size:
             return None
-        return view[PAGE_HEADER.size :]
+        head = bytes(view[: PAGE_HEADER.size])
+        for flags in (0, GLOBAL_ONLY):
+            if head == self.header(layout, flags):
+                return view[PAGE_HEADER.size :], flags
+        return None
 
     def object_key(self, key: bytes) -> bytes:
         """The L3 key of a page whose chain key is ``key``: the key itself for full width,

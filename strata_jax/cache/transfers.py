@@ -47,6 +47,9 @@ class Transfers:
         n = len(dev_pages)
         keys = self.tree.page_hashes(node) if self.storage is not None else None
         self.tree.lock(node)  # host pages are being written: no eviction until done
+        if self.local_pages is not None:  # what the host page will hold; no local page changes before the
+            for d, h in zip(dev_pages, host_pages):  # gather (attach_local and eviction flush it first)
+                self.local_pages.host[h] = self.local_pages.on_device(d)
         handle = TransferHandle("backup", None, n, n * self.page_bytes, self._clock())
         if self.move_data:
             self._backup_queue.append((handle, node, dev_pages, host_pages, keys))
@@ -136,11 +139,25 @@ class Transfers:
         n = sum(len(x.host) for x in nodes)  # type: ignore[arg-type]
         dev_pages = self.alloc_device(n)
         host_pages = [p for x in nodes for p in x.host]  # type: ignore[union-attr]
-        handle = TransferHandle("load", request_id, n, n * self.page_bytes, self._clock())
+        nbytes = n * self.page_bytes
+        with_local = None
+        if self.local_pages is not None:
+            # Window-only: the local layers' KV of the pages the match end's window covers (and
+            # the host holds); every page's global layers.  Earlier pages stay global-only.
+            w = self.local_pages.window_pages
+            with_local = [i >= n - w and self.local_pages.on_host(h) for i, h in enumerate(host_pages)]
+            try:
+                self.attach_local([d for d, keep in zip(dev_pages, with_local) if keep])
+            except CacheFullError:
+                self.device_alloc.free(dev_pages)
+                raise
+            local_share = sum(self.device_pool.grouped.local_layers) / len(self.device_pool.grouped.local_layers)  # type: ignore[union-attr]
+            nbytes = round(self.page_bytes * (n * (1 - local_share) + sum(with_local) * local_share))
+        handle = TransferHandle("load", request_id, n, nbytes, self._clock())
         if self.move_data:
             self._wait_host(host_pages)
             arrays = self.device_pool.load_from_host(  # type: ignore[union-attr]
-                self.host_pool, host_pages, dev_pages, chunk_pages=self._transfer_chunk_pages()  # type: ignore[arg-type]
+                self.host_pool, host_pages, dev_pages, chunk_pages=self._transfer_chunk_pages(), with_local=with_local  # type: ignore[arg-type]
             )
             await_arrays(handle, arrays)
 

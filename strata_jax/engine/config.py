@@ -91,8 +91,15 @@ class EngineConfig:
     kv_layer_groups: hold the L1 pool as layer groups (``GroupedPoolLayout``: each layer
         its own rows, read through a per-layer offset), the layout in which a model's
         sliding-window layers will keep fewer pages than its full-attention layers
-        (issue 22).  Every layer still keeps every page, so it holds the same bytes as the
-        default layer-first pool; default False.
+        (issue 22): their KV outside the running requests' windows is trimmed lazily,
+        loads move only the window a reuse needs, and matches end where a window is
+        complete (docs/models.md).  Default False.
+    kv_local_ratio: with ``kv_layer_groups``, the sliding-window layers' pages as a share
+        of the full-attention layers' (SGLang's ``--swa-full-tokens-ratio``), in (0, 1]:
+        0.25 holds their KV for a quarter of the L1 pages, which is how the layer groups
+        save device memory.  Default 1.0 (every page can keep its local KV, nothing is
+        trimmed for room).  Too small for the running requests' windows, a step fails its
+        requests with "out of device KV memory".
     pipeline: overlap the host and the device (default): step N+1 is scheduled and
         dispatched while step N runs, and N's tokens are read after; stop rules that need
         a token's value apply one step late (a token computed past a stop is discarded).
@@ -146,6 +153,7 @@ class EngineConfig:
     kernel_backend: str = "auto"
     scan_layers: bool = True
     kv_layer_groups: bool = False
+    kv_local_ratio: float = 1.0
     pipeline: bool = True
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
@@ -177,6 +185,11 @@ class EngineConfig:
                     f"EngineConfig.max_running_requests must be an integer of at least max_batch_size "
                     f"({self.max_batch_size}), got {m!r}"
                 )
+        ratio = self.kv_local_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise InvalidRequestError(f"EngineConfig.kv_local_ratio must be in (0, 1], got {ratio!r}")
+        if ratio != 1 and not self.kv_layer_groups:
+            raise InvalidRequestError("EngineConfig.kv_local_ratio needs kv_layer_groups=True")
         if self.max_batch_tokens <= self.max_batch_size:
             raise InvalidRequestError("EngineConfig.max_batch_tokens must exceed max_batch_size")
         chunk = str(self.prefill_chunk)

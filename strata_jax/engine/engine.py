@@ -115,8 +115,12 @@ class Engine:
             cache_config = dataclasses.replace(cache_config, kv_identity=kv_identity(loaded.model, loaded.config, str(dtype), layout))
         # tp: the L1 pool is split on its KV heads; host pages and L3 objects stay whole pages.
         pool_device = tp_sharding.pool_sharding(self.mesh) if self.mesh is not None else None
-        grouped = grouped_pool_layout(loaded.config, layout, cache_config.num_device_pages) if config.kv_layer_groups else None
-        self.ctl = CacheController(cache_config, layout, device=pool_device, grouped=grouped)
+        grouped = None
+        if config.kv_layer_groups:
+            grouped = grouped_pool_layout(loaded.config, layout, cache_config.num_device_pages, config.kv_local_ratio)
+            _check_local_pages(grouped, loaded.config, config, self.page_size)
+        local_window = max(loaded.config.layer_windows, default=0)
+        self.ctl = CacheController(cache_config, layout, device=pool_device, grouped=grouped, local_window=local_window)
         self.runner = ModelRunner(
             loaded.model,
             RunnerConfig(
@@ -130,6 +134,7 @@ class Engine:
                 scan_layers=config.scan_layers,
                 max_running=config.resolved_max_running_requests,
                 kv_layer_groups=config.kv_layer_groups,
+                kv_local_ratio=config.kv_local_ratio,
             ),
             pool=self.ctl.device_pool,
             mesh=self.mesh,
@@ -599,3 +604,18 @@ def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise InvalidRequestError(f"{len(params)} SamplingParams for {n} prompts")
     return params
+
+
+def _check_local_pages(grouped: Any, model_config: Any, config: EngineConfig, page_size: int) -> None:
+    """Refuse a local-layer pool too small for even one request's window and prefill chunk."""
+    from strata_jax.cache.tree_window import window_pages_for
+
+    windows = [w for w in model_config.layer_windows if w > 0]
+    if not windows:
+        return
+    need = window_pages_for(max(windows), page_size) + -(-config.max_batch_tokens // page_size) + 1
+    if grouped.local_pages < need:
+        raise InvalidRequestError(
+            f"kv_local_ratio={config.kv_local_ratio} leaves {grouped.local_pages} local-layer pages; one request's "
+            f"window ({max(windows)} tokens) and prefill chunk ({config.max_batch_tokens} tokens) need {need}"
+        )

@@ -147,6 +147,9 @@ class RequestPages:
             t.match = without_cache(t.match, self.ctl.tree.root(t.namespace))
         self.ctl.lock(t.match.last_node)
         t.locked = t.match.last_node
+        # layer groups: the window before the match end stays until the prefix is taken
+        m = t.match
+        self.ctl.pin_local(t.request_id, list(m.device_page_ids), m.device_tokens + m.host_tokens)
 
     def take_prefix(self, t: TrackedRequest, item: PrefillItem) -> TransferHandle | None:
         """Load the pinned prefix's host-only part L2->L1; the page table starts as its device pages."""
@@ -159,6 +162,9 @@ class RequestPages:
             log.warning("no device room to load the cached prefix of %s; recomputing it", t.request_id)
         pages = self.ctl.tree.device_pages_of(match.last_node)
         usable = min(len(pages) * self.page_size, item.start)
+        # layer groups: a prefix cut short of the match (a recomputed tail) must end at a
+        # complete window too, or its first new token would miss local KV it attends to
+        usable = self.ctl.complete_window_end(pages, usable // self.page_size) * self.page_size
         t.page_table = list(pages[: usable // self.page_size])
         t.pt_synced = 0
         t.shared_pages = len(t.page_table)
@@ -166,14 +172,24 @@ class RequestPages:
         device = min(item.device_hit_tokens, usable)
         host = min(item.load_host_tokens, usable - device)
         t.cached = {"device": device, "host": host, "storage": usable - device - host}
+        self.ctl.pin_local(t.request_id, t.page_table, t.computed)
         self.ctl.mark_in_flight(t.request_id)
         return handle
 
     def ensure_pages(self, t: TrackedRequest, tokens: int) -> None:
         """Own device pages so that positions ``[0, tokens)`` have a slot (may evict; may raise CacheFullError)."""
         need = -(-tokens // self.page_size) - len(t.page_table)
+        # layer groups: local KV before this step's window becomes evictable before anything is allocated
+        self.ctl.pin_local(t.request_id, t.page_table, t.computed)
         if need > 0:
-            t.page_table.extend(self.ctl.alloc_device(need))
+            pages = self.ctl.alloc_device(need)
+            try:
+                self.ctl.attach_local(pages)  # this step writes their local-layer KV
+            except CacheFullError:
+                self.ctl.free_device(pages)
+                raise
+            t.page_table.extend(pages)
+            self.ctl.pin_local(t.request_id, t.page_table, t.computed)
 
     def publish_prefix(self, t: TrackedRequest, tokens: Sequence[int], hint: PrefixMatch | None = None) -> None:
         """The prefill is dispatched: hand its full pages to the tree (transient -> ready) and re-pin them.
@@ -191,10 +207,12 @@ class RequestPages:
                 t.page_table[i] = page
                 t.pt_synced = min(t.pt_synced, i)
         t.shared_pages = full
+        self.ctl.pin_local(t.request_id, t.page_table, t.computed)
 
     def release(self, t: TrackedRequest, *, keep: bool) -> None:
         """Give back a request's pages: keep=True hands computed full pages to the tree."""
         ps = self.page_size
+        self.ctl.unpin_local(t.request_id)  # its window's local KV stays, evictable
         if keep and t.computed:
             full = t.computed // ps
             n, prompt = full * ps, t.prompt_ids

@@ -67,6 +67,7 @@ class RunnerConfig:
     sampling_slots: int = 0  # sequences holding penalty/bias/min_tokens state at once (0: max_batch_size)
     max_running: int = 0  # sequences holding a row of device state at once (0: 4 * max_batch_size)
     kv_layer_groups: bool = False  # the pool as layer groups (pallas_kernels.layout.GroupedPoolLayout)
+    kv_local_ratio: float = 1.0  # with layer groups: local-layer pages / global-layer pages
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_device_pages", "max_batch_tokens", "max_batch_size", "max_context_tokens"):
@@ -211,7 +212,10 @@ class ModelRunner:
         self.kernel_backend = pallas_kernels.resolve_backend(config.kernel_backend)
         self.graphdef, self.state = nnx.split(model)
         self.mesh = mesh if mesh is not None and mesh.shape[tp_sharding.TP_AXIS] > 1 else None
-        self.grouped = grouped_pool_layout(model.config, self.layout, config.num_device_pages) if config.kv_layer_groups else None
+        self.grouped = (
+            grouped_pool_layout(model.config, self.layout, config.num_device_pages, config.kv_local_ratio)
+            if config.kv_layer_groups else None
+        )  # fmt: skip
         pool_shape = self.grouped.pool_shape() if self.grouped else self.layout.device_pool_shape(config.num_device_pages)
         rep = None
         if self.mesh is not None:
@@ -589,10 +593,10 @@ class ModelRunner:
         raise ValueError(f"no extend program holds {total_tokens} tokens of {num_seqs} sequences")
 
 
-def grouped_pool_layout(config: ModelConfig, layout: KVLayout, num_pages: int) -> GroupedPoolLayout:
+def grouped_pool_layout(config: ModelConfig, layout: KVLayout, num_pages: int, local_ratio: float = 1.0) -> GroupedPoolLayout:
     """The pool with layer groups for ``config``: its sliding-window layers local, the rest
-    global, ``num_pages`` pages each (local layers do not trim yet: docs/models.md)."""
-    return GroupedPoolLayout(layout, config.local_layers, num_pages, num_pages)
+    global; ``num_pages`` global pages and ``local_ratio`` of them (at least one) local."""
+    return GroupedPoolLayout(layout, config.local_layers, num_pages, max(1, round(num_pages * local_ratio)))
 
 
 def _row_params(s: SeqInput) -> RowParams:
