@@ -45,8 +45,14 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None, help="where loogle/ and mooncake/ live (default ../shared/data next to the repo)")
     p.add_argument("--trace", default=None, help="mooncake trace JSONL (default <data-dir>/mooncake/conversation_trace.jsonl)")
     p.add_argument("--page-size", type=int, default=32, help="KV page size in tokens (default 32, as in Strata)")
-    p.add_argument("--device-kv-tokens", type=int, default=None, help="L1 size in tokens (default: HBM left after weights)")
-    p.add_argument("--host-kv-tokens", type=int, default=None, help="L2 size in tokens (default: the profile's host_kv_bytes)")
+    p.add_argument(
+        "--device-kv-tokens", type=int, default=None,
+        help="L1 size in tokens (default: HBM left after weights; taken as given with --loads window)",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-kv-tokens", type=int, default=None,
+        help="L2 size in tokens (default: the profile's host_kv_bytes; taken as given with --loads window)",
+    )  # fmt: skip
     p.add_argument("--write-policy", choices=("write_through", "write_through_selective", "write_back"), default="write_through")
     p.add_argument(
         "--kv-tier-format", default="full",
@@ -56,9 +62,10 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--loads", default="full",
-        help="pages a load or storage read moves for a model with sliding-window layers: full (default: every layer's, "
-        "what the engine does today) or window (full-attention layers' pages, and of each windowed layer only the pages "
-        "its window reaches: a window-aware hierarchy); comma-separated to compare side by side (full,window)",
+        help="a model with sliding-window layers: full (default: every layer's pages in every tier and on every load) "
+        "or window (a window-aware hierarchy: loads and storage reads move the full-attention layers' pages and of each "
+        "windowed layer only the pages its window reaches, and L1/L2 hold, per cached sequence, only the window before "
+        "its end of the windowed layers, so they fit more tokens); comma-separated to compare side by side (full,window)",
     )  # fmt: skip
     p.add_argument(
         "--host-model", default="measured",
@@ -184,6 +191,15 @@ def _run(args: argparse.Namespace) -> int:
     fmt += f", loads {'/'.join(loads)}" if loads != ["full"] else ""
     print(f"{args.workload} on {setup.profile.name}, {setup.model.name} (tp={setup.model.tp}), {args.num_requests} requests per run{warm}{fmt}")
     print(table(runs))
+    shown: set[bool] = set()
+    for r in runs if "window" in loads else ():  # the capacity of each kind of hierarchy (the workload's, not the rate's)
+        window = setups[r.system].window_loads
+        if window not in shown:
+            shown.add(window)
+            print(
+                f"{'window' if window else 'full'} loads: a cached page holds {r.extra['cached_share']:.3f} of a full "
+                f"page's bytes; L1 {r.extra['l1_tokens']:,} tokens, L2 {r.extra['l2_tokens']:,} tokens"
+            )  # fmt: skip
     print()
     print(ablation_table(by_system, args.ttft_target, baseline=systems[0].name))
     print(f"\nwall {wall:.1f} s (CPU {cpu:.1f} s)")

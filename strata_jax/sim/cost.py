@@ -22,6 +22,10 @@
   window-aware hierarchy moves, issue 22; the engine itself still moves every layer).
   Attention of a windowed layer counts at most ``window`` keys per query either way (the
   kernels skip older blocks).
+* ``cached_share`` (window-aware capacity, with ``window_loads`` in the simulator): a cached
+  page costs that share of a full page in L1 and L2 (``ModelSpec.cached_share``: every
+  page's global layers, the windowed layers' pages only in the window before a cached
+  sequence's end), so both hold ``1 / cached_share`` times the tokens.
 All figures are per tensor-parallel rank (each rank has its own link).
 """
 
@@ -37,13 +41,17 @@ IO_PATHS = ("naive", "coalesced")
 
 class SimCostModel:
     def __init__(
-        self, profile: HardwareProfile, model: ModelSpec, page_size: int, tier_format: str = "full", window_loads: bool = False
+        self, profile: HardwareProfile, model: ModelSpec, page_size: int, tier_format: str = "full", window_loads: bool = False,
+        cached_share: float = 1.0,
     ) -> None:
+        if not 0.0 < cached_share <= 1.0:
+            raise ValueError(f"cached_share must be in (0, 1], got {cached_share!r}")
         self.profile = profile
         self.model = model
         self.page_size = page_size
         self.tier_format = tier_format
         self.window_loads = window_loads
+        self.cached_share = cached_share
         self.tier_page_bytes = model.tier_page_bytes(page_size, tier_format)
         self._tier_share = self.tier_page_bytes / model.page_bytes(page_size)  # of a full-width page
         c = model.config
@@ -107,13 +115,14 @@ class SimCostModel:
 
     # -- memory --------------------------------------------------------------
     def device_kv_tokens(self) -> int:
-        """L1 capacity: HBM share for weights + KV, minus the weights, in tokens."""
+        """L1 capacity: HBM share for weights + KV, minus the weights, in tokens (of cached
+        sequences at ``cached_share`` of a full token's bytes)."""
         p = self.profile
         free = p.hbm_bytes * p.kv_memory_fraction - self.model.weight_bytes
         if free <= 0:
             raise ValueError(f"{self.model.name} (tp={self.model.tp}) does not fit in {p.name}'s HBM")
-        return int(free // self.model.kv_bytes_per_token)
+        return int(free // (self.model.kv_bytes_per_token * self.cached_share))
 
     def host_kv_tokens(self) -> int:
-        """L2 capacity in tokens: the profile's host bytes in the tier format."""
-        return int(self.profile.host_kv_bytes // (self.tier_page_bytes / self.page_size))
+        """L2 capacity in tokens: the profile's host bytes in the tier format (at ``cached_share``)."""
+        return int(self.profile.host_kv_bytes // (self.tier_page_bytes / self.page_size * self.cached_share))

@@ -5,7 +5,9 @@ published ``config.json`` shapes; Gemma 3 27B: 62 layers, every 6th global, the 
 with a 1,024-token sliding window); or a path to any supported ``config.json`` (with ``--tp``).
 ``load_share(pages)`` is the share of a full page set a window-aware load of ``pages``
 pages moves: every page of full-attention layers, and of a sliding-window layer only the
-pages its window reaches back from where the reuse starts.
+pages its window reaches back from where the reuse starts.  ``cached_share(lengths)`` is
+the same for capacity: the bytes a window-aware tier holds per cached page, averaged over
+cached sequences of those lengths (each keeps what a reuse at its end loads).
 KV is bf16 (2 bytes) in L1, as on GPUs; ``tier_*`` figures are the L2/L3 format's
 (``full``: bf16; ``fp8``/``int8``: 1 byte per value plus a float32 scale per page,
 layer, K/V and KV head, ``strata_jax.cache.tier_format``).  Per-rank figures divide
@@ -15,6 +17,7 @@ heads and weights by ``tp``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +64,17 @@ class ModelSpec:
         windows = self.config.layer_windows or (0,) * self.config.num_layers
         pages = sum(num_pages if w <= 0 else min(num_pages, -(-w // page_size) + 1) for w in windows)
         return pages / (num_pages * len(windows))
+
+    def cached_share(self, sequence_tokens: Sequence[int], page_size: int) -> float:
+        """Bytes per cached page, as a share of a full page, in a window-aware tier holding
+        sequences of ``sequence_tokens`` tokens: each keeps every full page's global layers
+        and, of each windowed layer, the pages a reuse at its end needs (``load_share`` of its
+        pages); averaged over all their pages (1.0 for a model without windows, or when no
+        sequence fills a page)."""
+        pages = [n // page_size for n in sequence_tokens if n >= page_size]
+        if not pages:
+            return 1.0
+        return sum(n * self.load_share(n, page_size) for n in pages) / sum(pages)
 
     def attention_pairs(self, new_tokens: int, context: int) -> float:
         """Query-key pairs per layer (averaged over layers) for ``new_tokens`` on ``context``

@@ -9,6 +9,7 @@ here imports jax.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
@@ -30,7 +31,7 @@ from strata_jax.sim.host_model import HostModel
 from strata_jax.sim.model_spec import ModelSpec
 from strata_jax.sim.profile import HardwareProfile
 from strata_jax.sim.systems import SystemSpec
-from strata_jax.sim.workloads import SimRequest
+from strata_jax.sim.workloads import SimRequest, cached_sequence_tokens
 
 _OUTPUT_BASE = 1 << 40  # output token ids: far from every prompt id, unique per request and position
 
@@ -49,7 +50,13 @@ class SimSetup:
     host: HostModel | None = None  # the engine's host path per step (None: free)
     pipeline: bool = True  # the engine's loop overlaps the host with the device
     tier_format: str = "full"  # L2/L3 format: full (bf16), fp8 or int8 (loads and L2 hold the smaller pages)
-    window_loads: bool = False  # loads move only the pages each layer's window needs (sim/cost.py)
+    # A window-aware hierarchy (models with sliding-window layers): loads move only the pages each
+    # layer's window needs (sim/cost.py), and L1/L2 hold a cached page at ``cached_share`` of its
+    # bytes (None: with window_loads, the workload's, ModelSpec.cached_share over
+    # workloads.cached_sequence_tokens; else 1.0).  device_tokens/host_tokens, when given,
+    # are taken as they are (tokens of cached sequences, whatever their bytes).
+    window_loads: bool = False
+    cached_share: float | None = None
 
 
 @dataclass
@@ -91,7 +98,8 @@ def build_core(
     replay: StepTimes | None = None, cost_prior: CostPrior | None = None, scheduler_overrides: dict | None = None,
 ) -> tuple[EngineCore, SimExecutor, SimTimer]:
     clock = SimClock()
-    cost = SimCostModel(setup.profile, setup.model, setup.page_size, setup.tier_format, setup.window_loads)
+    share = 1.0 if setup.cached_share is None else setup.cached_share
+    cost = SimCostModel(setup.profile, setup.model, setup.page_size, setup.tier_format, setup.window_loads, share)
     timer = SimTimer(clock, cost, system.io_path)
     page_bytes = cost.tier_page_bytes  # what L2 holds and a load moves per page
     device_tokens = setup.device_tokens or cost.device_kv_tokens()
@@ -139,6 +147,9 @@ def simulate(
     metric (TTFT, throughput, hit rate, stall share, counters) covers them alone.
     """
     wall0 = time.perf_counter()
+    if setup.window_loads and setup.cached_share is None:
+        share = setup.model.cached_share(cached_sequence_tokens(requests), setup.page_size)
+        setup = dataclasses.replace(setup, cached_share=share)
     measured = [i for i, r in enumerate(requests) if not r.warmup]
     dependents: dict[int, list[int]] = {}
     for i, r in enumerate(requests):
@@ -237,6 +248,9 @@ def simulate(
             "requests": len(measured),
             "warmup_requests": len(requests) - len(measured),
             "warmup_s": offset,
+            "cached_share": 1.0 if setup.cached_share is None else setup.cached_share,
+            "l1_tokens": core.ctl.device_alloc.num_pages * setup.page_size,
+            "l2_tokens": core.ctl.host_alloc.num_pages * setup.page_size,
         },
     )
 

@@ -124,6 +124,31 @@ def loogle(
     return out
 
 
+def cached_sequence_tokens(requests: list[SimRequest]) -> list[int]:
+    """Token lengths of the sequences a run leaves cached, one per reuse point (what a
+    window-aware tier keeps a window for, ``ModelSpec.cached_share``): a group's shared
+    prefix where its prompts share one (a LooGLE document), a multi-turn conversation's
+    whole length once (its turns' messages and answers), else each request's prompt and answer."""
+    groups: dict[str, list[SimRequest]] = {}
+    out = []
+    for r in requests:
+        if r.group:
+            groups.setdefault(r.group, []).append(r)
+        else:
+            out.append(len(r.prompt) + r.output_len)
+    for rs in groups.values():
+        if any(r.depends_on is not None for r in rs):  # a conversation: each turn adds its message and answer
+            out.append(sum(len(r.prompt if r.depends_on is None else r.new_tokens) + r.output_len for r in rs))
+        elif len(rs) == 1:
+            out.append(len(rs[0].prompt) + rs[0].output_len)
+        else:
+            first, common = rs[0].prompt, len(rs[0].prompt)
+            for r in rs[1:]:
+                common = next((i for i, (a, b) in enumerate(zip(first[:common], r.prompt)) if a != b), min(common, len(r.prompt)))
+            out.append(common)
+    return out
+
+
 def multiturn(
     *, num_requests: int, rate: float, seed: int, rounds: int = 5, request_length: int = 512, output_len: int = 64,
 ) -> list[SimRequest]:
