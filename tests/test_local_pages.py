@@ -97,15 +97,15 @@ def test_device_local_pages_against_a_plain_model() -> None:
     num_local, num_global = 10, 30
     dev = DeviceLocalPages(num_global, num_local)
     attached: set[int] = set()
-    pins: dict[str, set[int]] = {}
+    pins: dict[str, list[int]] = {}
     order: list[int] = []  # unpinned attached pages, least recently unpinned first
     evicted = 0
 
     def pinned() -> set[int]:
-        return set().union(*pins.values()) if pins else set()
+        return {g for pages in pins.values() for g in pages}
 
-    def release(pages) -> None:  # noqa: ANN001  (pages that just lost their last pin, in id order)
-        for g in sorted(pages):
+    def release(pages) -> None:  # noqa: ANN001  (pages that just lost their last pin, in pin order)
+        for g in pages:
             if g in attached and g not in pinned():
                 order.append(g)
 
@@ -127,14 +127,14 @@ def test_device_local_pages_against_a_plain_model() -> None:
             order.extend(want)
         elif op < 0.65:
             owner = rng.choice("abc")
-            new = {g for g in rng.sample(range(num_global), rng.randint(0, 4)) if g in attached}
-            old = pins.pop(owner, set())
+            new = [g for g in rng.sample(range(num_global), rng.randint(0, 4)) if g in attached]
+            old = pins.pop(owner, [])
             if new:
                 pins[owner] = new
             for g in new:
                 if g in order:
                     order.remove(g)
-            release(old - new)
+            release([g for g in old if g not in new])
             dev.pin(owner, new)
         elif op < 0.8:
             src, dst = rng.sample(range(num_global), 2)
@@ -142,10 +142,8 @@ def test_device_local_pages_against_a_plain_model() -> None:
             if src in attached and dst not in attached:
                 attached.remove(src)
                 attached.add(dst)
-                for pages in pins.values():
-                    if src in pages:
-                        pages.discard(src)
-                        pages.add(dst)
+                for owner, pages in pins.items():
+                    pins[owner] = [dst if g == src else g for g in pages]
                 if src in order:
                     order.remove(src)
                     order.append(dst)
@@ -156,8 +154,7 @@ def test_device_local_pages_against_a_plain_model() -> None:
                 attached.discard(g)
                 if g in order:
                     order.remove(g)
-                for pages in pins.values():
-                    pages.discard(g)
+            pins = {o: [g for g in p if g not in freed] for o, p in pins.items()}
             pins = {o: p for o, p in pins.items() if p}
         dev.check(range(num_global))
         assert {g for g in range(num_global) if dev.has(g)} == attached

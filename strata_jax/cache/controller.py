@@ -289,10 +289,12 @@ class CacheController(Transfers, StorageIO, Eviction):
 
     def pin_local(self, owner: Hashable, page_table: Sequence[int], next_position: int) -> None:
         """``owner``'s next token is at ``next_position``: it still reads the local KV of the
-        pages of ``page_table`` from ``first_needed_page`` on; the rest becomes evictable."""
+        pages of ``page_table`` from ``first_needed_page`` on; the rest becomes evictable.
+        One page more is kept: the window of the page boundary before the last one, where a
+        repeat of a fully cached prompt resumes (the scheduler recomputes its last page)."""
         if self.local_pages is None:
             return
-        first = first_needed_page(next_position, self.local_pages.window, self.page_size)
+        first = first_needed_page(max(0, next_position - self.page_size), self.local_pages.window, self.page_size)
         self.local_pages.device.pin(owner, page_table[first:])
 
     def unpin_local(self, owner: Hashable) -> None:

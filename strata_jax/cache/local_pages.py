@@ -107,7 +107,7 @@ class DeviceLocalPages:
         self.array = np.full(global_pages, NO_LOCAL_PAGE, np.int32)
         self.version = 0
         self.evicted = 0
-        self._pins: dict[Hashable, set[int]] = {}  # owner -> global ids it pins
+        self._pins: dict[Hashable, dict[int, None]] = {}  # owner -> global ids it pins (ordered)
         self._pinned_by: dict[int, set[Hashable]] = {}  # global id -> owners pinning it
         self._evictable: OrderedDict[int, None] = OrderedDict()  # attached, unpinned: oldest first
 
@@ -163,7 +163,7 @@ class DeviceLocalPages:
         """Allocator listener: global pages went back to the pool; so do their local pages."""
         for g in pages:
             for owner in self._pinned_by.pop(g, ()):
-                self._pins[owner].discard(g)
+                self._pins[owner].pop(g, None)
             self._evictable.pop(g, None)
         self._drop([g for g in pages if self.map.has(g)])
 
@@ -175,18 +175,23 @@ class DeviceLocalPages:
 
     def pin(self, owner: Hashable, global_ids: Iterable[int]) -> None:
         """``owner`` (a running request) reads the local KV of ``global_ids`` (those attached):
-        they are not evictable until no owner pins them.  Replaces ``owner``'s earlier pins."""
-        new = {g for g in global_ids if self.map.has(g)}
-        old = self._pins.pop(owner, set())
-        for g in sorted(old - new):  # (a fixed eviction order)
+        they are not evictable until no owner pins them.  Replaces ``owner``'s earlier pins;
+        pages it lets go become evictable in the order it had pinned them (its page order:
+        the earliest positions go first)."""
+        new = {g: None for g in global_ids if self.map.has(g)}
+        old = self._pins.pop(owner, {})
+        for g in old:
+            if g in new:
+                continue
             owners = self._pinned_by[g]
             owners.discard(owner)
             if not owners:
                 del self._pinned_by[g]
                 self._evictable[g] = None  # the most recently released: evicted last
-        for g in new - old:
-            self._pinned_by.setdefault(g, set()).add(owner)
-            self._evictable.pop(g, None)
+        for g in new:
+            if g not in old:
+                self._pinned_by.setdefault(g, set()).add(owner)
+                self._evictable.pop(g, None)
         if new:
             self._pins[owner] = new
 
@@ -203,9 +208,8 @@ class DeviceLocalPages:
         owners = self._pinned_by.pop(src, None)
         if owners:
             self._pinned_by[dst] = owners
-            for owner in owners:
-                self._pins[owner].discard(src)
-                self._pins[owner].add(dst)
+            for owner in owners:  # (dst takes src's place in the owner's order)
+                self._pins[owner] = {dst if g == src else g: None for g in self._pins[owner]}
         if src in self._evictable:
             del self._evictable[src]
             self._evictable[dst] = None

@@ -120,8 +120,12 @@ class Transfers:
             if h is not None:
                 self.wait(h)
 
-    def load(self, match: PrefixMatch, request_id: Hashable | None = None) -> TransferHandle | None:
+    def load(self, match: PrefixMatch, request_id: Hashable | None = None, use_tokens: int | None = None) -> TransferHandle | None:
         """Bring the host-only nodes on the path to ``match.last_node`` into L1.
+
+        ``use_tokens``: where the caller's prefix will end if before the match's end (a
+        scheduler recomputing the last page): with layer groups, the local-layer KV loaded
+        is that end's window.
 
         The caller must hold a lock on ``match.last_node`` (allocation may evict).
         Coalesced and pipelined: host pages are gathered into page-first staging
@@ -145,7 +149,9 @@ class Transfers:
             # Window-only: the local layers' KV of the pages the match end's window covers (and
             # the host holds); every page's global layers.  Earlier pages stay global-only.
             w = self.local_pages.window_pages
-            with_local = [i >= n - w and self.local_pages.on_host(h) for i, h in enumerate(host_pages)]
+            first = len(self.tree.device_pages_of(match.last_node))  # the path's page of host_pages[0]
+            end = first + n if use_tokens is None else min(first + n, use_tokens // self.page_size)
+            with_local = [end - w <= first + i < end and self.local_pages.on_host(h) for i, h in enumerate(host_pages)]
             try:
                 self.attach_local([d for d, keep in zip(dev_pages, with_local) if keep])
             except CacheFullError:

@@ -533,6 +533,7 @@ class EngineCore:
             self.ctl.evict_device(1 << 40)
         if tier in ("host", "all"):
             self.ctl.evict_host(1 << 40)
+            self.ctl.drain()  # the L3 write-backs it issued land before the next request probes L3
         if tier in ("storage", "all"):
             self.ctl.clear_storage()
         if events is not None:

@@ -157,7 +157,7 @@ class RequestPages:
         handle = None
         try:
             if not item.recomputed_cached_tokens:  # load-or-recompute chose to recompute the L2/L3 part
-                handle = self.ctl.load(match, t.request_id)
+                handle = self.ctl.load(match, t.request_id, use_tokens=item.start)
         except CacheFullError:
             log.warning("no device room to load the cached prefix of %s; recomputing it", t.request_id)
         pages = self.ctl.tree.device_pages_of(match.last_node)
