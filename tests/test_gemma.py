@@ -272,7 +272,9 @@ def gemma3_gguf() -> str:
         pytest.skip(f"real model unavailable: {exc}")
 
 
-# the L1 pool layer-first (the default) and with layer groups (--kv-layer-groups; heavy: 2 more minutes)
+# the L1 pool layer-first (the default) and with layer groups (--kv-layer-groups; heavy: 2 more minutes),
+# whose 77 local-layer pages for 256 global ones (--kv-local-ratio 0.3) cannot hold the
+# 1,700-token prompt's 106 pages: its local KV is trimmed as the prefill goes
 @pytest.fixture(scope="module", params=[False, pytest.param(True, marks=pytest.mark.heavy)], ids=["layer_first", "grouped"])
 def gemma_engine(request, gemma3_gguf, tmp_path_factory):
     from strata_jax.engine import Engine, EngineConfig
@@ -282,7 +284,7 @@ def gemma_engine(request, gemma3_gguf, tmp_path_factory):
             model=gemma3_gguf, warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16, dtype="float32",
             device_tokens=4096, max_batch_tokens=512, max_batch_size=2, max_context_tokens=2048,
             prefetch_policy="wait_complete", prefetch_min_tokens=0, storage_dir=str(tmp_path_factory.mktemp("kv")),
-            kv_layer_groups=request.param,
+            kv_layer_groups=request.param, kv_local_ratio=0.3 if request.param else 1.0,
         )
     )  # fmt: skip
     assert (engine.ctl.device_pool.grouped is not None) == request.param
@@ -327,3 +329,5 @@ def test_real_gemma3_greedy_tokens_and_logprobs_match_transformers_from_every_ti
     assert l2.cached_tokens["host"] == full_pages and l2.cached_tokens["device"] == 0
     assert l3.cached_tokens["storage"] == full_pages
     assert cold.token_ids == l1.token_ids == l2.token_ids == l3.token_ids
+    if gemma_engine.ctl.local_pages is not None:
+        assert gemma_engine.ctl.device_pool.local.evicted > 0  # trimmed, and exact all the same

@@ -262,3 +262,41 @@ def test_documents_with_questions_on_a_tight_local_pool(tmp_path):
     assert results[True] == results[False]
     # trimmed, yet lazily enough that every document's end kept its window: no hit lost
     assert stats[True]["evicted"] > 0 and stats[True]["hit"] == stats[False]["hit"] > 0, stats
+
+
+def test_a_load_whose_window_finds_every_local_page_pinned_gives_its_pages_back(tmp_path):
+    """A load needs local pages for its window; when running requests' windows pin them
+    all, it raises ``CacheFullError`` and frees the device pages it took (nothing leaks),
+    and the same load succeeds once the pins go."""
+    from strata_jax.cache.controller import CacheFullError
+
+    make_hf_model("gemma3", tmp_path / "model", vocab_size=256)
+    engine = Engine(EngineConfig(
+        model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1+L2", page_size=16,
+        device_tokens=1024, max_batch_tokens=64, max_batch_size=2, max_context_tokens=256, kv_layer_groups=True,
+        kv_local_ratio=0.25,
+    ))  # fmt: skip
+    try:
+        doc = np.random.default_rng(3).integers(0, 256, size=128).tolist()
+        engine.generate([doc + [1]], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.flush_cache("device")
+        ctl, local = engine.ctl, engine.ctl.local_pages.device
+        blockers = ctl.alloc_device(local.num_pages)
+        ctl.attach_local(blockers)
+        local.pin("blocker", blockers)
+        match = ctl.match_prefix(doc)
+        assert match.host_tokens == 128, match
+        ctl.lock(match.last_node)
+        free = ctl.device_alloc.num_free
+        with pytest.raises(CacheFullError, match="pinned by running requests"):
+            ctl.load(match, "r")
+        assert ctl.device_alloc.num_free == free
+        local.unpin("blocker")
+        handle = ctl.load(match, "r")
+        assert handle is not None and handle.num_pages == 8
+        ctl.wait(handle)
+        ctl.unlock(match.last_node)
+        ctl.device_alloc.free(blockers)
+        engine.check_accounting()
+    finally:
+        engine.shutdown()

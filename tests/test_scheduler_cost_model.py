@@ -63,6 +63,25 @@ def test_bandwidth_follows_measured_loads() -> None:
         m.observe_load(10, 1.0, tier="tape")
 
 
+def test_window_only_loads_count_the_bytes_they_move() -> None:
+    """Gemma 3 270M's shape: 15 of 18 layers windowed (512 tokens).  A load of n tokens moves
+    every token's 3 global layers and the 15 local layers of its last 512 tokens only."""
+    per_layer = 100
+    m = CostModel(CostPrior(bytes_per_token=18 * per_layer, link_bytes_per_s=1e6, local_share=15 / 18, local_window_tokens=512))
+    for n in (1, 100, 512, 513, 4096):
+        moved = n * 3 * per_layer + min(n, 512) * 15 * per_layer
+        assert m.load_bytes(n) == pytest.approx(moved)
+        assert m.load_seconds(n) == pytest.approx(moved / 1e6)
+        assert m.load_seconds(0, n) == pytest.approx(moved / 1e6 + n * 18 * per_layer / m.storage_bytes_per_s)
+    for _ in range(40):  # a measured 4K load: the rate is in the bytes it moved, so a 1K load is not a quarter of it
+        m.observe_load(4096, 0.5)
+    rate = (4096 * 3 + 512 * 15) * per_layer / 0.5
+    assert m.link_bytes_per_s == pytest.approx(rate, rel=1e-3)
+    assert m.load_seconds(1024) == pytest.approx((1024 * 3 + 512 * 15) * per_layer / rate, rel=1e-3)
+    with pytest.raises(ValueError):
+        CostPrior(local_share=0.5)  # a share without its window
+
+
 def test_loading_bound_predicate_in_both_modes() -> None:
     m = CostModel(CostPrior(bytes_per_token=131072, link_bytes_per_s=25e9))
     assert not m.would_be_loading_bound(0, 0, [(10, 0)])

@@ -25,7 +25,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from strata_jax.cache.handles import CacheError, PrefetchHandle, TransferHandle, await_arrays, land_at
+from strata_jax.cache.handles import CacheError, CacheFullError, PrefetchHandle, TransferHandle, await_arrays, land_at
 from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
 
 

@@ -90,7 +90,7 @@ class EngineConfig:
         compiling takes several times longer: docs/runtime.md).
     kv_layer_groups: hold the L1 pool as layer groups (``GroupedPoolLayout``: each layer
         its own rows, read through a per-layer offset), the layout in which a model's
-        sliding-window layers will keep fewer pages than its full-attention layers
+        sliding-window layers keep fewer pages than its full-attention layers
         (issue 22): their KV outside the running requests' windows is trimmed lazily,
         loads move only the window a reuse needs, and matches end where a window is
         complete (docs/models.md).  Default False.

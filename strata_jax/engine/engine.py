@@ -142,10 +142,18 @@ class Engine:
         from strata_jax.runtime.compute_prior import device_matmul_rate, extend_prior
 
         self.matmul_flops_per_s = device_matmul_rate(str(jnp.dtype(dtype)))  # the first device (tp: each does its share)
+        window_loads = {}
+        if self.ctl.local_pages is not None:  # loads move the windowed layers' KV of the window only
+            local = self.ctl.device_pool.grouped.local_layers
+            window_loads = {
+                "local_share": sum(local) / len(local),
+                "local_window_tokens": self.ctl.local_pages.window_pages * self.page_size,
+            }
         cost = CostModel(CostPrior(
             bytes_per_token=self.ctl.page_bytes / self.page_size,  # what a load moves: the tier format's bytes
             link_bytes_per_s=self.ctl.link_bandwidth,
             extend_coeffs=extend_prior(loaded.config, self.matmul_flops_per_s, config.tp),
+            **window_loads,
         ))  # fmt: skip
         self.executor = JaxExecutor(self.runner, eos_token_ids=self.eos_token_ids)
         threaded_output = start if output_thread is None else output_thread

@@ -1,8 +1,12 @@
 """``CostModel``: pure-Python estimates of load, extend and decode time.
 
-* Loads: ``bytes_per_token`` over a link bandwidth (host->device; storage->host
+* Loads: the bytes a load moves over a link bandwidth (host->device; storage->host
   for L3), each an exponential moving average of measured loads, starting from
-  a documented prior.
+  a documented prior.  A load of ``n`` tokens moves ``bytes_per_token`` per token,
+  except on a model with sliding-window layers whose loads are window-only
+  (``local_share`` of a token's bytes in those layers, ``local_window_tokens`` the
+  window): their share moves for the last ``local_window_tokens`` loaded tokens only
+  (``load_bytes``).  L3 objects hold every layer, so storage reads move full tokens.
 * Extend (prefill) time of a batch: ``a + b*N + c*A`` with ``N`` the new tokens
   and ``A = sum(n_i * (context_i + n_i/2))`` the attended (query x key) pairs,
   so attention over a long cached context makes each new token dearer.
@@ -40,6 +44,9 @@ class CostPrior:
     prior_weight: float = 0.01
     bandwidth_ema: float = 0.3
     transfer_overhead_s: float = 50e-6  # fixed cost of one load (issue, first byte, scatter launch)
+    # window-only loads (layer groups): the windowed layers' share of a token's bytes and their window
+    local_share: float = 0.0
+    local_window_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.bytes_per_token <= 0 or self.link_bytes_per_s <= 0 or self.storage_bytes_per_s <= 0:
@@ -50,6 +57,8 @@ class CostPrior:
             raise ValueError("transfer_overhead_s must be non-negative")
         if self.window < 1 or self.prior_weight <= 0 or not 0 < self.bandwidth_ema <= 1:
             raise ValueError("window >= 1, prior_weight > 0 and 0 < bandwidth_ema <= 1 are required")
+        if not 0 <= self.local_share < 1 or self.local_window_tokens < 0 or (self.local_share > 0) != (self.local_window_tokens > 0):
+            raise ValueError("local_share in [0, 1) and local_window_tokens >= 0 are required, both set or neither")
 
 
 class _OnlineLinearModel:
@@ -178,10 +187,17 @@ class CostModel:
         self._decode = _OnlineLinearModel(self.prior.decode_coeffs, self.prior.window, self.prior.prior_weight)
 
     # -- estimates ---------------------------------------------------------
+    def load_bytes(self, tokens: int) -> float:
+        """Bytes an L2->L1 load of ``tokens`` (the end of a prefix) moves (module doc)."""
+        p = self.prior
+        if not p.local_window_tokens:
+            return tokens * self.bytes_per_token
+        return self.bytes_per_token * (tokens * (1 - p.local_share) + min(tokens, p.local_window_tokens) * p.local_share)
+
     def load_seconds(self, host_tokens: int, storage_tokens: int = 0) -> float:
         """Time to bring ``host_tokens`` L2->L1 plus ``storage_tokens`` L3->L2->L1."""
-        b = self.bytes_per_token
-        return (host_tokens + storage_tokens) * b / self.link_bytes_per_s + storage_tokens * b / self.storage_bytes_per_s
+        link = self.load_bytes(host_tokens + storage_tokens) / self.link_bytes_per_s
+        return link + storage_tokens * self.bytes_per_token / self.storage_bytes_per_s
 
     def storage_seconds(self, tokens: int) -> float:
         """Time to read ``tokens`` of KV from L3 into L2 (the L3 read alone)."""
@@ -235,7 +251,7 @@ class CostModel:
         """Record a measured load of ``tokens`` from ``tier`` ("host": L2->L1, "storage": L3->L2)."""
         if tokens <= 0 or not seconds > 0:
             return
-        bw = tokens * self.bytes_per_token / seconds
+        bw = (self.load_bytes(tokens) if tier == "host" else tokens * self.bytes_per_token) / seconds
         alpha = self.prior.bandwidth_ema
         if tier == "host":
             self.link_bytes_per_s = (1 - alpha) * self.link_bytes_per_s + alpha * bw
