@@ -234,3 +234,18 @@ def test_bubble_filling_decodes_first_and_keeps_tokens_identical():
     assert engine.scheduler.stats().decode_first_rounds > 0
     _baseline(engine)
     engine.shutdown()
+
+
+def test_shutdown_lets_a_running_request_finish_and_returns():
+    """``shutdown`` while a request runs: the request finishes within the grace period with
+    all its tokens, and shutdown returns (its close call reaches the engine thread even
+    though the thread has nothing else left to do when the request ends)."""
+    engine = Engine(EngineConfig(model="tiny", warmup=False, show_progress=False, max_batch_tokens=64, tiers="L1"))
+    sink = CollectingSink()
+    engine.submit([1, 2, 3, 4], SamplingParams(max_tokens=20, ignore_eos=True), sink=sink)
+    done = threading.Thread(target=engine.shutdown, kwargs={"grace_s": 60.0}, daemon=True)
+    done.start()
+    done.join(90)
+    assert not done.is_alive(), "shutdown hung"
+    assert sink.wait(1) and sink.error is None, sink.error
+    assert sum(len(c.token_ids) for c in sink.chunks) == 20 and sink.chunks[-1].finish_reason == "length", sink.chunks[-1]

@@ -177,6 +177,7 @@ class Engine:
         self._grammar_lock = threading.Lock()
         self._grammar_tokenizer = None  # built on the first structured request
         self._stopping = False
+        self._closed = False  # set on the engine thread by shutdown's close: then its loop ends
         self.compiles_at_warmup = 0
         self.executables_reused = 0  # step programs read back whole from the executable cache
         self.is_ready = False
@@ -431,7 +432,12 @@ class Engine:
         if self._thread is not None:
             while time.monotonic() < deadline and (self.core.has_live_requests() or self._inbox_size):
                 time.sleep(0.01)
-            self._call(lambda: self.core.close(stop))
+
+            def close() -> None:
+                self.core.close(stop)
+                self._closed = True
+
+            self._call(close)  # the loop runs until this has run, so the call cannot miss it
             self._post(lambda: None)
             self._thread.join(timeout=30)
             self._thread = None
@@ -567,7 +573,7 @@ class Engine:
         core = self.core
         while True:
             self._drain_inbox()
-            if self._stopping and not core.has_live_requests() and self._inbox.empty() and not core.has_pending_step():
+            if self._closed and self._inbox.empty() and not core.has_pending_step():
                 return
             if not self.scheduler.has_work() and not core.has_pending_step():
                 self._wake.wait(0.05)
