@@ -33,23 +33,18 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def layer_page_bytes(engine) -> int:  # noqa: ANN001
-    lay = engine.ctl.device_pool.layout
-    return 2 * lay.page_size * lay.num_kv_heads * lay.head_dim * lay.itemsize  # K and V of one layer's page
-
-
 def held_bytes(engine) -> dict:  # noqa: ANN001
-    """Device KV bytes the running requests hold: pages in use x global layers + local pages
-    pinned by running windows x local layers (layer-first: every layer of every page)."""
-    pool, ctl = engine.ctl.device_pool, engine.ctl
-    lay = pool.layout
-    used = ctl.device_alloc.num_used
-    if pool.grouped is None:
-        return {"global_pages": used, "local_pages": used, "bytes": used * lay.num_layers * layer_page_bytes(engine)}
-    local_layers = sum(pool.grouped.local_layers)
-    local = pool.local.pinned_pages
-    total = used * (lay.num_layers - local_layers) + local * local_layers
-    return {"global_pages": used, "local_pages": local, "bytes": total * layer_page_bytes(engine)}
+    """Device KV bytes the running requests hold, as ``cache_stats()["running_device_kv_bytes"]``
+    counts them (``CacheController.device_kv_bytes``: their pages' global layers plus the local
+    layers of the pages their windows pin; layer-first: every layer of every page)."""
+    core, ctl = engine.core, engine.ctl
+    live = list(core.live_requests.values())
+    local = ctl.local_pages.device if ctl.local_pages is not None else None
+    return {
+        "global_pages": sum(len(t.page_table) for t in live),
+        "local_pages": sum(local.pinned(t.request_id) for t in live) if local is not None else sum(len(t.page_table) for t in live),
+        "bytes": sum(ctl.device_kv_bytes(t.request_id, t.page_table) for t in live),
+    }
 
 
 class PeakHeld:

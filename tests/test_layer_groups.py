@@ -300,3 +300,56 @@ def test_a_load_whose_window_finds_every_local_page_pinned_gives_its_pages_back(
         engine.check_accounting()
     finally:
         engine.shutdown()
+
+
+def test_device_kv_bytes_a_running_request_holds(tmp_path):
+    """``cache_stats()["running_device_kv_bytes"]``: a running request holds every page's
+    global layers and the local layers of the pages its window still reads (``first_needed_page``
+    of the position a page before its next one, to its last page); layer-first, every layer."""
+    import threading
+
+    from strata_jax.engine.sinks import CallbackSink
+
+    make_hf_model("gemma3", tmp_path / "model", vocab_size=256)  # 4 layers, 1 global; window 16
+    layer_page = 2 * 16 * 2 * 32 * 4  # K and V, page 16, 2 KV heads, head_dim 32, float32
+    held = {}
+    for groups in (False, True):
+        engine = Engine(EngineConfig(
+            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1", page_size=16, dtype="float32",
+            device_tokens=1024, max_batch_tokens=64, max_batch_size=2, max_context_tokens=512, kv_layer_groups=groups,
+        ))  # fmt: skip
+        try:
+            ctl = engine.ctl
+            pages = ctl.alloc_device(20)
+            ctl.attach_local(pages)
+            ctl.pin_local("r", pages, next_position=300)
+            # next position 300: from the window of position 284 on, i.e. page (284 - 16 + 1) // 16 = 16
+            want = 20 * 4 * layer_page if not groups else (20 * 1 + (20 - 16) * 3) * layer_page
+            assert ctl.device_kv_bytes("r", pages) == want
+            ctl.unpin_local("r")
+            ctl.device_alloc.free(pages)
+
+            first_token, release = threading.Event(), threading.Event()
+
+            def on_chunk(chunk) -> None:  # noqa: ANN001
+                if chunk.token_ids and not first_token.is_set():
+                    first_token.set()
+                    release.wait(60)  # hold the request at its first token while the stats are read
+
+            finished = threading.Event()
+            engine.submit(list(range(1, 201)), SamplingParams(max_tokens=8, ignore_eos=True),
+                          sink=CallbackSink(on_chunk, lambda exc: finished.set()))  # fmt: skip
+            assert first_token.wait(120)
+            stats_thread_result = {}
+            reader = threading.Thread(target=lambda: stats_thread_result.update(engine.cache_stats()))
+            reader.start()
+            reader.join(60)  # the engine thread answers while the output thread holds the first token
+            release.set()
+            held[groups] = stats_thread_result["running_device_kv_bytes_by_request"]
+        finally:
+            engine.shutdown()
+    # 200 prompt tokens, decoding: 13 pages; grouped keeps 1 or 2 window pages of local KV
+    (first,) = held[False]
+    assert first["bytes"] == 13 * 4 * layer_page, held
+    (grouped,) = held[True]
+    assert grouped["bytes"] in ((13 + 2 * 3) * layer_page, (13 + 3 * 3) * layer_page), held

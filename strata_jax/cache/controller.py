@@ -301,6 +301,17 @@ class CacheController(Transfers, StorageIO, Eviction):
         if self.local_pages is not None:
             self.local_pages.device.unpin(owner)
 
+    def device_kv_bytes(self, owner: Hashable, page_table: Sequence[int]) -> int:
+        """L1 KV bytes a running request holds: its pages' global layers, plus the local layers
+        of the pages its window pins (every layer of every page without layer groups)."""
+        pages = len(page_table)
+        grouped = self.device_pool.grouped if self.device_pool is not None else None
+        if grouped is None or self.local_pages is None:
+            return pages * self.device_page_bytes
+        layer_page = self.device_page_bytes // len(grouped.local_layers)
+        local = sum(grouped.local_layers)
+        return layer_page * (pages * (len(grouped.local_layers) - local) + self.local_pages.device.pinned(owner) * local)
+
     def complete_window_end(self, pages: Sequence[int], end: int) -> int:
         """The largest ``e <= end`` whose window (the ``window_pages`` before it) has its local
         KV on the device: where a prefix of the device ``pages`` may end (``end`` without layer groups)."""

@@ -198,6 +198,10 @@ class DeviceLocalPages:
     def unpin(self, owner: Hashable) -> None:
         self.pin(owner, ())
 
+    def pinned(self, owner: Hashable) -> int:
+        """How many local pages ``owner`` pins."""
+        return len(self._pins.get(owner, ()))
+
     def move(self, src: int, dst: int) -> None:
         """The tree kept page ``dst`` for the tokens of ``src`` (a duplicate about to be freed):
         if only ``src`` has local KV, it becomes ``dst``'s, with its pins."""

@@ -31,11 +31,16 @@ def cache_stats(engine: Engine) -> dict[str, Any]:
     s = core.scheduler.stats()
     c = ctl.stats()
     device = engine.executor.device
+    held = {str(t.request_id): ctl.device_kv_bytes(t.request_id, t.page_table) for t in core.live_requests.values()}
     transfer_compiles = ctl.device_pool.compile_count if ctl.device_pool is not None else 0
     return {
         "device_pool": {"used_pages": c["device_pages"] - c["device_free_pages"], "total_pages": c["device_pages"], "page_size": engine.page_size},
         "host_pool": {"used_pages": c["host_pages"] - c["host_free_pages"], "total_pages": c["host_pages"]},
         "locked_nodes": core.locked_nodes(),
+        # L1 KV bytes the running requests hold (with layer groups: only their windows' local layers);
+        # per request as a list, so /metrics exports the sum and not one series per request
+        "running_device_kv_bytes": sum(held.values()),
+        "running_device_kv_bytes_by_request": [{"request_id": r, "bytes": b} for r, b in held.items()],
         "hit_tokens": dict(s.hit_tokens),
         "recomputed_tokens": s.recomputed_prompt_tokens,
         "load_or_recompute": {"requests": s.load_or_recompute_recomputed, "tokens": s.load_or_recompute_tokens},
