@@ -353,3 +353,42 @@ def test_device_kv_bytes_a_running_request_holds(tmp_path):
     assert first["bytes"] == 13 * 4 * layer_page, held
     (grouped,) = held[True]
     assert grouped["bytes"] in ((13 + 2 * 3) * layer_page, (13 + 3 * 3) * layer_page), held
+
+
+def test_l2_with_layer_groups_holds_more_documents_in_the_same_bytes(tmp_path):
+    """``--kv-host-local-ratio 0.25`` on a model with 3 of 4 layers windowed: a host page
+    costs 1/4 + 3/4 x 1/4 of a full one, so the same L2 bytes hold 73 pages instead of 32.
+    Six documents of 7 pages asked in turn (two rounds, L1 holds two): the layer-first L2
+    cannot keep them all and recomputes, the grouped one serves every second question from
+    L2, its small local pool keeping the window before each document's end; same tokens."""
+    make_hf_model("gemma3", tmp_path / "model", vocab_size=256)
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    rng = np.random.default_rng(21)
+    docs = [rng.integers(0, 256, size=112).tolist() for _ in range(6)]  # 7 pages each
+    rounds = [[d + rng.integers(0, 256, size=4).tolist() for d in docs] for _ in range(2)]
+    results, stats = {}, {}
+    for groups in (False, True):
+        engine = Engine(EngineConfig(
+            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1+L2", page_size=16,
+            device_tokens=256, hicache_ratio=2.0, max_batch_tokens=64, max_batch_size=1, max_context_tokens=192,
+            kv_layer_groups=groups, kv_host_local_ratio=0.25 if groups else None,
+        ))  # fmt: skip
+        try:
+            outs = [engine.generate([p], greedy)[0] for prompts in rounds for p in prompts]
+            engine.check_accounting()
+            ctl = engine.ctl
+            stats[groups] = {
+                "host_pages": ctl.host_alloc.num_pages,
+                "host_bytes": ctl.host_pool.nbytes,
+                "second_round_host_hits": sum(o.cached_tokens["host"] for o in outs[6:]),
+                "local_host_evicted": ctl.host_pool.local.evicted if groups else 0,
+            }
+        finally:
+            engine.shutdown()
+        results[groups] = [o.token_ids for o in outs]
+    assert results[True] == results[False]
+    first, grouped = stats[False], stats[True]
+    assert first["host_pages"] == 32 and grouped["host_pages"] == 73, stats
+    assert grouped["host_bytes"] <= first["host_bytes"], stats
+    assert grouped["second_round_host_hits"] == 6 * 112 > first["second_round_host_hits"], stats
+    assert grouped["local_host_evicted"] > 0, stats

@@ -50,7 +50,8 @@ from strata_jax.cache.allocator import PageAllocator
 from strata_jax.cache.config import CacheConfig
 from strata_jax.cache.eviction import Eviction
 from strata_jax.cache.handles import CacheError, CacheFullError, PrefetchHandle, TransferHandle, TransferTimer
-from strata_jax.cache.local_pages import LocalPagesFull, TreeLocalPages, first_needed_page
+from strata_jax.cache.host_grouped import GroupedHostPool, grouped_host_page_bytes
+from strata_jax.cache.local_pages import DeviceLocalPages, LocalPagesFull, TreeLocalPages, first_needed_page
 from strata_jax.cache.radix_tree import HiRadixTree, InsertResult, PrefixMatch, TreeNode
 from strata_jax.cache.storage import StorageBackend, make_storage
 from strata_jax.cache.storage_io import StorageIO
@@ -81,8 +82,9 @@ class CacheController(Transfers, StorageIO, Eviction):
     ``grouped``: the L1 pool has layer groups (``DevicePool``); ``local_window``: the
     sliding window of its local layers.  Their KV is then trimmed lazily
     (``local_pages.DeviceLocalPages``: requests ``attach_local`` the pages they write and
-    ``pin_local`` their windows), L2 pages record whether they hold it, loads move only
-    the window a match end needs, and matches end where a window is complete
+    ``pin_local`` their windows), L2 is a ``GroupedHostPool`` whose local-layer pages are
+    ``host_local_ratio`` of its pages (so it holds more pages for the same bytes), loads
+    move only the window a match end needs, and matches end where a window is complete
     (``tree_window``).
     """
 
@@ -99,6 +101,7 @@ class CacheController(Transfers, StorageIO, Eviction):
         page_bytes: int | None = None,
         grouped: GroupedPoolLayout | None = None,
         local_window: int = 0,
+        host_local_ratio: float = 1.0,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -118,9 +121,12 @@ class CacheController(Transfers, StorageIO, Eviction):
         self._timer = timer
         self.tree = HiRadixTree(config.page_size, config.kv_identity)
         self.device_alloc = PageAllocator(config.num_device_pages, "device")
-        self.host_alloc = PageAllocator(
-            config.num_host_pages(self.page_bytes or None, self.device_page_bytes or None), "host"
-        )
+        windowed = self.move_data and grouped is not None and any(grouped.local_layers) and not all(grouped.local_layers)
+        host_page_bytes = self.page_bytes or None
+        if windowed and host_page_bytes:  # L2 with layer groups: a page holds a share of the local layers' KV
+            local_share = sum(grouped.local_layers) / len(grouped.local_layers)  # type: ignore[union-attr]
+            host_page_bytes = max(1, int(grouped_host_page_bytes(self.page_bytes, local_share, host_local_ratio)))
+        self.host_alloc = PageAllocator(config.num_host_pages(host_page_bytes, self.device_page_bytes or None), "host")
         self.device_pool = None
         self.host_pool = None
         self.local_pages: TreeLocalPages | None = None  # a pool with layer groups: where local KV is
@@ -136,9 +142,16 @@ class CacheController(Transfers, StorageIO, Eviction):
             if grouped is not None and any(grouped.local_layers):
                 if local_window <= 0:
                     raise CacheError("a pool with sliding-window layers needs their window (local_window)")
-                self.local_pages = TreeLocalPages(local_window, self.page_size, self.device_pool.local, self.host_alloc.num_pages)  # type: ignore[arg-type]
+                host_local = DeviceLocalPages(0, 0)  # no L2: no host page has local KV
+                if self.host_alloc.num_pages and windowed:
+                    self.host_pool = GroupedHostPool(
+                        layout, self.host_alloc.num_pages, self.tier_format, grouped.local_layers, host_local_ratio,  # type: ignore[arg-type]
+                    )
+                    self.host_alloc.listener = self.host_pool
+                    host_local = self.host_pool.local
+                self.local_pages = TreeLocalPages(local_window, self.page_size, self.device_pool.local, host_local)  # type: ignore[arg-type]
                 self.tree.local_pages = self.local_pages
-            if self.host_alloc.num_pages:
+            if self.host_alloc.num_pages and self.host_pool is None:
                 self.host_pool = HostPool(layout, self.host_alloc.num_pages, self.tier_format)  # type: ignore[arg-type]
         self.storage: StorageBackend | None = None
         if config.has_storage:
@@ -383,6 +396,9 @@ class CacheController(Transfers, StorageIO, Eviction):
         if self.device_pool is not None and self.device_pool.local is not None:
             free = set(self.device_alloc.free_pages())
             self.device_pool.local.check(p for p in range(self.device_alloc.num_pages) if p not in free)
+        if isinstance(self.host_pool, GroupedHostPool):
+            free = set(self.host_alloc.free_pages())
+            self.host_pool.check([p for p in range(self.host_alloc.num_pages) if p not in free])
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {

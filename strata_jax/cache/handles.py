@@ -78,6 +78,10 @@ class PrefetchHandle(TransferHandle):
     finished: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
     future: Future | None = None
+    # L2 with layer groups: the local host page of each host page (or NO_LOCAL_PAGE), and
+    # the host pages whose objects were global-only (their local pages go back at settle time)
+    local_slots: list[int] = field(default_factory=list)
+    global_only: list[int] = field(default_factory=list)
 
 
 class TransferTimer(Protocol):

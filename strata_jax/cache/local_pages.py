@@ -89,6 +89,8 @@ class LocalPagesFull(RuntimeError):
 
 class DeviceLocalPages:
     """L1 local pages of a pool with layer groups, trimmed lazily (docs/models.md, "Trimming").
+    The L2 of such a pool (``GroupedHostPool``) keeps its local pages with the same
+    bookkeeping, over host page ids.
 
     A global page gets a local page when something will read or write its local-layer KV
     (``attach``: a request's new pages, a load's window pages), and gives it back when the
@@ -198,6 +200,19 @@ class DeviceLocalPages:
     def unpin(self, owner: Hashable) -> None:
         self.pin(owner, ())
 
+    def evictable_pages(self) -> list[int]:
+        """Attached pages no owner pins, least recently attached or released first."""
+        return list(self._evictable)
+
+    def evict(self, global_ids: Sequence[int]) -> None:
+        """Trim the local pages of ``global_ids`` (evictable ones) for room; counted in ``evicted``."""
+        if any(g not in self._evictable for g in global_ids):
+            raise ValueError("evict: a page that is not evictable")
+        for g in global_ids:
+            del self._evictable[g]
+        self._drop(list(global_ids))
+        self.evicted += len(global_ids)
+
     def pinned(self, owner: Hashable) -> int:
         """How many local pages ``owner`` pins."""
         return len(self._pins.get(owner, ()))
@@ -249,20 +264,19 @@ class DeviceLocalPages:
 
 class TreeLocalPages:
     """``tree_window.LocalPages`` of a controller whose L1 pool has layer groups: L1 from its
-    ``DeviceLocalPages``, L2 from one flag per host page (``host[p]``: set when a backup or an
-    L3 read wrote page ``p`` with its local-layer KV)."""
+    ``DeviceLocalPages``, L2 from the ``GroupedHostPool``'s (host page ids; empty without L2)."""
 
-    def __init__(self, window: int, page_size: int, device: DeviceLocalPages, host_pages: int) -> None:
+    def __init__(self, window: int, page_size: int, device: DeviceLocalPages, host: DeviceLocalPages) -> None:
         self.window = window
         self.window_pages = window_pages_for(window, page_size)
         self.device = device
-        self.host = bytearray(host_pages)
+        self.host = host
 
     def on_device(self, page_id: int) -> bool:
         return self.device.has(page_id)
 
     def on_host(self, page_id: int) -> bool:
-        return bool(self.host[page_id])
+        return self.host.has(page_id)
 
 
 class TieredLocalPages:

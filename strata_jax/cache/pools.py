@@ -24,12 +24,16 @@ which page belongs to whom is the allocators' and the tree's business.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pallas_kernels.layout import GroupedPoolLayout, KVLayout
 from strata_jax.cache.local_pages import DeviceLocalPages
 from strata_jax.cache.tier_format import TierFormat
+
+if TYPE_CHECKING:
+    from strata_jax.cache.host_grouped import GroupedHostPool
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -90,6 +94,20 @@ class HostPool:
             raise ValueError(f"tier format {pool.format.name} {'needs' if pool.format.quantized else 'takes no'} scales")
         pool.scales = scales
         return pool
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    def read_layers(self, pages: Sequence[int], layers: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``layers`` of ``pages`` into ``out[:n]`` (a device pool with layer groups loads its
+        global and local layers apart)."""
+        out[: len(pages)] = self.data[np.ix_(np.asarray(pages, np.int64), layers)]
+        return out
+
+    def read_layer_scales(self, pages: Sequence[int], layers: np.ndarray, out: np.ndarray) -> np.ndarray:
+        out[: len(pages)] = self.scales[np.ix_(np.asarray(pages, np.int64), layers)]  # type: ignore[index]
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -377,7 +395,7 @@ class DevicePool:
         return self.compile_count - before
 
     def load_from_host(
-        self, host: HostPool, host_pages: Sequence[int], page_ids: Sequence[int], *, chunk_pages: int,
+        self, host: HostPool | GroupedHostPool, host_pages: Sequence[int], page_ids: Sequence[int], *, chunk_pages: int,
         with_local: Sequence[bool] | None = None,
     ) -> list:
         """Pipelined coalesced load of host pages ``host_pages`` into device pages ``page_ids``.
@@ -419,7 +437,7 @@ class DevicePool:
         return arrays
 
     def _load_layers(
-        self, host: HostPool, host_pages: list[int], page_ids: list[int], layers: np.ndarray | None, chunk_pages: int,
+        self, host: HostPool | GroupedHostPool, host_pages: list[int], page_ids: list[int], layers: np.ndarray | None, chunk_pages: int,
         *, count_pages: bool = True,
     ) -> list:
         """``load_from_host``'s chunks, of every layer or (a pool with layer groups) of ``layers`` only."""
@@ -430,20 +448,20 @@ class DevicePool:
             rows = min(chunk_pages, len(page_ids) - start)
             size = bucket(rows)
             shape = self.layout.page_first_shape(size)
-            staging = np.empty((size, num_layers, *shape[2:]), dtype=host.data.dtype)
+            staging = np.empty((size, num_layers, *shape[2:]), dtype=host.dtype)
             pages = host_pages[start : start + rows]
             if layers is None:
-                host.read(pages, out=staging)
+                host.read(pages, out=staging)  # type: ignore[call-arg]
             else:
-                staging[:rows] = host.data[np.ix_(pages, layers)]
+                host.read_layers(pages, layers, out=staging)
             staging[rows:] = 0
             scales = None
             if quantized:  # a few bytes per page: one small copy beside the values
-                scales = np.ones((size, num_layers, *host.scales.shape[2:]), np.float32)  # type: ignore[union-attr]
+                scales = np.ones((size, num_layers, 2, self.layout.num_kv_heads), np.float32)
                 if layers is None:
-                    host.read_scales(pages, out=scales)
+                    host.read_scales(pages, out=scales)  # type: ignore[call-arg]
                 else:
-                    scales[:rows] = host.scales[np.ix_(pages, layers)]  # type: ignore[index]
+                    host.read_layer_scales(pages, layers, out=scales)
             arrays.append(self.load_tier(staging, scales, page_ids[start : start + rows], layers))
             self.moved["loaded_pages"] += rows if count_pages else 0
             self.moved["loaded_bytes"] += rows * (staging.nbytes + (scales.nbytes if scales is not None else 0)) // size

@@ -33,6 +33,7 @@ import numpy as np
 
 from strata_jax.cache.handles import PrefetchHandle, TransferHandle, land_at
 from strata_jax.cache.hashing import chain_hashes
+from strata_jax.cache.host_grouped import GroupedHostPool
 from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
 from strata_jax.cache.tier_format import GLOBAL_ONLY
 
@@ -215,6 +216,12 @@ class StorageIO:
             deadline=now + self.config.prefetch_timeout_base_s + n * self.config.prefetch_timeout_per_page_s,
         )
         self._prefetch_reserved.update(host_pages)
+        if isinstance(self.host_pool, GroupedHostPool):
+            # the objects' local-layer KV lands in local host pages pinned for the read; those of
+            # objects flagged global-only go back when it settles
+            self._attach_host_local(host_pages, tail=host_pages[-(self.local_pages.window_pages + 1) :])  # type: ignore[attr-defined, union-attr]
+            self.host_pool.local.pin(('prefetch', id(handle)), host_pages)
+            handle.local_slots = self.host_pool.local.local_ids(np.asarray(host_pages)).tolist()
         if self.move_data:
             handle.future = self._executor.submit(self._prefetch_worker, handle)  # type: ignore[union-attr]
             handle._is_finished = handle.future.done
@@ -250,7 +257,8 @@ class StorageIO:
         pool = self.host_pool
         fmt, layout = self.tier_format, self.layout
         shape = layout.page_first_shape(1)[1:]  # type: ignore[union-attr]
-        dtype = pool.data.dtype  # type: ignore[union-attr]
+        dtype = pool.dtype  # type: ignore[union-attr]
+        scale_shape = (layout.num_layers, 2, layout.num_kv_heads)  # type: ignore[union-attr]
         value_bytes = fmt.value_bytes(layout)  # type: ignore[union-attr]
         for s in range(0, len(handle.keys), chunk):
             if handle.cancel.is_set():
@@ -282,11 +290,18 @@ class StorageIO:
                     handle.missed = True
                     return
                 host_page = handle.host_pages[s + i]
-                pool.data[host_page] = np.frombuffer(page[:value_bytes], dtype=dtype).reshape(shape)  # type: ignore[union-attr]
+                values = np.frombuffer(page[:value_bytes], dtype=dtype).reshape(shape)
                 if scales is not None:
-                    pool.scales[host_page] = scales.reshape(pool.scales.shape[1:])  # type: ignore[union-attr]
-                if self.local_pages is not None:
-                    self.local_pages.host[host_page] = not flags & GLOBAL_ONLY
+                    scales = scales.reshape(scale_shape)
+                if isinstance(pool, GroupedHostPool):
+                    with_local = not flags & GLOBAL_ONLY
+                    pool.write_slot(host_page, handle.local_slots[s + i], values, scales, with_local)
+                    if not with_local:
+                        handle.global_only.append(host_page)
+                else:
+                    pool.data[host_page] = values  # type: ignore[union-attr]
+                    if scales is not None:
+                        pool.scales[host_page] = scales  # type: ignore[union-attr]
                 handle.landed = s + i + 1
 
     def finish_prefetch(self, handle: PrefetchHandle) -> int:
@@ -348,6 +363,10 @@ class StorageIO:
         if handle.missed:  # the backend lost objects since it was probed: probe afresh
             self._probe_memo.clear()
         self._prefetch_reserved.difference_update(handle.host_pages)
+        if isinstance(self.host_pool, GroupedHostPool):  # the worker is done with the local host pages
+            local = self.host_pool.local
+            local.unpin(('prefetch', id(handle)))
+            local.detach(handle.global_only)
         to_free = list(handle.host_pages[landed:])
         if landed:
             res = self.tree.insert(

@@ -27,6 +27,7 @@ import numpy as np
 
 from strata_jax.cache.handles import CacheError, CacheFullError, PrefetchHandle, TransferHandle, await_arrays, land_at
 from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
+from strata_jax.cache.tree_window import host_window_pages
 
 
 class Transfers:
@@ -47,9 +48,11 @@ class Transfers:
         n = len(dev_pages)
         keys = self.tree.page_hashes(node) if self.storage is not None else None
         self.tree.lock(node)  # host pages are being written: no eviction until done
-        if self.local_pages is not None:  # what the host page will hold; no local page changes before the
-            for d, h in zip(dev_pages, host_pages):  # gather (attach_local and eviction flush it first)
-                self.local_pages.host[h] = self.local_pages.on_device(d)
+        if self.local_pages is not None and self.host_pool is not None:
+            # the host pages of device pages with local KV get local host pages; the landing writes
+            # those still attached then (no device local page changes before the gather:
+            # attach_local and eviction flush it first)
+            self._attach_host_local([h for d, h in zip(dev_pages, host_pages) if self.local_pages.on_device(d)])
         handle = TransferHandle("backup", None, n, n * self.page_bytes, self._clock())
         if self.move_data:
             self._backup_queue.append((handle, node, dev_pages, host_pages, keys))
@@ -71,6 +74,16 @@ class Transfers:
         self.counters["backed_up_pages"] += n
         self.counters["backed_up_bytes"] += handle.nbytes
         return handle
+
+    def _attach_host_local(self, host_pages: Sequence[int], tail: Sequence[int] = ()) -> None:
+        """Local host pages for ``host_pages`` (L2 with layer groups), the windows before the
+        tree's leaves and branch points (and ``tail``, pages not in the tree yet) first."""
+        pool = self.host_pool
+        if len(host_pages) <= pool.local.map.free_pages:  # type: ignore[union-attr]
+            pool.attach_local(host_pages)  # type: ignore[union-attr]
+            return
+        windows = host_window_pages(self.tree.iter_nodes(), self.local_pages.window_pages + 1)  # type: ignore[union-attr]
+        pool.attach_local(host_pages, windows | set(tail))  # type: ignore[union-attr]
 
     def flush_backups(self) -> None:
         """Dispatch the queued backups' device gathers: their pages end to end, one gather

@@ -29,7 +29,7 @@ the ends of cached sequences and of their shared prefixes (what the controller k
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 # Where a page's local-layer KV is, per page along a match path.
@@ -93,3 +93,26 @@ def window_match(local: Sequence[int], device_pages: int, window_pages: int) -> 
         return device, 0
     host = next((e for e in range(total, device_pages, -1) if valid(e)), device_pages)
     return device, host - device_pages
+
+
+def host_window_pages(nodes: Iterable[TreeNodeLike], pages: int) -> set[int]:
+    """Host pages inside the last ``pages`` pages before a point where a match can end: a
+    leaf or a branch point (a node with no child or with several).  L2 keeps their local
+    KV first (``GroupedHostPool.attach_local``).  The window runs up the path into the
+    parents' host pages; it stops at a page with no host copy."""
+    keep: set[int] = set()
+    for node in nodes:
+        if node.host is None or len(node.children) == 1:
+            continue
+        need, x = pages, node
+        while x is not None and x.host is not None and need > 0:
+            keep.update(x.host[-need:])
+            need -= len(x.host)
+            x = x.parent
+    return keep
+
+
+class TreeNodeLike(Protocol):
+    host: list[int] | None
+    children: dict
+    parent: TreeNodeLike | None

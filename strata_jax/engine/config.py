@@ -100,6 +100,12 @@ class EngineConfig:
         save device memory.  Default 1.0 (every page can keep its local KV, nothing is
         trimmed for room).  Too small for the running requests' windows, a step fails its
         requests with "out of device KV memory".
+    kv_host_local_ratio: with ``kv_layer_groups``, L2's share of host pages that can keep
+        their sliding-window layers' KV, in (0, 1]; the rest hold their full-attention
+        layers' KV only, so L2 holds more pages in the same bytes (``hicache_ratio`` x
+        L1's pages at full width).  A reuse needs that KV only in the window before where it
+        starts; pages without it are evicted least recently written first.  Default: the
+        same as ``kv_local_ratio``.
     pipeline: overlap the host and the device (default): step N+1 is scheduled and
         dispatched while step N runs, and N's tokens are read after; stop rules that need
         a token's value apply one step late (a token computed past a stop is discarded).
@@ -154,6 +160,7 @@ class EngineConfig:
     scan_layers: bool = True
     kv_layer_groups: bool = False
     kv_local_ratio: float = 1.0
+    kv_host_local_ratio: float | None = None
     pipeline: bool = True
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
@@ -190,6 +197,12 @@ class EngineConfig:
             raise InvalidRequestError(f"EngineConfig.kv_local_ratio must be in (0, 1], got {ratio!r}")
         if ratio != 1 and not self.kv_layer_groups:
             raise InvalidRequestError("EngineConfig.kv_local_ratio needs kv_layer_groups=True")
+        host_ratio = self.kv_host_local_ratio
+        if host_ratio is not None:
+            if isinstance(host_ratio, bool) or not isinstance(host_ratio, (int, float)) or not 0 < host_ratio <= 1:
+                raise InvalidRequestError(f"EngineConfig.kv_host_local_ratio must be in (0, 1], got {host_ratio!r}")
+            if not self.kv_layer_groups:
+                raise InvalidRequestError("EngineConfig.kv_host_local_ratio needs kv_layer_groups=True")
         if self.max_batch_tokens <= self.max_batch_size:
             raise InvalidRequestError("EngineConfig.max_batch_tokens must exceed max_batch_size")
         chunk = str(self.prefill_chunk)

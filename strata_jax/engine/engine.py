@@ -120,7 +120,10 @@ class Engine:
             grouped = grouped_pool_layout(loaded.config, layout, cache_config.num_device_pages, config.kv_local_ratio)
             _check_local_pages(grouped, loaded.config, config, self.page_size)
         local_window = max(loaded.config.layer_windows, default=0)
-        self.ctl = CacheController(cache_config, layout, device=pool_device, grouped=grouped, local_window=local_window)
+        host_local_ratio = config.kv_local_ratio if config.kv_host_local_ratio is None else config.kv_host_local_ratio
+        self.ctl = CacheController(
+            cache_config, layout, device=pool_device, grouped=grouped, local_window=local_window, host_local_ratio=host_local_ratio
+        )
         self.runner = ModelRunner(
             loaded.model,
             RunnerConfig(
