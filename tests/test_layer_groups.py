@@ -392,3 +392,38 @@ def test_l2_with_layer_groups_holds_more_documents_in_the_same_bytes(tmp_path):
     assert grouped["host_bytes"] <= first["host_bytes"], stats
     assert grouped["second_round_host_hits"] == 6 * 112 > first["second_round_host_hits"], stats
     assert grouped["local_host_evicted"] > 0, stats
+
+
+@pytest.mark.parametrize("admission", [True, False], ids=["local_room_admission", "without_it"])
+def test_concurrent_requests_on_a_local_pool_for_one_window(tmp_path, admission):
+    """Six requests at once on 6 local pages (one request's window and chunk): the scheduler
+    starts only what the local pages can hold (``new_request_room``), so every request
+    finishes with the layer-first engine's tokens.  Without that admission the running
+    windows pin every local page and steps fail with "out of device KV memory"."""
+    make_hf_model("gemma3", tmp_path / "model", vocab_size=256)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    rng = np.random.default_rng(31)
+    prompts = [rng.integers(0, 256, size=60).tolist() for _ in range(6)]
+    results = {}
+    for groups in (False, True):
+        engine = Engine(EngineConfig(
+            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1", page_size=16,
+            device_tokens=1024, max_batch_tokens=64, max_batch_size=4, max_context_tokens=256,
+            kv_layer_groups=groups, kv_local_ratio=0.1 if groups else 1.0,
+        ))  # fmt: skip
+        try:
+            if groups:
+                assert engine.ctl.device_pool.local.num_pages == 6
+                if not admission:
+                    engine.ctl.new_request_room = lambda step_tokens: None
+            try:
+                results[groups] = [o.token_ids for o in engine.generate(prompts, params)]
+            except Exception as exc:  # noqa: BLE001 - the run without admission
+                results[groups] = exc
+            engine.check_accounting()
+        finally:
+            engine.shutdown()
+    if admission:
+        assert results[True] == results[False]
+    else:
+        assert isinstance(results[True], Exception) and "out of device KV memory" in str(results[True]), results[True]

@@ -273,3 +273,23 @@ def test_one_round_matches_at_most_max_lookahead_queued_requests() -> None:
     assert sched.schedule(cache).prefill_ids == ("r0",)
     assert cache.match_calls <= 2
     assert sched.queue_order() == ("r1", "r2", "r3", "r4")
+
+
+def test_the_caches_request_room_bounds_new_starts() -> None:
+    """``CacheView.new_request_room`` (an engine with sliding-window layers: local pages
+    for the windows) caps how many requests start in a round, under max_running_requests."""
+    sched = Scheduler(SchedulerConfig(max_batch_tokens=1000, max_prefill_batch_size=8, max_running_requests=8))
+    cache = FakeCache(request_room=1)
+    for i in range(4):
+        sched.submit(f"r{i}", toks(i + 1, 50))
+    plan = sched.schedule(cache)
+    assert [i.request_id for i in plan.prefill] == ["r0"]
+    execute(plan, sched, cache, max_new_tokens=3)
+    cache.request_room = 0
+    assert not sched.schedule(cache).prefill  # no room while r0 runs: none (r0 decodes)
+    cache.request_room = 2
+    plan = sched.schedule(cache)
+    assert [i.request_id for i in plan.prefill] == ["r1", "r2"]
+    cache.request_room = None  # no cache limit: max_running_requests alone
+    execute(plan, sched, cache, max_new_tokens=3)
+    assert [i.request_id for i in sched.schedule(cache).prefill] == ["r3"]

@@ -314,6 +314,17 @@ class CacheController(Transfers, StorageIO, Eviction):
         if self.local_pages is not None:
             self.local_pages.device.unpin(owner)
 
+    def new_request_room(self, step_tokens: int) -> int | None:
+        """Requests that may start running now for the local-layer pages (layer groups; None
+        without): each pins its window plus the page it writes (``window_pages + 2``), after
+        room for one prefill step of ``step_tokens``; 1 when no page is pinned (the engine
+        refuses a ratio too small for one request's window and chunk)."""
+        if self.local_pages is None:
+            return None
+        local = self.local_pages.device
+        room = max(0, (local.room - -(-step_tokens // self.page_size)) // (self.local_pages.window_pages + 2))
+        return max(room, 1) if local.pinned_pages == 0 else room
+
     def device_kv_bytes(self, owner: Hashable, page_table: Sequence[int]) -> int:
         """L1 KV bytes a running request holds: its pages' global layers, plus the local layers
         of the pages its window pins (every layer of every page without layer groups)."""

@@ -76,3 +76,6 @@ class EngineCacheView:
 
     def evictable_device_tokens(self) -> int:
         return self.ctl.evictable_device_tokens()
+
+    def new_request_room(self, step_tokens: int) -> int | None:
+        return self.ctl.new_request_room(step_tokens)

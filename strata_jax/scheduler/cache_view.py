@@ -89,6 +89,14 @@ class CacheView(Protocol):
         """Device (L1) tokens allocatable right now without evicting anything."""
         ...
 
+    def new_request_room(self, step_tokens: int) -> int | None:
+        """How many more requests may start running now, for device memory the token counts
+        do not show (a model with sliding-window layers: the local-layer pages their windows
+        pin), leaving room for a prefill step of ``step_tokens``; None: no such limit.  At
+        least 1 once nothing holds that memory (requests that just finished may still hold
+        it for a round), so a queue never waits forever."""
+        ...
+
     def evictable_device_tokens(self) -> int:
         """Device tokens held by unlocked tree nodes that eviction to L2 could free.
 

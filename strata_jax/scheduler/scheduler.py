@@ -130,7 +130,7 @@ class Scheduler:
             page_size=ps,
             cost=self.cost,
             loading_bound_ratio=cfg.loading_bound_ratio,
-            new_room=None if cfg.max_running_requests is None else max(0, cfg.max_running_requests - self.num_running),
+            new_room=self._new_room(cache),
         )
         continuing = [
             r for r in self._requests.values()
@@ -193,6 +193,16 @@ class Scheduler:
             est_prefill_s=est_prefill,
             est_decode_s=est_decode,
         )
+
+    def _new_room(self, cache: CacheView) -> int | None:
+        """Requests that may start running this round: under ``max_running_requests`` and
+        the cache's own limit (``CacheView.new_request_room``)."""
+        cfg = self.config
+        rooms = [] if cfg.max_running_requests is None else [max(0, cfg.max_running_requests - self.num_running)]
+        local = cache.new_request_room(cfg.max_batch_tokens)
+        if local is not None:
+            rooms.append(local)
+        return min(rooms) if rooms else None
 
     def _classify(self, rid: str, cache: CacheView) -> Candidate | None:
         """This round's candidate for a queued request, or None if the delay-hit rule defers it."""

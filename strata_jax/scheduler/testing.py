@@ -22,6 +22,7 @@ class FakeCache:
     page_size: int = 1
     free_tokens: int = 1 << 30
     evictable_tokens: int = 0
+    request_room: int | None = None  # new_request_room (None: no limit)
     ready: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (ns, tokens, tier)
     transient: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)  # owner -> (ns, tokens)
     pending: set[str] = field(default_factory=set)
@@ -61,6 +62,9 @@ class FakeCache:
 
     def evictable_device_tokens(self) -> int:
         return self.evictable_tokens
+
+    def new_request_room(self, step_tokens: int) -> int | None:
+        return self.request_room
 
     # -- what the engine/tree would do -------------------------------------
     def add_ready(self, tokens: list[int] | tuple[int, ...], tier: str = "device", namespace: str = "") -> None:
