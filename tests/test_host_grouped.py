@@ -148,3 +148,26 @@ def test_window_pages_are_those_before_leaves_and_branch_points():
                 x = x.parent
             want.update(path[-k:])
         assert host_window_pages(nodes[1:], k) == want
+
+
+@pytest.mark.parametrize("fmt", ["full", "int8"])
+def test_writing_each_group_apart_is_writing_the_pages(fmt):
+    """A backup into this pool gathers the global layers of every page and the local ones
+    of the pages with a local host page, and writes each group apart."""
+    rng = np.random.default_rng(3)
+    tier = TierFormat.resolve(fmt, "float32")
+    values, scales = _pages(rng, fmt, 5)
+    pages = [4, 1, 7, 0, 9]
+    whole, apart = (GroupedHostPool(LAYOUT, 10, tier, LOCAL, local_ratio=0.3) for _ in range(2))
+    for pool in (whole, apart):
+        pool.attach_local([7, 9])
+    whole.write(pages, values, scales)
+    apart.write_layers(pages, GLOBAL_LAYERS, values[:, GLOBAL_LAYERS], None if scales is None else scales[:, GLOBAL_LAYERS])
+    apart.write_layers(
+        [7, 0, 9], LOCAL_LAYERS, values[[2, 3, 4]][:, LOCAL_LAYERS],
+        None if scales is None else scales[[2, 3, 4]][:, LOCAL_LAYERS],
+    )  # page 0 has no local host page: skipped
+    np.testing.assert_array_equal(apart.read(pages).view(np.uint8), whole.read(pages).view(np.uint8))
+    assert [apart.has_local(p) for p in pages] == [False, False, True, False, True]
+    if scales is not None:
+        np.testing.assert_array_equal(apart.read_scales(pages), whole.read_scales(pages))

@@ -211,7 +211,12 @@ def test_trimmed_pages_reach_l2_and_l3_as_global_only(tmp_path):
         ctl = grouped.ctl
         pages = ctl.page_table(doc)
         ctl.local_pages.device.detach(pages[:6])  # trimmed: only the last two pages keep local KV
+        before = dict(ctl.device_pool.moved)
         grouped.flush_cache("device")  # write-back to L2
+        # the device->host copy moved 8 pages' global layer (1 of 4) and 2 pages' local layers
+        moved = {k: ctl.device_pool.moved[k] - before[k] for k in before}
+        assert moved["backed_up_pages"] == 8
+        assert moved["backed_up_bytes"] == ctl.page_bytes * (8 * 1 + 2 * 3) // 4, moved
         host_pages = [p for node in ctl.tree.iter_nodes() if node.host for p in node.host]
         assert sorted(ctl.local_pages.on_host(p) for p in host_pages) == [False] * 6 + [True] * 2
         grouped.flush_cache("host")  # write-back to L3
@@ -427,3 +432,15 @@ def test_concurrent_requests_on_a_local_pool_for_one_window(tmp_path, admission)
         assert results[True] == results[False]
     else:
         assert isinstance(results[True], Exception) and "out of device KV memory" in str(results[True]), results[True]
+
+
+def test_a_model_whose_every_layer_is_windowed_hits_every_tier(tmp_path):
+    """Mistral with a sliding window on every layer: no global layer at all.  With layer
+    groups (and their L2) every tier still hits and gives the layer-first engine's tokens."""
+    from test_engine_kernels import assert_tiers_agree, tier_tokens
+
+    make_hf_model("mistral_window", tmp_path / "model", vocab_size=256)
+    model = str(tmp_path / "model")
+    layer_first = tier_tokens("auto", str(tmp_path / "kv0"), model=model)
+    grouped = tier_tokens("auto", str(tmp_path / "kv1"), model=model, kv_layer_groups=True, kv_local_ratio=0.5)
+    assert_tiers_agree(grouped["tiers"], layer_first["tiers"]["cold"][0])

@@ -121,7 +121,7 @@ class CacheController(Transfers, StorageIO, Eviction):
         self._timer = timer
         self.tree = HiRadixTree(config.page_size, config.kv_identity)
         self.device_alloc = PageAllocator(config.num_device_pages, "device")
-        windowed = self.move_data and grouped is not None and any(grouped.local_layers) and not all(grouped.local_layers)
+        windowed = self.move_data and grouped is not None and any(grouped.local_layers)
         host_page_bytes = self.page_bytes or None
         if windowed and host_page_bytes:  # L2 with layer groups: a page holds a share of the local layers' KV
             local_share = sum(grouped.local_layers) / len(grouped.local_layers)  # type: ignore[union-attr]

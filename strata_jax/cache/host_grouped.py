@@ -47,8 +47,8 @@ class GroupedHostPool:
     ) -> None:
         from strata_jax.cache.pools import numpy_dtype
 
-        if len(local_layers) != layout.num_layers or not any(local_layers) or all(local_layers):
-            raise ValueError("a grouped host pool needs both global and local layers, one kind per layer")
+        if len(local_layers) != layout.num_layers or not any(local_layers):
+            raise ValueError("a grouped host pool needs one layer kind per layer, some of them local")
         if not 0 < local_ratio <= 1:
             raise ValueError(f"local_ratio must be in (0, 1], got {local_ratio}")
         self.layout, self.num_pages, self.format = layout, num_pages, tier_format
@@ -134,6 +134,25 @@ class GroupedHostPool:
             self.local_data[slots[keep]] = values[keep][:, self.local_layers]
             if scales is not None:
                 self.local_scales[slots[keep]] = scales[keep][:, self.local_layers]  # type: ignore[index]
+
+    def write_layers(self, pages: Sequence[int], layers: np.ndarray, values: np.ndarray, scales: np.ndarray | None = None) -> None:
+        """One group's rows (a backup gathers each group apart): ``values[:n]`` of the
+        ``layers`` group into ``pages``; the local group only into those pages that still
+        have a local page (one evicted since its backup was issued is skipped)."""
+        n = len(pages)
+        if (scales is not None) != self.format.quantized:
+            raise ValueError(f"tier format {self.format.name}: scales {'missing' if scales is None else 'unexpected'}")
+        idx = np.asarray(pages, np.int64)
+        if self._group(layers) == "global":
+            self.global_data[idx] = values[:n]
+            if scales is not None:
+                self.global_scales[idx] = scales[:n]  # type: ignore[index]
+            return
+        slots = self.local.local_ids(idx)
+        keep = np.flatnonzero(slots != NO_LOCAL_PAGE)
+        self.local_data[slots[keep]] = values[keep]
+        if scales is not None:
+            self.local_scales[slots[keep]] = scales[keep]  # type: ignore[index]
 
     def write_slot(self, page: int, slot: int, values: np.ndarray, scales: np.ndarray | None, with_local: bool) -> None:
         """One full page (an L3 read) into ``page``; its local layers into ``slot`` (attached and

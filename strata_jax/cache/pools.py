@@ -374,9 +374,10 @@ class DevicePool:
         before = self.compile_count
         moved = dict(self.moved)  # warm-up moves no real page
         fmt = self.tier_format
-        # a pool with layer groups loads its global and its local layers apart (load_from_host)
+        # a pool with layer groups loads and backs up its global and its local layers apart
+        # (load_from_host; an L2 with layer groups), when it has local layers
         groups: list[np.ndarray | None] = [None]
-        if self.grouped is not None:
+        if self.grouped is not None and any(self.grouped.local_layers):
             local = np.asarray(self.grouped.local_layers)
             groups = [g for g in (np.flatnonzero(~local), np.flatnonzero(local)) if len(g)]
         n = 1
@@ -387,8 +388,9 @@ class DevicePool:
                 values = np.zeros((n, num_layers, *shape[2:]), numpy_dtype(fmt.element_dtype))
                 scales = np.ones((n, num_layers, 2, self.layout.num_kv_heads), np.float32) if fmt.quantized else None
                 self.load_tier(values, scales, [], layers).block_until_ready()
-            for array in self.gather_tier([0] * n):
-                array.block_until_ready()
+            for layers in groups:
+                for array in self.gather_tier([0] * n, layers):
+                    array.block_until_ready()
             n *= 2
         self.kv.block_until_ready()
         self.moved = moved
@@ -467,27 +469,31 @@ class DevicePool:
             self.moved["loaded_bytes"] += rows * (staging.nbytes + (scales.nbytes if scales is not None else 0)) // size
         return arrays
 
-    def gather_pages(self, page_ids: Sequence[int]):  # noqa: ANN201
+    def gather_pages(self, page_ids: Sequence[int], layers: np.ndarray | None = None):  # noqa: ANN201
         """Dispatch a gather of ``page_ids`` into a page-first device array (bucketed rows; extra rows junk).
+        ``layers`` (a pool with layer groups): those layers only.
 
         Starts the device->host copy asynchronously; ``np.asarray(result)[:n]`` waits for it.
         """
-        out = self._gather(self.kv, self._ids(page_ids, bucket(len(page_ids)), padding=0))
+        out = self._gather(self.kv, self._ids(page_ids, bucket(len(page_ids)), padding=0, layers=layers))
         try:
             out.copy_to_host_async()
         except Exception:  # pragma: no cover - optional on some backends
             pass
         return out
 
-    def gather_tier(self, page_ids: Sequence[int]) -> tuple:
+    def gather_tier(self, page_ids: Sequence[int], layers: np.ndarray | None = None, *, count_pages: bool = True) -> tuple:
         """A backup's gather in the tier format: ``(values,)`` for full width, ``(q, scales)``
         quantized on the device right after the gather, so the device->host copy (started
-        here, asynchronously) moves the small format.  Bucketed rows; extra rows junk."""
-        self.moved["backed_up_pages"] += len(page_ids)
-        self.moved["backed_up_bytes"] += len(page_ids) * self.tier_format.page_bytes(self.layout)
+        here, asynchronously) moves the small format.  Bucketed rows; extra rows junk.
+        ``layers`` (a pool with layer groups): those layers only (an L2 with layer groups
+        backs up a page's global layers, and its local ones only where it keeps them)."""
+        share = 1.0 if layers is None else len(layers) / self.layout.num_layers
+        self.moved["backed_up_pages"] += len(page_ids) if count_pages else 0
+        self.moved["backed_up_bytes"] += round(len(page_ids) * self.tier_format.page_bytes(self.layout) * share)
         if not self.tier_format.quantized:
-            return (self.gather_pages(page_ids),)
-        out = self._gather_tier(self.kv, self._ids(page_ids, bucket(len(page_ids)), padding=0))
+            return (self.gather_pages(page_ids, layers),)
+        out = self._gather_tier(self.kv, self._ids(page_ids, bucket(len(page_ids)), padding=0, layers=layers))
         for array in out:
             try:
                 array.copy_to_host_async()

@@ -25,7 +25,15 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from strata_jax.cache.handles import CacheError, CacheFullError, PrefetchHandle, TransferHandle, await_arrays, land_at
+from strata_jax.cache.handles import (
+    CacheError,
+    CacheFullError,
+    PrefetchHandle,
+    TransferHandle,
+    await_arrays,
+    land_at,
+)
+from strata_jax.cache.host_grouped import GroupedHostPool
 from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
 from strata_jax.cache.tree_window import host_window_pages
 
@@ -53,7 +61,13 @@ class Transfers:
             # those still attached then (no device local page changes before the gather:
             # attach_local and eviction flush it first)
             self._attach_host_local([h for d, h in zip(dev_pages, host_pages) if self.local_pages.on_device(d)])
-        handle = TransferHandle("backup", None, n, n * self.page_bytes, self._clock())
+        nbytes = n * self.page_bytes
+        if isinstance(self.host_pool, GroupedHostPool):  # every page's global layers, the local ones where kept
+            pool = self.host_pool
+            with_local = sum(pool.has_local(h) for h in host_pages)
+            local_share = len(pool.local_layers) / self.layout.num_layers  # type: ignore[union-attr]
+            nbytes = round(self.page_bytes * (n * (1 - local_share) + with_local * local_share))
+        handle = TransferHandle("backup", None, n, nbytes, self._clock())
         if self.move_data:
             self._backup_queue.append((handle, node, dev_pages, host_pages, keys))
             handle._is_finished = lambda: False  # not dispatched yet
@@ -91,6 +105,9 @@ class Transfers:
         queue, self._backup_queue = self._backup_queue, []
         if not queue:
             return
+        if isinstance(self.host_pool, GroupedHostPool):
+            self._flush_backups_grouped(queue)
+            return
         chunk = self._transfer_chunk_pages()
         dev = [p for _h, _n, dev_pages, _hp, _k in queue for p in dev_pages]
         # In the tier format: (values,) or (q, scales) quantized on the device after the gather.
@@ -111,6 +128,34 @@ class Transfers:
             await_arrays(handle, [a for _c, arrays in mine for a in arrays])
             handle._on_done = on_done
             offset += len(dev_pages)
+
+    def _flush_backups_grouped(self, queue: list) -> None:
+        """``flush_backups`` into an L2 with layer groups: per backup, one gather of every
+        page's global layers and one of the local layers of the pages whose host pages keep
+        them (in chunks), so the device->host copy moves only what L2 will hold."""
+        pool, device_pool = self.host_pool, self.device_pool
+        chunk = self._transfer_chunk_pages()
+        groups = [g for g in (pool.global_layers, pool.local_layers) if len(g)]  # type: ignore[union-attr]
+        for handle, node, dev_pages, host_pages, keys in queue:
+            moves = []  # (layers, host pages, gathered arrays) per chunk
+            for layers in groups:
+                picked = range(len(host_pages))
+                if layers is pool.local_layers:  # type: ignore[union-attr]
+                    picked = [i for i, h in enumerate(host_pages) if pool.has_local(h)]  # type: ignore[union-attr]
+                for s in range(0, len(picked), chunk):
+                    part = [picked[i] for i in range(s, min(s + chunk, len(picked)))]
+                    arrays = device_pool.gather_tier(  # type: ignore[union-attr]
+                        [dev_pages[i] for i in part], layers, count_pages=layers is groups[0],
+                    )
+                    moves.append((layers, [host_pages[i] for i in part], arrays))
+
+            def on_done(node=node, host_pages=host_pages, keys=keys, moves=moves) -> None:
+                for layers, hosts, arrays in moves:
+                    pool.write_layers(hosts, layers, *[np.asarray(a)[: len(hosts)] for a in arrays])  # type: ignore[union-attr]
+                self._backup_landed(node, host_pages, keys)
+
+            await_arrays(handle, [a for _l, _h, arrays in moves for a in arrays])
+            handle._on_done = on_done
 
     def _track_backup(self, handle: TransferHandle, host_pages: list[int]) -> None:
         """Register an in-flight backup: its host pages are not read until it lands."""

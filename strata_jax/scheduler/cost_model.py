@@ -57,8 +57,8 @@ class CostPrior:
             raise ValueError("transfer_overhead_s must be non-negative")
         if self.window < 1 or self.prior_weight <= 0 or not 0 < self.bandwidth_ema <= 1:
             raise ValueError("window >= 1, prior_weight > 0 and 0 < bandwidth_ema <= 1 are required")
-        if not 0 <= self.local_share < 1 or self.local_window_tokens < 0 or (self.local_share > 0) != (self.local_window_tokens > 0):
-            raise ValueError("local_share in [0, 1) and local_window_tokens >= 0 are required, both set or neither")
+        if not 0 <= self.local_share <= 1 or self.local_window_tokens < 0 or (self.local_share > 0) != (self.local_window_tokens > 0):
+            raise ValueError("local_share in [0, 1] and local_window_tokens >= 0 are required, both set or neither")
 
 
 class _OnlineLinearModel:
