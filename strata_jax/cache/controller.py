@@ -139,11 +139,11 @@ class CacheController(Transfers, StorageIO, Eviction):
             )
             if self.device_pool.local is not None:  # local-layer pages go back with their device pages
                 self.device_alloc.listener = self.device_pool.local
-            if grouped is not None and any(grouped.local_layers):
+            if windowed:
                 if local_window <= 0:
                     raise CacheError("a pool with sliding-window layers needs their window (local_window)")
                 host_local = DeviceLocalPages(0, 0)  # no L2: no host page has local KV
-                if self.host_alloc.num_pages and windowed:
+                if self.host_alloc.num_pages:
                     self.host_pool = GroupedHostPool(
                         layout, self.host_alloc.num_pages, self.tier_format, grouped.local_layers, host_local_ratio,  # type: ignore[arg-type]
                     )

@@ -119,21 +119,12 @@ class GroupedHostPool:
     # ------------------------------------------------------------------ writes
     def write(self, pages: Sequence[int], values: np.ndarray, scales: np.ndarray | None = None) -> None:
         """Full pages ``values[:n]`` (``[n, L, 2, S, H, D]``; ``scales[:n]`` ``[n, L, 2, H]`` for a
-        quantized format) into ``pages``: every page's global layers, and the local layers of
-        those that have a local page now."""
+        quantized format) into ``pages`` (``HostPool.write``'s contract): every page's global
+        layers, and the local layers of those that have a local page now."""
         n = len(pages)
-        if (scales is not None) != self.format.quantized:
-            raise ValueError(f"tier format {self.format.name}: scales {'missing' if scales is None else 'unexpected'}")
-        idx = np.asarray(pages, np.int64)
-        self.global_data[idx] = values[:n][:, self.global_layers]
-        if scales is not None:
-            self.global_scales[idx] = scales[:n][:, self.global_layers]  # type: ignore[index]
-        slots = self.local.local_ids(idx)
-        keep = np.flatnonzero(slots != NO_LOCAL_PAGE)
-        if len(keep):
-            self.local_data[slots[keep]] = values[keep][:, self.local_layers]
-            if scales is not None:
-                self.local_scales[slots[keep]] = scales[keep][:, self.local_layers]  # type: ignore[index]
+        for layers in (self.global_layers, self.local_layers):
+            group_scales = None if scales is None else scales[:n][:, layers]
+            self.write_layers(pages, layers, values[:n][:, layers], group_scales)
 
     def write_layers(self, pages: Sequence[int], layers: np.ndarray, values: np.ndarray, scales: np.ndarray | None = None) -> None:
         """One group's rows (a backup gathers each group apart): ``values[:n]`` of the

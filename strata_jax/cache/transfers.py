@@ -143,7 +143,7 @@ class Transfers:
                 if layers is pool.local_layers:  # type: ignore[union-attr]
                     picked = [i for i, h in enumerate(host_pages) if pool.has_local(h)]  # type: ignore[union-attr]
                 for s in range(0, len(picked), chunk):
-                    part = [picked[i] for i in range(s, min(s + chunk, len(picked)))]
+                    part = picked[s : s + chunk]
                     arrays = device_pool.gather_tier(  # type: ignore[union-attr]
                         [dev_pages[i] for i in part], layers, count_pages=layers is groups[0],
                     )
