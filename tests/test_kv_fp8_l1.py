@@ -77,7 +77,8 @@ def test_quantized_tier_pages_load_into_an_fp8_pool(fmt):
     pool = jnp.zeros((2, 2, 6, 4, 2, 16), FP8)
     ids = jnp.asarray([4, 1, 2], jnp.int32)
     want = _numpy_fp8(np.transpose(np.asarray(qt.dequantize_pages_reference(q, scales, jnp.float32)), (1, 2, 0, 3, 4, 5)))
-    for impl in (qt.scatter_dequantize_reference, functools.partial(qt.scatter_dequantize_pallas, interpret=True)):
+    impls = (qt.scatter_dequantize_reference, qt.scatter_dequantize_xla, functools.partial(qt.scatter_dequantize_pallas, interpret=True))
+    for impl in impls:
         got = np.asarray(impl(pool, q, scales, ids))
         np.testing.assert_array_equal(got[:, :, [4, 1, 2]].view(np.uint8), want.view(np.uint8))
 

@@ -104,10 +104,32 @@ def test_scatter_dequantize_matches_numpy_and_writes_only_named_pages(fmt, page_
             want[:, :, page] = deq[row]
     for got in (
         qt.scatter_dequantize_reference(pool, jnp.asarray(q_np), jnp.asarray(s_np), jnp.asarray(ids)),
+        qt.scatter_dequantize_xla(pool, jnp.asarray(q_np), jnp.asarray(s_np), jnp.asarray(ids)),
         qt.scatter_dequantize_pallas(pool, jnp.asarray(q_np), jnp.asarray(s_np), jnp.asarray(ids), interpret=True),
     ):
         assert got.dtype == pool.dtype
         np.testing.assert_array_equal(_f32(got), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n", (5, qt._UNROLL_MAX_PAGES + 6))  # unrolled, and the loop
+def test_xla_scatter_dequantize_is_the_reference_in_place(fmt, n):
+    """The CPU load path (one in-place update per page, donated pool) writes exactly what the
+    reference writes, with padding ids (out of range, also past a wrapped negative) dropped,
+    and the page before it untouched."""
+    layers, heads, dim, page_size, num_pages = 2, 2, 16, 2, 96
+    rng = np.random.default_rng(n)
+    q, s = qt.quantize_pages_reference(jnp.asarray(_pages(n, (n, layers, 2, page_size, heads, dim))), fmt)
+    ids = rng.choice(num_pages - 1, n, replace=False).astype(np.int32)  # the last page stays unnamed
+    ids[1], ids[2], ids[3] = num_pages, -num_pages - 1, -2  # dropped, dropped, wraps to num_pages - 2
+    ids[ids == num_pages - 2] = num_pages + 7  # keep -2 the only writer of its page
+    ids[3] = -2
+    pool = jnp.asarray(rng.standard_normal((layers, 2, num_pages, page_size, heads, dim)).astype(np.float32))
+    want = np.asarray(qt.scatter_dequantize_reference(pool, q, s, jnp.asarray(ids)))
+    got = np.asarray(jax.jit(qt.scatter_dequantize_xla, donate_argnums=0)(jnp.array(pool), q, s, jnp.asarray(ids)))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[:, :, -1], np.asarray(pool)[:, :, -1])
+    assert not np.array_equal(got[:, :, num_pages - 2], np.asarray(pool)[:, :, num_pages - 2])
 
 
 def test_quantization_error_is_within_half_a_step():
@@ -139,10 +161,11 @@ def test_quantizing_transfer_kernels_lower_for_gpus(platform, fmt, page_size, dt
     assert "tf.aliasing_output = 0" in text and "output_operand_aliases" in text  # in place, no pool copy
 
 
-def test_backend_selection_and_unsupported_head_dim_use_the_reference():
+def test_backend_selection_and_unsupported_head_dim_use_the_xla_path():
     assert qt._implementation("reference", 64) == "reference"
+    assert qt._implementation("xla", 64) == "xla"
     assert qt._implementation("interpret", 64) == "interpret"
-    assert qt._implementation("interpret", 80) == "reference"  # Triton blocks need a power-of-two head_dim
+    assert qt._implementation("interpret", 80) == "xla"  # Triton blocks need a power-of-two head_dim
     with pytest.raises(qt.UnknownTierFormatError):
         qt.quantized_dtype("fp4")
 
@@ -228,7 +251,11 @@ def _from_l3_to_device(ctl, tokens):  # noqa: ANN001
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
 def test_round_trip_through_every_tier_is_numpys_quantize_dequantize(tmp_path, fmt, dtype):
-    ctl, layout = _controller(tmp_path, fmt, dtype=dtype)
+    tier_page = TierFormat.resolve(fmt, dtype).page_bytes(KVLayout(2, 2, 16, 4, dtype))
+    ctl, layout = _controller(tmp_path, fmt, dtype=dtype, transfer_chunk_bytes=2 * tier_page)
+    # the chunk budget counts staged (tier format) bytes: 2 pages here (1 at full width), so
+    # the 7 pages go in 4 chunks
+    assert ctl._transfer_chunk_pages() == 2 and layout.page_bytes > tier_page
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 1000, size=7 * 4 + 2).tolist()

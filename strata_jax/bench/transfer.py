@@ -179,9 +179,8 @@ class _PageSizeCase:
             want = np.asarray(dequantize_pages_reference(jnp.asarray(q[src]), jnp.asarray(scales[src]), np_dtype))
             tiers[fmt] = (tier_host, tier_device, want, tier.page_bytes(self.layout))
         self.tier_page_bytes = {fmt: t[3] for fmt, t in tiers.items()}
-        # chunks of the same pages as full width: the budget counts what the scatter writes into
-        # L1 (CacheController._transfer_chunk_pages sizes them so too)
-        self.tier_chunk_pages = {fmt: self.chunk_pages for fmt in tiers}
+        # chunks of the staged bytes' budget, as the engine's (Transfers._transfer_chunk_pages)
+        self.tier_chunk_pages = {fmt: chunk_pages_for(t[3], chunk_bytes) for fmt, t in tiers.items()}
 
         def tier_load(fmt: str) -> Callable[[], None]:
             tier_host, tier_device = tiers[fmt][:2]

@@ -30,8 +30,8 @@ Every default, and why:
   request's pages is reused (each round re-matches every waiting request; with
   Redis a probe is a network round trip).  0 probes every time.
 * ``transfer_chunk_bytes = 4 MiB``: L2->L1 loads and L1->L2 backups move in chunks
-  of about this size in L1 (a power of two of pages, at least one; a quantized tier
-  format's chunk is smaller on the link by its ratio): the host gather of
+  of about this size as staged (a power of two of pages, at least one; counted in the
+  tier format, so a quantized chunk holds more pages and writes more into L1): the host gather of
   load chunk i + 1 overlaps the link copy of chunk i (``DevicePool.load_from_host``),
   a long node's backup never stages the whole node on the device at once, and the
   transfer programs come from a small set that warm-up compiles.

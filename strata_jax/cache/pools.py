@@ -354,7 +354,7 @@ class DevicePool:
         import jax
 
         if self._device is not None:
-            dev_staging, dev_scales = jax.device_put(staging, self._device), jax.device_put(scales, self._scale_device)
+            dev_staging, dev_scales = jax.device_put((staging, scales), (self._device, self._scale_device))
         else:
             dev_staging, dev_scales = jax.device_put((staging, scales))
         ids = self._ids(page_ids, staging.shape[0], layers=layers)
