@@ -34,10 +34,10 @@ Layouts (see ``layout.py``): ``pool[L, 2, P, S, H, D]``, quantized page-first
 ``q[n, L, 2, S, H, D]`` and ``scales[n, L, 2, H]`` (float32).
 
 Entry points (``backend`` as in ``pallas_kernels.dispatch``; ``"pallas"`` and
-``"interpret"`` run the Pallas kernels below, ``"reference"`` the pure-JAX references,
-and ``"xla"`` (CPU's default, and any shape the Pallas kernels do not take: they need a
-power-of-two ``head_dim``) the gather reference and ``scatter_dequantize_xla``, which
-writes the reference's result a page at a time)::
+``"interpret"`` run the Pallas kernels below (they need a power-of-two ``head_dim``;
+other shapes use the references), ``"reference"`` the pure-JAX references, and ``"xla"``
+(CPU's default) the gather reference and ``scatter_dequantize_xla``, which writes the
+reference's result a page at a time)::
 
     q, scales = gather_quantize(pool, page_ids, fmt)            # backup: gather + quantize
     pool = scatter_dequantize(pool, q, scales, page_ids)        # load: dequantize + scatter (donate pool)
@@ -354,11 +354,12 @@ def gather_quantize_pallas(
 
 
 def _implementation(backend, head_dim: int) -> str:  # noqa: ANN001
-    """``"pallas"``, ``"interpret"``, ``"reference"`` or ``"xla"`` (any other backend, and the
-    Pallas ones on a head_dim they do not support)."""
+    """``"pallas"``, ``"interpret"``, ``"reference"`` or ``"xla"`` (CPU's default).  A Pallas
+    backend on a head_dim its kernels do not take falls back to the reference: on a GPU
+    XLA's scatter is one parallel kernel, where page-at-a-time updates would be a loop."""
     name = dispatch.resolve_backend(backend)
-    if name in ("pallas", "interpret") and pallas_supported(head_dim):
-        return name
+    if name in ("pallas", "interpret"):
+        return name if pallas_supported(head_dim) else "reference"
     return "reference" if name == "reference" else "xla"
 
 
