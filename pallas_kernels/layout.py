@@ -104,6 +104,11 @@ class GroupedPoolLayout:
         return cls(layout, (False,) * layout.num_layers, num_pages, num_pages)
 
     @property
+    def local_share(self) -> float:
+        """The local (sliding-window) layers' share of a page's KV."""
+        return sum(self.local_layers) / len(self.local_layers)
+
+    @property
     def layer_pages(self) -> tuple[int, ...]:
         return tuple(self.local_pages if local else self.global_pages for local in self.local_layers)
 

@@ -124,8 +124,7 @@ class CacheController(Transfers, StorageIO, Eviction):
         windowed = self.move_data and grouped is not None and any(grouped.local_layers)
         host_page_bytes = self.page_bytes or None
         if windowed and host_page_bytes:  # L2 with layer groups: a page holds a share of the local layers' KV
-            local_share = sum(grouped.local_layers) / len(grouped.local_layers)  # type: ignore[union-attr]
-            host_page_bytes = max(1, int(grouped_host_page_bytes(self.page_bytes, local_share, host_local_ratio)))
+            host_page_bytes = max(1, int(grouped_host_page_bytes(self.page_bytes, grouped.local_share, host_local_ratio)))  # type: ignore[union-attr]
         self.host_alloc = PageAllocator(config.num_host_pages(host_page_bytes, self.device_page_bytes or None), "host")
         self.device_pool = None
         self.host_pool = None

@@ -63,10 +63,7 @@ class Transfers:
             self._attach_host_local([h for d, h in zip(dev_pages, host_pages) if self.local_pages.on_device(d)])
         nbytes = n * self.page_bytes
         if isinstance(self.host_pool, GroupedHostPool):  # every page's global layers, the local ones where kept
-            pool = self.host_pool
-            with_local = sum(pool.has_local(h) for h in host_pages)
-            local_share = len(pool.local_layers) / self.layout.num_layers  # type: ignore[union-attr]
-            nbytes = round(self.page_bytes * (n * (1 - local_share) + with_local * local_share))
+            nbytes = self._layer_group_bytes(n, sum(self.host_pool.has_local(h) for h in host_pages))
         handle = TransferHandle("backup", None, n, nbytes, self._clock())
         if self.move_data:
             self._backup_queue.append((handle, node, dev_pages, host_pages, keys))
@@ -98,6 +95,12 @@ class Transfers:
             return
         windows = host_window_pages(self.tree.iter_nodes(), self.local_pages.window_pages + 1)  # type: ignore[union-attr]
         pool.attach_local(host_pages, windows | set(tail))  # type: ignore[union-attr]
+
+    def _layer_group_bytes(self, n: int, with_local: int) -> int:
+        """Tier-format bytes of ``n`` pages of a pool with layer groups that move (or keep)
+        every page's global layers and the local layers of ``with_local`` of them."""
+        share = self.device_pool.grouped.local_share  # type: ignore[union-attr]
+        return round(self.page_bytes * (n * (1 - share) + with_local * share))
 
     def flush_backups(self) -> None:
         """Dispatch the queued backups' device gathers: their pages end to end, one gather
@@ -215,8 +218,7 @@ class Transfers:
             except CacheFullError:
                 self.device_alloc.free(dev_pages)
                 raise
-            local_share = sum(self.device_pool.grouped.local_layers) / len(self.device_pool.grouped.local_layers)  # type: ignore[union-attr]
-            nbytes = round(self.page_bytes * (n * (1 - local_share) + sum(with_local) * local_share))
+            nbytes = self._layer_group_bytes(n, sum(with_local))
         handle = TransferHandle("load", request_id, n, nbytes, self._clock())
         if self.move_data:
             self._wait_host(host_pages)

@@ -147,9 +147,8 @@ class Engine:
         self.matmul_flops_per_s = device_matmul_rate(str(jnp.dtype(dtype)))  # the first device (tp: each does its share)
         window_loads = {}
         if self.ctl.local_pages is not None:  # loads move the windowed layers' KV of the window only
-            local = self.ctl.device_pool.grouped.local_layers
             window_loads = {
-                "local_share": sum(local) / len(local),
+                "local_share": self.ctl.device_pool.grouped.local_share,
                 "local_window_tokens": self.ctl.local_pages.window_pages * self.page_size,
             }
         cost = CostModel(CostPrior(
