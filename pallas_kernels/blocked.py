@@ -12,7 +12,8 @@ stays the correctness reference), computed the way a CPU wants it:
   tokens (``q_blocks``), so decodes in a mixed batch and short questions do not pay
   for a big tile.
 * **Decode** (``T == B``): one token per row; each token reads each KV block of its
-  sequence once, from the first block its window reaches to the longest row's end.
+  sequence once, from the first block its window reaches to the longest row's end, in
+  blocks of at most ``DEFAULT_DECODE_KV_BLOCK_TOKENS`` when there are several rows.
 
 Heads are laid out for the matmuls: queries as ``[kv_head, q_block * group, head_dim]``
 against keys ``[kv_block, kv_head, head_dim]``, so QK^T and PV are batched GEMMs over
@@ -37,6 +38,11 @@ import jax.numpy as jnp
 # of the 64-row one.
 DEFAULT_Q_BLOCKS = (16, 32, 64, 256)
 DEFAULT_KV_BLOCK_TOKENS = 512
+# A decode batch of two rows or more reads its KV in blocks this short: each step of the
+# block loop gathers rows x block tokens, and on a 2-core CPU (SmolLM2 shapes, ~2K-token
+# contexts) 64-token blocks took 0.42x (16 rows), 0.68x (8) and 0.54x (2) the time of
+# 512-token ones; a single row is fastest in the long blocks (docs/runtime.md).
+DEFAULT_DECODE_KV_BLOCK_TOKENS = 64
 _NO_WINDOW = 1 << 30
 
 
@@ -136,6 +142,8 @@ def _blocked_core(
     batch, max_pages = page_table.shape
     group = num_q_heads // num_kv_heads
     window = _window_span(sliding_window)
+    if num_tokens == batch > 1:
+        kv_block_tokens = min(kv_block_tokens, DEFAULT_DECODE_KV_BLOCK_TOKENS)
 
     pages_per_block = max(1, min(max_pages, kv_block_tokens // page_size))
     max_blocks = -(-max_pages // pages_per_block)
