@@ -16,9 +16,6 @@ from strata_jax.api import InvalidRequestError
 from strata_jax.cache.config import CacheConfig
 from strata_jax.scheduler.config import SchedulerConfig
 
-# The L1 pool's default size in tokens (1.5 GB of float32 KV for SmolLM2-135M).
-DEFAULT_DEVICE_TOKENS = 32_768
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -37,8 +34,8 @@ class EngineConfig:
         quarter of float32) per token held in L2 and L3 and moved per load; outputs from a
         quantized tier are close to full width, not bit-identical (docs/cache.md).
     page_size: tokens per KV page (the transfer and caching granularity).
-    device_tokens: L1 (device pool) capacity in tokens; None = 32,768, at least 16 *
-        max_batch_tokens and 4 * max_context_tokens (enough for a few full-length requests).
+    device_tokens: L1 (device pool) capacity in tokens; None = 64 * max_batch_tokens,
+        at least 4 * max_context_tokens (enough for a few full-length requests).
     tiers: "L1", "L1+L2" (default) or "L1+L2+L3".
     hicache_ratio: L2 size as a multiple of L1 (default 2).
     write_policy: "write_through" | "write_through_selective" | "write_back".
@@ -53,10 +50,7 @@ class EngineConfig:
         (default redis://127.0.0.1:6379/0); engines sharing it share L3.
     policy: scheduler policy, "strata" (default) or "fifo".
     max_batch_tokens: new tokens computed per prefill step at most (longer prompts are
-        chunked); the largest extend program compiled.  Default 2048, as vLLM's CPU
-        default (``max_num_batched_tokens``): on a 2-core CPU one 2,048-token step
-        prefills a 2K prompt in 0.83-0.88x the time of four 512-token steps
-        (docs/runtime.md).
+        chunked); the largest extend program compiled.
     prefill_chunk: the prefill token budget per step: "max" (default: max_batch_tokens),
         an integer up to max_batch_tokens given as text (e.g. "1024"), or "auto": after
         warm-up time one step per compiled extend bucket (continuing a prompt as long as
@@ -151,7 +145,7 @@ class EngineConfig:
     storage_dir: str | None = None
     storage_url: str = "redis://127.0.0.1:6379/0"
     policy: str = "strata"
-    max_batch_tokens: int = 2048
+    max_batch_tokens: int = 512
     prefill_chunk: str = "max"
     max_batch_size: int = 16
     max_waiting: int = 1024
@@ -249,7 +243,7 @@ class EngineConfig:
             return self.cache.num_device_pages * self.cache.page_size
         if self.device_tokens is not None:
             return self.device_tokens
-        return max(DEFAULT_DEVICE_TOKENS, 16 * self.max_batch_tokens, 4 * max_context_tokens)
+        return max(64 * self.max_batch_tokens, 4 * max_context_tokens)
 
     def cache_config(self, max_context_tokens: int) -> CacheConfig:
         if self.cache is not None:
