@@ -137,3 +137,26 @@ def test_cpu_default_backend_is_the_blocked_one():
     assert dispatch.default_backend_for("cpu") == "xla"
     assert dispatch.get_implementation("ragged_paged_attention_pool", "xla") is blocked_paged_attention_pool
     assert pallas_kernels.resolve_backend("reference") == "reference"  # the reference stays selectable
+
+
+@pytest.mark.parametrize("page_size", (1, 16))
+def test_every_default_query_tile_and_multi_block_decode_equal_brute_force(page_size):
+    """Default block sizes on sequences whose new tokens fill each query tile exactly and
+    one past it (16 | 17 | 32 | 33 | 64 | 65 tokens), and a decode batch whose contexts span
+    several of the decode KV blocks (``DEFAULT_DECODE_KV_BLOCK_TOKENS``)."""
+    from pallas_kernels.blocked import DEFAULT_DECODE_KV_BLOCK_TOKENS, DEFAULT_Q_BLOCKS
+
+    rng = np.random.default_rng(page_size)
+    edges = sorted({n for t in DEFAULT_Q_BLOCKS[:-1] for n in (t, t + 1)})
+    args, host = make_batch(
+        rng, page_size=page_size, q_lens=edges, ctx_lens=[37] * len(edges), num_q_heads=6, num_kv_heads=2,
+        head_dim=16, pad_tokens=5, dtype=jnp.float32,
+    )  # fmt: skip
+    got = np.asarray(blocked_paged_attention(*args, sm_scale=0.3))
+    np.testing.assert_allclose(got[: int(host[5][-1])], brute_force(*host, 0.3, None)[: int(host[5][-1])], atol=2e-5, rtol=2e-5)
+    contexts = [3 * DEFAULT_DECODE_KV_BLOCK_TOKENS + 5, DEFAULT_DECODE_KV_BLOCK_TOKENS, 1, 2 * DEFAULT_DECODE_KV_BLOCK_TOKENS - 1]
+    args, host = make_batch(
+        rng, page_size=page_size, q_lens=[1] * 4, ctx_lens=contexts, num_q_heads=6, num_kv_heads=2, head_dim=16,
+        pad_tokens=0, dtype=jnp.float32,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(blocked_paged_attention(*args, sm_scale=0.3)), brute_force(*host, 0.3, None), atol=2e-5, rtol=2e-5)
