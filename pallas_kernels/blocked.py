@@ -13,7 +13,7 @@ stays the correctness reference), computed the way a CPU wants it:
   for a big tile.
 * **Decode** (``T == B``): one token per row; each token reads each KV block of its
   sequence once, from the first block its window reaches to the longest row's end, in
-  blocks of at most ``DEFAULT_DECODE_KV_BLOCK_TOKENS`` when there are several rows.
+  blocks of at most ``decode_kv_block_tokens`` when there are several rows.
 
 Heads are laid out for the matmuls: queries as ``[kv_head, q_block * group, head_dim]``
 against keys ``[kv_block, kv_head, head_dim]``, so QK^T and PV are batched GEMMs over
@@ -59,6 +59,7 @@ def blocked_paged_attention(
     sliding_window: int | jax.Array | None = None,
     q_blocks: tuple[int, ...] = DEFAULT_Q_BLOCKS,
     kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS,
+    decode_kv_block_tokens: int = DEFAULT_DECODE_KV_BLOCK_TOKENS,
 ) -> jax.Array:
     """Attention of a ragged batch over ``k_pages``/``v_pages`` ``[P, S, H, D]`` (see module doc)."""
     out, _ = _blocked_core(
@@ -74,6 +75,7 @@ def blocked_paged_attention(
         sliding_window=sliding_window,
         q_blocks=q_blocks,
         kv_block_tokens=kv_block_tokens,
+        decode_kv_block_tokens=decode_kv_block_tokens,
     )
     return out
 
@@ -91,6 +93,7 @@ def blocked_paged_attention_pool(
     sliding_window: int | jax.Array | None = None,
     q_blocks: tuple[int, ...] = DEFAULT_Q_BLOCKS,
     kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS,
+    decode_kv_block_tokens: int = DEFAULT_DECODE_KV_BLOCK_TOKENS,
 ) -> tuple[jax.Array, jax.Array]:
     """``blocked_paged_attention`` reading layer ``layer`` of the whole pool ``[L, 2, P, S, H, D]``.
 
@@ -111,6 +114,7 @@ def blocked_paged_attention_pool(
         sliding_window=sliding_window,
         q_blocks=q_blocks,
         kv_block_tokens=kv_block_tokens,
+        decode_kv_block_tokens=decode_kv_block_tokens,
     )
 
 
@@ -136,14 +140,15 @@ def _blocked_core(
     sliding_window: int | jax.Array | None,
     q_blocks: tuple[int, ...],
     kv_block_tokens: int,
+    decode_kv_block_tokens: int,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = kv_shape
     batch, max_pages = page_table.shape
     group = num_q_heads // num_kv_heads
     window = _window_span(sliding_window)
-    if num_tokens == batch > 1:
-        kv_block_tokens = min(kv_block_tokens, DEFAULT_DECODE_KV_BLOCK_TOKENS)
+    if num_tokens == batch > 1:  # a decode batch of several rows: shorter KV blocks
+        kv_block_tokens = min(kv_block_tokens, decode_kv_block_tokens)
 
     pages_per_block = max(1, min(max_pages, kv_block_tokens // page_size))
     max_blocks = -(-max_pages // pages_per_block)
