@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pallas_kernels.dispatch import BACKENDS as KERNEL_BACKENDS
 from strata_jax.api import InvalidRequestError
 from strata_jax.cache.config import CacheConfig
+from strata_jax.runtime.platform import LAYER_WEIGHTS
 from strata_jax.scheduler.config import SchedulerConfig
 
 
@@ -88,6 +89,12 @@ class EngineConfig:
         independent of depth); False unrolls them over per-layer weight arrays (faster
         decode steps on CPU, where a slice of a stacked weight is copied every step;
         compiling takes several times longer: docs/runtime.md).
+    layer_weights: how the layers' weights are held: "auto" (default: "per_layer" on
+        CPU, "stacked" on GPUs), "stacked" (one [num_layers, ...] array per weight, the
+        layer scan slices it; XLA:CPU copies every slice before its matmul, every step)
+        or "per_layer" (arrays of their own; under the scan each matmul picks its layer's
+        kernel with a switch and reads it in place: decode steps about 0.6-0.7x on CPU,
+        docs/runtime.md).  Unrolled layers (scan_layers=False) always hold them per layer.
     kv_layer_groups: hold the L1 pool as layer groups (``GroupedPoolLayout``: each layer
         its own rows, read through a per-layer offset), the layout in which a model's
         sliding-window layers keep fewer pages than its full-attention layers
@@ -158,6 +165,7 @@ class EngineConfig:
     freeze_gc: bool = True
     kernel_backend: str = "auto"
     scan_layers: bool = True
+    layer_weights: str = "auto"
     kv_layer_groups: bool = False
     kv_local_ratio: float = 1.0
     kv_host_local_ratio: float | None = None
@@ -226,6 +234,10 @@ class EngineConfig:
         if self.kv_tier_format not in KV_TIER_FORMATS:
             raise InvalidRequestError(
                 f"EngineConfig.kv_tier_format must be one of {', '.join(KV_TIER_FORMATS)}, got {self.kv_tier_format!r}"
+            )
+        if self.layer_weights not in LAYER_WEIGHTS:
+            raise InvalidRequestError(
+                f"EngineConfig.layer_weights must be one of {', '.join(LAYER_WEIGHTS)}, got {self.layer_weights!r}"
             )
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise InvalidRequestError(

@@ -83,7 +83,9 @@ class Engine:
         ``output_thread``: deliver outputs from a thread of their own (default: with the
         engine's threads, ``start``); False delivers them in the thread that runs the step."""
         self.config = config = config or EngineConfig()
-        self.platform = resolve_platform(dtype=config.dtype, kv_dtype=config.kv_dtype, kernel_backend=config.kernel_backend)
+        self.platform = resolve_platform(
+            dtype=config.dtype, kv_dtype=config.kv_dtype, kernel_backend=config.kernel_backend, layer_weights=config.layer_weights
+        )
         dtype, kv_dtype = self.platform.dtype, self.platform.kv_dtype
         progress = on_progress or WarmupProgress()
         self.compilation_cache_dir = compilation_cache.configure(config.compilation_cache_dir)
@@ -135,6 +137,7 @@ class Engine:
                 kv_dtype=kv_dtype,
                 kernel_backend=self.platform.kernel_backend,
                 scan_layers=config.scan_layers,
+                layer_weights=self.platform.layer_weights,
                 max_running=config.resolved_max_running_requests,
                 kv_layer_groups=config.kv_layer_groups,
                 kv_local_ratio=config.kv_local_ratio,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -105,8 +106,32 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.kernel[...]
+        kernel = self.kernel.get_value()
+        y = kernel.matmul(x) if isinstance(kernel, LayerKernels) else x @ kernel
         return y + self.bias[...] if self.bias is not None else y
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """A linear kernel held per layer (``split_layer_weights``) inside the layer scan:
+    ``layer`` (a traced int32) picks which of ``per_layer`` multiplies.
+
+    The product runs inside a ``jax.lax.switch`` whose branch ``i`` multiplies by
+    ``per_layer[i]`` itself, so the kernel is read where it lies.  Slicing a stacked
+    ``[L, in, out]`` kernel instead copies the slice on XLA:CPU before the matmul, every
+    layer of every step (``run_stacked_layers``).
+    """
+
+    layer: jax.Array
+    per_layer: tuple[jax.Array, ...]
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        branches = [partial(_matmul_by, i) for i in range(len(self.per_layer))]
+        return jax.lax.switch(self.layer, branches, x, self.per_layer)
+
+
+def _matmul_by(index: int, x: jax.Array, kernels: tuple[jax.Array, ...]) -> jax.Array:
+    return x @ kernels[index]
 
 
 class Attention(nnx.Module):
@@ -315,22 +340,33 @@ def run_stacked_layers(
     (``scan_layers``) they are traced values, so layers that differ only in such values
     are one program; unrolled, they are static per layer.
 
-    ``layer_states`` (unrolled only): each layer's weights as its own arrays
-    (``split_layer_weights``), used instead of slices of the stacked ones.  On XLA:CPU a
-    slice of a stacked weight feeding a matmul is copied first, every step (under scan
-    as a dynamic slice too): a decode step, which reads each weight once, then moves the
-    weights three times.  ``layers`` then only lends its structure.
+    ``layer_states``: each layer's weights as its own arrays (``split_layer_weights``),
+    used instead of slices of the stacked ones (``layers`` then only lends its
+    structure).  On XLA:CPU a slice of a stacked weight feeding a matmul is copied first,
+    every step (under scan as a dynamic slice, unrolled as a static one): a decode step,
+    which reads each weight once, then moves the weights three times.  Unrolled, layer
+    ``i`` uses its arrays directly; under scan the linear kernels become
+    ``LayerKernels`` (the matmul picks layer ``i``'s kernel by a switch, no copy) and the
+    small vectors (norms, biases) are stacked once per step and sliced.
     """
     graphdef, stacked = nnx.split(layers)
-    if layer_states is not None and scan_layers:
-        raise ValueError("layer_states are for the unrolled loop (scan_layers=False)")
     num_layers = len(layer_states) if layer_states is not None else jax.tree.leaves(stacked)[0].shape[0]
     if scan_layers:
         xs = {name: jnp.asarray(v) for name, v in per_layer.items()}
         xs["layer"] = jnp.arange(num_layers, dtype=jnp.int32)
+        if layer_states is not None:
+            stacked = jax.tree.map(
+                lambda *a: jnp.zeros((num_layers,), jnp.int8) if a[0].ndim >= 2 else jnp.stack(a), *layer_states
+            )
 
         def step(carry, layer_xs):
             layer_state, values = layer_xs
+            if layer_states is not None:  # kernels (2-D and up) picked in place, vectors sliced
+                layer_state = jax.tree.map(
+                    lambda sliced, *a: LayerKernels(values["layer"], a) if a[0].ndim >= 2 else sliced,
+                    layer_state,
+                    *layer_states,
+                )
             return body(nnx.merge(graphdef, layer_state), carry, values), None
 
         # The pool is a scan carry: each iteration updates it in place (donated by the runner).

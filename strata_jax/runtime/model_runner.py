@@ -48,6 +48,7 @@ from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.buckets import extend_rows, pick_bucket, power_of_two_buckets
 from strata_jax.runtime.chunk_tuning import BucketTimings
 from strata_jax.runtime.executable_cache import ExecutableCache
+from strata_jax.runtime.platform import LAYER_WEIGHTS, resolve_layer_weights
 from strata_jax.runtime.sampling_state import SamplingState
 from strata_jax.runtime.seq_state import COUNT_SAMPLE, HOST_TOKEN, RowParams, SeqSlots, after_step
 from strata_jax.runtime.step_inputs import ExtendRow, empty_inputs, model_inputs, pack_extend, pack_updates, update_capacity
@@ -64,6 +65,9 @@ class RunnerConfig:
     min_token_bucket: int = 16
     kernel_backend: str = "auto"  # pallas_kernels backend for the model's attention (resolved at construction)
     scan_layers: bool = True  # layers under jax.lax.scan (False: unrolled over per-layer weight arrays)
+    # "stacked" ([L, ...] arrays, sliced per layer), "per_layer" (arrays of their own) or
+    # "auto" (the platform's default, runtime/platform.py); unrolled layers are always per layer
+    layer_weights: str = "auto"
     sampling_slots: int = 0  # sequences holding penalty/bias/min_tokens state at once (0: max_batch_size)
     max_running: int = 0  # sequences holding a row of device state at once (0: 4 * max_batch_size)
     kv_layer_groups: bool = False  # the pool as layer groups (pallas_kernels.layout.GroupedPoolLayout)
@@ -75,6 +79,8 @@ class RunnerConfig:
                 raise ValueError(f"RunnerConfig.{name} must be positive, got {getattr(self, name)}")
         if self.kernel_backend not in pallas_kernels.BACKENDS:
             raise ValueError(f"RunnerConfig.kernel_backend must be one of {pallas_kernels.BACKENDS}, got {self.kernel_backend!r}")
+        if self.layer_weights not in LAYER_WEIGHTS:
+            raise ValueError(f"RunnerConfig.layer_weights must be one of {LAYER_WEIGHTS}, got {self.layer_weights!r}")
         if self.max_running and self.max_running < self.max_batch_size:
             raise ValueError(f"RunnerConfig.max_running ({self.max_running}) must be at least max_batch_size ({self.max_batch_size})")
 
@@ -223,7 +229,8 @@ class ModelRunner:
             state_sh = tp_sharding.state_shardings(self.state, self.mesh, vocab_parallel=vocab_parallel)
             self.state = jax.device_put(self.state, state_sh)
             pool_sh, rep = tp_sharding.pool_sharding(self.mesh), tp_sharding.replicated(self.mesh)
-        if not config.scan_layers:  # unrolled: every layer's weights in arrays of their own (run_stacked_layers)
+        self.layer_weights = "per_layer" if not config.scan_layers else resolve_layer_weights(config.layer_weights)
+        if self.layer_weights == "per_layer":  # every layer's weights in arrays of their own (run_stacked_layers)
             self.state = split_layer_weights(self.state, state_sh if self.mesh is not None else None)
             if self.mesh is not None:
                 state_sh = jax.tree.map(lambda a: a.sharding, self.state)

@@ -22,6 +22,13 @@ Why each default (measured or documented, never a guess):
   speed; pageable memory goes through a driver bounce buffer), ``unpinned_host`` on
   CPU (host and device memory are the same DRAM).  The L2 pool is a numpy array
   today; this is the memory kind staging buffers and a jax-array host pool use.
+* ``layer_weights``: ``per_layer`` on CPU, ``stacked`` elsewhere.  Under the layer scan
+  a slice of a stacked ``[L, ...]`` weight is copied on XLA:CPU before its matmul, every
+  layer of every step; per-layer arrays, picked inside a ``lax.switch`` by the matmul
+  (``llama.LayerKernels``), are read in place: a 30-layer SmolLM2-shaped stack of
+  matmuls took 33 vs 54 ms at batch 1 and 101 vs 148 ms at batch 16, side by side
+  (docs/runtime.md).  On a GPU a switch reads its index on the host (a sync per
+  matmul), so GPUs keep the stacked slices, which their fusions read in place.
 * ``max_context_tokens`` cap: 16384 on CPU (a development platform: larger pools
   and page tables only make tests slow), none on GPUs (the model's limit).
 """
@@ -39,6 +46,7 @@ DTYPES = ("float32", "bfloat16")
 # L1 KV may also be float8 e4m3 (vLLM's ``--kv-cache-dtype fp8``): values are clipped to
 # +-448 and stored without scales; attention upcasts them.  "fp8" is an alias.
 KV_DTYPES = (*DTYPES, "float8_e4m3fn")
+LAYER_WEIGHTS = ("auto", "stacked", "per_layer")
 KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
 
@@ -57,6 +65,7 @@ class PlatformDefaults:
     kernel_backend: str  # a concrete pallas_kernels backend: "pallas", "xla", "reference" or "interpret"
     host_memory_kind: str
     max_context_cap: int | None  # None: the model's own limit
+    layer_weights: str  # "stacked" or "per_layer" (RunnerConfig.layer_weights)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -78,7 +87,15 @@ def defaults_for(platform: str) -> PlatformDefaults:
         kernel_backend=dispatch.default_backend_for(platform),
         host_memory_kind="pinned_host" if on_gpu else "unpinned_host",
         max_context_cap=CPU_CONTEXT_CAP if platform == "cpu" else None,
+        layer_weights="per_layer" if platform == "cpu" else "stacked",
     )
+
+
+def resolve_layer_weights(choice: str, platform: str | None = None) -> str:
+    """``"stacked"`` or ``"per_layer"``: an explicit choice, else (``"auto"``) the platform's default."""
+    if choice not in LAYER_WEIGHTS:
+        raise ValueError(f"layer_weights must be one of {', '.join(LAYER_WEIGHTS)}, got {choice!r}")
+    return defaults_for(platform or current_platform()).layer_weights if choice == "auto" else choice
 
 
 def current_platform() -> str:
@@ -94,6 +111,7 @@ class ResolvedPlatform:
     dtype: str
     kv_dtype: str
     kernel_backend: str  # concrete (after "auto", the scoped backend and $STRATA_KERNEL_BACKEND)
+    layer_weights: str = "stacked"  # concrete: "stacked" or "per_layer"
 
     @property
     def platform(self) -> str:
@@ -113,6 +131,7 @@ def resolve(
     dtype: str | None = None,
     kv_dtype: str | None = None,
     kernel_backend: str = "auto",
+    layer_weights: str = "auto",
     platform: str | None = None,
 ) -> ResolvedPlatform:
     """Apply explicit choices (None / "auto" = default) over ``platform``'s defaults (default: this host's)."""
@@ -127,5 +146,6 @@ def resolve(
         dtype=dtype or defaults.dtype,
         kv_dtype=kv_dtype or defaults.kv_dtype,
         kernel_backend=dispatch.resolve_backend(kernel_backend, platform=defaults.platform),
+        layer_weights=resolve_layer_weights(layer_weights, defaults.platform),
     )
 
