@@ -118,6 +118,18 @@ def blocked_paged_attention_pool(
     )
 
 
+def decode_token_rows(seq_lens: jax.Array, query_start: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """For a decode-shaped call (as many tokens as rows): each token's sequence (found by
+    search, not assumed to be row t, since a padded extend can also have T == B) and how
+    many KV positions it reads (its position + 1; 0 for a padding token)."""
+    batch = query_start.shape[0] - 1
+    token_idx = jnp.arange(num_tokens)
+    seq_of_token = jnp.clip(jnp.searchsorted(query_start, token_idx, side="right") - 1, 0, batch - 1)
+    q_lens = query_start[1:] - query_start[:-1]
+    pos = seq_lens[seq_of_token] - q_lens[seq_of_token] + (token_idx - query_start[seq_of_token])
+    return seq_of_token, jnp.where(token_idx < query_start[batch], pos + 1, 0)
+
+
 def _window_span(sliding_window: int | jax.Array | None) -> jax.Array:
     """How many KV positions back (itself included) a token may read, as an int32 scalar."""
     if sliding_window is None:
@@ -188,13 +200,8 @@ def _blocked_core(
 
     if num_tokens == batch:
         # Decode-shaped (one token per row): each token reads its own sequence's blocks.
-        # Found by search, not assumed to be row b, since a padded extend can also have T == B.
         qd = q_scaled.reshape(batch, num_kv_heads, group, head_dim)
-        token_idx = jnp.arange(num_tokens)
-        seq_of_token = jnp.clip(jnp.searchsorted(query_start, token_idx, side="right") - 1, 0, batch - 1)
-        q_lens = query_start[1:] - query_start[:-1]
-        pos = seq_lens[seq_of_token] - q_lens[seq_of_token] + (token_idx - query_start[seq_of_token])
-        kv_len = jnp.where(token_idx < query_start[batch], pos + 1, 0)
+        seq_of_token, kv_len = decode_token_rows(seq_lens, query_start, num_tokens)
         first_pos = jnp.maximum(kv_len - window, 0)
         live = kv_len > 0
         start_block = jnp.min(jnp.where(live, first_pos // block_tokens, max_blocks))

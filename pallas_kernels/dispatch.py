@@ -2,9 +2,11 @@
 
 Backends, by name:
 
-* ``"xla"``: XLA implementations written for a CPU: block-causal attention
-  (``pallas_kernels.blocked``); the page transfers and KV writes are the reference's.
-  The default on CPU (and TPU).
+* ``"xla"``: implementations written for a CPU: block-causal XLA attention
+  (``pallas_kernels.blocked``) and, for decode batches over a float32 pool on CPU, the
+  native paged-decode kernel (``pallas_kernels.native``, an XLA FFI custom call built
+  on first use; ``$STRATA_NATIVE_KERNELS=0`` turns it off); the page transfers and KV
+  writes are the reference's.  The default on CPU (and TPU).
 * ``"reference"``: the pure-JAX references every other backend is tested against.
 * ``"pallas"``: compiled Pallas kernels, Triton lowering; the default on CUDA and ROCm.
 * ``"interpret"``: the same Pallas kernels in interpret mode (any platform; for tests).
@@ -47,7 +49,8 @@ from pallas_kernels.attention import (
     ragged_paged_attention_pallas,
     ragged_paged_attention_pool_pallas,
 )
-from pallas_kernels.blocked import blocked_paged_attention, blocked_paged_attention_pool
+from pallas_kernels.blocked import blocked_paged_attention
+from pallas_kernels.native import cpu_paged_attention_pool
 from pallas_kernels.reference import (
     gather_pages_reference,
     ragged_paged_attention_pool_reference,
@@ -153,7 +156,7 @@ _IMPLEMENTATIONS: Mapping[str, Mapping[str, Callable]] = MappingProxyType(
         ),
         "ragged_paged_attention_pool": MappingProxyType(
             {
-                "xla": blocked_paged_attention_pool,
+                "xla": cpu_paged_attention_pool,
                 "reference": ragged_paged_attention_pool_reference,
                 "pallas": ragged_paged_attention_pool_pallas,
                 "interpret": functools.partial(ragged_paged_attention_pool_pallas, interpret=True),

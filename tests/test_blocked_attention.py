@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_pallas_attention import MIXED, brute_force, make_batch
 
 import pallas_kernels
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, native
 from pallas_kernels.blocked import (
     DEFAULT_DECODE_KV_BLOCK_TOKENS,
     DEFAULT_Q_BLOCKS,
@@ -140,7 +140,9 @@ def test_bfloat16_pool_and_queries():
 
 def test_cpu_default_backend_is_the_blocked_one():
     assert dispatch.default_backend_for("cpu") == "xla"
-    assert dispatch.get_implementation("ragged_paged_attention_pool", "xla") is blocked_paged_attention_pool
+    assert dispatch.get_implementation("ragged_paged_attention", "xla") is blocked_paged_attention
+    # the pool variant: the native decode kernel for decodes when built (test_native_decode), else this one
+    assert dispatch.get_implementation("ragged_paged_attention_pool", "xla") is native.cpu_paged_attention_pool
     assert pallas_kernels.resolve_backend("reference") == "reference"  # the reference stays selectable
 
 

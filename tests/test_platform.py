@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import dispatch
+from pallas_kernels import dispatch, native
 from strata_jax.runtime.platform import CPU_CONTEXT_CAP, defaults_for, resolve
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +87,8 @@ def test_info_json_reports_devices_versions_and_choices():
     assert len(info["devices"]) == jax.device_count()  # the session's XLA_FLAGS reach the subprocess
     assert all("device" in d["memory_kinds"] for d in info["devices"])
     assert info["chosen"]["defaults"] == defaults_for("cpu").to_dict()
-    assert info["chosen"]["kernels"]["ragged_paged_attention_pool"].endswith("blocked_paged_attention_pool")
+    assert info["chosen"]["kernels"]["ragged_paged_attention_pool"].endswith("native.cpu_paged_attention_pool")
+    assert info["chosen"]["native_kernels"] == native.status()  # "on (path)" here, or why not
     for platform in ("cuda", "rocm"):
         col = info["would_choose"][platform]
         assert col["defaults"] == defaults_for(platform).to_dict()

@@ -76,6 +76,17 @@ def _kernels(backend: str) -> dict[str, str]:
     return {op: _qualname(dispatch.get_implementation(op, backend)) for op in KERNEL_OPS}
 
 
+def _native_status(backend: str) -> str:
+    """The native CPU decode kernel (``pallas_kernels.native``): on, off, unavailable and why."""
+    import jax
+
+    from pallas_kernels import native
+
+    if backend != "xla" or jax.default_backend() != "cpu":
+        return "not used (the xla backend on CPU only)"
+    return native.status()
+
+
 def _qualname(fn: Any) -> str:
     inner = getattr(fn, "func", fn)  # functools.partial (interpret mode)
     name = f"{inner.__module__}.{inner.__qualname__}"
@@ -163,6 +174,7 @@ def collect(*, check_lowering: bool = False) -> dict[str, Any]:
             "kernel_backend": resolved.kernel_backend,
             "kernel_backend_env": os.environ.get(ENV_VAR) or None,
             "kernels": _kernels(resolved.kernel_backend),
+            "native_kernels": _native_status(resolved.kernel_backend),
         },
         "would_choose": {p: _gpu_column(p, check_lowering) for p in ("cuda", "rocm")},
     }
@@ -191,7 +203,8 @@ def format_text(info: dict[str, Any]) -> str:
         lines.append(title)
         lines.append(
             f"  dtype {defaults['dtype']}, kv_dtype {defaults['kv_dtype']}, kernel backend {backend}, "
-            f"host memory kind {defaults['host_memory_kind']}, context cap {cap if cap else 'the model limit'}"
+            f"host memory kind {defaults['host_memory_kind']}, context cap {cap if cap else 'the model limit'}, "
+            f"layer weights {defaults['layer_weights']}"
         )
         for op, fn in kernels.items():
             lines.append(f"  {op}: {fn}")
@@ -201,6 +214,7 @@ def format_text(info: dict[str, Any]) -> str:
     c = info["chosen"]
     env = f" (${info['kernel_env_var']}={c['kernel_backend_env']})" if c["kernel_backend_env"] else ""
     defaults_lines(f"chosen here ({c['defaults']['platform']}){env}:", c["defaults"], c["kernel_backend"], c["kernels"])
+    lines.append(f"  native decode attention: {c['native_kernels']}")
     for name, col in info["would_choose"].items():
         d = col["defaults"]
         defaults_lines(f"would choose on {name} (lowering target {col['device_kind_target']}):", d, d["kernel_backend"], col["kernels"])

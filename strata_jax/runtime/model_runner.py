@@ -39,6 +39,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import pallas_kernels
+from pallas_kernels import native as native_kernels
 from pallas_kernels.layout import GroupedPoolLayout, KVLayout
 from pallas_kernels.sharded import use_head_sharding
 from strata_jax.models.config import ModelConfig
@@ -216,6 +217,11 @@ class ModelRunner:
         )
         # Fixed now, so every program this runner traces uses the same kernels.
         self.kernel_backend = pallas_kernels.resolve_backend(config.kernel_backend)
+        # Built and registered now, before any program that calls them is traced or read
+        # back from the executable cache (which cannot load a custom call not registered).
+        self.native_kernels = (
+            native_kernels.status() if self.kernel_backend == "xla" and jax.default_backend() == "cpu" else "not used"
+        )
         self.graphdef, self.state = nnx.split(model)
         self.mesh = mesh if mesh is not None and mesh.shape[tp_sharding.TP_AXIS] > 1 else None
         self.grouped = (
@@ -412,7 +418,7 @@ class ModelRunner:
         return (
             f"step all_logits=False\nmodel {type(self.model_config).__name__} {self.model_config!r}\n"
             f"graph {self.graphdef!r}\nrunner {self.config!r}\n"
-            f"kernels {self.kernel_backend}\nmesh {self.mesh!r} "
+            f"kernels {self.kernel_backend} native {self.native_kernels}\nmesh {self.mesh!r} "
             f"{None if self.mesh is None else self.mesh.device_ids.tolist()}"  # in mesh order
         )
 

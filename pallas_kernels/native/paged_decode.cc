@@ -1,0 +1,349 @@
+// Paged decode attention on CPU, an XLA FFI custom call (pallas_kernels/native.py builds
+// and registers it).  One query token per row reads its sequence's KV straight from the
+// paged pool, page by page, with the flash-attention online softmax in float32: no
+// gathered copy of the KV; each page is read once per token, all heads at once.
+//
+//   q          f32[T, QH, D]            queries (QH = H * G: the G query heads of KV head h
+//                                       are h * G .. h * G + G - 1)
+//   pool       f32[L, 2, P, S, H, D]    the paged KV pool (k = [l, 0], v = [l, 1])
+//   layer      s32[]                    which layer of the pool
+//   table      s32[T, W]                each token's page table
+//   kv_len     s32[T]                   KV positions 0 .. kv_len - 1 exist (0: padding row)
+//   window     s32[]                    > 0: read only the last `window` positions
+//   attrs      sm_scale, soft_cap (0: none)
+//   out        f32[T, QH, D]
+//
+// Work items are (token, part of its KV range) pairs, shared out over XLA's intra-op
+// thread pool; a token's parts are merged at the end (flash-decoding), so one long row
+// still keeps every core busy.  Vector code uses GCC/Clang vector extensions (8 floats),
+// which compile to AVX on x86 and NEON pairs on ARM.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));  // unaligned loads and stores
+typedef int32_t i8v __attribute__((vector_size(32)));
+
+inline v8 load(const float* p) { return *reinterpret_cast<const v8*>(p); }
+inline void store(float* p, v8 x) { *reinterpret_cast<v8*>(p) = x; }
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
+#ifdef __clang__
+#define SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, i8v{__VA_ARGS__})
+#endif
+
+// exp(x) for x <= 0 (scores minus their running max), 8 at a time: Cody-Waite range
+// reduction and a degree-6 polynomial (relative error ~2e-7); x below -87 gives ~1e-38.
+inline v8 exp_nonpositive(v8 x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  // round to nearest by adding and subtracting 1.5 * 2^23 (|x log2 e| < 2^22)
+  const v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  v8 r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v8 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const i8v bits = (__builtin_convertvector(n, i8v) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
+
+inline float lane_sum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+inline float lane_max(v8 a) {
+  return std::max(std::max(std::max(a[0], a[4]), std::max(a[1], a[5])), std::max(std::max(a[2], a[6]), std::max(a[3], a[7])));
+}
+
+// The lane sums of a[0..7], as one vector (a transpose and add in three rounds).
+inline v8 transpose_sum(const v8* a) {
+  v8 u[4], w[2];
+  for (int i = 0; i < 4; ++i)
+    u[i] = SHUFFLE2(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE2(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  for (int i = 0; i < 2; ++i)
+    w[i] = SHUFFLE2(u[2 * i], u[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE2(u[2 * i], u[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return SHUFFLE2(w[0], w[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE2(w[0], w[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+struct Operands {
+  int64_t tokens, q_heads, head_dim, pages, page_size, kv_heads, width;
+  const float* q;
+  const float* k_layer;  // the layer's K pages [P, S, H, D]
+  const float* v_layer;
+  const int32_t* table;
+  const int32_t* kv_len;
+  int32_t window;
+  float sm_scale, soft_cap;
+  int64_t splits;   // each token's KV range is cut into this many page-aligned parts
+  float* part_acc;  // [T, splits, QH, D] unnormalized outputs of each part
+  float* part_max;  // [T, splits, QH]
+  float* part_sum;  // [T, splits, QH]
+};
+
+// scores[qh * S + j] = q[qh] . k[j, qh / G] for every slot j of the page (slots outside
+// the valid range are computed too and masked by the caller).  Vector path: D and S
+// multiples of 8, eight slots at a time.
+void page_scores(const Operands& o, const float* qs, const float* k_page, float* scores) {
+  const int64_t QH = o.q_heads, D = o.head_dim, S = o.page_size, G = QH / o.kv_heads, ts = o.kv_heads * D;
+  if (D % 8 != 0 || S % 8 != 0) {
+    for (int64_t qh = 0; qh < QH; ++qh)
+      for (int64_t j = 0; j < S; ++j) {
+        const float* k = k_page + j * ts + (qh / G) * D;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; ++d) dot += qs[qh * D + d] * k[d];
+        scores[qh * S + j] = dot;
+      }
+    return;
+  }
+  for (int64_t qh = 0; qh < QH; ++qh) {
+    const float* q = qs + qh * D;
+    const float* k_head = k_page + (qh / G) * D;
+    for (int64_t j0 = 0; j0 < S; j0 += 8) {
+      v8 acc[8] = {};
+      for (int64_t c = 0; c < D; c += 8) {
+        const v8 qc = load(q + c);
+        for (int t = 0; t < 8; ++t) acc[t] += qc * load(k_head + (j0 + t) * ts + c);
+      }
+      store(scores + qh * S + j0, transpose_sum(acc));
+    }
+  }
+}
+
+// acc[0..D) += sum over slots lo .. hi - 1 of p[j] * v[j] (one query head).
+void page_values(float* acc, const float* p, const float* v_head, int64_t lo, int64_t hi, int64_t D, int64_t ts) {
+  if (D % 8 != 0) {
+    for (int64_t j = lo; j < hi; ++j)
+      for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * v_head[j * ts + d];
+    return;
+  }
+  for (int64_t c = 0; c < D; c += 8) {
+    v8 a[4] = {load(acc + c), {}, {}, {}};  // four chains: an add's latency is not the loop's pace
+    int64_t j = lo;
+    for (; j + 4 <= hi; j += 4)
+      for (int u = 0; u < 4; ++u) a[u] += splat(p[j + u]) * load(v_head + (j + u) * ts + c);
+    for (; j < hi; ++j) a[0] += splat(p[j]) * load(v_head + j * ts + c);
+    store(acc + c, (a[0] + a[1]) + (a[2] + a[3]));
+  }
+}
+
+// A token's valid KV positions [first, n) as pages [first_page, end_page).
+struct Span {
+  int64_t first, n, first_page, end_page;
+};
+
+Span span_of(const Operands& o, int64_t t) {
+  const int64_t n = o.kv_len[t], S = o.page_size;
+  if (n <= 0) return {0, 0, 0, 0};
+  const int64_t first = o.window > 0 ? std::max<int64_t>(0, n - o.window) : 0;
+  return {first, n, first / S, (n - 1) / S + 1};
+}
+
+void prefetch_page(const Operands& o, int64_t page) {
+  if (page < 0 || page >= o.pages) return;
+  const int64_t bytes = o.page_size * o.kv_heads * o.head_dim * int64_t(sizeof(float));
+  const char* k = reinterpret_cast<const char*>(o.k_layer) + page * bytes;
+  const char* v = reinterpret_cast<const char*>(o.v_layer) + page * bytes;
+  for (int64_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch(k + b);
+    __builtin_prefetch(v + b);
+  }
+}
+
+// One page of token t (slots lo .. hi - 1), every query head, folded into part state
+// `at` (the online softmax).  `qs`: t's scaled queries; `scores`: QH * S scratch.
+void attend_page(const Operands& o, int64_t t, int64_t page, int64_t lo, int64_t hi, const float* qs, float* scores,
+                 int64_t at) {
+  const int64_t QH = o.q_heads, D = o.head_dim, S = o.page_size, G = QH / o.kv_heads;
+  const int64_t ts = o.kv_heads * D, page_stride = S * ts;
+  float* acc = o.part_acc + at * QH * D;
+  float* row_max = o.part_max + at * QH;
+  float* row_sum = o.part_sum + at * QH;
+  const float* v_page = o.v_layer + page * page_stride;
+  page_scores(o, qs, o.k_layer + page * page_stride, scores);
+  for (int64_t qh = 0; qh < QH; ++qh) {
+    float* sq = scores + qh * S;
+    // slots outside lo .. hi - 1 may hold anything (unwritten: NaN in tests): never read
+    if (o.soft_cap > 0.0f)
+      for (int64_t j = lo; j < hi; ++j) sq[j] = o.soft_cap * std::tanh(sq[j] / o.soft_cap);
+    float page_max = -INFINITY;
+    for (int64_t j = lo; j < hi; ++j) page_max = std::max(page_max, sq[j]);
+    const float new_max = std::max(row_max[qh], page_max);
+    const float correction = exp_nonpositive(row_max[qh] - new_max);  // row_max = -inf: ~0
+    if (S % 8 == 0) {
+      for (int64_t j0 = 0; j0 < S; j0 += 8) store(sq + j0, exp_nonpositive(load(sq + j0) - new_max));
+    } else {
+      for (int64_t j = lo; j < hi; ++j) sq[j] = exp_nonpositive(sq[j] - new_max);
+    }
+    float page_sum = 0.0f;
+    for (int64_t j = lo; j < hi; ++j) page_sum += sq[j];
+    row_sum[qh] = row_sum[qh] * correction + page_sum;
+    row_max[qh] = new_max;
+    float* a = acc + qh * D;
+    if (correction != 1.0f)
+      for (int64_t d = 0; d < D; ++d) a[d] *= correction;
+    page_values(a, sq, v_page + (qh / G) * D, lo, hi, D, ts);
+  }
+}
+
+// One part of a group's KV range.  A group is the tokens whose first page is the same (a
+// shared prefix: a document and the questions asked about it); at each page index every
+// token of the group takes its page in turn, so a page they share comes from memory once
+// and from cache for the rest.  Parts cut the group's page range evenly.
+void attend_group_part(const Operands& o, const std::vector<int64_t>& members, int64_t part) {
+  const int64_t QH = o.q_heads, D = o.head_dim, S = o.page_size;
+  std::vector<Span> spans;
+  int64_t lo_page = INT64_MAX, hi_page = 0;
+  for (int64_t t : members) {
+    const int64_t at = t * o.splits + part;
+    std::fill(o.part_acc + at * QH * D, o.part_acc + (at + 1) * QH * D, 0.0f);
+    std::fill(o.part_max + at * QH, o.part_max + (at + 1) * QH, -INFINITY);
+    std::fill(o.part_sum + at * QH, o.part_sum + (at + 1) * QH, 0.0f);
+    spans.push_back(span_of(o, t));
+    if (spans.back().n > 0) {
+      lo_page = std::min(lo_page, spans.back().first_page);
+      hi_page = std::max(hi_page, spans.back().end_page);
+    }
+  }
+  if (hi_page == 0) return;  // padding rows only
+  const int64_t per_part = (hi_page - lo_page + o.splits - 1) / o.splits;
+  const int64_t page_lo = lo_page + part * per_part, page_hi = std::min(hi_page, page_lo + per_part);
+  const int64_t rows = int64_t(members.size());
+  std::vector<float> qs(rows * QH * D), scores(QH * S);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < QH * D; ++i) qs[r * QH * D + i] = o.q[members[r] * QH * D + i] * o.sm_scale;
+  for (int64_t page_index = page_lo; page_index < page_hi; ++page_index) {
+    if (page_index + 1 < page_hi && spans[0].n > 0 && page_index + 1 < spans[0].end_page)
+      prefetch_page(o, o.table[members[0] * o.width + page_index + 1]);  // on its way while this one is used
+    for (int64_t r = 0; r < rows; ++r) {
+      const Span& sp = spans[r];
+      if (page_index < sp.first_page || page_index >= sp.end_page) continue;
+      const int64_t t = members[r], page_pos = page_index * S;
+      const int64_t page = o.table[t * o.width + page_index];
+      if (page < 0 || page >= o.pages) continue;  // never for a valid table; a stray id reads nothing
+      const int64_t lo = std::max(sp.first, page_pos) - page_pos, hi = std::min<int64_t>(sp.n - page_pos, S);
+      attend_page(o, t, page, lo, hi, qs.data() + r * QH * D, scores.data(), t * o.splits + part);
+    }
+  }
+}
+
+// out[t] = token t's parts merged (the online-softmax combine), normalized.
+void merge_parts(const Operands& o, float* out, int64_t t) {
+  const int64_t QH = o.q_heads, D = o.head_dim;
+  for (int64_t qh = 0; qh < QH; ++qh) {
+    float m = -INFINITY;
+    for (int64_t p = 0; p < o.splits; ++p) m = std::max(m, o.part_max[(t * o.splits + p) * QH + qh]);
+    float total = 0.0f;
+    float* y = out + (t * QH + qh) * D;
+    std::fill(y, y + D, 0.0f);
+    for (int64_t p = 0; p < o.splits; ++p) {
+      const int64_t at = (t * o.splits + p) * QH + qh;
+      if (o.part_sum[at] == 0.0f) continue;  // an empty part (past the row's pages)
+      const float w = o.splits == 1 ? 1.0f : exp_nonpositive(o.part_max[at] - m);
+      total += w * o.part_sum[at];
+      for (int64_t d = 0; d < D; ++d) y[d] += w * o.part_acc[at * D + d];
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t d = 0; d < D; ++d) y[d] *= inv;
+  }
+}
+
+struct Progress {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+// fn(0 .. items - 1) on the calling thread and up to `helpers` pool threads.  The caller
+// takes items too, so a pool with no free thread only makes it slower, never stuck;
+// helpers that start late find nothing left (the counters outlive this call).
+template <typename Fn>
+void parallel_for(ffi::ThreadPool& threads, int64_t items, Fn fn) {
+  auto progress = std::make_shared<Progress>();
+  auto work = [progress, items, fn]() {
+    int64_t i;
+    while ((i = progress->next.fetch_add(1)) < items) {
+      fn(i);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(threads.num_threads(), items - 1);
+  for (int64_t i = 0; i < helpers; ++i) threads.Schedule([work]() { work(); });
+  work();
+  while (progress->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+}
+
+ffi::Error PagedDecodeImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> pool,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> kv_len,
+                           ffi::Buffer<ffi::S32> window, float sm_scale, float soft_cap,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), pd = pool.dimensions(), td = table.dimensions();
+  if (qd.size() != 3 || pd.size() != 6 || td.size() != 2 || pd[1] != 2 || pd[5] != qd[2] || qd[1] % pd[4] != 0 ||
+      td[0] != qd[0] || kv_len.element_count() != qd[0] || layer.element_count() != 1 || window.element_count() != 1) {
+    return ffi::Error::InvalidArgument("paged_decode_attention: operand shapes do not agree");
+  }
+  const int32_t l = layer.typed_data()[0];
+  if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("paged_decode_attention: layer out of range");
+  const int64_t tokens = qd[0], q_heads = qd[1], head_dim = qd[2], pages = pd[2], page_size = pd[3], kv_heads = pd[4];
+  const int64_t kv_stride = pages * page_size * kv_heads * head_dim;
+  // Groups of tokens sharing their first page (see attend_group_part), each cut into
+  // enough parts that every thread has work when there are few groups (flash-decoding).
+  std::vector<std::vector<int64_t>> groups;
+  {
+    std::vector<std::pair<int64_t, int64_t>> keyed;  // (first page, token)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t first_page = kv_len.typed_data()[t] <= 0 ? -1 - t : table.typed_data()[t * td[1]];
+      keyed.emplace_back(first_page, t);
+    }
+    std::sort(keyed.begin(), keyed.end());
+    for (size_t i = 0; i < keyed.size(); ++i) {
+      if (i == 0 || keyed[i].first != keyed[i - 1].first) groups.emplace_back();
+      groups.back().push_back(keyed[i].second);
+    }
+  }
+  const int64_t workers = std::max<int64_t>(1, threads.num_threads() + 1);
+  const int64_t num_groups = std::max<int64_t>(1, int64_t(groups.size()));
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(8, (2 * workers + num_groups - 1) / num_groups));
+  std::vector<float> part_acc(tokens * splits * q_heads * head_dim), part_max(tokens * splits * q_heads),
+      part_sum(tokens * splits * q_heads);
+  const Operands o{tokens, q_heads, head_dim, pages, page_size, kv_heads, td[1], q.typed_data(),
+                   pool.typed_data() + (2 * int64_t(l)) * kv_stride, pool.typed_data() + (2 * int64_t(l) + 1) * kv_stride,
+                   table.typed_data(), kv_len.typed_data(), window.typed_data()[0], sm_scale, soft_cap, splits,
+                   part_acc.data(), part_max.data(), part_sum.data()};
+  parallel_for(threads, int64_t(groups.size()) * splits,
+               [&o, &groups](int64_t item) { attend_group_part(o, groups[item / o.splits], item % o.splits); });
+  float* y = out->typed_data();
+  for (int64_t t = 0; t < tokens; ++t) merge_parts(o, y, t);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataPagedDecodeAttention, PagedDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // table
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

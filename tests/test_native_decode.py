@@ -1,0 +1,167 @@
+"""The native paged-decode kernel (``pallas_kernels.native``, the ``"xla"`` backend's decode
+attention on CPU) against the float64 brute force and the block-causal XLA decode.
+
+Batches come from ``test_pallas_attention.make_batch``: unwritten KV slots and page-table
+entries past a sequence's pages are NaN / garbage, so reading what it should not turns
+the output into NaN.  The shapes reach both code paths of the kernel: the vector one
+(head_dim and page size multiples of 8) and the plain loops (page size 4, head_dim 12).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_pallas_attention import brute_force, make_batch
+
+from pallas_kernels import dispatch, native
+from pallas_kernels.blocked import blocked_paged_attention_pool
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
+
+
+def _pool(k, v, layers=3, layer=1):
+    """A NaN-filled pool ``[layers, 2, P, S, H, D]`` with ``k``/``v`` as layer ``layer``."""
+    return jnp.full((layers, 2, *k.shape), jnp.nan, k.dtype).at[layer, 0].set(k).at[layer, 1].set(v)
+
+
+@pytest.mark.parametrize(
+    "page_size,head_dim,heads",
+    [(16, 64, (9, 3)), (16, 16, (8, 2)), (8, 32, (4, 4)), (4, 12, (6, 3)), (16, 12, (2, 1))],
+)
+@pytest.mark.parametrize("soft_cap", (None, 5.0))
+@pytest.mark.parametrize("window", (None, 0, 1, 7, 40))
+def test_decode_batch_equals_brute_force(page_size, head_dim, heads, soft_cap, window):
+    rng = np.random.default_rng(page_size * 100 + head_dim + (window or 0))
+    contexts = (0, 5, 16, 47, 130, 3)  # a first token, page edges, several pages, a short row
+    args, host = make_batch(
+        rng, page_size=page_size, q_lens=[1] * len(contexts), ctx_lens=contexts, num_q_heads=heads[0],
+        num_kv_heads=heads[1], head_dim=head_dim, pad_tokens=0, dtype=jnp.float32,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    got, pool_out = native.paged_decode_attention_pool(
+        q, _pool(k, v), 1, table, seq_lens, qs, sm_scale=0.3, soft_cap=soft_cap, sliding_window=window
+    )
+    got = np.asarray(got)
+    assert not np.isnan(got).any()
+    want = brute_force(*host, 0.3, soft_cap, None if not window else window)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_padding_rows_give_zeros_and_a_padded_extend_with_as_many_tokens_as_rows():
+    """Rows past ``query_start[-1]`` (the runner's padding) give zeros; a batch with as many
+    tokens as rows that is really an extend (one row of 3 tokens, two empty rows) is
+    attended token by token, as the XLA decode does."""
+    rng = np.random.default_rng(5)
+    args, host = make_batch(
+        rng, page_size=16, q_lens=(1, 1, 0, 0), ctx_lens=(20, 33, 0, 0), num_q_heads=4, num_kv_heads=2, head_dim=16,
+        pad_tokens=2, dtype=jnp.float32,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    q = jnp.where(jnp.isnan(q), 0.0, q)
+    got = np.asarray(native.paged_decode_attention_pool(q, _pool(k, v), 1, table, seq_lens, qs, sm_scale=0.25)[0])
+    np.testing.assert_allclose(got[:2], brute_force(*host, 0.25, None)[:2], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(got[2:], 0.0)
+    args, host = make_batch(
+        rng, page_size=16, q_lens=(3, 0, 0), ctx_lens=(21, 0, 0), num_q_heads=4, num_kv_heads=2, head_dim=16,
+        pad_tokens=0, dtype=jnp.float32,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    got = np.asarray(native.paged_decode_attention_pool(q, _pool(k, v), 1, table, seq_lens, qs, sm_scale=0.25)[0])
+    np.testing.assert_allclose(got, brute_force(*host, 0.25, None), atol=2e-5, rtol=2e-5)
+
+
+def test_rows_sharing_a_prefix_and_long_rows_split_across_threads():
+    """Rows whose pages start the same (grouped: each shared page read once for all) but
+    end differently, beside a row of its own; few rows, so each is cut into parts and
+    merged.  Against the XLA decode and the brute force."""
+    rng = np.random.default_rng(9)
+    page_size, prefix_pages = 16, 40
+    args, host = make_batch(
+        rng, page_size=page_size, q_lens=[1] * 4, ctx_lens=(700, 655, 641, 300), num_q_heads=9, num_kv_heads=3,
+        head_dim=64, pad_tokens=0, dtype=jnp.float32,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    k, v, table = np.asarray(k), np.asarray(v), np.asarray(table).copy()
+    for row in (1, 2):  # rows 1 and 2 read row 0's first 40 pages (a shared document)
+        table[row, :prefix_pages] = table[0, :prefix_pages]
+    host = (host[0], k, v, table, *host[4:])
+    table = jnp.asarray(table)
+    pool = _pool(jnp.asarray(k), jnp.asarray(v))
+    got = np.asarray(native.paged_decode_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=0.125)[0])
+    np.testing.assert_allclose(got, brute_force(*host, 0.125, None), atol=2e-5, rtol=2e-5)
+    xla = np.asarray(blocked_paged_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=0.125)[0])
+    np.testing.assert_allclose(got, xla, atol=2e-5, rtol=2e-5)
+
+
+def test_traced_layer_and_window_under_a_scan_in_place():
+    """Under ``jax.lax.scan`` (the model's layer loop) the layer index and window are
+    traced values; each layer reads its own rows of the pool, and the pool comes back
+    unchanged."""
+    rng = np.random.default_rng(3)
+    args, host = make_batch(
+        rng, page_size=16, q_lens=[1] * 3, ctx_lens=(30, 64, 9), num_q_heads=4, num_kv_heads=2, head_dim=16,
+        pad_tokens=0, dtype=jnp.float32,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    scales = jnp.asarray([1.0, 2.0, 3.0])
+    pool = jnp.stack([jnp.stack([k * s, v * s]) for s in (1.0, 2.0, 3.0)])
+    windows = jnp.asarray([5, 0, 12], jnp.int32)
+
+    @jax.jit
+    def run(pool):
+        def body(pool, xs):
+            layer, window = xs
+            out, pool = native.paged_decode_attention_pool(q, pool, layer, table, seq_lens, qs, sm_scale=0.25, sliding_window=window)
+            return pool, out
+
+        return jax.lax.scan(body, pool, (jnp.arange(3), windows))
+
+    pool_out, outs = run(pool)
+    np.testing.assert_array_equal(np.asarray(pool_out), np.asarray(pool))
+    for layer, window in enumerate((5, None, 12)):
+        s = float(scales[layer])
+        want = brute_force(host[0], host[1] * s, host[2] * s, *host[3:], 0.25, None, window)
+        np.testing.assert_allclose(np.asarray(outs[layer]), want, atol=2e-5, rtol=2e-5, err_msg=f"layer {layer}")
+
+
+def test_the_cpu_backend_takes_the_kernel_for_decodes_only(monkeypatch):
+    """The ``"xla"`` backend's pool attention: a decode batch on a float32 pool is the
+    native call (a custom call in the program), an extend or a bfloat16 pool the XLA
+    one, and ``$STRATA_NATIVE_KERNELS=0`` turns it off."""
+    rng = np.random.default_rng(1)
+    args, _ = make_batch(
+        rng, page_size=16, q_lens=[1, 1], ctx_lens=(9, 20), num_q_heads=4, num_kv_heads=2, head_dim=16,
+        pad_tokens=0, dtype=jnp.float32,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    pool = _pool(k, v)
+    assert dispatch.get_implementation("ragged_paged_attention_pool", "xla") is native.cpu_paged_attention_pool
+
+    def custom_calls(pool, q=q, qs=qs, seq_lens=seq_lens, table=table) -> int:  # noqa: ANN001
+        fn = jax.jit(lambda p: native.cpu_paged_attention_pool(q, p, 1, table, seq_lens, qs, sm_scale=0.25)[0])
+        return fn.lower(pool).as_text().count(native._TARGET)  # noqa: SLF001
+
+    assert custom_calls(pool) == 1
+    assert custom_calls(pool.astype(jnp.bfloat16)) == 0
+    extend_q = jnp.concatenate([q, q])  # 4 tokens over 2 rows
+    extend_qs = jnp.asarray([0, 3, 4], jnp.int32)
+    assert custom_calls(pool, q=extend_q, qs=extend_qs, seq_lens=seq_lens + jnp.asarray([2, 0])) == 0
+    monkeypatch.setenv(native.ENV_VAR, "0")
+    native._load.cache_clear()  # noqa: SLF001
+    try:
+        assert not native.available() and "off" in native.status()
+        assert custom_calls(pool) == 0
+    finally:
+        monkeypatch.delenv(native.ENV_VAR)
+        native._load.cache_clear()  # noqa: SLF001
+    assert native.available()
+
+
+def test_a_build_without_a_compiler_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.raises(native.NativeBuildError, match="no C\\+\\+ compiler"):
+        native.build()
