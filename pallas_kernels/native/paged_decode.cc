@@ -153,7 +153,7 @@ Span span_of(const Operands& o, int64_t t) {
   const int64_t n = o.kv_len[t], S = o.page_size;
   if (n <= 0) return {0, 0, 0, 0};
   const int64_t first = o.window > 0 ? std::max<int64_t>(0, n - o.window) : 0;
-  return {first, n, first / S, (n - 1) / S + 1};
+  return {first, n, first / S, std::min<int64_t>((n - 1) / S + 1, o.width)};  // never past the table
 }
 
 void prefetch_page(const Operands& o, int64_t page) {
