@@ -140,6 +140,14 @@ def status() -> str:
     return _load()[1]
 
 
+def status_for(backend: str) -> str:
+    """``status()`` where ``backend`` would call the kernel (the ``"xla"`` backend on CPU),
+    else that it is not used; building it only then."""
+    if backend != "xla" or jax.default_backend() != "cpu":
+        return "not used (the xla backend on CPU only)"
+    return status()
+
+
 def paged_decode_attention_pool(
     q: jax.Array,
     kv_pool: jax.Array,

@@ -68,11 +68,6 @@ inline v8 exp_nonpositive(v8 x) {
 
 inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
 
-inline float lane_sum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
-inline float lane_max(v8 a) {
-  return std::max(std::max(std::max(a[0], a[4]), std::max(a[1], a[5])), std::max(std::max(a[2], a[6]), std::max(a[3], a[7])));
-}
-
 // The lane sums of a[0..7], as one vector (a transpose and add in three rounds).
 inline v8 transpose_sum(const v8* a) {
   v8 u[4], w[2];
@@ -167,9 +162,9 @@ void prefetch_page(const Operands& o, int64_t page) {
   }
 }
 
-// One page of token t (slots lo .. hi - 1), every query head, folded into part state
-// `at` (the online softmax).  `qs`: t's scaled queries; `scores`: QH * S scratch.
-void attend_page(const Operands& o, int64_t t, int64_t page, int64_t lo, int64_t hi, const float* qs, float* scores,
+// One page of a token (slots lo .. hi - 1), every query head, folded into part state
+// `at` (the online softmax).  `qs`: the token's scaled queries; `scores`: QH * S scratch.
+void attend_page(const Operands& o, int64_t page, int64_t lo, int64_t hi, const float* qs, float* scores,
                  int64_t at) {
   const int64_t QH = o.q_heads, D = o.head_dim, S = o.page_size, G = QH / o.kv_heads;
   const int64_t ts = o.kv_heads * D, page_stride = S * ts;
@@ -239,7 +234,7 @@ void attend_group_part(const Operands& o, const std::vector<int64_t>& members, i
       const int64_t page = o.table[t * o.width + page_index];
       if (page < 0 || page >= o.pages) continue;  // never for a valid table; a stray id reads nothing
       const int64_t lo = std::max(sp.first, page_pos) - page_pos, hi = std::min<int64_t>(sp.n - page_pos, S);
-      attend_page(o, t, page, lo, hi, qs.data() + r * QH * D, scores.data(), t * o.splits + part);
+      attend_page(o, page, lo, hi, qs.data() + r * QH * D, scores.data(), t * o.splits + part);
     }
   }
 }

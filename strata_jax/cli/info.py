@@ -76,17 +76,6 @@ def _kernels(backend: str) -> dict[str, str]:
     return {op: _qualname(dispatch.get_implementation(op, backend)) for op in KERNEL_OPS}
 
 
-def _native_status(backend: str) -> str:
-    """The native CPU decode kernel (``pallas_kernels.native``): on, off, unavailable and why."""
-    import jax
-
-    from pallas_kernels import native
-
-    if backend != "xla" or jax.default_backend() != "cpu":
-        return "not used (the xla backend on CPU only)"
-    return native.status()
-
-
 def _qualname(fn: Any) -> str:
     inner = getattr(fn, "func", fn)  # functools.partial (interpret mode)
     name = f"{inner.__module__}.{inner.__qualname__}"
@@ -150,6 +139,7 @@ def collect(*, check_lowering: bool = False) -> dict[str, Any]:
     """Everything ``strata-jax info`` reports, as a JSON-ready dict."""
     import jax
 
+    from pallas_kernels import native
     from pallas_kernels.dispatch import ENV_VAR
     from strata_jax.runtime.platform import current_platform, resolve
 
@@ -174,7 +164,7 @@ def collect(*, check_lowering: bool = False) -> dict[str, Any]:
             "kernel_backend": resolved.kernel_backend,
             "kernel_backend_env": os.environ.get(ENV_VAR) or None,
             "kernels": _kernels(resolved.kernel_backend),
-            "native_kernels": _native_status(resolved.kernel_backend),
+            "native_kernels": native.status_for(resolved.kernel_backend),
         },
         "would_choose": {p: _gpu_column(p, check_lowering) for p in ("cuda", "rocm")},
     }

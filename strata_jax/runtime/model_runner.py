@@ -219,9 +219,7 @@ class ModelRunner:
         self.kernel_backend = pallas_kernels.resolve_backend(config.kernel_backend)
         # Built and registered now, before any program that calls them is traced or read
         # back from the executable cache (which cannot load a custom call not registered).
-        self.native_kernels = (
-            native_kernels.status() if self.kernel_backend == "xla" and jax.default_backend() == "cpu" else "not used"
-        )
+        self.native_kernels = native_kernels.status_for(self.kernel_backend)
         self.graphdef, self.state = nnx.split(model)
         self.mesh = mesh if mesh is not None and mesh.shape[tp_sharding.TP_AXIS] > 1 else None
         self.grouped = (
