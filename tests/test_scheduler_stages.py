@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from strata_jax.scheduler import CostModel, CostPrior, RequestStatus, Scheduler, SchedulerConfig
+from strata_jax.scheduler.policy import resolve_stages
 from strata_jax.scheduler.testing import FakeCache, execute
 
 
@@ -112,6 +113,65 @@ def test_owner_abort_releases_the_deferred_request() -> None:
     plan = sched.schedule(cache)
     assert plan.prefill_ids == ("b",) and plan.deferred == ()
     assert plan.prefill[0].start == 0  # nothing to hit: b computes the document itself
+
+
+# ---------------------------------------------------------------- short prefills first
+
+
+def two_documents_with_siblings(config: SchedulerConfig) -> tuple[Scheduler, FakeCache, list]:
+    """Documents 1 and 2 (1200 tokens each), two questions on each, all arriving at once; plays
+    the rounds until document 1's first question has its first token.  Returns the plans."""
+    sched, cache = Scheduler(config), FakeCache()
+    for rid, tokens in (("a1", doc(1, 1200) + q(1)), ("a2", doc(1, 1200) + q(2)),
+                        ("b1", doc(2, 1200) + q(3)), ("b2", doc(2, 1200) + q(4))):  # fmt: skip
+        submit_uncached(sched, cache, rid, tokens)
+    plans = []
+    while sched.get("a1").num_output_tokens == 0:
+        plans.append(sched.schedule(cache))
+        execute(plans[-1], sched, cache, max_new_tokens=64)
+    return sched, cache, plans
+
+
+def test_a_deferred_sibling_goes_ahead_of_the_next_documents_chunks() -> None:
+    sched, cache, plans = two_documents_with_siblings(SchedulerConfig(max_batch_tokens=512))
+    # a1's 1220 tokens: 512, 512, then its last 196 with b1's first 316.
+    assert [[(i.request_id, i.new_tokens) for i in p.prefill] for p in plans] == [
+        [("a1", 512)], [("a1", 512)], [("a1", 196), ("b1", 316)]
+    ]
+    plan = sched.schedule(cache)  # a2 (20 tokens over a1's document on the device) first, then b1's chunk
+    assert [(i.request_id, i.start, i.new_tokens) for i in plan.prefill] == [("a2", 1200, 20), ("b1", 316, 492)]
+    assert plan.prefill[0].device_hit_tokens == 1200
+
+
+def test_without_short_first_the_sibling_waits_for_the_continuing_chunks() -> None:
+    sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=512, short_prefill_tokens=0)), FakeCache()
+    for rid, tokens in (("a1", doc(1, 1200) + q(1)), ("a2", doc(1, 1200) + q(2)), ("b1", doc(2, 1200) + q(3))):
+        submit_uncached(sched, cache, rid, tokens)
+    for _ in range(3):
+        execute(sched.schedule(cache), sched, cache, max_new_tokens=64)
+    plan = sched.schedule(cache)
+    assert [(i.request_id, i.new_tokens) for i in plan.prefill] == [("b1", 512)]  # a2 waits behind b1's chunks
+    assert not resolve_stages(SchedulerConfig(policy="fifo")).short_first  # the baseline never reorders
+
+
+def test_short_first_skips_loads_and_long_prompts_and_takes_at_most_half_the_budget() -> None:
+    sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=100, short_prefill_tokens=30)), FakeCache()
+    cache.add_ready(doc(3, 64), "host")
+    submit_uncached(sched, cache, "long", doc(1, 400))
+    execute(sched.schedule(cache), sched, cache)  # long is now a continuing prefill
+    sched.submit("loads", doc(3, 64) + q(1, 10))  # short to compute, but loads its prefix from the host
+    sched.submit("big", q(2, 31))  # over the threshold
+    for i in range(4):
+        sched.submit(f"s{i}", q(10 + i, 20))
+    plan = sched.schedule(cache)
+    # s0 and s1 (40 of the 50 tokens short prefills may take), then long's chunk (60), in that order.
+    assert [(i.request_id, i.new_tokens) for i in plan.prefill] == [("s0", 20), ("s1", 20), ("long", 60)]
+    assert sched.queue_order()[:2] == ("loads", "big")  # the skipped keep their places
+
+
+def test_short_prefill_tokens_is_validated() -> None:
+    with pytest.raises(ValueError, match="short_prefill_tokens"):
+        SchedulerConfig(short_prefill_tokens=-1)
 
 
 # ---------------------------------------------------------------- Algorithm 1

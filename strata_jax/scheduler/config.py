@@ -54,6 +54,12 @@ class SchedulerConfig:
     max_lookahead: queued requests examined (prefix-matched) per round, from the
         head; bounds the cost of one round under a long queue (bundle hits
         further back are found once they move up).
+    short_prefill_tokens: a queued request whose prefix is on the device (nothing to
+        load) and that computes at most this many tokens goes ahead of the continuing
+        chunks of long prompts (a question about a document another request just
+        prefilled, a chat turn whose history is cached); together they take at most
+        half of ``max_batch_tokens``, so a long prompt still advances every step.  0
+        turns it off (continuing chunks first, then the queue).
     """
 
     policy: str = "strata"
@@ -69,6 +75,7 @@ class SchedulerConfig:
     enable_bubble_filling: bool = True
     enable_load_or_recompute: bool = False
     max_lookahead: int = 1024
+    short_prefill_tokens: int = 64
     wait_for_prefetch: bool = False
 
     def __post_init__(self) -> None:
@@ -81,6 +88,7 @@ class SchedulerConfig:
         for name in ("max_batch_tokens", "max_prefill_batch_size", "max_decode_batch_size", "max_waiting", "max_lookahead"):
             _positive_int(name, getattr(self, name))
         _non_negative_int("delay_hit_threshold", self.delay_hit_threshold)
+        _non_negative_int("short_prefill_tokens", self.short_prefill_tokens)
         if self.max_running_requests is not None:
             _positive_int("max_running_requests", self.max_running_requests)
         if self.loading_bound_ratio is not None:

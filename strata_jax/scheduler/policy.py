@@ -5,8 +5,10 @@ A policy is a function ``SchedulerConfig -> Stages`` in a small registry:
 * ``strata``: the stages the config enables (delay-hit deferral, balanced batch
   formation = Strata Algorithm 1, bubble filling, and load-or-recompute, a stage
   beyond the paper); each can be switched on or off.
+  Short prefills over a device-resident prefix (``short_prefill_tokens``) go ahead
+  of the continuing chunks of long prompts.
 * ``fifo``: the baseline: take requests in order until the batch is full; no
-  deferral, no set-aside, prefill before decode (as SGLang does).
+  deferral, no set-aside, no short-first, prefill before decode (as SGLang does).
 
 Batch formation works on a ``RoundQueue`` and a ``BatchBuilder``:
 ``form_in_order`` (fifo, and strata without balanced batching) and
@@ -43,12 +45,14 @@ class Stages:
     balanced_batch: bool
     bubble_filling: bool
     load_or_recompute: bool = False
+    short_first: bool = False  # short device-hit prefills go ahead of continuing chunks
 
 
 def _strata(config: SchedulerConfig) -> Stages:
     return Stages(
-        config.enable_delay_hit, config.enable_balanced_batch, config.enable_bubble_filling, config.enable_load_or_recompute
-    )
+        config.enable_delay_hit, config.enable_balanced_batch, config.enable_bubble_filling,
+        config.enable_load_or_recompute, short_first=config.short_prefill_tokens > 0,
+    )  # fmt: skip
 
 
 def _fifo(config: SchedulerConfig) -> Stages:

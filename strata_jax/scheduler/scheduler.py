@@ -15,14 +15,17 @@ again), which the engine therefore does only with no step in flight.
 
 A round: (1) pick the decode batch (rotating when there are more decodes than
 ``max_decode_batch_size``) and retract the newest decodes if even eviction
-cannot make room for their next token; (2) continue chunked prefills;
-(3) walk the queue with the delay-hit rule and form the prefill batch with the
-policy's procedure; (4) order decode before prefill when bubble filling says so.
+cannot make room for their next token; (2) admit short prefills over a
+device-resident prefix (strata policy, ``short_prefill_tokens``), then continue
+chunked prefills; (3) walk the queue with the delay-hit rule and form the prefill
+batch with the policy's procedure; (4) order decode before prefill when bubble
+filling says so.
 
 Starvation freedom: the queue head is always tried first and nothing overtakes
 a head that does not fit; a request is deferred only behind a live request that
 arrived earlier (so deferral chains end), and set-aside or non-fitting requests
-keep their queue position.
+keep their queue position.  Short prefills overtake the queue, but together take at
+most half the token budget, so continuing chunks and the head still advance.
 """
 
 from __future__ import annotations
@@ -136,12 +139,14 @@ class Scheduler:
             r for r in self._requests.values()
             if r.status is _S.PREFILLING and r.inflight_end is None and r.remaining_prefill > 0
         ]  # fmt: skip
-        for req in sorted(continuing, key=lambda r: r.arrival):
-            batch.try_add(Candidate.continuing(req))
         skip = {r.request_id for r in retracted}  # their KV is still on the device this step
         queue = RoundQueue(
             [rid for rid in self._queue if rid not in skip], lambda rid: self._classify(rid, cache), cfg.max_lookahead
         )
+        if continuing and self.stages.short_first:
+            self._admit_short(queue, batch)
+        for req in sorted(continuing, key=lambda r: r.arrival):
+            batch.try_add(Candidate.continuing(req))
         self._prefetch_holds.clear()
         formed = FORMERS[self.stages.balanced_batch](queue, batch)
         self._queue = [rid for rid in self._queue if rid in skip] + queue.new_order()
@@ -193,6 +198,22 @@ class Scheduler:
             est_prefill_s=est_prefill,
             est_decode_s=est_decode,
         )
+
+    def _admit_short(self, queue: RoundQueue, batch: BatchBuilder) -> None:
+        """Admit queued requests that compute at most ``short_prefill_tokens`` over a
+        device-resident prefix, in queue order, ahead of the continuing chunks (within half
+        the token budget): their first token is one short step away, and a long prompt
+        behind them loses a few tokens of one chunk instead of them waiting for all of it."""
+        room = batch.token_budget // 2
+        for cand in list(queue.rest()):
+            new = len(cand.request.prefill_tokens) - cand.start
+            if cand.loads or new > self.config.short_prefill_tokens or new > room:
+                continue
+            if not batch.has_room():
+                break
+            if batch.try_add(cand) is not None:
+                queue.admit(cand)
+                room -= new
 
     def _new_room(self, cache: CacheView) -> int | None:
         """Requests that may start running this round: under ``max_running_requests`` and
