@@ -41,11 +41,16 @@ import numpy as np
 from pallas_kernels.blocked import blocked_paged_attention_pool, decode_token_rows
 
 ENV_VAR = "STRATA_NATIVE_KERNELS"
-SOURCE = Path(__file__).with_name("native") / "paged_decode.cc"
+SOURCE_DIR = Path(__file__).with_name("native")
+SOURCES = (SOURCE_DIR / "paged_decode.cc", SOURCE_DIR / "paged_extend.cc")
+HEADERS = (SOURCE_DIR / "common.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
 _TARGET = "strata_paged_decode_attention"
 _SYMBOL = "StrataPagedDecodeAttention"
+_EXTEND_TARGET = "strata_paged_extend_attention"
+_EXTEND_SYMBOL = "StrataPagedExtendAttention"
 _BUILD_TIMEOUT_S = 300
+EXTEND_HEAD_DIM_MULTIPLE = 16  # the extend kernel's register tiles are 16 dims wide
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +89,11 @@ def _cpu_identity() -> str:
 def library_path(cxx: str) -> Path:
     """Where the build for this source, compiler, jaxlib and CPU lives."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(), _cpu_identity().encode()):
+    sources = tuple(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    for part in (*sources, " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(), _cpu_identity().encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / f"paged_decode-{key.hexdigest()[:20]}.so"
+    return cache_dir() / f"strata_native-{key.hexdigest()[:20]}.so"
 
 
 def build() -> Path:
@@ -101,7 +107,7 @@ def build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # then renamed: concurrent builds never see half a file
     os.close(fd)
-    command = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    command = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     logger.info("compiling the native CPU kernels (once): %s", " ".join(command))
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
@@ -109,7 +115,7 @@ def build() -> Path:
             raise NativeBuildError(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
         os.replace(tmp, target)
     except subprocess.TimeoutExpired as e:
-        raise NativeBuildError(f"compiling {SOURCE.name} took over {_BUILD_TIMEOUT_S} s") from e
+        raise NativeBuildError(f"compiling {', '.join(p.name for p in SOURCES)} took over {_BUILD_TIMEOUT_S} s") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -123,7 +129,8 @@ def _load() -> tuple[bool, str]:
     try:
         path = build()
         library = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(library, _SYMBOL)), platform="cpu")
+        for target, symbol in ((_TARGET, _SYMBOL), (_EXTEND_TARGET, _EXTEND_SYMBOL)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     except (NativeBuildError, OSError, AttributeError) as e:
         logger.warning("native CPU kernels unavailable, the XLA decode attention runs instead: %s", e)
         return False, f"unavailable: {e}"
@@ -138,6 +145,11 @@ def available() -> bool:
 def status() -> str:
     """One line for ``strata-jax info``: on (and where), off, or why unavailable."""
     return _load()[1]
+
+
+def _require() -> None:
+    if not available():
+        raise NativeBuildError(f"the native CPU kernels are {status()}")
 
 
 def status_for(backend: str) -> str:
@@ -162,7 +174,8 @@ def paged_decode_attention_pool(
 ) -> tuple[jax.Array, jax.Array]:
     """Decode-shaped attention (one token per row, ``T == B``) of layer ``layer`` of the
     float32 pool ``[L, 2, P, S, H, D]`` by the native kernel; same contract as
-    ``blocked_paged_attention_pool``.  Requires ``available()``."""
+    ``blocked_paged_attention_pool``.  Raises ``NativeBuildError`` unless ``available()``."""
+    _require()
     num_tokens, num_q_heads, head_dim = q.shape
     if kv_pool.dtype != jnp.float32:
         raise ValueError(f"the native decode attention reads a float32 pool, got {kv_pool.dtype}")
@@ -184,6 +197,44 @@ def paged_decode_attention_pool(
     return out.astype(q.dtype), kv_pool
 
 
+def paged_extend_attention_pool(
+    q: jax.Array,
+    kv_pool: jax.Array,
+    layer: int | jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_start: jax.Array,
+    *,
+    sm_scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Ragged causal attention of a batch's new tokens (any tokens per row) over layer
+    ``layer`` of the float32 pool ``[L, 2, P, S, H, D]`` by the native kernel; same
+    contract as ``blocked_paged_attention_pool``.  ``head_dim`` a multiple of 16;
+    raises ``NativeBuildError`` unless ``available()``."""
+    _require()
+    num_tokens, num_q_heads, head_dim = q.shape
+    if kv_pool.dtype != jnp.float32:
+        raise ValueError(f"the native extend attention reads a float32 pool, got {kv_pool.dtype}")
+    if head_dim % EXTEND_HEAD_DIM_MULTIPLE:
+        raise ValueError(f"the native extend attention needs head_dim % {EXTEND_HEAD_DIM_MULTIPLE} == 0, got {head_dim}")
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+    layer_index = jnp.clip(jnp.asarray(layer, jnp.int32), 0, kv_pool.shape[0] - 1)
+    out = jax.ffi.ffi_call(_EXTEND_TARGET, jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), jnp.float32))(
+        q.astype(jnp.float32),
+        kv_pool,
+        layer_index,
+        page_table.astype(jnp.int32),
+        query_start.astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
+        jnp.maximum(window, 0),
+        sm_scale=np.float32(sm_scale),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )
+    return out.astype(q.dtype), kv_pool
+
+
 def cpu_paged_attention_pool(
     q: jax.Array,
     kv_pool: jax.Array,
@@ -193,11 +244,14 @@ def cpu_paged_attention_pool(
     query_start: jax.Array,
     **options,
 ) -> tuple[jax.Array, jax.Array]:
-    """The ``"xla"`` backend's pool attention: decode-shaped calls on a float32 pool on
-    CPU take the native kernel when it is available; everything else (extends, other
-    dtypes, other platforms, kernels off) the block-causal XLA attention."""
-    decode_shaped = q.shape[0] == page_table.shape[0]
-    if decode_shaped and kv_pool.dtype == jnp.float32 and jax.default_backend() == "cpu" and available():
+    """The ``"xla"`` backend's pool attention: on CPU with a float32 pool and the native
+    kernels available, decode-shaped calls take the native decode and extends the native
+    extend (head_dim a multiple of 16); everything else (other dtypes, other platforms,
+    kernels off) the block-causal XLA attention."""
+    if kv_pool.dtype == jnp.float32 and jax.default_backend() == "cpu" and available():
         allowed = {k: v for k, v in options.items() if k in ("sm_scale", "soft_cap", "sliding_window")}
-        return paged_decode_attention_pool(q, kv_pool, layer, page_table, seq_lens, query_start, **allowed)
+        if q.shape[0] == page_table.shape[0]:
+            return paged_decode_attention_pool(q, kv_pool, layer, page_table, seq_lens, query_start, **allowed)
+        if q.shape[2] % EXTEND_HEAD_DIM_MULTIPLE == 0:
+            return paged_extend_attention_pool(q, kv_pool, layer, page_table, seq_lens, query_start, **allowed)
     return blocked_paged_attention_pool(q, kv_pool, layer, page_table, seq_lens, query_start, **options)

@@ -126,10 +126,11 @@ def test_traced_layer_and_window_under_a_scan_in_place():
         np.testing.assert_allclose(np.asarray(outs[layer]), want, atol=2e-5, rtol=2e-5, err_msg=f"layer {layer}")
 
 
-def test_the_cpu_backend_takes_the_kernel_for_decodes_only(monkeypatch):
+def test_the_cpu_backend_takes_the_decode_kernel_for_decodes(monkeypatch):
     """The ``"xla"`` backend's pool attention: a decode batch on a float32 pool is the
-    native call (a custom call in the program), an extend or a bfloat16 pool the XLA
-    one, and ``$STRATA_NATIVE_KERNELS=0`` turns it off."""
+    native decode (a custom call in the program), an extend is not (the extend kernel,
+    tests/test_native_extend.py), a bfloat16 pool the XLA attention, and
+    ``$STRATA_NATIVE_KERNELS=0`` turns it off."""
     rng = np.random.default_rng(1)
     args, _ = make_batch(
         rng, page_size=16, q_lens=[1, 1], ctx_lens=(9, 20), num_q_heads=4, num_kv_heads=2, head_dim=16,

@@ -1,0 +1,138 @@
+"""The native paged-extend kernel (``pallas_kernels.native``, the ``"xla"`` backend's
+prefill attention on CPU) against the float64 brute force and the block-causal XLA attention.
+
+Batches come from ``test_pallas_attention.make_batch``: unwritten KV slots, padding
+queries and page-table entries past a sequence's pages are NaN / garbage, so reading what
+it should not turns the output into NaN.  Row lengths cross the kernel's query blocks (96
+rows of tokens x GQA group) and its 64-key blocks, with one-token rows (a decode in a
+mixed batch) and empty rows between them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_pallas_attention import brute_force, make_batch
+
+from pallas_kernels import dispatch, native
+from pallas_kernels.blocked import blocked_paged_attention_pool
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
+
+
+def _pool(k, v, layers=3, layer=1):
+    """A NaN-filled pool ``[layers, 2, P, S, H, D]`` with ``k``/``v`` as layer ``layer``."""
+    return jnp.full((layers, 2, *k.shape), jnp.nan, k.dtype).at[layer, 0].set(k).at[layer, 1].set(v)
+
+
+@pytest.mark.parametrize(
+    "page_size,head_dim,heads", [(16, 64, (9, 3)), (16, 16, (8, 2)), (8, 32, (4, 4)), (16, 16, (2, 1)), (4, 48, (12, 1))]
+)
+@pytest.mark.parametrize("soft_cap", (None, 5.0))
+@pytest.mark.parametrize("window", (None, 0, 1, 7, 40))
+def test_ragged_extend_equals_brute_force(page_size, head_dim, heads, soft_cap, window):
+    rng = np.random.default_rng(page_size * 100 + head_dim + (window or 0))
+    # a decode row, a fresh prompt, a chunk over cached context longer than a query block,
+    # an empty row, a short question over a long context
+    q_lens, contexts = (1, 37, 130, 0, 5), (40, 0, 70, 0, 200)
+    args, host = make_batch(
+        rng, page_size=page_size, q_lens=q_lens, ctx_lens=contexts, num_q_heads=heads[0], num_kv_heads=heads[1],
+        head_dim=head_dim, pad_tokens=3, dtype=jnp.float32,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    got, _ = native.paged_extend_attention_pool(
+        q, _pool(k, v), 1, table, seq_lens, qs, sm_scale=0.3, soft_cap=soft_cap, sliding_window=window
+    )
+    got = np.asarray(got)
+    n = int(qs[-1])
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got[n:], 0.0)  # padding tokens
+    want = brute_force(*host, 0.3, soft_cap, None if not window else window)
+    np.testing.assert_allclose(got[:n], want[:n], atol=2e-5, rtol=2e-5)
+
+
+def test_a_long_chunk_equals_the_xla_attention():
+    """A 512-token chunk over 1,000 cached tokens and a 300-token prompt beside it (the
+    engine's shapes: many query and key blocks, the diagonal inside a block), with
+    SmolLM2's heads; against the block-causal XLA attention and the brute force."""
+    rng = np.random.default_rng(11)
+    args, host = make_batch(
+        rng, page_size=16, q_lens=(512, 300), ctx_lens=(1000, 0), num_q_heads=9, num_kv_heads=3, head_dim=64,
+        pad_tokens=0, dtype=jnp.float32,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    pool = _pool(k, v)
+    got = np.asarray(native.paged_extend_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=0.125)[0])
+    np.testing.assert_allclose(got, brute_force(*host, 0.125, None), atol=2e-5, rtol=2e-5)
+    xla = np.asarray(blocked_paged_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=0.125)[0])
+    np.testing.assert_allclose(got, xla, atol=2e-5, rtol=2e-5)
+
+
+def test_traced_layer_and_window_under_a_scan():
+    """Under ``jax.lax.scan`` (the model's layer loop) the layer index and window are
+    traced values; each layer reads its own rows of the pool."""
+    rng = np.random.default_rng(3)
+    args, host = make_batch(
+        rng, page_size=16, q_lens=(20, 3, 1), ctx_lens=(30, 64, 9), num_q_heads=4, num_kv_heads=2, head_dim=16,
+        pad_tokens=2, dtype=jnp.float32,
+    )  # fmt: skip
+    q, k, v, table, seq_lens, qs = args
+    pool = jnp.stack([jnp.stack([k * s, v * s]) for s in (1.0, 2.0, 3.0)])
+    windows = jnp.asarray([5, 0, 12], jnp.int32)
+
+    @jax.jit
+    def run(pool):
+        def body(pool, xs):
+            layer, window = xs
+            out, pool = native.paged_extend_attention_pool(q, pool, layer, table, seq_lens, qs, sm_scale=0.25, sliding_window=window)
+            return pool, out
+
+        return jax.lax.scan(body, pool, (jnp.arange(3), windows))
+
+    _, outs = run(pool)
+    n = int(qs[-1])
+    for layer, (s, window) in enumerate(zip((1.0, 2.0, 3.0), (5, None, 12))):
+        want = brute_force(host[0], host[1] * s, host[2] * s, *host[3:], 0.25, None, window)
+        np.testing.assert_allclose(np.asarray(outs[layer])[:n], want[:n], atol=2e-5, rtol=2e-5, err_msg=f"layer {layer}")
+
+
+def test_the_cpu_backend_takes_the_extend_kernel_for_float32_and_whole_tiles(monkeypatch):
+    """The ``"xla"`` backend's pool attention on an extend: the native extend on a float32
+    pool with head_dim a multiple of 16; the XLA attention for bfloat16, head_dim 12, or
+    with ``$STRATA_NATIVE_KERNELS=0``."""
+    assert dispatch.get_implementation("ragged_paged_attention_pool", "xla") is native.cpu_paged_attention_pool
+
+    def custom_calls(head_dim: int, dtype=jnp.float32) -> int:  # noqa: ANN001
+        rng = np.random.default_rng(head_dim)
+        args, _ = make_batch(
+            rng, page_size=16, q_lens=(3, 1), ctx_lens=(9, 20), num_q_heads=4, num_kv_heads=2, head_dim=head_dim,
+            pad_tokens=0, dtype=jnp.float32,
+        )  # fmt: skip
+        q, k, v, table, seq_lens, qs = args
+        pool = _pool(k, v).astype(dtype)
+        fn = jax.jit(lambda p: native.cpu_paged_attention_pool(q, p, 1, table, seq_lens, qs, sm_scale=0.25)[0])
+        return fn.lower(pool).as_text().count(native._EXTEND_TARGET)  # noqa: SLF001
+
+    assert custom_calls(16) == 1
+    assert custom_calls(16, jnp.bfloat16) == 0
+    assert custom_calls(12) == 0
+    with pytest.raises(ValueError, match="head_dim % 16"):
+        native.paged_extend_attention_pool(
+            jnp.zeros((3, 2, 12)), jnp.zeros((1, 2, 2, 4, 1, 12)), 0, jnp.zeros((1, 2), jnp.int32),
+            jnp.asarray([3]), jnp.asarray([0, 3]), sm_scale=1.0,
+        )  # fmt: skip
+    monkeypatch.setenv(native.ENV_VAR, "0")
+    native._load.cache_clear()  # noqa: SLF001
+    try:
+        assert custom_calls(16) == 0
+        with pytest.raises(native.NativeBuildError, match="off"):
+            native.paged_extend_attention_pool(
+                jnp.zeros((3, 2, 16)), jnp.zeros((1, 2, 2, 4, 1, 16)), 0, jnp.zeros((1, 2), jnp.int32),
+                jnp.asarray([3]), jnp.asarray([0, 3]), sm_scale=1.0,
+            )  # fmt: skip
+    finally:
+        monkeypatch.delenv(native.ENV_VAR)
+        native._load.cache_clear()  # noqa: SLF001
+    assert native.available()
