@@ -1,24 +1,28 @@
 """Native CPU kernels: C++ XLA FFI custom calls, compiled on this machine on first use.
 
-One kernel today, ``paged_decode_attention_pool`` (``native/paged_decode.cc``): the
-decode attention of the ``"xla"`` backend on CPU.  The block-causal XLA decode
-(``pallas_kernels.blocked``) gathers each KV block of every row into a new array before
-its matmuls, and XLA:CPU's gather moves ~6-10 GB/s; the kernel reads the pages where
-they lie, all heads of a token at once, and tokens whose first page is the same (a
-document and the questions asked about it) take each page in turn, so a shared page
-comes from memory once.  Measured side by side with the blocked decode
-(docs/runtime.md, "Native decode attention"): 0.3-0.7x the time.
+Two kernels, the pool attention of the ``"xla"`` backend on CPU (``cpu_paged_attention_pool``
+picks): ``paged_extend_attention_pool`` (``native/paged_extend.cc``) for prefill chunks,
+register-tiled Q K^T and P V over 64-key blocks read from the pages (docs/kernels.md), and
+``paged_decode_attention_pool`` (``native/paged_decode.cc``) for decode batches.  The
+block-causal XLA attention (``pallas_kernels.blocked``) copies each KV block of every row
+into a new array before its matmuls (XLA:CPU's gather moves ~6-10 GB/s) and makes several
+elementwise passes over its score blocks; the kernels read the pages where they lie.  The
+decode reads all heads of a token at once, and tokens whose first page is the same (a
+document and the questions asked about it) take each page in turn, so a shared page comes
+from memory once.  Measured side by side with the blocked XLA attention (docs/runtime.md):
+decode 0.3-0.7x the time, extend 0.5-0.8x.
 
-Building: the source is compiled with the system C++ compiler (``$CXX``, else ``g++``,
+Building: the sources are compiled with the system C++ compiler (``$CXX``, else ``g++``,
 ``c++`` or ``clang++``) against the FFI headers jaxlib ships, ``-O3 -march=native``, into
 ``$XDG_CACHE_HOME/strata-jax/native`` (``~/.cache/...``), keyed by the source, the flags,
 jaxlib's version and this CPU, so a second process (and a second run) loads it in
 milliseconds.  A build takes a few seconds, once.
 
 ``$STRATA_NATIVE_KERNELS=0`` turns the native kernels off: the ``"xla"`` backend then
-runs the blocked XLA decode.  When they cannot be built (no compiler), the same happens
+runs the blocked XLA attention.  When they cannot be built (no compiler), the same happens
 and a warning says why, once per process; ``available()`` and ``status()`` say which.
-Only float32 pools use the kernel (the CPU default); others take the XLA path.
+Only float32 pools use the kernels (the CPU default), and the extend only head_dim a
+multiple of 16; others take the XLA path.
 """
 
 from __future__ import annotations

@@ -204,7 +204,7 @@ def format_text(info: dict[str, Any]) -> str:
     c = info["chosen"]
     env = f" (${info['kernel_env_var']}={c['kernel_backend_env']})" if c["kernel_backend_env"] else ""
     defaults_lines(f"chosen here ({c['defaults']['platform']}){env}:", c["defaults"], c["kernel_backend"], c["kernels"])
-    lines.append(f"  native decode attention: {c['native_kernels']}")
+    lines.append(f"  native decode and extend attention: {c['native_kernels']}")
     for name, col in info["would_choose"].items():
         d = col["defaults"]
         defaults_lines(f"would choose on {name} (lowering target {col['device_kind_target']}):", d, d["kernel_backend"], col["kernels"])
