@@ -1,7 +1,8 @@
 """Extend (prefill) attention on CPU, side by side in one run: the native kernel
 (``pallas_kernels.native.paged_extend_attention_pool``) vs the block-causal XLA attention
 (``pallas_kernels.blocked``), under a scan over ``--layers`` layers, SmolLM2-135M shapes
-(9 query heads, 3 KV heads, head_dim 64, float32, 16-token pages scattered through the pool):
+(9 query heads, 3 KV heads, head_dim 64, float32, 16-token pages), each case twice: with a
+row's pages in order (a fresh prompt) and scattered through the pool (after churn):
 
 * a 512-token chunk at contexts 0 / 512 / 1,024 / 1,536 before it (a 2K prompt in 4 chunks);
 * one 2,048-token chunk (``--max-batch-tokens 2048``);
@@ -39,12 +40,12 @@ CASES = (
 )
 
 
-def batch(rng: np.random.Generator, q_lens: tuple[int, ...], contexts: tuple[int, ...], layers: int):
-    """Queries, a pool whose rows' pages are scattered, page tables, KV lengths, query starts."""
+def batch(rng: np.random.Generator, q_lens: tuple[int, ...], contexts: tuple[int, ...], layers: int, scattered: bool):
+    """Queries, a pool, page tables (pages in order or scattered), KV lengths, query starts."""
     seq_lens = np.asarray(q_lens) + np.asarray(contexts)
     pages_needed = -(-seq_lens // PAGE)
     num_pages = int(pages_needed.sum()) + 1
-    order = rng.permutation(num_pages)
+    order = rng.permutation(num_pages) if scattered else np.arange(num_pages)
     width = int(pages_needed.max())
     table = np.zeros((len(q_lens), width), np.int32)
     used = 0
@@ -76,10 +77,10 @@ def main() -> None:
         raise SystemExit(f"native kernels: {native.status()}")
     rng = np.random.default_rng(0)
     print(f"extend attention, {args.layers}-layer scan, per layer; native vs blocked XLA ({jax.default_backend()})")
-    print("| case | blocked ms | native ms | native / blocked | blocked GFLOP/s | native GFLOP/s | max diff |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, q_lens, contexts in CASES:
-        q, pool, table, seq_lens, query_start = batch(rng, q_lens, contexts, args.layers)
+    print("| case | pages | blocked ms | native ms | native / blocked | blocked GFLOP/s | native GFLOP/s | max diff |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (name, q_lens, contexts), scattered in ((case, s) for case in CASES for s in (False, True)):
+        q, pool, table, seq_lens, query_start = batch(rng, q_lens, contexts, args.layers, scattered)
         results = {}
         for kernel in ("blocked", "native"):
             attend = blocked_paged_attention_pool if kernel == "blocked" else native.paged_extend_attention_pool
@@ -96,7 +97,7 @@ def main() -> None:
         (t_b, out_b), (t_n, out_n) = results["blocked"], results["native"]
         t_b, t_n = t_b / args.layers, t_n / args.layers
         diff = float(jnp.max(jnp.abs(out_b - out_n)))
-        print(f"| {name} | {t_b * 1e3:.1f} | {t_n * 1e3:.1f} | {t_n / t_b:.2f} | {flops / t_b / 1e9:.0f} | "
+        print(f"| {name} | {'scattered' if scattered else 'in order'} | {t_b * 1e3:.1f} | {t_n * 1e3:.1f} | {t_n / t_b:.2f} | {flops / t_b / 1e9:.0f} | "
               f"{flops / t_n / 1e9:.0f} | {diff:.1e} |")  # fmt: skip
 
 
