@@ -326,6 +326,22 @@ def test_waits_for_a_prefetch_that_lands_sooner_than_recomputing() -> None:
     assert sched.stats().prefetch_not_waited == 0
 
 
+def test_a_prefetch_wait_seen_while_short_prefills_go_first_is_still_a_prefetch_wait() -> None:
+    """With a long prompt mid-prefill, the short-first pass classifies the queue before the
+    batch forms; a request held for its prefetch then is counted as such, not deferred."""
+    sched, cache = _prefetching(landed=500, waited_s=0.0, storage_bytes_per_s=1e12)
+    sched.submit("long", doc(2, 5000))
+    sched.config = SchedulerConfig(wait_for_prefetch=True, max_batch_tokens=1000)
+    first = sched.schedule(cache)
+    assert first.prefill_ids == ("long",)  # "a" waits for its prefetch
+    execute(first, sched, cache)
+    plan = sched.schedule(cache)  # "long" continues: the short-first pass runs
+    assert plan.prefill_ids == ("long",)
+    stats = sched.stats()
+    assert stats.prefetch_waits == 1 and stats.prefetch_wait_rounds == 2 and stats.deferrals == 0
+    assert sched.get("a").status is RequestStatus.WAITING
+
+
 def test_does_not_wait_when_recomputing_is_sooner_by_the_rate_or_by_its_own_pace() -> None:
     sched, cache = _prefetching(landed=500, waited_s=0.0, storage_bytes_per_s=1e3)  # 1.5 MB at 1 KB/s
     assert sched.cost.storage_seconds(1500) > sched.cost.extend_seconds(1500, 500)

@@ -125,7 +125,7 @@ class Scheduler:
             self._retract(victim)
             retracted.append(victim)
 
-        # 2. prefill batch: continuing chunks first, then the queue under the policy.
+        # 2. prefill batch: short device-hit prefills, continuing chunks, then the queue under the policy.
         batch = BatchBuilder(
             token_budget=cfg.max_batch_tokens,
             max_size=cfg.max_prefill_batch_size,
@@ -143,11 +143,11 @@ class Scheduler:
         queue = RoundQueue(
             [rid for rid in self._queue if rid not in skip], lambda rid: self._classify(rid, cache), cfg.max_lookahead
         )
+        self._prefetch_holds.clear()  # filled again by this round's classifications
         if continuing and self.stages.short_first:
             self._admit_short(queue, batch)
         for req in sorted(continuing, key=lambda r: r.arrival):
             batch.try_add(Candidate.continuing(req))
-        self._prefetch_holds.clear()
         formed = FORMERS[self.stages.balanced_batch](queue, batch)
         self._queue = [rid for rid in self._queue if rid in skip] + queue.new_order()
 
