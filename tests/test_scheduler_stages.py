@@ -169,6 +169,17 @@ def test_short_first_skips_loads_and_long_prompts_and_takes_at_most_half_the_bud
     assert sched.queue_order()[:2] == ("loads", "big")  # the skipped keep their places
 
 
+@pytest.mark.parametrize("batch_size,admitted", [(2, ("long",)), (3, ("short", "long"))])
+def test_short_first_looks_only_at_the_first_batch_size_candidates(batch_size: int, admitted: tuple) -> None:
+    sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=100, max_prefill_batch_size=batch_size)), FakeCache()
+    submit_uncached(sched, cache, "long", doc(1, 400))
+    execute(sched.schedule(cache), sched, cache)
+    for i in (1, 2):
+        sched.submit(f"new{i}", q(i, 300))
+    sched.submit("short", q(9, 20))  # third in the queue
+    assert sched.schedule(cache).prefill_ids == admitted  # long's chunk fills the rest
+
+
 def test_short_prefill_tokens_is_validated() -> None:
     with pytest.raises(ValueError, match="short_prefill_tokens"):
         SchedulerConfig(short_prefill_tokens=-1)

@@ -30,6 +30,8 @@ most half the token budget, so continuing chunks and the head still advance.
 
 from __future__ import annotations
 
+import itertools
+
 from strata_jax.api import InvalidRequestError, OverloadedError
 from strata_jax.scheduler.batch import BatchBuilder, Candidate
 from strata_jax.scheduler.cache_view import CacheView, PrefixMatchLike
@@ -205,7 +207,9 @@ class Scheduler:
         the token budget): their first token is one short step away, and a long prompt
         behind them loses a few tokens of one chunk instead of them waiting for all of it."""
         room = batch.token_budget // 2
-        for cand in list(queue.rest()):
+        # the first max_prefill_batch_size candidates only: a long queue is not matched whole
+        # every round (deferred requests, a landed document's questions, sit at its front)
+        for cand in itertools.islice(queue.rest(), self.config.max_prefill_batch_size):
             new = len(cand.request.prefill_tokens) - cand.start
             if cand.loads or new > self.config.short_prefill_tokens or new > room:
                 continue
