@@ -295,3 +295,13 @@ def test_calibrate_cli_writes_a_profile_the_simulator_runs_on(tmp_path):
     reqs = W.sharegpt(num_requests=20, rate=4.0, seed=0)
     result = simulate(reqs, get_system("strata"), SimSetup(LLAMA8B, prof), 4.0)
     assert result.finished == 20 and result.ttft_mean > 0
+
+
+def test_simulated_systems_run_the_papers_stages_without_short_first() -> None:
+    from strata_jax.scheduler.policy import resolve_stages
+    from strata_jax.sim.systems import SYSTEMS
+
+    for name, system in SYSTEMS.items():
+        stages = resolve_stages(SchedulerConfig(**system.scheduler_kwargs()))
+        assert not stages.short_first, name
+    assert resolve_stages(SchedulerConfig()).short_first  # the engine's default has it

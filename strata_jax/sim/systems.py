@@ -8,6 +8,9 @@
 * ``strata``: coalesced I/O and every Strata stage (the above + bubble filling).
 * ``strata+lor``: strata plus load-or-recompute (a stage beyond the paper).
 
+Short prefills first (``SchedulerConfig.short_prefill_tokens``, on in the engine) is off
+in every system here: they reproduce the paper's stages.
+
 Each system is a real ``SchedulerConfig`` and ``CacheConfig`` setting: the
 simulator runs the same scheduler and controller the engine runs.
 """
@@ -15,6 +18,8 @@ simulator runs the same scheduler and controller the engine runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from strata_jax.scheduler.config import SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class SystemSpec:
     balanced_batch: bool = False
     bubble_filling: bool = False
     load_or_recompute: bool = False
+    short_first: bool = False
 
     def scheduler_kwargs(self) -> dict:
         return dict(
@@ -36,6 +42,7 @@ class SystemSpec:
             enable_balanced_batch=self.balanced_batch,
             enable_bubble_filling=self.bubble_filling,
             enable_load_or_recompute=self.load_or_recompute,
+            short_prefill_tokens=SchedulerConfig.short_prefill_tokens if self.short_first else 0,
         )
 
 
