@@ -18,6 +18,7 @@ from test_pallas_attention import brute_force, make_batch
 
 from pallas_kernels import dispatch, native
 from pallas_kernels.blocked import blocked_paged_attention_pool
+from pallas_kernels.reference import ragged_paged_attention_reference
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 
@@ -53,10 +54,11 @@ def test_ragged_extend_equals_brute_force(page_size, head_dim, heads, soft_cap, 
     np.testing.assert_allclose(got[:n], want[:n], atol=2e-5, rtol=2e-5)
 
 
-def test_a_long_chunk_equals_the_xla_attention():
+def test_a_long_chunk_equals_the_reference_and_the_xla_attention():
     """A 512-token chunk over 1,000 cached tokens and a 300-token prompt beside it (the
     engine's shapes: many query and key blocks, the diagonal inside a block), with
-    SmolLM2's heads; against the block-causal XLA attention and the brute force."""
+    SmolLM2's heads; against the pure-JAX reference, the block-causal XLA attention and
+    the brute force."""
     rng = np.random.default_rng(11)
     args, host = make_batch(
         rng, page_size=16, q_lens=(512, 300), ctx_lens=(1000, 0), num_q_heads=9, num_kv_heads=3, head_dim=64,
@@ -68,6 +70,8 @@ def test_a_long_chunk_equals_the_xla_attention():
     np.testing.assert_allclose(got, brute_force(*host, 0.125, None), atol=2e-5, rtol=2e-5)
     xla = np.asarray(blocked_paged_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=0.125)[0])
     np.testing.assert_allclose(got, xla, atol=2e-5, rtol=2e-5)
+    ref = np.asarray(ragged_paged_attention_reference(q, k, v, table, seq_lens, qs, sm_scale=0.125))
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5)
 
 
 def test_traced_layer_and_window_under_a_scan():
