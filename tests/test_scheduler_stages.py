@@ -138,9 +138,9 @@ def test_a_deferred_sibling_goes_ahead_of_the_next_documents_chunks() -> None:
     assert [[(i.request_id, i.new_tokens) for i in p.prefill] for p in plans] == [
         [("a1", 512)], [("a1", 512)], [("a1", 196), ("b1", 316)]
     ]
-    plan = sched.schedule(cache)  # a2 (20 tokens over a1's document on the device) first, then b1's chunk
-    assert [(i.request_id, i.start, i.new_tokens) for i in plan.prefill] == [("a2", 1200, 20), ("b1", 316, 492)]
-    assert plan.prefill[0].device_hit_tokens == 1200
+    plan = sched.schedule(cache)  # b1's chunk leaves room for a2 (20 tokens over a1's document on the device)
+    assert [(i.request_id, i.start, i.new_tokens) for i in plan.prefill] == [("b1", 316, 492), ("a2", 1200, 20)]
+    assert plan.prefill[1].device_hit_tokens == 1200
 
 
 def test_without_short_first_the_sibling_waits_for_the_continuing_chunks() -> None:
@@ -164,8 +164,8 @@ def test_short_first_skips_loads_and_long_prompts_and_takes_at_most_half_the_bud
     for i in range(4):
         sched.submit(f"s{i}", q(10 + i, 20))
     plan = sched.schedule(cache)
-    # s0 and s1 (40 of the 50 tokens short prefills may take), then long's chunk (60), in that order.
-    assert [(i.request_id, i.new_tokens) for i in plan.prefill] == [("s0", 20), ("s1", 20), ("long", 60)]
+    # long's chunk leaves 40 of the 50 tokens short prefills may take to s0 and s1.
+    assert [(i.request_id, i.new_tokens) for i in plan.prefill] == [("long", 60), ("s0", 20), ("s1", 20)]
     assert sched.queue_order()[:2] == ("loads", "big")  # the skipped keep their places
 
 
@@ -177,7 +177,31 @@ def test_short_first_looks_only_at_the_first_batch_size_candidates(batch_size: i
     for i in (1, 2):
         sched.submit(f"new{i}", q(i, 300))
     sched.submit("short", q(9, 20))  # third in the queue
-    assert sched.schedule(cache).prefill_ids == admitted  # long's chunk fills the rest
+    assert set(sched.schedule(cache).prefill_ids) == set(admitted)  # long's chunk fills the rest
+
+
+def test_short_prefills_never_take_the_continuing_chunks_slots_or_pages() -> None:
+    """A queue full of short prompts cannot stop a long prompt mid-prefill: it keeps a batch
+    slot and the first claim on device pages."""
+    sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=100, max_prefill_batch_size=2)), FakeCache()
+    submit_uncached(sched, cache, "long", doc(1, 400))
+    execute(sched.schedule(cache), sched, cache)
+    for round_ in range(3):
+        for i in range(2):
+            sched.submit(f"s{round_}{i}", q(10 * round_ + i, 20))
+        plan = sched.schedule(cache)
+        got = [(i.request_id, i.new_tokens) for i in plan.prefill]
+        assert got[0] == ("long", 80) and len(got) == 2 and got[1][1] == 20  # the oldest short one beside it
+        execute(plan, sched, cache)
+    assert sched.get("long").prefill_done == 100 + 3 * 80
+    # little device room: the long prompt's chunk first, the short one only in what is left
+    sched2, cache2 = Scheduler(SchedulerConfig(max_batch_tokens=100)), FakeCache(free_tokens=1 << 30)
+    submit_uncached(sched2, cache2, "long", doc(1, 400))
+    execute(sched2.schedule(cache2), sched2, cache2)
+    sched2.submit("s", q(1, 20))
+    cache2.free_tokens = 80
+    plan = sched2.schedule(cache2)
+    assert [(i.request_id, i.new_tokens) for i in plan.prefill] == [("long", 80)]
 
 
 def test_short_prefill_tokens_is_validated() -> None:

@@ -171,22 +171,26 @@ class BatchBuilder:
         return self._shared(cand.request, by.request, cand.start) >= cand.start
 
     # -- admission ---------------------------------------------------------
-    def try_add(self, cand: Candidate, *, bundled: bool = False, set_aside: bool = False) -> PrefillItem | None:
-        """Admit ``cand`` (chunked to the budget and device capacity) or return None if it cannot fit."""
-        if len(self.items) >= self.max_size or self.budget_left <= 0:
+    def try_add(
+        self, cand: Candidate, *, bundled: bool = False, set_aside: bool = False, reserve_tokens: int = 0
+    ) -> PrefillItem | None:
+        """Admit ``cand`` (chunked to the budget, less ``reserve_tokens`` kept for later
+        members, and to the device capacity) or return None if it cannot fit."""
+        budget = self.budget_left - reserve_tokens
+        if len(self.items) >= self.max_size or budget <= 0:
             return None
         starts = cand.match is not None  # a queued request's first chunk: it starts running
         if starts and self.new_room is not None and self._started >= self.new_room:
             return None
         remaining = len(cand.request.prefill_tokens) - cand.start
-        c = self._cost(cand, min(remaining, self.budget_left))
+        c = self._cost(cand, min(remaining, budget))
         spare = self.device_capacity - self.used_tokens
         if c.need_tokens + c.lock_tokens > spare:
             # Shrink the chunk to the pages left after the load and the locks.
             fixed = self._cost(cand, 0)
             pages_left = (spare - fixed.need_tokens - fixed.lock_tokens) // self.page_size
             slack = -cand.start % self.page_size  # room left in a partly filled last page
-            n = min(remaining, self.budget_left, pages_left * self.page_size + slack) if pages_left >= 0 else 0
+            n = min(remaining, budget, pages_left * self.page_size + slack) if pages_left >= 0 else 0
             if n <= 0:
                 return None
             c = self._cost(cand, n)

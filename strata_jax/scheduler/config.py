@@ -54,11 +54,13 @@ class SchedulerConfig:
     max_lookahead: queued requests examined (prefix-matched) per round, from the
         head; bounds the cost of one round under a long queue (bundle hits
         further back are found once they move up).
-    short_prefill_tokens: a queued request whose prefix is on the device (nothing to
-        load) and that computes at most this many tokens goes ahead of the continuing
-        chunks of long prompts (a question about a document another request just
-        prefilled, a chat turn whose history is cached); together they take at most
-        half of ``max_batch_tokens``, so a long prompt still advances every step.  0
+    short_prefill_tokens: a queued request that loads nothing (its prefix, if any, is
+        on the device) and computes at most this many tokens goes ahead of the rest of
+        the queue: the continuing chunks of long prompts leave its tokens in the step's
+        budget (a question about a document another request just prefilled, a chat turn
+        whose history is cached, a short prompt).  Together they take at most half of
+        ``max_batch_tokens``, and the continuing chunks keep a batch slot each and the
+        first claim on device pages, so a long prompt still advances every step.  0
         turns it off (continuing chunks first, then the queue).
     """
 

@@ -5,7 +5,7 @@ A policy is a function ``SchedulerConfig -> Stages`` in a small registry:
 * ``strata``: the stages the config enables (delay-hit deferral, balanced batch
   formation = Strata Algorithm 1, bubble filling, and load-or-recompute, a stage
   beyond the paper); each can be switched on or off.
-  Short prefills over a device-resident prefix (``short_prefill_tokens``) go ahead
+  Short prefills that load nothing (``short_prefill_tokens``) go ahead
   of the continuing chunks of long prompts.
 * ``fifo``: the baseline: take requests in order until the batch is full; no
   deferral, no set-aside, no short-first, prefill before decode (as SGLang does).
@@ -45,7 +45,7 @@ class Stages:
     balanced_batch: bool
     bubble_filling: bool
     load_or_recompute: bool = False
-    short_first: bool = False  # short device-hit prefills go ahead of continuing chunks
+    short_first: bool = False  # short prefills that load nothing share continuing chunks' steps
 
 
 def _strata(config: SchedulerConfig) -> Stages:

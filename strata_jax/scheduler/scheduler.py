@@ -15,9 +15,9 @@ again), which the engine therefore does only with no step in flight.
 
 A round: (1) pick the decode batch (rotating when there are more decodes than
 ``max_decode_batch_size``) and retract the newest decodes if even eviction
-cannot make room for their next token; (2) admit short prefills over a
-device-resident prefix (strata policy, ``short_prefill_tokens``), then continue
-chunked prefills; (3) walk the queue with the delay-hit rule and form the prefill
+cannot make room for their next token; (2) continue chunked prefills, leaving
+room in the budget for short prefills that load nothing (strata policy,
+``short_prefill_tokens``), then admit those; (3) walk the queue with the delay-hit rule and form the prefill
 batch with the policy's procedure; (4) order decode before prefill when bubble
 filling says so.
 
@@ -25,7 +25,8 @@ Starvation freedom: the queue head is always tried first and nothing overtakes
 a head that does not fit; a request is deferred only behind a live request that
 arrived earlier (so deferral chains end), and set-aside or non-fitting requests
 keep their queue position.  Short prefills overtake the queue, but together take at
-most half the token budget, so continuing chunks and the head still advance.
+most half the token budget, and the continuing chunks keep a batch slot each and the
+first claim on device pages, so they always advance.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class Scheduler:
             self._retract(victim)
             retracted.append(victim)
 
-        # 2. prefill batch: short device-hit prefills, continuing chunks, then the queue under the policy.
+        # 2. prefill batch: continuing chunks (leaving room for short prefills), the short ones, then the queue.
         batch = BatchBuilder(
             token_budget=cfg.max_batch_tokens,
             max_size=cfg.max_prefill_batch_size,
@@ -146,10 +147,13 @@ class Scheduler:
             [rid for rid in self._queue if rid not in skip], lambda rid: self._classify(rid, cache), cfg.max_lookahead
         )
         self._prefetch_holds.clear()  # filled again by this round's classifications
-        if continuing and self.stages.short_first:
-            self._admit_short(queue, batch)
-        for req in sorted(continuing, key=lambda r: r.arrival):
-            batch.try_add(Candidate.continuing(req))
+        shorts = self._short_candidates(queue, len(continuing), batch) if continuing and self.stages.short_first else []
+        reserved = sum(len(c.request.prefill_tokens) - c.start for c in shorts)
+        for req in sorted(continuing, key=lambda r: r.arrival):  # first claim on slots and device pages
+            batch.try_add(Candidate.continuing(req), reserve_tokens=reserved)
+        for cand in shorts:
+            if batch.try_add(cand) is not None:
+                queue.admit(cand)
         formed = FORMERS[self.stages.balanced_batch](queue, batch)
         self._queue = [rid for rid in self._queue if rid in skip] + queue.new_order()
 
@@ -201,23 +205,24 @@ class Scheduler:
             est_decode_s=est_decode,
         )
 
-    def _admit_short(self, queue: RoundQueue, batch: BatchBuilder) -> None:
-        """Admit queued requests that compute at most ``short_prefill_tokens`` over a
-        device-resident prefix, in queue order, ahead of the continuing chunks (within half
-        the token budget): their first token is one short step away, and a long prompt
-        behind them loses a few tokens of one chunk instead of them waiting for all of it."""
-        room = batch.token_budget // 2
-        # the first max_prefill_batch_size candidates only: a long queue is not matched whole
-        # every round (deferred requests, a landed document's questions, sit at its front)
+    def _short_candidates(self, queue: RoundQueue, continuing: int, batch: BatchBuilder) -> list[Candidate]:
+        """Queued requests that compute at most ``short_prefill_tokens`` and load nothing (their
+        prefix, if any, is on the device), in queue order: the continuing chunks leave their
+        tokens in the budget (at most half of it), so their first token is one short step away
+        and a long prompt loses a few tokens of one chunk instead of them waiting for all of it.
+        The continuing chunks keep a batch slot each and the first claim on device pages."""
+        room, slots = batch.token_budget // 2, batch.max_size - len(batch.items) - continuing
+        picked: list[Candidate] = []
+        # the first max_prefill_batch_size candidates only (deferred requests, a landed
+        # document's questions, sit at the queue's front)
         for cand in itertools.islice(queue.rest(), self.config.max_prefill_batch_size):
-            new = len(cand.request.prefill_tokens) - cand.start
-            if cand.loads or new > self.config.short_prefill_tokens or new > room:
-                continue
-            if not batch.has_room():
+            if len(picked) >= slots:
                 break
-            if batch.try_add(cand) is not None:
-                queue.admit(cand)
+            new = len(cand.request.prefill_tokens) - cand.start
+            if not cand.loads and new <= self.config.short_prefill_tokens and new <= room:
+                picked.append(cand)
                 room -= new
+        return picked
 
     def _new_room(self, cache: CacheView) -> int | None:
         """Requests that may start running this round: under ``max_running_requests`` and
