@@ -164,6 +164,27 @@ def status_for(backend: str) -> str:
     return status()
 
 
+def _call(
+    target: str, q: jax.Array, kv_pool: jax.Array, layer: int | jax.Array, row_operands: tuple[jax.Array, ...],
+    sliding_window: int | jax.Array | None, sm_scale: float, soft_cap: float | None,
+) -> jax.Array:
+    """One kernel's custom call: ``(q, pool, layer, *row_operands, window)`` with the scale
+    and soft cap as attributes; the output has q's shape and dtype.  The kernels' operands
+    differ only in how rows are described (``row_operands``, int32)."""
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+    layer_index = jnp.clip(jnp.asarray(layer, jnp.int32), 0, kv_pool.shape[0] - 1)
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32),
+        kv_pool,
+        layer_index,
+        *(a.astype(jnp.int32) for a in row_operands),
+        jnp.maximum(window, 0),
+        sm_scale=np.float32(sm_scale),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )
+    return out.astype(q.dtype)
+
+
 def paged_decode_attention_pool(
     q: jax.Array,
     kv_pool: jax.Array,
@@ -180,25 +201,14 @@ def paged_decode_attention_pool(
     float32 pool ``[L, 2, P, S, H, D]`` by the native kernel; same contract as
     ``blocked_paged_attention_pool``.  Raises ``NativeBuildError`` unless ``available()``."""
     _require()
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_tokens = q.shape[0]
     if kv_pool.dtype != jnp.float32:
         raise ValueError(f"the native decode attention reads a float32 pool, got {kv_pool.dtype}")
     if num_tokens != page_table.shape[0]:
         raise ValueError(f"decode-shaped calls only (tokens == rows), got {num_tokens} tokens, {page_table.shape[0]} rows")
     seq_of_token, kv_len = decode_token_rows(seq_lens, query_start, num_tokens)
-    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
-    layer_index = jnp.clip(jnp.asarray(layer, jnp.int32), 0, kv_pool.shape[0] - 1)
-    out = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), jnp.float32))(
-        q.astype(jnp.float32),
-        kv_pool,
-        layer_index,
-        page_table[seq_of_token].astype(jnp.int32),
-        kv_len.astype(jnp.int32),
-        jnp.maximum(window, 0),
-        sm_scale=np.float32(sm_scale),
-        soft_cap=np.float32(soft_cap or 0.0),
-    )
-    return out.astype(q.dtype), kv_pool
+    rows = (page_table[seq_of_token], kv_len)
+    return _call(_TARGET, q, kv_pool, layer, rows, sliding_window, sm_scale, soft_cap), kv_pool
 
 
 def paged_extend_attention_pool(
@@ -218,25 +228,13 @@ def paged_extend_attention_pool(
     contract as ``blocked_paged_attention_pool``.  ``head_dim`` a multiple of 16;
     raises ``NativeBuildError`` unless ``available()``."""
     _require()
-    num_tokens, num_q_heads, head_dim = q.shape
+    head_dim = q.shape[2]
     if kv_pool.dtype != jnp.float32:
         raise ValueError(f"the native extend attention reads a float32 pool, got {kv_pool.dtype}")
     if head_dim % EXTEND_HEAD_DIM_MULTIPLE:
         raise ValueError(f"the native extend attention needs head_dim % {EXTEND_HEAD_DIM_MULTIPLE} == 0, got {head_dim}")
-    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
-    layer_index = jnp.clip(jnp.asarray(layer, jnp.int32), 0, kv_pool.shape[0] - 1)
-    out = jax.ffi.ffi_call(_EXTEND_TARGET, jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), jnp.float32))(
-        q.astype(jnp.float32),
-        kv_pool,
-        layer_index,
-        page_table.astype(jnp.int32),
-        query_start.astype(jnp.int32),
-        seq_lens.astype(jnp.int32),
-        jnp.maximum(window, 0),
-        sm_scale=np.float32(sm_scale),
-        soft_cap=np.float32(soft_cap or 0.0),
-    )
-    return out.astype(q.dtype), kv_pool
+    rows = (page_table, query_start, seq_lens)
+    return _call(_EXTEND_TARGET, q, kv_pool, layer, rows, sliding_window, sm_scale, soft_cap), kv_pool
 
 
 def cpu_paged_attention_pool(

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
@@ -85,6 +86,31 @@ void parallel_for(ffi::ThreadPool& threads, int64_t items, Fn fn) {
   for (int64_t i = 0; i < helpers; ++i) threads.Schedule([work]() { work(); });
   work();
   while (progress->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
+}
+
+// The operands every kernel shares: q [T, QH, D], the pool [L, 2, P, S, H, D] and the
+// layer index; its K and V pages [P, S, H, D].
+struct PoolLayer {
+  int64_t tokens, q_heads, head_dim, pages, page_size, kv_heads;
+  const float* k;
+  const float* v;
+};
+
+// Checks q against the pool (ranks, K/V pair, head_dim, GQA group) and the layer index;
+// errors name the kernel.  Each kernel checks its row operands itself.
+inline ffi::Error pool_layer(const char* kernel, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& pool,
+                             ffi::Buffer<ffi::S32>& layer, PoolLayer& out) {
+  const auto qd = q.dimensions(), pd = pool.dimensions();
+  if (qd.size() != 3 || pd.size() != 6 || pd[1] != 2 || pd[5] != qd[2] || qd[1] % pd[4] != 0 ||
+      layer.element_count() != 1) {
+    return ffi::Error::InvalidArgument(std::string(kernel) + ": operand shapes do not agree");
+  }
+  const int32_t l = layer.typed_data()[0];
+  if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument(std::string(kernel) + ": layer out of range");
+  const int64_t kv_stride = pd[2] * pd[3] * pd[4] * pd[5];
+  const float* base = pool.typed_data() + 2 * int64_t(l) * kv_stride;
+  out = {qd[0], qd[1], qd[2], pd[2], pd[3], pd[4], base, base + kv_stride};
+  return ffi::Error::Success();
 }
 
 }  // namespace strata_native

@@ -211,15 +211,13 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> kv_len,
                            ffi::Buffer<ffi::S32> window, float sm_scale, float soft_cap,
                            ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), pd = pool.dimensions(), td = table.dimensions();
-  if (qd.size() != 3 || pd.size() != 6 || td.size() != 2 || pd[1] != 2 || pd[5] != qd[2] || qd[1] % pd[4] != 0 ||
-      td[0] != qd[0] || kv_len.element_count() != qd[0] || layer.element_count() != 1 || window.element_count() != 1) {
+  PoolLayer p;
+  if (ffi::Error e = pool_layer("paged_decode_attention", q, pool, layer, p); e.failure()) return e;
+  const auto td = table.dimensions();
+  if (td.size() != 2 || td[0] != p.tokens || kv_len.element_count() != p.tokens || window.element_count() != 1) {
     return ffi::Error::InvalidArgument("paged_decode_attention: operand shapes do not agree");
   }
-  const int32_t l = layer.typed_data()[0];
-  if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("paged_decode_attention: layer out of range");
-  const int64_t tokens = qd[0], q_heads = qd[1], head_dim = qd[2], pages = pd[2], page_size = pd[3], kv_heads = pd[4];
-  const int64_t kv_stride = pages * page_size * kv_heads * head_dim;
+  const int64_t tokens = p.tokens, q_heads = p.q_heads, head_dim = p.head_dim;
   // Groups of tokens sharing their first page (see attend_group_part), each cut into
   // enough parts that every thread has work when there are few groups (flash-decoding).
   std::vector<std::vector<int64_t>> groups;
@@ -240,8 +238,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(8, (2 * workers + num_groups - 1) / num_groups));
   std::vector<float> part_acc(tokens * splits * q_heads * head_dim), part_max(tokens * splits * q_heads),
       part_sum(tokens * splits * q_heads);
-  const Operands o{tokens, q_heads, head_dim, pages, page_size, kv_heads, td[1], q.typed_data(),
-                   pool.typed_data() + (2 * int64_t(l)) * kv_stride, pool.typed_data() + (2 * int64_t(l) + 1) * kv_stride,
+  const Operands o{tokens, q_heads, head_dim, p.pages, p.page_size, p.kv_heads, td[1], q.typed_data(), p.k, p.v,
                    table.typed_data(), kv_len.typed_data(), window.typed_data()[0], sm_scale, soft_cap, splits,
                    part_acc.data(), part_max.data(), part_sum.data()};
   parallel_for(threads, int64_t(groups.size()) * splits,

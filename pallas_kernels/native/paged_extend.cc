@@ -212,20 +212,17 @@ ffi::Error PagedExtendImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi
                            ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
                            ffi::Buffer<ffi::S32> window, float sm_scale, float soft_cap,
                            ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), pd = pool.dimensions(), td = table.dimensions();
-  if (qd.size() != 3 || pd.size() != 6 || td.size() != 2 || pd[1] != 2 || pd[5] != qd[2] || qd[1] % pd[4] != 0 ||
-      qd[2] % TILE_COLS != 0 || query_start.element_count() != td[0] + 1 || seq_lens.element_count() != td[0] ||
-      layer.element_count() != 1 || window.element_count() != 1) {
+  PoolLayer p;
+  if (ffi::Error e = pool_layer("paged_extend_attention", q, pool, layer, p); e.failure()) return e;
+  const auto td = table.dimensions();
+  if (td.size() != 2 || p.head_dim % TILE_COLS != 0 || query_start.element_count() != td[0] + 1 ||
+      seq_lens.element_count() != td[0] || window.element_count() != 1) {
     return ffi::Error::InvalidArgument("paged_extend_attention: operand shapes do not agree");
   }
-  const int32_t l = layer.typed_data()[0];
-  if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument("paged_extend_attention: layer out of range");
-  const int64_t tokens = qd[0], q_heads = qd[1], head_dim = qd[2], pages = pd[2], page_size = pd[3], kv_heads = pd[4];
-  const int64_t rows = td[0], kv_stride = pages * page_size * kv_heads * head_dim;
+  const int64_t tokens = p.tokens, q_heads = p.q_heads, kv_heads = p.kv_heads, rows = td[0];
   float* y = out->typed_data();
-  std::fill(y, y + tokens * q_heads * head_dim, 0.0f);
-  const Operands o{tokens, q_heads, head_dim, pages, page_size, kv_heads, td[1], rows, q.typed_data(),
-                   pool.typed_data() + (2 * int64_t(l)) * kv_stride, pool.typed_data() + (2 * int64_t(l) + 1) * kv_stride,
+  std::fill(y, y + tokens * q_heads * p.head_dim, 0.0f);
+  const Operands o{tokens, q_heads, p.head_dim, p.pages, p.page_size, kv_heads, td[1], rows, q.typed_data(), p.k, p.v,
                    table.typed_data(), query_start.typed_data(), seq_lens.typed_data(), window.typed_data()[0],
                    sm_scale, soft_cap, y};
   const int64_t G = q_heads / kv_heads;
