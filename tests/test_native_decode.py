@@ -21,7 +21,7 @@ from pallas_kernels.blocked import blocked_paged_attention_pool
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 
 
-def _pool(k, v, layers=3, layer=1):
+def nan_pool(k, v, layers=3, layer=1):
     """A NaN-filled pool ``[layers, 2, P, S, H, D]`` with ``k``/``v`` as layer ``layer``."""
     return jnp.full((layers, 2, *k.shape), jnp.nan, k.dtype).at[layer, 0].set(k).at[layer, 1].set(v)
 
@@ -41,7 +41,7 @@ def test_decode_batch_equals_brute_force(page_size, head_dim, heads, soft_cap, w
     )  # fmt: skip
     q, k, v, table, seq_lens, qs = args
     got, pool_out = native.paged_decode_attention_pool(
-        q, _pool(k, v), 1, table, seq_lens, qs, sm_scale=0.3, soft_cap=soft_cap, sliding_window=window
+        q, nan_pool(k, v), 1, table, seq_lens, qs, sm_scale=0.3, soft_cap=soft_cap, sliding_window=window
     )
     got = np.asarray(got)
     assert not np.isnan(got).any()
@@ -60,7 +60,7 @@ def test_padding_rows_give_zeros_and_a_padded_extend_with_as_many_tokens_as_rows
     )  # fmt: skip
     q, k, v, table, seq_lens, qs = args
     q = jnp.where(jnp.isnan(q), 0.0, q)
-    got = np.asarray(native.paged_decode_attention_pool(q, _pool(k, v), 1, table, seq_lens, qs, sm_scale=0.25)[0])
+    got = np.asarray(native.paged_decode_attention_pool(q, nan_pool(k, v), 1, table, seq_lens, qs, sm_scale=0.25)[0])
     np.testing.assert_allclose(got[:2], brute_force(*host, 0.25, None)[:2], atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(got[2:], 0.0)
     args, host = make_batch(
@@ -68,7 +68,7 @@ def test_padding_rows_give_zeros_and_a_padded_extend_with_as_many_tokens_as_rows
         pad_tokens=0, dtype=jnp.float32,
     )  # fmt: skip
     q, k, v, table, seq_lens, qs = args
-    got = np.asarray(native.paged_decode_attention_pool(q, _pool(k, v), 1, table, seq_lens, qs, sm_scale=0.25)[0])
+    got = np.asarray(native.paged_decode_attention_pool(q, nan_pool(k, v), 1, table, seq_lens, qs, sm_scale=0.25)[0])
     np.testing.assert_allclose(got, brute_force(*host, 0.25, None), atol=2e-5, rtol=2e-5)
 
 
@@ -88,42 +88,46 @@ def test_rows_sharing_a_prefix_and_long_rows_split_across_threads():
         table[row, :prefix_pages] = table[0, :prefix_pages]
     host = (host[0], k, v, table, *host[4:])
     table = jnp.asarray(table)
-    pool = _pool(jnp.asarray(k), jnp.asarray(v))
+    pool = nan_pool(jnp.asarray(k), jnp.asarray(v))
     got = np.asarray(native.paged_decode_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=0.125)[0])
     np.testing.assert_allclose(got, brute_force(*host, 0.125, None), atol=2e-5, rtol=2e-5)
     xla = np.asarray(blocked_paged_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=0.125)[0])
     np.testing.assert_allclose(got, xla, atol=2e-5, rtol=2e-5)
 
 
-def test_traced_layer_and_window_under_a_scan_in_place():
+def check_traced_layer_and_window_under_a_scan(kernel, q_lens, ctx_lens, pad_tokens: int = 0) -> None:  # noqa: ANN001
     """Under ``jax.lax.scan`` (the model's layer loop) the layer index and window are
-    traced values; each layer reads its own rows of the pool, and the pool comes back
-    unchanged."""
+    traced values; each layer reads its own rows of the pool (K and V scaled by 1, 2, 3),
+    and the pool comes back unchanged.  ``kernel``: a native ``*_attention_pool``."""
     rng = np.random.default_rng(3)
     args, host = make_batch(
-        rng, page_size=16, q_lens=[1] * 3, ctx_lens=(30, 64, 9), num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=0, dtype=jnp.float32,
+        rng, page_size=16, q_lens=q_lens, ctx_lens=ctx_lens, num_q_heads=4, num_kv_heads=2, head_dim=16,
+        pad_tokens=pad_tokens, dtype=jnp.float32,
     )  # fmt: skip
     q, k, v, table, seq_lens, qs = args
-    scales = jnp.asarray([1.0, 2.0, 3.0])
-    pool = jnp.stack([jnp.stack([k * s, v * s]) for s in (1.0, 2.0, 3.0)])
+    scales = (1.0, 2.0, 3.0)
+    pool = jnp.stack([jnp.stack([k * s, v * s]) for s in scales])
     windows = jnp.asarray([5, 0, 12], jnp.int32)
 
     @jax.jit
     def run(pool):
         def body(pool, xs):
             layer, window = xs
-            out, pool = native.paged_decode_attention_pool(q, pool, layer, table, seq_lens, qs, sm_scale=0.25, sliding_window=window)
+            out, pool = kernel(q, pool, layer, table, seq_lens, qs, sm_scale=0.25, sliding_window=window)
             return pool, out
 
         return jax.lax.scan(body, pool, (jnp.arange(3), windows))
 
     pool_out, outs = run(pool)
     np.testing.assert_array_equal(np.asarray(pool_out), np.asarray(pool))
-    for layer, window in enumerate((5, None, 12)):
-        s = float(scales[layer])
+    n = int(qs[-1])
+    for layer, (s, window) in enumerate(zip(scales, (5, None, 12))):
         want = brute_force(host[0], host[1] * s, host[2] * s, *host[3:], 0.25, None, window)
-        np.testing.assert_allclose(np.asarray(outs[layer]), want, atol=2e-5, rtol=2e-5, err_msg=f"layer {layer}")
+        np.testing.assert_allclose(np.asarray(outs[layer])[:n], want[:n], atol=2e-5, rtol=2e-5, err_msg=f"layer {layer}")
+
+
+def test_traced_layer_and_window_under_a_scan_in_place():
+    check_traced_layer_and_window_under_a_scan(native.paged_decode_attention_pool, [1] * 3, (30, 64, 9))
 
 
 def test_the_cpu_backend_takes_the_decode_kernel_for_decodes(monkeypatch):
@@ -137,7 +141,7 @@ def test_the_cpu_backend_takes_the_decode_kernel_for_decodes(monkeypatch):
         pad_tokens=0, dtype=jnp.float32,
     )  # fmt: skip
     q, k, v, table, seq_lens, qs = args
-    pool = _pool(k, v)
+    pool = nan_pool(k, v)
     assert dispatch.get_implementation("ragged_paged_attention_pool", "xla") is native.cpu_paged_attention_pool
 
     def custom_calls(pool, q=q, qs=qs, seq_lens=seq_lens, table=table) -> int:  # noqa: ANN001

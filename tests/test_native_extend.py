@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_native_decode import check_traced_layer_and_window_under_a_scan, nan_pool
 from test_pallas_attention import brute_force, make_batch
 
 from pallas_kernels import dispatch, native
@@ -21,11 +22,6 @@ from pallas_kernels.blocked import blocked_paged_attention_pool
 from pallas_kernels.reference import ragged_paged_attention_reference
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
-
-
-def _pool(k, v, layers=3, layer=1):
-    """A NaN-filled pool ``[layers, 2, P, S, H, D]`` with ``k``/``v`` as layer ``layer``."""
-    return jnp.full((layers, 2, *k.shape), jnp.nan, k.dtype).at[layer, 0].set(k).at[layer, 1].set(v)
 
 
 @pytest.mark.parametrize(
@@ -44,7 +40,7 @@ def test_ragged_extend_equals_brute_force(page_size, head_dim, heads, soft_cap, 
     )  # fmt: skip
     q, k, v, table, seq_lens, qs = args
     got, _ = native.paged_extend_attention_pool(
-        q, _pool(k, v), 1, table, seq_lens, qs, sm_scale=0.3, soft_cap=soft_cap, sliding_window=window
+        q, nan_pool(k, v), 1, table, seq_lens, qs, sm_scale=0.3, soft_cap=soft_cap, sliding_window=window
     )
     got = np.asarray(got)
     n = int(qs[-1])
@@ -65,7 +61,7 @@ def test_a_long_chunk_equals_the_reference_and_the_xla_attention():
         pad_tokens=0, dtype=jnp.float32,
     )  # fmt: skip
     q, k, v, table, seq_lens, qs = args
-    pool = _pool(k, v)
+    pool = nan_pool(k, v)
     got = np.asarray(native.paged_extend_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=0.125)[0])
     np.testing.assert_allclose(got, brute_force(*host, 0.125, None), atol=2e-5, rtol=2e-5)
     xla = np.asarray(blocked_paged_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=0.125)[0])
@@ -74,32 +70,8 @@ def test_a_long_chunk_equals_the_reference_and_the_xla_attention():
     np.testing.assert_allclose(got, ref, atol=2e-5, rtol=2e-5)
 
 
-def test_traced_layer_and_window_under_a_scan():
-    """Under ``jax.lax.scan`` (the model's layer loop) the layer index and window are
-    traced values; each layer reads its own rows of the pool."""
-    rng = np.random.default_rng(3)
-    args, host = make_batch(
-        rng, page_size=16, q_lens=(20, 3, 1), ctx_lens=(30, 64, 9), num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=2, dtype=jnp.float32,
-    )  # fmt: skip
-    q, k, v, table, seq_lens, qs = args
-    pool = jnp.stack([jnp.stack([k * s, v * s]) for s in (1.0, 2.0, 3.0)])
-    windows = jnp.asarray([5, 0, 12], jnp.int32)
-
-    @jax.jit
-    def run(pool):
-        def body(pool, xs):
-            layer, window = xs
-            out, pool = native.paged_extend_attention_pool(q, pool, layer, table, seq_lens, qs, sm_scale=0.25, sliding_window=window)
-            return pool, out
-
-        return jax.lax.scan(body, pool, (jnp.arange(3), windows))
-
-    _, outs = run(pool)
-    n = int(qs[-1])
-    for layer, (s, window) in enumerate(zip((1.0, 2.0, 3.0), (5, None, 12))):
-        want = brute_force(host[0], host[1] * s, host[2] * s, *host[3:], 0.25, None, window)
-        np.testing.assert_allclose(np.asarray(outs[layer])[:n], want[:n], atol=2e-5, rtol=2e-5, err_msg=f"layer {layer}")
+def test_traced_layer_and_window_under_a_scan_in_place():
+    check_traced_layer_and_window_under_a_scan(native.paged_extend_attention_pool, (20, 3, 1), (30, 64, 9), pad_tokens=2)
 
 
 def test_the_cpu_backend_takes_the_extend_kernel_for_float32_and_whole_tiles(monkeypatch):
@@ -115,7 +87,7 @@ def test_the_cpu_backend_takes_the_extend_kernel_for_float32_and_whole_tiles(mon
             pad_tokens=0, dtype=jnp.float32,
         )  # fmt: skip
         q, k, v, table, seq_lens, qs = args
-        pool = _pool(k, v).astype(dtype)
+        pool = nan_pool(k, v).astype(dtype)
         fn = jax.jit(lambda p: native.cpu_paged_attention_pool(q, p, 1, table, seq_lens, qs, sm_scale=0.25)[0])
         return fn.lower(pool).as_text().count(native._EXTEND_TARGET)  # noqa: SLF001
 
