@@ -38,6 +38,11 @@ class Candidate:
     def loads(self) -> bool:
         return self.host + self.storage > 0
 
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute from ``start`` to the end of the prompt."""
+        return len(self.request.prefill_tokens) - self.start
+
     @classmethod
     def from_match(cls, request: ScheduledRequest, match: PrefixMatchLike, page_size: int) -> Candidate:
         n = len(request.prefill_tokens)
@@ -149,8 +154,7 @@ class BatchBuilder:
 
     def would_be_loading_bound(self, cand: Candidate) -> bool:
         """Would the batch with ``cand`` added (its chunk as it would be cut now) be loading-bound?"""
-        remaining = len(cand.request.prefill_tokens) - cand.start
-        c = self._cost(cand, min(remaining, self.budget_left))
+        c = self._cost(cand, min(cand.remaining, self.budget_left))
         items = self.extend_items() + [(c.end - cand.start, cand.start)]
         return self.cost.would_be_loading_bound(
             self.load_host + c.load_host, self.load_storage + c.load_storage, items, self.loading_bound_ratio
@@ -182,7 +186,7 @@ class BatchBuilder:
         starts = cand.match is not None  # a queued request's first chunk: it starts running
         if starts and self.new_room is not None and self._started >= self.new_room:
             return None
-        remaining = len(cand.request.prefill_tokens) - cand.start
+        remaining = cand.remaining
         c = self._cost(cand, min(remaining, budget))
         spare = self.device_capacity - self.used_tokens
         if c.need_tokens + c.lock_tokens > spare:

@@ -148,7 +148,7 @@ class Scheduler:
         )
         self._prefetch_holds.clear()  # filled again by this round's classifications
         shorts = self._short_candidates(queue, len(continuing), batch) if continuing and self.stages.short_first else []
-        reserved = sum(len(c.request.prefill_tokens) - c.start for c in shorts)
+        reserved = sum(c.remaining for c in shorts)
         for req in sorted(continuing, key=lambda r: r.arrival):  # first claim on slots and device pages
             batch.try_add(Candidate.continuing(req), reserve_tokens=reserved)
         for cand in shorts:
@@ -218,10 +218,9 @@ class Scheduler:
         for cand in itertools.islice(queue.rest(), self.config.max_prefill_batch_size):
             if len(picked) >= slots:
                 break
-            new = len(cand.request.prefill_tokens) - cand.start
-            if not cand.loads and new <= self.config.short_prefill_tokens and new <= room:
+            if not cand.loads and cand.remaining <= min(self.config.short_prefill_tokens, room):
                 picked.append(cand)
-                room -= new
+                room -= cand.remaining
         return picked
 
     def _new_room(self, cache: CacheView) -> int | None:
@@ -282,7 +281,7 @@ class Scheduler:
         """
         cost = self.cost
         load = cost.load_seconds(cand.host, cand.storage) + cost.transfer_overhead_s
-        new = len(cand.request.prefill_tokens) - cand.start
+        new = cand.remaining
         keep = cand.device
         recompute = cost.extend_seconds(new + cand.start - keep, keep) - cost.extend_seconds(new, cand.start)
         return load > recompute
