@@ -3,10 +3,10 @@
 Backends, by name:
 
 * ``"xla"``: implementations written for a CPU: block-causal XLA attention
-  (``pallas_kernels.blocked``) and, for decode batches over a float32 pool on CPU, the
-  native paged-decode kernel (``pallas_kernels.native``, an XLA FFI custom call built
-  on first use; ``$STRATA_NATIVE_KERNELS=0`` turns it off); the page transfers and KV
-  writes are the reference's.  The default on CPU (and TPU).
+  (``pallas_kernels.blocked``) and, over a float32 pool on CPU, the native paged decode
+  and extend kernels (``pallas_kernels.native``, XLA FFI custom calls built on first use;
+  ``$STRATA_NATIVE_KERNELS=0`` turns them off); the page transfers and KV writes are the
+  reference's.  The default on CPU (and TPU).
 * ``"reference"``: the pure-JAX references every other backend is tested against.
 * ``"pallas"``: compiled Pallas kernels, Triton lowering; the default on CUDA and ROCm.
 * ``"interpret"``: the same Pallas kernels in interpret mode (any platform; for tests).
