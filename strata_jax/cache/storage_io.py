@@ -247,7 +247,10 @@ class StorageIO:
         return self._storage_read_bps
 
     def _note_storage_read(self, nbytes: int, seconds: float) -> None:
-        if seconds <= 0:
+        # A read that brought no valid bytes (every object missing or corrupt) says how fast
+        # the backend answers, not how fast KV arrives: averaging it in would drive the rate
+        # toward 0 and make every L3 load look endless.
+        if nbytes <= 0 or not seconds > 0:
             return
         sample = nbytes / seconds
         prev = self._storage_read_bps

@@ -244,7 +244,7 @@ class EngineCore:
                 self.scheduler.cost.observe_load(handle.num_pages * self.page_size, handle.service_seconds, tier="host")
         measured = self.ctl.storage_read_bandwidth if self.ctl.storage is not None else None
         if measured is not None:
-            self.scheduler.cost.storage_bytes_per_s = measured  # (an average over recent prefetch reads)
+            self.scheduler.cost.set_storage_rate(measured)  # (an average over recent prefetch reads)
 
     def _may_retract(self) -> bool:
         """Could this round retract a decode?  Only if the decodes' next pages may not fit."""

@@ -18,17 +18,40 @@ Both time models are fitted online by least squares over the most recent
 ``prior_weight`` pseudo-measurements), with coefficients kept non-negative.
 Before any measurement the prior is used as is.
 
+Every learned value stays finite and bounded, whatever is measured: a rate is
+believed only between ``1/RATE_BOUND_FACTOR`` and ``RATE_BOUND_FACTOR`` times its
+prior (a window of failed L3 reads measures 0 B/s, a clock glitch infinity, and the
+scheduler divides by these rates every round); a step time that is negative, NaN or
+above ``MAX_STEP_SECONDS`` is not a measurement; a fit that comes out non-finite is
+dropped (the previous coefficients stay).  ``tests/test_cost_model_bounds.py`` drives
+the model with arbitrary observation sequences and checks every estimate.
+
 Priors are those of an 8B Llama-class model on an H200-class GPU with a PCIe 5
 host link; the engine should pass ``bytes_per_token`` of its model.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 ExtendItem = tuple[int, int]  # (new tokens computed, context tokens already cached before them)
+
+RATE_BOUND_FACTOR = 1e4  # a measured rate is clamped to [prior / F, prior * F]
+MAX_STEP_SECONDS = 3600.0  # no real step takes an hour: a longer "measurement" is a clock fault
+
+
+def bounded_rate(measured: float, prior: float) -> float | None:
+    """``measured`` clamped to the band around ``prior``; ``None`` when it is no measurement at all.
+
+    Zero, negative, NaN and infinite values carry no information about the link
+    (they come from empty or failed transfers), so the caller keeps its estimate.
+    """
+    if not (math.isfinite(measured) and measured > 0):
+        return None
+    return min(max(measured, prior / RATE_BOUND_FACTOR), prior * RATE_BOUND_FACTOR)
 
 
 @dataclass(frozen=True)
@@ -86,7 +109,7 @@ class _OnlineLinearModel:
         return sum(t * xi for t, xi in zip(self._theta, x))
 
     def observe(self, x: tuple[float, float, float], y: float) -> None:
-        if not (y >= 0.0 and y != float("inf")):
+        if not (0.0 <= y <= MAX_STEP_SECONDS and all(math.isfinite(v) and v >= 0 for v in x)):
             return  # a bogus timing never poisons the model
         if len(self._samples) == self._samples.maxlen:
             self._accumulate(*self._samples[0], sign=-1.0)
@@ -99,7 +122,9 @@ class _OnlineLinearModel:
             self._xy = [0.0] * 3
             for xs, ys in self._samples:
                 self._accumulate(xs, ys, sign=1.0)
-        self._theta = self._fit()
+        theta = self._fit()
+        if all(math.isfinite(t) for t in theta):  # an ill-conditioned window never yields an inf/NaN estimate
+            self._theta = theta
 
     def _track_maxima(self, values: tuple[float, float, float, float]) -> None:
         """Sliding-window maxima (monotonic queues), so scaling a fit is O(1) too."""
@@ -180,11 +205,28 @@ class CostModel:
     def __init__(self, prior: CostPrior | None = None) -> None:
         self.prior = prior or CostPrior()
         self.bytes_per_token = self.prior.bytes_per_token
-        self.link_bytes_per_s = self.prior.link_bytes_per_s
-        self.storage_bytes_per_s = self.prior.storage_bytes_per_s
+        self._link_bytes_per_s = float(self.prior.link_bytes_per_s)
+        self._storage_bytes_per_s = float(self.prior.storage_bytes_per_s)
         self.transfer_overhead_s = self.prior.transfer_overhead_s
         self._extend = _OnlineLinearModel(self.prior.extend_coeffs, self.prior.window, self.prior.prior_weight)
         self._decode = _OnlineLinearModel(self.prior.decode_coeffs, self.prior.window, self.prior.prior_weight)
+
+    # -- learned rates (read-only: measurements go through observe_* / set_storage_rate)
+    @property
+    def link_bytes_per_s(self) -> float:
+        """Host -> device bytes per second: the prior, then a bounded moving average of loads."""
+        return self._link_bytes_per_s
+
+    @property
+    def storage_bytes_per_s(self) -> float:
+        """Storage -> host bytes per second: the prior, then the bounded measured read rate."""
+        return self._storage_bytes_per_s
+
+    def set_storage_rate(self, bytes_per_s: float) -> None:
+        """Adopt the controller's own average of recent L3 reads (bounded; a non-rate is ignored)."""
+        rate = bounded_rate(bytes_per_s, self.prior.storage_bytes_per_s)
+        if rate is not None:
+            self._storage_bytes_per_s = rate
 
     # -- estimates ---------------------------------------------------------
     def load_bytes(self, tokens: int) -> float:
@@ -249,16 +291,19 @@ class CostModel:
     # -- measurements ------------------------------------------------------
     def observe_load(self, tokens: int, seconds: float, tier: str = "host") -> None:
         """Record a measured load of ``tokens`` from ``tier`` ("host": L2->L1, "storage": L3->L2)."""
-        if tokens <= 0 or not seconds > 0:
+        if tier not in ("host", "storage"):
+            raise ValueError(f"tier must be 'host' or 'storage', got {tier!r}")
+        if tokens <= 0 or not 0 < seconds <= MAX_STEP_SECONDS:
             return
-        bw = (self.load_bytes(tokens) if tier == "host" else tokens * self.bytes_per_token) / seconds
         alpha = self.prior.bandwidth_ema
         if tier == "host":
-            self.link_bytes_per_s = (1 - alpha) * self.link_bytes_per_s + alpha * bw
-        elif tier == "storage":
-            self.storage_bytes_per_s = (1 - alpha) * self.storage_bytes_per_s + alpha * bw
+            sample = bounded_rate(self.load_bytes(tokens) / seconds, self.prior.link_bytes_per_s)
+            if sample is not None:
+                self._link_bytes_per_s = (1 - alpha) * self._link_bytes_per_s + alpha * sample
         else:
-            raise ValueError(f"tier must be 'host' or 'storage', got {tier!r}")
+            sample = bounded_rate(tokens * self.bytes_per_token / seconds, self.prior.storage_bytes_per_s)
+            if sample is not None:
+                self._storage_bytes_per_s = (1 - alpha) * self._storage_bytes_per_s + alpha * sample
 
     def observe_extend(self, items: Sequence[ExtendItem], seconds: float) -> None:
         """Record a measured extend step over ``items`` (new tokens, context) per request."""
