@@ -68,6 +68,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE (sysexits.h): the engine stopped after an unrecoverable error
+
+
 class StrataServer:
     """Both faces over one engine.  ``await serve()`` runs until ``request_stop()``."""
 
@@ -87,6 +90,33 @@ class StrataServer:
         """Thread-safe: begin the graceful shutdown."""
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
+
+    def _watch_engine(self, engine: object, grpc_face: GrpcFace | None) -> None:
+        """An engine that stops for good (an unrecoverable error) takes the server down, non-zero.
+
+        Health turns 503 / NOT_SERVING first (a router stops sending here), then the
+        graceful shutdown runs and the process exits with ``EXIT_ENGINE_FAILED``, so a
+        supervisor (systemd, Kubernetes) sees a failure and restarts it.
+        """
+        loop, stop = self._loop, self._stop
+        assert loop is not None and stop is not None
+
+        def died(exc: BaseException) -> None:  # on the event loop
+            log.critical("the engine stopped after an unrecoverable error; shutting down (exit code %d)", EXIT_ENGINE_FAILED)
+            self.frontend.fail(f"the engine stopped: {type(exc).__name__}: {exc}")
+            self.exit_code = EXIT_ENGINE_FAILED
+            if grpc_face is not None:
+                loop.create_task(grpc_face.set_serving(False))
+            stop.set()
+
+        def on_fatal(exc: BaseException) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(died, exc)
+
+        if hasattr(engine, "on_fatal"):
+            engine.on_fatal = on_fatal  # type: ignore[attr-defined]  # the fake engines of the face tests have none
+            fatal = getattr(engine, "fatal_error", None)
+            if fatal is not None:  # it died before the hook was set
+                on_fatal(fatal)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT begin the graceful shutdown (main thread only)."""
@@ -136,11 +166,12 @@ class StrataServer:
                     log.error("the engine failed to start: %s", exc)
                 else:
                     log.exception("the engine failed to start")
-                self.frontend.fail(f"{type(exc).__name__}: {exc}")
+                self.frontend.fail(f"it failed to start: {type(exc).__name__}: {exc}")
                 self.exit_code = 1
                 self._stop.set()
             else:
                 self.frontend.attach(engine)
+                self._watch_engine(engine, grpc_face)
                 if cfg.profile_on_start:
                     await _in_thread(engine.start_profile, cfg.profile_dir)
                 if grpc_face is not None:
@@ -204,6 +235,11 @@ class ThreadedServer:
     def stop(self, timeout: float = 60.0) -> None:
         self.server.request_stop()
         self._thread.join(timeout)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the server to stop by itself (an engine that died); True once it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @property
     def frontend(self) -> Frontend:

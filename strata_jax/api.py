@@ -33,6 +33,21 @@ class RequestAbortedError(StrataError):
     """The request was aborted before it finished."""
 
 
+class StepFailedError(StrataError):
+    """An engine step that carried this request failed (HTTP 500 / gRPC INTERNAL, naming the cause).
+
+    Only the requests of that step fail; the engine checks its state and serves on.
+    """
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"an engine step serving this request failed ({type(cause).__name__}: {cause}); retry")
+        self.__cause__ = cause
+
+
+class EngineFailedError(EngineUnavailableError):
+    """The engine met an error it cannot recover from and stopped (HTTP 503 / gRPC UNAVAILABLE)."""
+
+
 MAX_STOP_STRINGS = 16
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's limit)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from strata_jax.api import SamplingParams
+from strata_jax.api import SamplingParams, StepFailedError
 from strata_jax.engine import Engine, EngineConfig
 from strata_jax.engine.sinks import CollectingSink
 
@@ -268,10 +268,10 @@ def test_a_failed_step_fails_its_requests_and_drops_what_it_may_have_cached(tmp_
             try:
                 engine.step()
             except RuntimeError:
-                engine.core.fail_all(RuntimeError("device lost"))  # what the engine loop does
+                engine.core.fail_step(RuntimeError("device lost"))  # what the engine loop does
             if sink.wait(0):
                 break
-        assert isinstance(sink.error, RuntimeError)
+        assert isinstance(sink.error, StepFailedError) and isinstance(sink.error.__cause__, RuntimeError)
         stats = engine.cache_stats()
         assert stats["device_pool"]["used_pages"] == 0 and stats["host_pool"]["used_pages"] == 0
         again = _play(engine, [(0, "submit", ("x", doc, GREEDY))])["x"]

@@ -33,7 +33,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata_jax.api import EngineUnavailableError, InvalidRequestError, OverloadedError, TokenLogprob
+from strata_jax.api import EngineUnavailableError, InvalidRequestError, OverloadedError, StepFailedError, TokenLogprob
 from strata_jax.cache.controller import CacheController
 from strata_jax.cache.handles import CacheFullError, TransferHandle
 from strata_jax.engine.cache_view import EngineCacheView
@@ -105,6 +105,7 @@ class EngineCore:
         self._tracked: dict[str, TrackedRequest] = {}
         self._parked: deque[TrackedRequest] = deque()  # waiting for a sampling-state slot
         self._inflight: InflightStep | None = None
+        self._touched: set[str] | None = set()  # requests the step under way has touched (None: all)
         self._unsent: list[Event] = []  # a step's token events, sent when the loop next waits for the device
         self._stopping = False
         self.counters = {
@@ -182,6 +183,9 @@ class EngineCore:
             self._admit_followers(t)
             self.counters["finished"] += 1
 
+    def _live_ids(self) -> set[str]:
+        return set(self._tracked) | {p.request_id for p in self._parked}
+
     def has_live_requests(self) -> bool:
         return bool(self._tracked)
 
@@ -195,6 +199,7 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
     def step(self) -> None:
         span = self.executor.span
+        self._touched = None  # until the plan exists, a failure concerns every live request
         while self._stops:
             self.stop_request(self._stops.pop(0))
         with span("poll"):
@@ -211,6 +216,7 @@ class EngineCore:
                 self._complete(self._take_inflight())
         with span("schedule"):
             plan = self.scheduler.schedule(self._view)
+        self._touched = _plan_requests(plan) | _step_requests(self._inflight)
         with span("load_kv"):
             dropped = self._pin_and_make_room(plan)
         launched = self._run(plan, dropped)
@@ -222,6 +228,7 @@ class EngineCore:
             if not self.pipeline and self._inflight is not None:
                 self._complete(self._take_inflight())
         self.counters["steps"] += 1
+        self._touched = set()  # the step is over: a failure from here on is the next step's
         if self.kv_event_recorder is not None:
             self.kv_event_recorder.end_step()
         if launched is None and previous is None:
@@ -507,22 +514,50 @@ class EngineCore:
         self._stopping = True
         self.abort_all(exc)
 
-    def fail_all(self, exc: Exception) -> None:
-        """A step failed: every live request fails with ``exc`` (the step in flight is dropped).
+    def abandon(self, exc: BaseException) -> None:
+        """Stopping for good after an unrecoverable error: drop the step in flight unread,
+        admit nothing more, end every live request with ``exc``."""
+        self._inflight = None
+        self._stopping = True
+        for rid in [p.request_id for p in self._parked] + list(self._tracked):
+            try:
+                self.abort(rid, exc)
+            except Exception:  # noqa: BLE001 - the state is broken anyway; every request must still hear of it
+                log.exception("aborting %s while stopping", rid)
+                t = self._tracked.pop(rid, None)
+                if t is not None:
+                    self._fail([FailEvent(t.stream, exc)])
+
+    def fail_step(self, cause: Exception) -> list[str]:
+        """The step under way raised ``cause``: fail the requests it touched; returns their ids.
+
+        Touched: before the plan existed (poll, schedule), every live request (the
+        scheduler examines them all); after it, the plan's requests and those of the
+        step in flight, whose tokens are no longer read (it is dropped).  The others
+        stay queued or decoding and go on.
 
         Prefixes are published to the tree when their step is dispatched, so the tree may
-        point at KV the failed step never wrote: the device and host tiers are emptied too
-        (L3 holds only copies of host pages that landed from completed gathers).
+        point at KV the failed step never wrote: the unlocked device and host tiers are
+        emptied too (L3 holds only copies of host pages that landed from completed gathers).
+        The caller then checks the engine's state (``stats.accounting``).
         """
+        touched = self._touched if self._touched is not None else self._live_ids()
+        touched |= _step_requests(self._inflight)
         self._inflight = None
-        for rid in [p.request_id for p in self._parked] + list(self._tracked):
-            self.abort(rid, exc)
-            self.counters["failed"] += 1
+        error = StepFailedError(cause)
+        failed = []
+        for rid in sorted(touched):
+            if self.abort(rid, error):
+                self.scheduler.forget_in_flight(rid)  # its dropped step will never report it done
+                failed.append(rid)
+                self.counters["failed"] += 1
+        self._touched = set()
         try:
             self.flush("device")
             self.flush("host")
         except Exception:  # noqa: BLE001 - transfers of the failed step may fail too; the tiers are dropped regardless
             log.exception("dropping the device and host tiers after a failed step")
+        return failed
 
     # ------------------------------------------------------------------ maintenance
     def flush(self, tier: str) -> None:
@@ -544,6 +579,17 @@ class EngineCore:
 
     def locked_nodes(self) -> int:
         return sum(1 for n in self.ctl.tree.iter_nodes() if n.lock_ref > 0)
+
+
+def _plan_requests(plan: StepPlan) -> set[str]:
+    """Every request a plan computes, decodes or retracts."""
+    return {it.request_id for it in plan.prefill} | {r.request_id for r in plan.decode} | {r.request_id for r in plan.retract}
+
+
+def _step_requests(step: InflightStep | None) -> set[str]:
+    if step is None:
+        return set()
+    return {it.request_id for it, _ in step.extend_items} | {t.request_id for t in step.decode_rows}
 
 
 def _record(plan: StepPlan, prefill: list[PrefillItem], decode: list[str]) -> PlanRecord:

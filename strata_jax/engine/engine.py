@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from strata_jax.api import (
     MAX_N,
+    EngineFailedError,
     EngineUnavailableError,
     InvalidRequestError,
     OverloadedError,
@@ -183,6 +184,8 @@ class Engine:
         self._grammar_tokenizer = None  # built on the first structured request
         self._stopping = False
         self._closed = False  # set on the engine thread by shutdown's close: then its loop ends
+        self.fatal_error: BaseException | None = None  # set when the loop stopped for good
+        self.on_fatal: Callable[[BaseException], None] | None = None  # told once, from the engine thread
         self.compiles_at_warmup = 0
         self.executables_reused = 0  # step programs read back whole from the executable cache
         self.is_ready = False
@@ -340,6 +343,8 @@ class Engine:
 
         ``follows`` (n > 1): admit this request only after the prefill of request
         ``follows`` (same prompt) has put the prompt's pages in the tree."""
+        if self.fatal_error is not None:
+            raise EngineFailedError(f"the engine stopped after an unrecoverable error ({type(self.fatal_error).__name__})")
         if self._stopping or not self.is_ready:
             raise EngineUnavailableError("the engine is not accepting requests (warming up or shutting down)")
         params = params or SamplingParams()
@@ -574,21 +579,60 @@ class Engine:
                 self._inbox_size -= 1
             fn()
 
+    def _recover_from(self, exc: Exception, consecutive: int) -> None:
+        """A step raised ``exc``: fail its requests and check the engine, or stop it for good.
+
+        Recoverable: anything raised by Python code around the device (a scheduler estimate,
+        a storage error that escaped, a bad request that got through): the step's requests
+        fail with ``StepFailedError`` and the loop serves on, once the page accounting and
+        the tree's invariants check clean.  Unrecoverable (the engine stops, the server
+        exits non-zero): ``unrecoverable_step_error`` (the device runtime failed, memory ran
+        out), a broken invariant after the failure, or ``MAX_CONSECUTIVE_STEP_FAILURES``
+        failed steps in a row (a fault that fails every step is not being recovered from).
+        """
+        log.error("engine step failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        if unrecoverable_step_error(exc):
+            self._die(exc)
+            return
+        try:
+            failed = self.core.fail_step(exc)
+            accounting(self.core)
+        except Exception as broken:  # noqa: BLE001 - the state cannot be trusted: stop rather than serve wrong tokens
+            log.error("engine state is broken after a failed step: %s: %s", type(broken).__name__, broken, exc_info=broken)
+            self._die(broken)
+            return
+        log.warning("failed %d request(s) of the failed step; the engine state checks clean, serving on", len(failed))
+        if consecutive >= MAX_CONSECUTIVE_STEP_FAILURES:
+            self._die(RuntimeError(f"{consecutive} engine steps failed in a row; last: {type(exc).__name__}: {exc}"))
+
+    def _die(self, exc: BaseException) -> None:
+        """Stop for good (engine thread): fail every request, refuse new ones, tell ``on_fatal``."""
+        self.fatal_error = exc
+        self.core.abandon(EngineFailedError(f"the engine stopped after an unrecoverable error ({type(exc).__name__}: {exc})"))
+        log.critical("engine stopped: %s: %s", type(exc).__name__, exc)
+        callback = self.on_fatal
+        if callback is not None:
+            callback(exc)
+
     def _loop(self) -> None:
         core = self.core
+        failures = 0  # consecutive failed steps
         while True:
             self._drain_inbox()
             if self._closed and self._inbox.empty() and not core.has_pending_step():
                 return
-            if not self.scheduler.has_work() and not core.has_pending_step():
+            if self.fatal_error is not None or (not self.scheduler.has_work() and not core.has_pending_step()):
+                # (stopped for good: no more steps, but calls are still answered until shutdown)
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             try:
                 core.step()
-            except Exception as exc:  # noqa: BLE001 - keep serving; fail what was running
-                log.exception("engine step failed")
-                core.fail_all(exc)
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
+                failures += 1
+                self._recover_from(exc, failures)
+            else:
+                failures = 0
 
     def _transfer_compiles(self) -> int:
         pool = self.ctl.device_pool
@@ -596,6 +640,19 @@ class Engine:
 
 
 # ---------------------------------------------------------------------- helpers
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the fault is not transient: stop, so a supervisor restarts the server
+
+
+def unrecoverable_step_error(exc: BaseException) -> bool:
+    """Errors after which the engine's device state cannot be trusted (docs/serving.md, "Faults").
+
+    A step donates the KV pool to its program: when the device runtime fails (a lost or
+    faulted device, a program that could not run), the pool it was given may be gone.
+    Memory exhaustion on the host leaves half-built state anywhere.
+    """
+    return isinstance(exc, (MemoryError, jax.errors.JaxRuntimeError))
+
+
 def _namespace(cache_salt: str | None) -> str:
     if cache_salt is None:
         return ""

@@ -409,6 +409,10 @@ class Scheduler:
             in_flight=in_flight,
         )
 
+    def forget_in_flight(self, request_id: str) -> None:
+        """An aborted request's in-flight work will never be reported done (its step failed)."""
+        self._aborted_in_flight.discard(request_id)
+
     # -- views -------------------------------------------------------------
     def get(self, request_id: str) -> ScheduledRequest | None:
         return self._requests.get(request_id)
