@@ -23,6 +23,12 @@ Every default, and why:
 * ``storage_backend = "file"`` in ``storage_dir`` (default
   ``$XDG_CACHE_HOME/strata-jax/kv`` or ``~/.cache/strata-jax/kv``),
   ``storage_capacity_bytes = 64 GiB``; ``storage_url`` for ``redis``.
+* ``storage_secret = None``: the fleet's L3 secret (at least 16 bytes).  With one, L3
+  objects carry an HMAC-SHA256 tag and only tagged objects that verify are read, so a
+  party that can write the directory or the Redis but lacks the secret cannot inject
+  KV (``storage.py``).  None takes ``$STRATA_STORAGE_SECRET`` when the backend is
+  built; prefer that variable to setting this field from a command-line flag, which
+  every user sees in ``ps``.  Left out of ``repr`` (configs get logged).
 * ``initial_bandwidth_bytes_per_s = 16e9`` (PCIe 4 x16 in practice) until the
   first measured load; ``bandwidth_ema = 0.2`` weight of each new measurement.
 * ``io_threads = 2`` worker threads for storage reads and writes.
@@ -51,13 +57,14 @@ Every default, and why:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 TIERS = ("L1", "L1+L2", "L1+L2+L3")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout", "cost")
 KV_TIER_FORMATS = ("full", "fp8", "int8")
+MIN_STORAGE_SECRET_BYTES = 16  # 128 bits: HMAC keys shorter than that are guessable
 
 
 class CacheConfigError(ValueError):
@@ -89,6 +96,8 @@ class CacheConfig:
     storage_capacity_bytes: int = 64 << 30
     storage_url: str = "redis://127.0.0.1:6379/0"
     storage_fsync: bool = False
+    # L3 authentication key; None: $STRATA_STORAGE_SECRET (preferred: a flag shows in `ps`), else none
+    storage_secret: str | None = field(default=None, repr=False)
     initial_bandwidth_bytes_per_s: float = 16e9
     bandwidth_ema: float = 0.2
     io_threads: int = 2
@@ -141,6 +150,13 @@ class CacheConfig:
             raise bad("storage_probe_ttl_s", "must be >= 0")
         if self.kv_tier_format not in KV_TIER_FORMATS:
             raise bad("kv_tier_format", f"must be one of {KV_TIER_FORMATS}")
+        if self.storage_secret is not None and (
+            not isinstance(self.storage_secret, str) or len(self.storage_secret.encode()) < MIN_STORAGE_SECRET_BYTES
+        ):  # not `bad()`: the message must not echo the secret
+            raise CacheConfigError(
+                f"CacheConfig.storage_secret: must be a string of at least {MIN_STORAGE_SECRET_BYTES} bytes "
+                "(e.g. `openssl rand -hex 32`), or None to use $STRATA_STORAGE_SECRET / run unauthenticated"
+            )
 
     @property
     def num_device_pages(self) -> int:

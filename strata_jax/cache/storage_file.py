@@ -1,7 +1,9 @@
 """Embedded L3 backend: one file per page object in a local directory.
 
-Layout: ``<dir>/objects/<2 hex>/<64 hex>.kv`` (framed as in ``storage.py``) and
-``<dir>/tmp/`` for writes in progress.  A write goes to a unique temp file and is
+Layout: ``<dir>/objects/<2 hex>/<64 hex>.kv`` (framed as in ``storage.py``),
+``<dir>/tmp/`` for writes in progress, and with a storage secret the store marker
+``<dir>/store-auth`` (outside ``objects/``: the LRU index, capacity eviction, ``stats()``
+and ``clear()`` never see it).  A write goes to a unique temp file and is
 published with ``os.replace`` (atomic on POSIX): a crash before the rename leaves
 only a temp file, which is invisible to readers and deleted at the next start.
 Without ``fsync`` a power loss may leave a published but short object; its
@@ -23,26 +25,58 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from strata_jax.cache.storage import HEADER, StorageBackend, StorageStats, decode_object, encode_object
+from strata_jax.cache.storage import MARKER_NAME, ObjectCodec, StorageBackend, StorageStats, empty_counts
 
 
 class FileStorage(StorageBackend):
     name = "file"
 
-    def __init__(self, directory: str, capacity_bytes: int = 64 << 30, *, fsync: bool = False) -> None:
+    def __init__(
+        self, directory: str, capacity_bytes: int = 64 << 30, *, fsync: bool = False, secret: bytes | None = None
+    ) -> None:
         self.directory = os.path.abspath(os.path.expanduser(directory))
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self._codec = ObjectCodec(secret)
         self._objects_dir = os.path.join(self.directory, "objects")
         self._tmp_dir = os.path.join(self.directory, "tmp")
+        self._marker_path = os.path.join(self.directory, MARKER_NAME)
         os.makedirs(self._objects_dir, exist_ok=True)
         shutil.rmtree(self._tmp_dir, ignore_errors=True)  # leftovers of a crash: never visible
         os.makedirs(self._tmp_dir, exist_ok=True)
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()
         self._bytes = 0
-        self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "writes": 0, "evictions": 0}
+        self._counts = empty_counts()
+        self._open_store(self._codec, f"at {self.directory}")
         self._scan()
+
+    def _read_marker(self) -> bytes | None:
+        try:
+            with open(self._marker_path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def _create_marker(self, blob: bytes) -> None:
+        # Written whole to a temp file, then hard-linked into place: link fails if a
+        # marker exists, so of two servers starting at once exactly one marker wins
+        # (and readers never see half of one).
+        tmp = os.path.join(self._tmp_dir, f"{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())  # once per store: cheap, and the guard survives a power loss
+            try:
+                os.link(tmp, self._marker_path)
+            except FileExistsError:
+                pass
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
     def _path(self, key: bytes) -> str:
         h = key.hex()
@@ -106,15 +140,16 @@ class FileStorage(StorageBackend):
                     blob = f.read()
             except OSError:
                 blob = None
-            payload = decode_object(key, blob)
+            payload, why = self._codec.decode(key, blob)
             with self._lock:
                 if payload is None:
                     self._counts["misses"] += 1
-                    if blob is not None:
-                        self._counts["corrupt"] += 1
-                        self._remove(key)
-                    else:
+                    if why is None:
                         self._forget(key)
+                    else:
+                        self._counts[why] += 1
+                        if self._codec.discards(why):
+                            self._remove(key)
                 else:
                     self._counts["hits"] += 1
                     if key in self._index:
@@ -133,14 +168,14 @@ class FileStorage(StorageBackend):
                     self._index.move_to_end(key)
                     stored += 1
                     continue
-            size = HEADER.size + len(payload)
+            size = self._codec.header_size + len(payload)
             if size > self.capacity_bytes:
                 continue
             path = self._path(key)
             tmp = os.path.join(self._tmp_dir, f"{uuid.uuid4().hex}.tmp")
             try:
                 with open(tmp, "wb") as f:
-                    f.write(encode_object(key, payload))
+                    f.write(self._codec.encode(key, payload))
                     if self.fsync:
                         f.flush()
                         os.fsync(f.fileno())
@@ -174,6 +209,7 @@ class FileStorage(StorageBackend):
         return n
 
     def clear(self) -> None:
+        """Delete every object; the store marker stays (the store remains authenticated)."""
         with self._lock:
             shutil.rmtree(self._objects_dir, ignore_errors=True)
             os.makedirs(self._objects_dir, exist_ok=True)
@@ -182,4 +218,7 @@ class FileStorage(StorageBackend):
 
     def stats(self) -> StorageStats:
         with self._lock:
-            return StorageStats(self.name, len(self._index), self._bytes, self.capacity_bytes, **self._counts)
+            return StorageStats(
+                self.name, len(self._index), self._bytes, self.capacity_bytes, **self._counts,
+                authenticated=self._codec.secret is not None,
+            )  # fmt: skip

@@ -6,6 +6,11 @@ idempotent.  Capacity and eviction are the server's: run it with ``maxmemory``
 and ``maxmemory-policy allkeys-lru``.  Needs the ``redis`` package (the
 ``serve`` extra) and a reachable server.
 
+With a storage secret the store marker is ``<prefix>store-auth`` (not 64 hex digits,
+so never a page's key); ``stats()`` and ``clear()`` leave it out, and every write batch
+re-asserts it with ``SET NX`` (which also touches it), because under ``allkeys-lru``
+the server may evict it like any key.
+
 ``from_url`` pings the server, so a wrong URL fails at start-up with a clear
 ``StorageError``.  Once serving, a failing call (server restarted, network blip,
 timeout) raises like any backend's I/O error; the cache controller counts and logs
@@ -22,21 +27,31 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from strata_jax.cache.storage import StorageBackend, StorageError, StorageStats, decode_object, encode_object
+from strata_jax.cache.storage import MARKER_NAME, ObjectCodec, StorageBackend, StorageError, StorageStats, empty_counts
 
 
 class RedisStorage(StorageBackend):
     name = "redis"
 
-    def __init__(self, client: Any, prefix: str = "strata-jax:kv:") -> None:
+    def __init__(
+        self, client: Any, prefix: str = "strata-jax:kv:", *, secret: bytes | None = None, where: str = ""
+    ) -> None:
         self._client = client
         self._prefix = prefix
+        self._codec = ObjectCodec(secret)
+        self._marker = prefix + MARKER_NAME
+        # scan_iter yields bytes from redis-py (str from a decode_responses client)
+        self._marker_names = {self._marker, self._marker.encode()}
         self._lock = threading.Lock()
-        self._counts = {"hits": 0, "misses": 0, "corrupt": 0, "writes": 0, "evictions": 0}
+        self._counts = empty_counts()
+        self._open_store(self._codec, where or f"under Redis prefix {prefix!r}")
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = "strata-jax:kv:", *, timeout_s: float = 5.0) -> RedisStorage:
-        """Connect to ``url`` (``redis://host:port/db``) and check the server answers."""
+    def from_url(
+        cls, url: str, prefix: str = "strata-jax:kv:", *, timeout_s: float = 5.0, secret: bytes | None = None
+    ) -> RedisStorage:
+        """Connect to ``url`` (``redis://host:port/db``), check the server answers, and
+        check the store marker against ``secret`` (``storage.py``)."""
         try:
             import redis
         except ImportError as exc:  # pragma: no cover - depends on the install
@@ -49,7 +64,19 @@ class RedisStorage(StorageBackend):
                 f"cannot reach the Redis server at {url!r}: {exc}. Start one (e.g. `redis-server --port 6379`) "
                 "and pass its URL as storage_url / --storage-url, or use storage_backend='file'"
             ) from exc
-        return cls(client, prefix)
+        try:
+            return cls(client, prefix, secret=secret, where=f"at {url} (prefix {prefix!r})")
+        except BaseException:
+            client.close()  # a refused store (marker check): do not leak the connection
+            raise
+
+    def _read_marker(self) -> bytes | None:
+        return self._client.mget([self._marker])[0]
+
+    def _create_marker(self, blob: bytes) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self._marker, blob, nx=True)  # the first server's marker wins a race
+        pipe.execute()
 
     def _k(self, key: bytes) -> str:
         return self._prefix + key.hex()
@@ -82,13 +109,14 @@ class RedisStorage(StorageBackend):
         out: list[bytes | None] = []
         bad: list[bytes] = []
         for key, blob in zip(keys, blobs):
-            payload = decode_object(key, blob)
+            payload, why = self._codec.decode(key, blob)
             with self._lock:
                 if payload is None:
                     self._counts["misses"] += 1
-                    if blob is not None:
-                        self._counts["corrupt"] += 1
-                        bad.append(key)
+                    if why is not None:
+                        self._counts[why] += 1
+                        if self._codec.discards(why):
+                            bad.append(key)
                 else:
                     self._counts["hits"] += 1
             out.append(payload)
@@ -101,8 +129,10 @@ class RedisStorage(StorageBackend):
             return 0
         pipe = self._client.pipeline(transaction=False)
         for key, payload in zip(keys, payloads):
-            pipe.set(self._k(key), encode_object(key, payload), nx=True)
-        results = pipe.execute()
+            pipe.set(self._k(key), self._codec.encode(key, payload), nx=True)
+        if self._codec.secret is not None:
+            pipe.set(self._marker, self._codec.marker(), nx=True)  # keep the marker (module docstring)
+        results = pipe.execute()[: len(keys)]
         with self._lock:
             self._counts["writes"] += sum(1 for r in results if r)
         return len(results)
@@ -113,18 +143,21 @@ class RedisStorage(StorageBackend):
         return int(self._client.delete(*[self._k(k) for k in keys]))
 
     def clear(self) -> None:
-        """Delete every object under this prefix (an explicit admin action: errors raise)."""
+        """Delete every object under this prefix but the store marker (an explicit admin
+        action: errors raise)."""
         try:
-            names = list(self._client.scan_iter(match=self._prefix + "*"))
+            names = [n for n in self._client.scan_iter(match=self._prefix + "*") if n not in self._marker_names]
             for i in range(0, len(names), 512):
                 self._client.delete(*names[i : i + 512])
         except Exception as exc:
             raise StorageError(f"clearing the Redis L3 failed: {exc}") from exc
 
     def stats(self) -> StorageStats:
-        objects = sum(1 for _ in self._client.scan_iter(match=self._prefix + "*"))
+        objects = sum(1 for n in self._client.scan_iter(match=self._prefix + "*") if n not in self._marker_names)
         with self._lock:
-            return StorageStats(self.name, objects, -1, -1, **self._counts)
+            return StorageStats(
+                self.name, objects, -1, -1, **self._counts, authenticated=self._codec.secret is not None
+            )
 
     def close(self) -> None:
         try:

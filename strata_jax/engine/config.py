@@ -49,6 +49,10 @@ class EngineConfig:
     storage_backend / storage_dir: L3 backend by name ("file", "redis") and its directory.
     storage_url: the Redis/Valkey server of storage_backend "redis"
         (default redis://127.0.0.1:6379/0); engines sharing it share L3.
+    storage_secret: the fleet's L3 secret (at least 16 bytes): L3 objects carry an
+        HMAC-SHA256 tag and untagged, forged or re-keyed ones are misses (docs/cache.md,
+        "Authenticated L3"); None = $STRATA_STORAGE_SECRET, which is preferred (a flag
+        is visible in `ps`).
     policy: scheduler policy, "strata" (default) or "fifo".
     max_batch_tokens: new tokens computed per prefill step at most (longer prompts are
         chunked); the largest extend program compiled.
@@ -151,6 +155,7 @@ class EngineConfig:
     storage_backend: str = "file"
     storage_dir: str | None = None
     storage_url: str = "redis://127.0.0.1:6379/0"
+    storage_secret: str | None = dataclasses.field(default=None, repr=False)
     policy: str = "strata"
     max_batch_tokens: int = 512
     prefill_chunk: str = "max"
@@ -271,6 +276,7 @@ class EngineConfig:
             storage_backend=self.storage_backend,
             storage_dir=self.storage_dir,
             storage_url=self.storage_url,
+            storage_secret=self.storage_secret,
             kernel_backend=self.kernel_backend,
             kv_tier_format=self.kv_tier_format,
         )
