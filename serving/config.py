@@ -25,15 +25,20 @@ class ServerConfig:
 
     ``port``/``grpc_port`` 0 pick a free port (tests).  A server bound off loopback
     must have an ``api_key``; clients then send ``Authorization: Bearer <key>``
-    (HTTP and gRPC metadata alike).
+    (HTTP and gRPC metadata alike).  With an ``admin_api_key`` the admin routes
+    (``/admin/*``, ``POST /flush_cache``, gRPC ``GetCacheStats``/``FlushCache``/
+    ``StartProfile``/``StopProfile``) take that key and only that key; without one
+    they take ``api_key`` like every other route.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = 50051
     api_key: str | None = None
+    admin_api_key: str | None = None  # the admin routes' own key (default: they take api_key)
     served_model_name: str | None = None  # default: the engine's model_name
     max_body_bytes: int = 8 << 20  # HTTP bodies and gRPC messages
+    body_timeout_s: float = 60.0  # an HTTP body must arrive whole within this (slow senders get 408)
     max_batch_prompts: int = 64  # prompts in one /v1/completions request
     default_chat_max_tokens: int = 256  # chat requests without max_tokens
     generation_config: str = "auto"  # "auto": the model's generation_config.json sampling defaults; "none": ignore them
@@ -57,8 +62,11 @@ class ServerConfig:
             raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {self.generation_config!r}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
+        for name in ("api_key", "admin_api_key"):
+            if getattr(self, name) is not None and not getattr(self, name):
+                raise ValueError(f"{name} must not be empty")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be positive, got {self.body_timeout_s}")
         if self.profile_on_start and not self.profile_dir:
             raise ValueError("profile_on_start needs a profile_dir (--profile-dir)")
         if not is_loopback(self.host) and self.api_key is None:

@@ -151,7 +151,7 @@ class Frontend:
             self._state = State.READY
 
     def fail(self, reason: str) -> None:
-        """The engine could not be built; every request gets UNAVAILABLE with ``reason``."""
+        """The engine could not be built, or stopped for good; every request gets UNAVAILABLE with ``reason``."""
         self.failure = reason
         self._state = State.FAILED
 
@@ -189,7 +189,7 @@ class Frontend:
         if self._state is State.WARMING:
             raise EngineUnavailableError("the engine is warming up; retry shortly")
         if self._state is State.FAILED:
-            raise EngineUnavailableError(f"the engine failed to start: {self.failure}")
+            raise EngineUnavailableError(f"the engine is not serving: {self.failure}")
         raise EngineUnavailableError("the server is shutting down")
 
     def check_model(self, name: object) -> None:

@@ -7,6 +7,7 @@ Error mapping (``map_error``):
 ``OverloadedError``        ``RESOURCE_EXHAUSTED``
 ``EngineUnavailableError`` ``UNAVAILABLE``
 ``RequestAbortedError``    ``ABORTED``
+``StepFailedError``        ``INTERNAL`` (the message names the cause)
 anything else              ``INTERNAL`` (logged)
 =========================  ====================
 
@@ -17,7 +18,6 @@ A client cancelling its ``Generate`` stream cancels the handler task; the
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
@@ -34,10 +34,12 @@ from strata_jax.api import (
     OverloadedError,
     RequestAbortedError,
     SamplingParams,
+    StepFailedError,
     StreamChunk,
     TokenLogprob,
 )
 
+from serving import auth
 from serving.config import ServerConfig
 from serving.frontend import TIERS, Frontend
 from serving.protos import strata_pb2, strata_pb2_grpc
@@ -58,6 +60,8 @@ def map_error(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, RequestAbortedError):
         return grpc.StatusCode.ABORTED, str(exc) or "the request was aborted"
+    if isinstance(exc, StepFailedError):  # the engine serves on; the message names the cause
+        return grpc.StatusCode.INTERNAL, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 
@@ -211,11 +215,21 @@ GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 OnRefused = Callable[[str], None]  # called with a rejection reason for each refused Generate call
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without ``authorization: Bearer <key>`` (health/reflection exempt)."""
+ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in ("GetCacheStats", "FlushCache", "StartProfile", "StopProfile"))
 
-    def __init__(self, api_key: str, on_refused: OnRefused | None = None) -> None:
-        self._expected = f"Bearer {api_key}".encode()
+
+def method_scope(method: str) -> auth.Scope:
+    """The key scope of a ``strata.v1.Strata`` method (``serving/auth.py``)."""
+    return auth.Scope.ADMIN if method in ADMIN_METHODS else auth.Scope.INFERENCE
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without the key of their scope in ``authorization: Bearer <key>``
+    (``serving/auth.py``; health and reflection exempt): ``UNAUTHENTICATED``, or
+    ``PERMISSION_DENIED`` for a valid key of the other scope."""
+
+    def __init__(self, config: ServerConfig, on_refused: OnRefused | None = None) -> None:
+        self._config = config
         self._on_refused = on_refused
 
     async def intercept_service(
@@ -225,9 +239,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         if details.method.startswith(_PUBLIC_METHOD_PREFIXES):
             return await continuation(details)
-        sent = dict(details.invocation_metadata or ()).get("authorization", "")
-        sent = sent.encode() if isinstance(sent, str) else sent
-        if hmac.compare_digest(sent, self._expected):
+        sent = dict(details.invocation_metadata or ()).get("authorization")
+        refusal = auth.check(self._config, method_scope(details.method), sent)
+        if refusal is None:
             return await continuation(details)
         handler = await continuation(details)
         if handler is None:
@@ -235,11 +249,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if details.method == GENERATE_METHOD and self._on_refused is not None:
             self._on_refused("unauthorized")
 
+        code = grpc.StatusCode.PERMISSION_DENIED if refusal.forbidden else grpc.StatusCode.UNAUTHENTICATED
+
         async def deny_unary(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+            await context.abort(code, refusal.message)
 
         async def deny_stream(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key")
+            await context.abort(code, refusal.message)
             yield  # pragma: no cover - makes this an async generator
 
         if handler.unary_stream:
@@ -320,7 +336,7 @@ class GrpcFace:
             frontend.metrics.count_rejected("grpc", reason)
 
         interceptors: list[grpc.aio.ServerInterceptor] = (
-            [ApiKeyInterceptor(config.api_key, on_refused)] if config.api_key else []
+            [ApiKeyInterceptor(config, on_refused)] if auth.any_key(config) else []
         )
         interceptors.append(DecodeGuardInterceptor(on_refused))
         self.server = grpc.aio.server(

@@ -6,15 +6,24 @@ routes ``GET /admin/cache_stats``, ``POST /admin/flush_cache``,
 ``POST /admin/profile/start``, ``POST /admin/profile/stop``, and what a router asks
 of a worker in SGLang's shapes (``serving/worker_info.py``): ``GET /server_info``,
 ``GET /model_info`` (and the older ``/get_server_info``, ``/get_model_info``),
-``GET /get_load``, ``POST /flush_cache``.
+``GET /get_load``, ``POST /flush_cache``.  Keys (``serving/auth.py``): the admin routes
+and ``POST /flush_cache`` take ``--admin-api-key`` when set, the rest ``--api-key``;
+``/health`` and ``/openapi.json`` take none.
 
 Every response carries ``X-Strata-Instance: <id>`` (also in ``/server_info`` as
 ``instance_id``), so a client behind a router can tell which replica answered.
 
 Bodies are read by hand (size-capped, UTF-8 checked, JSON parsed, then validated
 strictly) so every malformed request gets a 4xx in OpenAI's error envelope.
-Status codes: 400 bad request, 401 wrong API key, 404 unknown model, 413 body
-too large, 429 queue full, 503 warming up / shutting down, 500 bug.
+Bodies deeper than ``MAX_JSON_DEPTH`` are refused (400) before anything recurses
+over them, and a body that does not arrive whole within ``--body-timeout-s`` gets
+408.  Status codes: 400 bad request, 401 wrong API key, 403 a valid key of the
+wrong scope (``--admin-api-key``), 404 unknown model, 408 body too slow, 413 body
+too large, 429 queue full, 503 warming up / shutting down, 500 bug.  Validation
+errors name the offending field in ``error.param`` and in the message.
+
+``GET /openapi.json`` describes every route, request bodies included (the
+handlers read raw requests, so the bodies are added from the pydantic models).
 
 A streaming response waits for the engine's first chunk before sending headers,
 so admission errors (400/429/503) keep their status codes; after that a client
@@ -25,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import time
@@ -33,9 +41,12 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from pydantic.json_schema import models_json_schema
+from starlette.requests import ClientDisconnect
 
 from strata_jax.api import (
     EngineUnavailableError,
@@ -43,12 +54,14 @@ from strata_jax.api import (
     OverloadedError,
     RequestAbortedError,
     SamplingParams,
+    StepFailedError,
     StreamChunk,
 )
 
 from serving import openai_logprobs as olp
 from serving import tool_calls
 from serving import worker_info
+from serving import auth
 from serving import openai_protocol as oai
 from serving.config import ServerConfig
 from serving.frontend import TIERS, Frontend, PromptTooLongError, check_prompt
@@ -58,13 +71,19 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.25
+# Deepest JSON nesting a body may have.  Far beyond any real request (tool schemas nest a
+# few levels) and far below Python's recursion limit, so nothing that walks a body
+# recursively (json.dumps, Jinja's tojson, schema compilers) can hit a RecursionError.
+MAX_JSON_DEPTH = 100
 
 
 # How a refused request is counted (strata_requests_rejected_total{reason}), by HTTP status.
 _REJECTION_BY_STATUS = {
     400: "invalid_request",
     401: "unauthorized",
+    403: "unauthorized",
     404: "not_found",
+    408: "invalid_request",  # the body never arrived whole
     413: "body_too_large",
     422: "invalid_request",
     429: "overloaded",
@@ -101,9 +120,9 @@ class InstanceHeader:
 class HTTPError(Exception):
     """An error that becomes an OpenAI-style JSON error response."""
 
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
 
     @property
     def rejection_reason(self) -> str | None:
@@ -113,7 +132,15 @@ class HTTPError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(oai.error_body(self.message, self.type, self.code), self.status, headers=headers)
+        if self.status in (408, 413):  # the body was not read to its end: the connection cannot carry another request
+            headers = {"Connection": "close"}
+        return JSONResponse(oai.error_body(self.message, self.type, self.code, self.param), self.status, headers=headers)
+
+
+def _auth_error(refusal: auth.Refusal) -> HTTPError:
+    if refusal.forbidden:
+        return HTTPError(403, refusal.message, "permission_error", "insufficient_permissions")
+    return HTTPError(401, refusal.message, "authentication_error", "invalid_api_key")
 
 
 def map_error(exc: BaseException) -> HTTPError:
@@ -125,62 +152,100 @@ def map_error(exc: BaseException) -> HTTPError:
     if isinstance(exc, InvalidRequestError):
         return HTTPError(400, str(exc), "invalid_request_error")
     if isinstance(exc, LookupError):
-        return HTTPError(404, str(exc).strip("'\""), "invalid_request_error", "model_not_found")
+        return HTTPError(404, str(exc).strip("'\""), "invalid_request_error", "model_not_found", "model")
     if isinstance(exc, OverloadedError):
         return HTTPError(429, str(exc) or "the server is overloaded; retry later", "rate_limit_error", "overloaded")
     if isinstance(exc, EngineUnavailableError):
         return HTTPError(503, str(exc), "service_unavailable", "unavailable")
     if isinstance(exc, RequestAbortedError):
         return HTTPError(503, str(exc) or "the request was aborted", "service_unavailable", "aborted")
+    if isinstance(exc, StepFailedError):  # the engine serves on; the message names the cause
+        return HTTPError(500, str(exc), "internal_error", "step_failed")
     log.error("request failed", exc_info=exc)
     return HTTPError(500, f"internal error: {type(exc).__name__}", "internal_error")
 
 
-def _check_strings(value: Any) -> None:
-    """Reject strings that cannot be encoded as UTF-8 (lone surrogates from ``\\ud800`` escapes)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise HTTPError(400, f"invalid UTF-8 in a string: {exc.reason}", "invalid_request_error") from None
-    elif isinstance(value, list):
-        for v in value:
-            _check_strings(v)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_strings(k)
-            _check_strings(v)
+def _check_json(data: Any) -> None:
+    """Refuse nesting deeper than ``MAX_JSON_DEPTH`` and strings that cannot be encoded as
+    UTF-8 (lone surrogates from ``\\ud800`` escapes), naming where.  Iterative: the walk
+    itself cannot overflow the stack."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            field = _path_text(path[:1])
+            raise HTTPError(400, f"{field}: JSON nested deeper than {MAX_JSON_DEPTH} levels", "invalid_request_error", param=field)
+        if isinstance(value, str):
+            _check_utf8(value, path)
+        elif isinstance(value, list):
+            stack.extend((v, (*path, str(i))) for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _check_utf8(k, path)
+                stack.append((v, (*path, k)))
 
 
-async def read_body(request: Request, model: type[M], limit: int, *, allow_empty: bool = False) -> M:
-    """Read, decode and validate a JSON body into ``model`` (4xx ``HTTPError`` on any problem)."""
+def _path_text(path: tuple[str, ...]) -> str:
+    return ".".join(path) or "body"
+
+
+def _check_utf8(text: str, path: tuple[str, ...]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # the path of a bad key is its parent's; the key itself cannot be printed safely
+        field = _path_text(tuple(p.encode("utf-8", "backslashreplace").decode() for p in path))
+        raise HTTPError(400, f"{field}: invalid UTF-8 in a string: {exc.reason}", "invalid_request_error", param=field) from None
+
+
+async def _read_raw(request: Request, limit: int, timeout_s: float) -> bytearray:
+    """The body, at most ``limit`` bytes (413), arriving whole within ``timeout_s`` (408).
+
+    The deadline covers the whole body, not the gap between bytes: a client that sends a
+    byte a second never trips a gap timeout yet holds a connection and a task forever."""
     length = request.headers.get("content-length")
     if length is not None and not length.isdigit():
         raise HTTPError(400, f"invalid Content-Length {length[:32]!r}", "invalid_request_error")
     if length is not None and int(length) > limit:
         raise HTTPError(413, f"request body exceeds {limit} bytes", "invalid_request_error", "body_too_large")
     raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > limit:
-            raise HTTPError(413, f"request body exceeds {limit} bytes", "invalid_request_error", "body_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                raw += part
+                if len(raw) > limit:
+                    raise HTTPError(413, f"request body exceeds {limit} bytes", "invalid_request_error", "body_too_large")
+    except TimeoutError:
+        raise HTTPError(408, f"request body not received within {timeout_s:g} s", "invalid_request_error", "body_timeout") from None
+    except ClientDisconnect:
+        raise HTTPError(499, "client disconnected while sending the body", "client_closed_request") from None
+    return raw
+
+
+async def read_body(
+    request: Request, model: type[M], limit: int, *, allow_empty: bool = False, timeout_s: float = 60.0
+) -> M:
+    """Read, decode and validate a JSON body into ``model`` (4xx ``HTTPError`` on any problem)."""
+    raw = await _read_raw(request, limit, timeout_s)
     if not raw.strip() and allow_empty:
         raw = bytearray(b"{}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise HTTPError(400, f"request body is not valid UTF-8 (byte {exc.start})", "invalid_request_error") from None
+        raise HTTPError(400, f"request body is not valid UTF-8 (byte {exc.start})", "invalid_request_error", param="body") from None
     try:
         data = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise HTTPError(400, f"request body is not valid JSON: {exc}", "invalid_request_error") from None
+    except RecursionError:
+        raise HTTPError(400, f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels", "invalid_request_error", param="body") from None
+    except ValueError as exc:
+        raise HTTPError(400, f"request body is not valid JSON: {exc}", "invalid_request_error", param="body") from None
     if not isinstance(data, dict):
-        raise HTTPError(400, "request body must be a JSON object", "invalid_request_error")
-    _check_strings(data)
+        raise HTTPError(400, "request body must be a JSON object", "invalid_request_error", param="body")
+    _check_json(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise HTTPError(400, oai.describe_validation_error(exc), "invalid_request_error") from None
+        raise HTTPError(400, oai.describe_validation_error(exc), "invalid_request_error", param=oai.validation_error_param(exc)) from None
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -345,10 +410,38 @@ def _sampling_defaults(defaults: Any) -> dict[str, Any]:
     return defaults.sampling_defaults() if defaults is not None else {}
 
 
+# The JSON body each route reads by hand, and whether it may be empty: the handlers take a raw
+# ``Request`` (so every malformed body gets our 4xx, not FastAPI's 422), which leaves FastAPI's
+# schema without request bodies; ``_openapi`` adds them from the same pydantic models.
+REQUEST_BODIES: dict[str, tuple[type[BaseModel], bool]] = {
+    "/v1/completions": (oai.CompletionRequest, True),
+    "/v1/chat/completions": (oai.ChatCompletionRequest, True),
+    "/admin/flush_cache": (oai.AdminFlushRequest, False),
+    "/admin/profile/start": (oai.AdminProfileRequest, False),
+}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema of ``app`` plus the request bodies of ``REQUEST_BODIES`` (cached)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        refs, defs = models_json_schema(
+            [(model, "validation") for model, _required in REQUEST_BODIES.values()],
+            ref_template="#/components/schemas/{model}",
+        )
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        for path, (model, required) in REQUEST_BODIES.items():
+            body = {"required": required, "content": {"application/json": {"schema": refs[(model, "validation")]}}}
+            schema["paths"][path]["post"]["requestBody"] = body
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
     """The FastAPI application serving ``frontend``."""
-    app = FastAPI(title="strata-jax", docs_url=None, redoc_url=None, openapi_url=None)
-    limit = config.max_body_bytes
+    app = FastAPI(title="strata-jax", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    limit, body_timeout = config.max_body_bytes, config.body_timeout_s
     app.state.instance_id = instance_id = uuid.uuid4().hex[:16]
     app.add_middleware(InstanceHeader, instance_id=instance_id)
 
@@ -356,20 +449,25 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         """The engine's generation_config.json defaults, unless --generation-config none."""
         return getattr(engine, "generation_defaults", None) if config.generation_config == "auto" else None
 
-    async def require_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        sent = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(sent, f"Bearer {config.api_key}".encode()):
-            raise HTTPError(401, "missing or wrong API key", "authentication_error", "invalid_api_key")
+    def key_check(scope: auth.Scope) -> Callable[[Request], Awaitable[None]]:
+        async def require(request: Request) -> None:
+            refusal = auth.check(config, scope, request.headers.get("authorization"))
+            if refusal is not None:
+                raise _auth_error(refusal)
 
-    auth = [Depends(require_key)]
+        return require
+
+    inference_auth = [Depends(key_check(auth.Scope.INFERENCE))]
+    admin_auth = [Depends(key_check(auth.Scope.ADMIN))]
 
     def refuse(request: Request, exc: BaseException) -> JSONResponse:
         """The response for a generation request refused before it reached the frontend (counted here)."""
         err = map_error(exc)
         if request.method == "POST" and request.url.path in GENERATION_ROUTES:
-            frontend.count_rejected("http", err)
+            if err.status == 499:  # gone while sending its body: the client ended it, as a cancel
+                frontend.metrics.requests.labels("http", "cancelled").inc()
+            else:
+                frontend.count_rejected("http", err)
         return err.response()
 
     @app.exception_handler(HTTPError)
@@ -412,11 +510,11 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             return tokenizer.encode(prompt) if tokenizer is not None else []
         return list(prompt)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=inference_auth)
     async def completions(request: Request) -> Response:
         # Phase 1: everything that can refuse the request before the frontend sees it (counted by `refuse`).
         try:
-            req = await read_body(request, oai.CompletionRequest, limit)
+            req = await read_body(request, oai.CompletionRequest, limit, timeout_s=body_timeout)
             engine = engine_and_model(req.model)
             req.check_unsupported()
             prompts = req.prompts()
@@ -511,11 +609,11 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         usage = (lambda totals: oai.usage_chunk(rid, model, "text_completion", created, totals)) if req.include_usage else None
         return _sse_response(merged, first, [], on_chunk, usage, continuous_usage=req.continuous_usage)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions", dependencies=inference_auth)
     async def chat_completions(request: Request) -> Response:
         # Phase 1: refusals before the frontend (counted by `refuse`).
         try:
-            req = await read_body(request, oai.ChatCompletionRequest, limit)
+            req = await read_body(request, oai.ChatCompletionRequest, limit, timeout_s=body_timeout)
             engine = engine_and_model(req.model)
             req.check_unsupported()
             tokenizer = getattr(engine, "tokenizer", None)
@@ -661,7 +759,7 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
 
         return AbortingStreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models", dependencies=inference_auth)
     async def models() -> JSONResponse:
         engine = frontend.engine_or_none
         entry = {"id": frontend.model_name, "object": "model", "created": 0, "owned_by": "strata-jax"}
@@ -676,21 +774,21 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         except Exception as exc:  # noqa: BLE001 - 503 while warming up / draining
             return map_error(exc).response()
 
-    @app.get("/server_info", dependencies=auth)
-    @app.get("/get_server_info", dependencies=auth)
+    @app.get("/server_info", dependencies=inference_auth)
+    @app.get("/get_server_info", dependencies=inference_auth)
     async def server_info() -> JSONResponse:
         return _worker_answer(lambda: worker_info.server_info(frontend, instance_id))
 
-    @app.get("/model_info", dependencies=auth)
-    @app.get("/get_model_info", dependencies=auth)
+    @app.get("/model_info", dependencies=inference_auth)
+    @app.get("/get_model_info", dependencies=inference_auth)
     async def model_info() -> JSONResponse:
         return _worker_answer(lambda: worker_info.model_info(frontend))
 
-    @app.get("/get_load", dependencies=auth)
+    @app.get("/get_load", dependencies=inference_auth)
     async def get_load() -> JSONResponse:
         return _worker_answer(lambda: worker_info.load_info(frontend))
 
-    @app.post("/flush_cache", dependencies=auth)
+    @app.post("/flush_cache", dependencies=admin_auth)
     async def sglang_flush_cache() -> JSONResponse:
         """SGLang's flush: this server's own tiers (L1, L2); the shared L3 is left alone
         (``POST /admin/flush_cache {"tier": "storage"}`` clears it)."""
@@ -712,12 +810,12 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             body["progress"] = frontend.warmup_progress.snapshot()
         return JSONResponse(body, 200 if frontend.ready else 503)
 
-    @app.get("/metrics", dependencies=auth)
+    @app.get("/metrics", dependencies=inference_auth)
     async def metrics() -> Response:
         body = await asyncio.to_thread(frontend.metrics.render)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/admin/cache_stats", dependencies=auth)
+    @app.get("/admin/cache_stats", dependencies=admin_auth)
     async def cache_stats() -> JSONResponse:
         try:
             stats = await asyncio.to_thread(frontend.engine().cache_stats)
@@ -725,22 +823,22 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             return map_error(exc).response()
         return JSONResponse(json.loads(json.dumps(stats, default=str)))
 
-    @app.post("/admin/flush_cache", dependencies=auth)
+    @app.post("/admin/flush_cache", dependencies=admin_auth)
     async def flush_cache(request: Request) -> JSONResponse:
         try:
-            req = await read_body(request, oai.AdminFlushRequest, limit, allow_empty=True)
+            req = await read_body(request, oai.AdminFlushRequest, limit, allow_empty=True, timeout_s=body_timeout)
             await asyncio.to_thread(frontend.engine().flush_cache, req.tier)
         except Exception as exc:  # noqa: BLE001
             return map_error(exc).response()
         return JSONResponse({"flushed": req.tier})
 
-    @app.post("/admin/profile/start", dependencies=auth)
+    @app.post("/admin/profile/start", dependencies=admin_auth)
     async def profile_start(request: Request) -> JSONResponse:
         try:
-            req = await read_body(request, oai.AdminProfileRequest, limit, allow_empty=True)
+            req = await read_body(request, oai.AdminProfileRequest, limit, allow_empty=True, timeout_s=body_timeout)
             log_dir = req.log_dir or config.profile_dir
             if not log_dir:
-                raise InvalidRequestError("no log_dir given and the server has no --profile-dir")
+                raise HTTPError(400, "no log_dir given and the server has no --profile-dir", "invalid_request_error", param="log_dir")
             await asyncio.to_thread(frontend.engine().start_profile, log_dir)
         except RuntimeError as exc:  # a trace is already running
             return HTTPError(409, str(exc), "invalid_request_error", "profile_state").response()
@@ -748,7 +846,7 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             return map_error(exc).response()
         return JSONResponse({"log_dir": log_dir})
 
-    @app.post("/admin/profile/stop", dependencies=auth)
+    @app.post("/admin/profile/stop", dependencies=admin_auth)
     async def profile_stop() -> JSONResponse:
         try:
             trace_dir = await asyncio.to_thread(frontend.engine().stop_profile)

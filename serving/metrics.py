@@ -36,7 +36,7 @@ REJECT_REASONS = (
     "invalid_request",  # 400 / INVALID_ARGUMENT: a malformed or unsupported request
     "too_long",  # 400 / INVALID_ARGUMENT: prompt + max_tokens exceed the context
     "not_found",  # 404: unknown model name
-    "unauthorized",  # 401 / UNAUTHENTICATED: missing or wrong API key
+    "unauthorized",  # 401 / UNAUTHENTICATED: missing or wrong API key; 403 / PERMISSION_DENIED: the other scope's key
     "body_too_large",  # 413 / RESOURCE_EXHAUSTED on message size
     "overloaded",  # 429 / RESOURCE_EXHAUSTED: the waiting queue is full
     "unavailable",  # 503 / UNAVAILABLE: warming up, failed or shutting down

@@ -255,8 +255,10 @@ class ChatCompletionRequest(_CommonRequest):
                 raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         if self.add_generation_prompt and self.continue_final_message:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        if self.max_output_tokens() == 0:  # the two spellings must agree
-            raise InvalidRequestError("max_tokens must be at least 1 for chat completions")
+        out = self.max_output_tokens()  # the two spellings must agree
+        if out is not None and out < 1:
+            name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"  # as sent
+            raise InvalidRequestError(f"{name} must be at least 1 for chat completions, got {out}")
 
     @property
     def wants_generation_prompt(self) -> bool:
@@ -334,14 +336,34 @@ def _from_structured_outputs(so: dict[str, Any]) -> Any:
     return _constraint(kind, so[kind], f"structured_outputs.{kind}")
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _is_type_tag(part: int | str) -> bool:
+    """pydantic's name for a union member in an error's ``loc`` (``str``, ``list[int]``,
+    ``function-after[...]``, ``TextPart``), as opposed to a field name (``stream``)."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part[:1].isupper())
+
+
+def _error_field(error: Mapping[str, Any]) -> str:
+    """The dotted path of one pydantic error, union-member tags left out (``messages.0.content``)."""
+    loc = ".".join(str(x) for x in error.get("loc", ()) if not _is_type_tag(x))
+    return loc or "body"
+
+
 def describe_validation_error(err: ValidationError) -> str:
     """One readable line per problem: ``field.path: message``."""
     parts = []
     for e in err.errors()[:5]:
-        loc = ".".join(str(x) for x in e.get("loc", ()) if not str(x).startswith(("str", "list[", "int", "function")))
-        parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+        parts.append(f"{_error_field(e)}: {e.get('msg', 'invalid')}")
     extra = len(err.errors()) - len(parts)
     return "; ".join(parts) + (f" (and {extra} more)" if extra > 0 else "")
+
+
+def validation_error_param(err: ValidationError) -> str:
+    """OpenAI's ``error.param``: the first offending field (``messages.0.role``)."""
+    errors = err.errors()
+    return _error_field(errors[0]) if errors else "body"
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:

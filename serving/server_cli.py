@@ -141,7 +141,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("STRATA_API_KEY"),
         help="require 'Authorization: Bearer KEY' on HTTP and gRPC (default: $STRATA_API_KEY)",
     )
+    srv.add_argument(
+        "--admin-api-key",
+        default=os.environ.get("STRATA_ADMIN_API_KEY"),
+        help="the admin routes (/admin/*, POST /flush_cache; gRPC GetCacheStats, FlushCache, StartProfile, "
+        "StopProfile) take this key and no longer the --api-key, which keeps the other routes "
+        "(default: $STRATA_ADMIN_API_KEY; unset: the admin routes take the --api-key)",
+    )
     srv.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest HTTP body / gRPC message")
+    srv.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=d.body_timeout_s,
+        help="seconds an HTTP request body may take to arrive whole; a slower sender gets 408 and is disconnected",
+    )
     srv.add_argument(
         "--default-chat-max-tokens",
         type=int,
@@ -214,8 +227,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         grpc_port=args.grpc_port,
         api_key=args.api_key or None,
+        admin_api_key=args.admin_api_key or None,
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout_s,
         default_chat_max_tokens=args.default_chat_max_tokens,
         generation_config=args.generation_config,
         tool_call_parser=args.tool_call_parser,
