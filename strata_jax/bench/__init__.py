@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "events": "strata_jax.bench.events",
     "prefill": "strata_jax.bench.prefill",
     "prefill-hf": "strata_jax.bench.prefill_hf",
+    "roofline": "strata_jax.bench.roofline",
 }
 
 

@@ -23,7 +23,16 @@ host pool are loaded into scattered pages of the layer-first device pool by
     (``tier_tokens_per_s``, ``tier_over_full``; issue 20's target: >= 1.6x at page sizes
     1, 16 and 64);
 
-plus ``memcpy_gbps``: a plain NumPy copy of the same bytes.  Methods and page
+(f) **pinned** (``--pinned``; where the device offers the ``pinned_host`` memory kind, else
+    recorded as unavailable under ``pinned``): ``pinned_pages``, the pages held as
+    page-locked jax arrays (one per page, placed once) loaded by one ``device_put`` of the
+    list plus one stack + scatter; ``pinned_staging``, (b) with the gathered staging buffer
+    copied into a pinned jax array before its ``device_put`` (split gather / pin /
+    transfer / scatter); ``pinned_contiguous``, (c) from a pinned array;
+
+plus ``memcpy_gbps``: a plain NumPy copy of the same bytes, and with ``--peak-mb N`` the
+link's peak: one contiguous host->device copy of N MiB, pageable and pinned, best of the
+repeats (``link_peak``).  Methods and page
 sizes are interleaved repeat by repeat and the median is kept, so the ratios compare runs
 under the same machine load (page sizes are interleaved too).  A second experiment scatters the same pages into a
 donated pool 4x larger (and, for contrast, a non-donated one): with donation the
@@ -77,6 +86,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tier-formats", default="fp8,int8",
         help="quantized L2 formats loaded beside full width (comma-separated from fp8,int8; 'none' skips; default fp8,int8)",
     )  # fmt: skip
+    parser.add_argument(
+        "--pinned", action="store_true",
+        help="also load from pinned_host jax arrays (per-page arrays; pinned staging; pinned contiguous) where offered",
+    )  # fmt: skip
+    parser.add_argument(
+        "--peak-mb", type=float, default=0.0,
+        help="also measure the link's peak: one contiguous host->device copy of this many MiB, pageable and pinned (default 0: off)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="random seed for page placement")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
@@ -93,6 +110,43 @@ def _median_time(fn: Callable[[], object], repeats: int) -> float:
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def device_sharding(device):  # noqa: ANN001, ANN201
+    """The device's default memory as an explicit sharding: the target of a copy out of
+    pinned_host (``device_put(x, device)`` keeps the source's memory kind on some versions)."""
+    from jax.sharding import SingleDeviceSharding
+
+    return SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
+
+
+def pinned_host_sharding(device) -> tuple[object | None, dict]:  # noqa: ANN001
+    """The ``pinned_host`` sharding of ``device`` and what was found: (None, why) where the
+    device offers no such memory kind or placing an array there fails (jax versions and
+    platforms differ; recorded, never raised)."""
+    import jax
+    import numpy as np
+    from jax.sharding import SingleDeviceSharding
+
+    info: dict = {"memory_kind": None}
+    try:
+        info["memory_kinds"] = sorted(m.kind for m in device.addressable_memories())
+    except Exception as exc:  # noqa: BLE001 - older/other runtimes: no memory spaces
+        info["memory_kinds"], info["note"] = [], f"addressable_memories() failed: {type(exc).__name__}: {exc}"
+        return None, info
+    if "pinned_host" not in info["memory_kinds"]:
+        info["note"] = "the device offers no pinned_host memory kind"
+        return None, info
+    try:
+        sharding = SingleDeviceSharding(device, memory_kind="pinned_host")
+        probe = jax.device_put(np.zeros(8, np.float32), sharding)
+        probe.block_until_ready()
+        jax.device_put(probe, device_sharding(device)).block_until_ready()
+    except Exception as exc:  # noqa: BLE001
+        info["note"] = f"placing an array in pinned_host failed: {type(exc).__name__}: {exc}"
+        return None, info
+    info["memory_kind"] = "pinned_host"
+    return sharding, info
 
 
 class _PageSizeCase:
@@ -209,13 +263,50 @@ class _PageSizeCase:
             "naive": naive, "coalesced": coalesced, "pipelined": pipelined, "contiguous": contiguous_put, "memcpy": memcpy,
             **{f"tier_{fmt}": tier_load(fmt) for fmt in tiers},
         }  # fmt: skip
+        self.pinned_split: dict[str, list[float]] = {}
+        if getattr(args, "pinned_sharding", None) is not None:  # (f) from pinned_host jax arrays
+            pinned, to_device = args.pinned_sharding, device_sharding(device)
+            page_arrays = [jax.device_put(host_pool[i], pinned) for i in src.tolist()]  # L2 pages, page-locked
+            pinned_contiguous = jax.device_put(contiguous, pinned)
+            stack_scatter = jax.jit(
+                lambda p, pages, i: dispatch.scatter_pages(p, jnp.stack(pages), i, backend=backend), donate_argnums=0
+            )
+            self.pinned_split = {"gather": [], "pin": [], "transfer": [], "scatter": []}
+
+            def pinned_pages() -> None:
+                staged = jax.device_put(page_arrays, to_device)  # one call, one copy per page
+                state["pool"] = stack_scatter(state["pool"], staged, dst_dev)
+                state["pool"].block_until_ready()
+
+            def pinned_staging() -> None:
+                t0 = time.perf_counter()
+                gather_host_pages(host_pool, src, out=staging)
+                t1 = time.perf_counter()
+                on_host = jax.device_put(staging, pinned)
+                on_host.block_until_ready()
+                t2 = time.perf_counter()
+                staged = jax.device_put(on_host, to_device)
+                staged.block_until_ready()
+                t3 = time.perf_counter()
+                state["pool"] = scatter(state["pool"], staged, dst_dev)
+                state["pool"].block_until_ready()
+                t4 = time.perf_counter()
+                for key, value in zip(("gather", "pin", "transfer", "scatter"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    self.pinned_split[key].append(value)
+
+            def pinned_contiguous_put() -> None:
+                jax.device_put(pinned_contiguous, to_device).block_until_ready()
+
+            self.methods.update(
+                pinned_pages=pinned_pages, pinned_staging=pinned_staging, pinned_contiguous=pinned_contiguous_put
+            )
         self.samples: dict[str, list[float]] = {name: [] for name in self.methods}
         self.verify = verify
 
     def warm_up(self) -> None:
         for fn in self.methods.values():  # compile, fault pages in
             fn()
-        for values in self.split.values():
+        for values in (*self.split.values(), *self.pinned_split.values()):
             values.clear()
 
     def time_once(self) -> None:
@@ -241,6 +332,15 @@ class _PageSizeCase:
             "best_gbps": {name: _gbps(self.nbytes, min(values)) for name, values in self.samples.items()},
             "scatter_backend": self.backend,
             **self._tier_result(med),
+            **self._pinned_result(med),
+        }
+
+    def _pinned_result(self, med: dict[str, float]) -> dict:
+        if "pinned_pages" not in med:
+            return {}
+        return {
+            **{f"{name}_gbps": _gbps(self.nbytes, med[name]) for name in ("pinned_pages", "pinned_staging", "pinned_contiguous")},
+            "pinned_split_ms": {key: 1e3 * statistics.median(values) for key, values in self.pinned_split.items()},
         }
 
     def _tier_result(self, med: dict[str, float]) -> dict:
@@ -300,6 +400,27 @@ def _measure_pool_growth(args, page_size: int, total_bytes: int, rng) -> dict:
     result["donated_ratio"] = result["large_donated_ms"] / result["small_donated_ms"]
     result["copied_ratio"] = result["large_copied_ms"] / result["small_copied_ms"]
     return result
+
+
+def _measure_link_peak(args) -> dict:
+    """The link's peak: one contiguous host->device copy of ``--peak-mb`` MiB from pageable
+    NumPy memory and (where offered) from a pinned_host jax array; best of the repeats."""
+    import jax
+    import numpy as np
+
+    device = device_sharding(jax.devices()[0])
+    host = np.ones(int(args.peak_mb * (1 << 20)) // 4, np.float32)  # contents do not matter; random GiBs take seconds
+    out = {"mb": args.peak_mb}
+    sources = {"pageable": host}
+    if args.pinned_sharding is not None:
+        sources["pinned"] = jax.device_put(host, args.pinned_sharding)
+    for name, src in sources.items():
+        jax.device_put(src, device).block_until_ready()  # warm-up
+        best = min(_median_time(lambda s=src: jax.device_put(s, device).block_until_ready(), 1) for _ in range(max(3, args.repeats)))
+        out[f"{name}_gbps"] = _gbps(host.nbytes, best)
+    del sources
+    out["gbps"] = max(v for k, v in out.items() if k.endswith("_gbps"))
+    return out
 
 
 def _targets(report: dict) -> dict:
@@ -373,6 +494,23 @@ def _table(report: dict) -> str:
             f"(x{g['donated_ratio']:.2f}); not donated {g['small_copied_ms']:.2f} -> {g['large_copied_ms']:.2f} ms "
             f"(x{g['copied_ratio']:.2f})"
         )
+    pinned_rows = {size: row for size, row in report["page_sizes"].items() if "pinned_pages_gbps" in row}
+    if pinned_rows:
+        lines.append(f"{'page':>5} {'pinned pages':>13} {'pinned staging':>15} {'pinned contig':>14}   pinned staging split ms gather/pin/transfer/scatter")
+        for size, row in pinned_rows.items():
+            split = row["pinned_split_ms"]
+            lines.append(
+                f"{size:>5} {row['pinned_pages_gbps']:>13.2f} {row['pinned_staging_gbps']:>15.2f} {row['pinned_contiguous_gbps']:>14.2f}   "
+                f"{split['gather']:.2f}/{split['pin']:.2f}/{split['transfer']:.2f}/{split['scatter']:.2f}"
+            )
+    elif "pinned" in report:
+        lines.append(f"pinned: unavailable ({report['pinned'].get('note', '')})")
+    if "link_peak" in report:
+        peak = report["link_peak"]
+        lines.append(
+            f"link peak ({peak['mb']:.0f} MiB contiguous): pageable {peak['pageable_gbps']:.2f} GB/s"
+            + (f", pinned {peak['pinned_gbps']:.2f} GB/s" if "pinned_gbps" in peak else "")
+        )
     lines.append("targets: " + json.dumps(report["targets"]))
     return "\n".join(lines)
 
@@ -396,6 +534,13 @@ def run(args: argparse.Namespace) -> int:
     if any(f not in ("fp8", "int8") for f in fmts):
         raise SystemExit(f"--tier-formats takes fp8 and/or int8 (or none), got {args.tier_formats!r}")
     args.tier_formats_list = fmts
+    if args.peak_mb < 0:
+        raise SystemExit("--peak-mb must be >= 0")
+    args.pinned_sharding, pinned_info = None, None
+    if args.pinned or args.peak_mb > 0:  # detected and recorded; a device without it loses only these rows
+        import jax
+
+        args.pinned_sharding, pinned_info = pinned_host_sharding(jax.devices()[0])
     total_bytes = int(args.total_mb * (1 << 20))
     rng = np.random.default_rng(args.seed)
     report: dict = {
@@ -403,10 +548,16 @@ def run(args: argparse.Namespace) -> int:
         "config": {
             "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype,
             "total_mb": args.total_mb, "repeats": args.repeats, "backend": args.backend, "chunk_mb": args.chunk_mb,
-            "tier_formats": fmts,
+            "tier_formats": fmts, "pinned": args.pinned, "peak_mb": args.peak_mb,
         },  # fmt: skip
         "page_sizes": {},
     }
+    if pinned_info is not None:
+        report["pinned"] = pinned_info
+    if args.peak_mb > 0:  # first, alone: nothing else holds memory yet
+        report["link_peak"] = _measure_link_peak(args)
+    if not args.pinned:  # the pinned sharding served the peak only
+        args.pinned_sharding = None
     cases = [_PageSizeCase(args, size, total_bytes, rng) for size in page_sizes]
     for case in cases:
         case.warm_up()

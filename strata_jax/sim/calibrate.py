@@ -10,7 +10,10 @@ one exists):
 * link, naive: one ``device_put`` per page per layer of one K (or V) block, the
   naive path's unit; ``naive_copy_overhead_s`` = per-copy time minus bytes / peak;
 * matmul: a jitted square matmul (``matmul_efficiency`` = 1: the rate is what the
-  kernels reach); HBM: a jitted elementwise pass over a large array;
+  kernels reach); HBM: a jitted elementwise pass over a large array.  On a CPU a
+  1024^2 float32 product and 64 MiB, one call per timing; on an accelerator an 8192^2
+  product and 1 GiB (smaller ones finish in microseconds: launch overhead, and an array
+  that fits the GPU's L2 cache), each timing ``ACCEL_CALLS`` calls back to back;
 * ``hbm_bytes`` from the device's memory stats when it reports them.
 
 Everything else (attention efficiency, overheads, host and storage sizes) is kept
@@ -33,6 +36,21 @@ def _median(fn, repeats: int = 5) -> float:  # noqa: ANN001
         fn()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
+
+
+ACCEL_CALLS = 10  # back-to-back calls per matmul / bandwidth timing off a CPU (launch overhead amortised)
+
+
+def _calls(fn, n: int):  # noqa: ANN001, ANN202
+    """``n`` calls of ``fn`` back to back, the last waited for."""
+
+    def run() -> None:
+        out = None
+        for _ in range(n):
+            out = fn()
+        out.block_until_ready()
+
+    return run
 
 
 def calibrate(base: HardwareProfile, *, progress: bool = True) -> HardwareProfile:
@@ -78,16 +96,16 @@ def calibrate(base: HardwareProfile, *, progress: bool = True) -> HardwareProfil
     naive()
     t_copy = _median(naive) / copies
     say("matmul ...")
-    size = 2048 if not on_cpu else 1024
+    size, big_bytes, calls = (1024, 64 << 20, 1) if on_cpu else (8192, 1 << 30, ACCEL_CALLS)
     a = jnp.ones((size, size), jnp.dtype(dtype))
     mm = jax.jit(lambda x: x @ x)
     mm(a).block_until_ready()
-    t_mm = _median(lambda: mm(a).block_until_ready())
+    t_mm = _median(_calls(lambda: mm(a), calls)) / calls
     say("memory bandwidth ...")
-    big = jnp.ones((64 << 20) // 4, jnp.float32)
+    big = jnp.ones(big_bytes // 4, jnp.float32)
     ew = jax.jit(lambda x: x * 2.0 + 1.0)
     ew(big).block_until_ready()
-    t_ew = _median(lambda: ew(big).block_until_ready())
+    t_ew = _median(_calls(lambda: ew(big), calls)) / calls
     stats = dev.memory_stats() or {}
     return replace(
         base,
@@ -104,7 +122,7 @@ def calibrate(base: HardwareProfile, *, progress: bool = True) -> HardwareProfil
         notes=(
             f"Measured by strata-jax simulate --calibrate: link peak (one contiguous device_put of {nbytes >> 20} MiB), "
             f"coalesced load (DevicePool.load_from_host, {n} scattered pages), naive copy ({block.nbytes >> 10} KiB "
-            f"device_puts), {size}^2 {dtype} matmul, elementwise pass over 64 MiB. Kept from '{base.name}': "
+            f"device_puts), {size}^2 {dtype} matmul, elementwise pass over {big_bytes >> 20} MiB. Kept from '{base.name}': "
             "attention/matmul ratio, overheads, slowdown, host and storage sizes, TP all-reduce."
         ),
     )
