@@ -77,6 +77,7 @@ class PrefetchHandle(TransferHandle):
     missed: bool = False  # an object the probe promised was gone or did not verify
     finished: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the worker's page writes vs settling
     future: Future | None = None
     # L2 with layer groups: the local host page of each host page (or NO_LOCAL_PAGE), and
     # the host pages whose objects were global-only (their local pages go back at settle time)

@@ -162,6 +162,11 @@ class FileStorage(StorageBackend):
 
     def batch_set(self, keys: Sequence[bytes], payloads: Sequence[bytes | memoryview]) -> int:
         stored = 0
+        if not os.path.isdir(self._tmp_dir):  # the store was removed while serving: start it afresh
+            with self._lock:
+                self._index.clear()
+                self._bytes = 0
+            os.makedirs(self._tmp_dir, exist_ok=True)
         for key, payload in zip(keys, payloads):
             with self._lock:
                 if key in self._index:

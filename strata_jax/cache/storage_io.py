@@ -274,38 +274,41 @@ class StorageIO:
                 self._storage_failed("read", exc)
                 handle.missed = True
                 return
-            for i, payload in enumerate(payloads):
-                page, flags = None, 0
-                if payload is not None:
-                    if self.local_pages is not None:  # pages with global KV only are hits too
-                        page, flags = fmt.check_object_flags(layout, payload) or (None, 0)  # type: ignore[union-attr]
-                    else:
-                        page = fmt.check_object(layout, payload)  # type: ignore[union-attr]
-                scales = None
-                if page is not None and fmt.quantized:  # type: ignore[union-attr]
-                    scales = np.frombuffer(page[value_bytes:], dtype="<f4")
-                    if not (np.isfinite(scales).all() and (scales > 0).all()):  # written by no quantizer of ours
-                        page = None
-                if page is None:
-                    if payload is not None:  # another format, shape or length: a miss, never decoded
-                        with _ERROR_LOCK:
-                            self.counters["storage_format_misses"] += 1
-                    handle.missed = True
-                    return
-                host_page = handle.host_pages[s + i]
-                values = np.frombuffer(page[:value_bytes], dtype=dtype).reshape(shape)
-                if scales is not None:
-                    scales = scales.reshape(scale_shape)
-                if isinstance(pool, GroupedHostPool):
-                    with_local = not flags & GLOBAL_ONLY
-                    pool.write_slot(host_page, handle.local_slots[s + i], values, scales, with_local)
-                    if not with_local:
-                        handle.global_only.append(host_page)
-                else:
-                    pool.data[host_page] = values  # type: ignore[union-attr]
+            with handle.lock:  # settling takes what landed under it: no page is written after
+                if handle.cancel.is_set():
+                    return  # settled while this read was in flight: the host pages are not ours
+                for i, payload in enumerate(payloads):
+                    page, flags = None, 0
+                    if payload is not None:
+                        if self.local_pages is not None:  # pages with global KV only are hits too
+                            page, flags = fmt.check_object_flags(layout, payload) or (None, 0)  # type: ignore[union-attr]
+                        else:
+                            page = fmt.check_object(layout, payload)  # type: ignore[union-attr]
+                    scales = None
+                    if page is not None and fmt.quantized:  # type: ignore[union-attr]
+                        scales = np.frombuffer(page[value_bytes:], dtype="<f4")
+                        if not (np.isfinite(scales).all() and (scales > 0).all()):  # written by no quantizer of ours
+                            page = None
+                    if page is None:
+                        if payload is not None:  # another format, shape or length: a miss, never decoded
+                            with _ERROR_LOCK:
+                                self.counters["storage_format_misses"] += 1
+                        handle.missed = True
+                        return
+                    host_page = handle.host_pages[s + i]
+                    values = np.frombuffer(page[:value_bytes], dtype=dtype).reshape(shape)
                     if scales is not None:
-                        pool.scales[host_page] = scales  # type: ignore[union-attr]
-                handle.landed = s + i + 1
+                        scales = scales.reshape(scale_shape)
+                    if isinstance(pool, GroupedHostPool):
+                        with_local = not flags & GLOBAL_ONLY
+                        pool.write_slot(host_page, handle.local_slots[s + i], values, scales, with_local)
+                        if not with_local:
+                            handle.global_only.append(host_page)
+                    else:
+                        pool.data[host_page] = values  # type: ignore[union-attr]
+                        if scales is not None:
+                            pool.scales[host_page] = scales  # type: ignore[union-attr]
+                    handle.landed = s + i + 1
 
     def finish_prefetch(self, handle: PrefetchHandle) -> int:
         """Apply the stop policy, put the landed pages into the tree as host nodes; returns tokens landed.
@@ -328,8 +331,8 @@ class StorageIO:
                     handle.future.result(timeout=max(0.0, handle.deadline - self._clock()))
                 except FutureTimeout:
                     pass
-            handle.cancel.set()
-            handle.future.result()  # the worker stops after its current chunk
+            with handle.lock:  # the worker writes no page after this; a read in flight (it may hang) is not waited for
+                handle.cancel.set()
         return self._settle_prefetch(handle, handle.landed)
 
     def _simulated_landing(self, handle: PrefetchHandle) -> int:
@@ -354,9 +357,8 @@ class StorageIO:
         """Stop a prefetch and drop everything it fetched."""
         if handle.finished:
             return
-        handle.cancel.set()
-        if handle.future is not None:
-            handle.future.result()
+        with handle.lock:
+            handle.cancel.set()
         self._settle_prefetch(handle, 0)
 
     def _settle_prefetch(self, handle: PrefetchHandle, landed: int) -> int:

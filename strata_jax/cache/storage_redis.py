@@ -56,16 +56,22 @@ class RedisStorage(StorageBackend):
             import redis
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise StorageError("the redis backend needs `pip install redis` (the serve extra)") from exc
+        shown = _redacted(url)  # start-up errors are logged: never the password
         try:
             client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
             client.ping()
+        except redis.exceptions.AuthenticationError as exc:
+            raise StorageError(
+                f"the Redis server at {shown!r} refused to authenticate this server ({exc}): give its password "
+                "in --storage-url / storage_url (redis://:PASSWORD@host:port/db)"
+            ) from None
         except (redis.exceptions.RedisError, ValueError, OSError) as exc:
             raise StorageError(
-                f"cannot reach the Redis server at {url!r}: {exc}. Start one (e.g. `redis-server --port 6379`) "
+                f"cannot reach the Redis server at {shown!r}: {exc}. Start one (e.g. `redis-server --port 6379`) "
                 "and pass its URL as storage_url / --storage-url, or use storage_backend='file'"
             ) from exc
         try:
-            return cls(client, prefix, secret=secret, where=f"at {url} (prefix {prefix!r})")
+            return cls(client, prefix, secret=secret, where=f"at {shown} (prefix {prefix!r})")
         except BaseException:
             client.close()  # a refused store (marker check): do not leak the connection
             raise
@@ -164,6 +170,20 @@ class RedisStorage(StorageBackend):
             self._client.close()
         except Exception:  # pragma: no cover
             pass
+
+
+def _redacted(url: str) -> str:
+    """``url`` with its password, if any, shown as ``***``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        host = parts.netloc.rpartition("@")[2]
+        return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    except ValueError:
+        return "<an unparsable URL>"
 
 
 def start_local_server(workdir: str, *extra_args: str, timeout_s: float = 15.0) -> tuple[subprocess.Popen, str]:

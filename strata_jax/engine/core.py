@@ -553,10 +553,11 @@ class EngineCore:
                 self.counters["failed"] += 1
         self._touched = set()
         try:
-            self.flush("device")
-            self.flush("host")
+            self.ctl.flush()  # dropped, not written back: a page the step never computed must not reach L2/L3
         except Exception:  # noqa: BLE001 - transfers of the failed step may fail too; the tiers are dropped regardless
             log.exception("dropping the device and host tiers after a failed step")
+        if self.kv_event_recorder is not None:
+            self.kv_event_recorder.end_step()  # the removals are published like any flush's
         return failed
 
     # ------------------------------------------------------------------ maintenance
@@ -564,9 +565,11 @@ class EngineCore:
         events = self.kv_event_recorder
         mark = events.mark() if events is not None else 0
         self.ctl.drain()
-        if tier in ("device", "all"):
+        if tier == "all":
+            self.ctl.flush()  # L1 and L2 dropped together: no write-back from one into the other
+        if tier == "device":
             self.ctl.evict_device(1 << 40)
-        if tier in ("host", "all"):
+        if tier == "host":
             self.ctl.evict_host(1 << 40)
             self.ctl.drain()  # the L3 write-backs it issued land before the next request probes L3
         if tier in ("storage", "all"):
