@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when
 ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, the admin
-routes ``GET /admin/cache_stats``, ``POST /admin/flush_cache``,
+routes ``GET /admin/cache_stats``, ``GET /admin/check_accounting``, ``POST /admin/flush_cache``,
 ``POST /admin/profile/start``, ``POST /admin/profile/stop``, and what a router asks
 of a worker in SGLang's shapes (``serving/worker_info.py``): ``GET /server_info``,
 ``GET /model_info`` (and the older ``/get_server_info``, ``/get_model_info``),
@@ -822,6 +822,18 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         except Exception as exc:  # noqa: BLE001
             return map_error(exc).response()
         return JSONResponse(json.loads(json.dumps(stats, default=str)))
+
+    @app.get("/admin/check_accounting", dependencies=admin_auth)
+    async def check_accounting() -> JSONResponse:
+        """The cache invariants and exact page accounting (``Engine.check_accounting``): a soak
+        or an operator asks it after traffic; 500 ``accounting`` with the broken invariant."""
+        try:
+            figures = await asyncio.to_thread(frontend.engine().check_accounting)
+        except AssertionError as exc:
+            return HTTPError(500, f"the engine's accounting is broken: {exc}", "internal_error", "accounting").response()
+        except Exception as exc:  # noqa: BLE001
+            return map_error(exc).response()
+        return JSONResponse(figures)
 
     @app.post("/admin/flush_cache", dependencies=admin_auth)
     async def flush_cache(request: Request) -> JSONResponse:

@@ -242,6 +242,10 @@ class FakeEngine:
                 pass
 
     # ---- admin ---------------------------------------------------------
+    def check_accounting(self) -> dict:
+        with self._lock:
+            return {"device_used_pages": self._used_pages, "locked_nodes": len(self._running), "live_requests": len(self._running)}
+
     def cache_stats(self) -> dict:
         with self._lock:
             return {
