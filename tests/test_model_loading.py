@@ -150,7 +150,7 @@ def test_truncated_weights_are_a_clear_error(hf_folder, tmp_path):
     [
         ("model_type", "gpt2", "model_type='gpt2' is not supported"),
         ("hidden_act", "gelu", "hidden_act='gelu'"),
-        ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}, "rope_type='yarn'"),
+        ("rope_parameters", {"rope_type": "proportional", "factor": 4.0, "rope_theta": 1e4}, "rope_type='proportional'"),
         ("num_key_value_heads", 3, "not a multiple"),
         ("vocab_size", "many", "vocab_size='many'"),
     ],

@@ -1,13 +1,16 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
-Supported: ``llama`` (rope scaling ``llama3`` / ``linear`` / none), ``mistral``
+Supported: ``llama`` (rope scaling below), ``mistral``
 (sliding window), ``qwen2`` (qkv bias; ``use_sliding_window`` + ``max_window_layers``),
 ``qwen3`` (per-head q/k RMSNorm), ``gemma2`` (local/global layers, attention and final
 logit soft-capping) and ``gemma3_text`` (local/global layers with their own rope
 bases, q/k norm); GQA; explicit ``head_dim``; tied or untied embeddings.  Both the
 transformers-4 (``rope_theta`` + ``rope_scaling``) and transformers-5
-(``rope_parameters``) spellings are read.  Anything this runtime cannot reproduce
-exactly raises ``ModelConfigError`` naming the field and its value.
+(``rope_parameters``) spellings are read.  Rope scaling (``rope_type``): ``default``,
+``linear``, ``llama3``, ``yarn``, ``longrope`` and ``dynamic`` (NTK), read as transformers
+reads them (``docs/models.md``, "Rope scaling", says where a position-only serving engine
+differs: ``dynamic`` and ``longrope``).  Anything this runtime cannot reproduce exactly
+raises ``ModelConfigError`` naming the field and its value.
 
 Per-layer attention is ``layer_windows``: one sliding window per layer (0 = full
 attention), ``()`` when every layer is full; the model scans it as an array, so local
@@ -24,7 +27,9 @@ from typing import Any
 
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *GEMMA_MODEL_TYPES)
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "dynamic", "longrope")
+# Scalings Gemma 3's global layers may take: one rope table per layer, no per-token or cos/sin factor
+GEMMA3_ROPE_TYPES = ("default", "llama3", "linear")
 # HF activation names -> what the MLP computes (gelu_pytorch_tanh and gelu_new are the same tanh formula)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -43,11 +48,31 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
+    """``rope_scaling`` / ``rope_parameters`` as transformers resolves them.
+
+    ``attention_factor`` is the resolved factor transformers multiplies cos and sin by
+    (yarn: ``attention_factor`` or from ``factor`` / ``mscale`` / ``mscale_all_dim``;
+    longrope: ``attention_factor`` or ``sqrt(1 + ln(factor) / ln(original))``; else 1).
+    ``beta_fast`` / ``beta_slow`` / ``truncate``: yarn's ramp.  ``short_factor`` /
+    ``long_factor``: longrope's per-frequency divisors (one per rotary pair).
+    """
+
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        # a config read back from JSON (checkpoint.read_checkpoint_config) holds lists: keep it hashable
+        for name in ("short_factor", "long_factor"):
+            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
 
 
 @dataclass(frozen=True)
@@ -91,6 +116,15 @@ class ModelConfig:
             raise ModelConfigError(f"layer windows must be >= 0 (0 = full attention), got {self.layer_windows}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ModelConfigError(f"hidden_act={self.hidden_act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+        scaling = self.rope_scaling
+        if scaling.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(scaling, name)) != self.head_dim // 2:
+                    raise ModelConfigError(
+                        f"rope_scaling.{name} has {len(getattr(scaling, name))} entries; head_dim={self.head_dim} needs {self.head_dim // 2}"
+                    )
+        if scaling.rope_type == "dynamic" and self.head_dim <= 2:
+            raise ModelConfigError(f"rope_scaling.rope_type='dynamic' needs head_dim > 2, got {self.head_dim}")
 
     @property
     def is_gemma(self) -> bool:
@@ -113,6 +147,16 @@ class ModelConfig:
 
     @property
     def max_context_tokens(self) -> int:
+        """The longest sequence the model serves: ``max_position_embeddings``, except for
+        ``dynamic`` NTK scaling, where that is the unscaled length the NTK base grows from
+        and the scaled limit is ``factor`` times it, and ``yarn``, whose scaled limit is
+        ``factor`` times ``original_max_position_embeddings`` when that is longer (Qwen3's
+        documented 128K set-up keeps ``max_position_embeddings`` 40960); both as vLLM derives them."""
+        scaling = self.rope_scaling
+        if scaling.rope_type == "dynamic":
+            return int(self.max_position_embeddings * scaling.factor)
+        if scaling.rope_type == "yarn":
+            return max(self.max_position_embeddings, int(scaling.original_max_position_embeddings * scaling.factor))
         return self.max_position_embeddings
 
     @property
@@ -156,9 +200,9 @@ class ModelConfig:
         head_dim = int(raw.get("head_dim") or hidden // heads)
         max_pos = int(raw.get("max_position_embeddings", gemma["max_position_embeddings"] if gemma else 4096))
         if model_type == "gemma3_text":
-            theta, scaling, local_theta = _read_gemma3_rope(raw)
+            theta, scaling, local_theta = _read_gemma3_rope(raw, max_pos)
         else:
-            theta, scaling = _read_rope(raw, default_theta=gemma["rope_theta"] if gemma else 10000.0)
+            theta, scaling = _read_rope(raw, max_pos, default_theta=gemma["rope_theta"] if gemma else 10000.0)
             local_theta = None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -215,7 +259,7 @@ def _required_int(raw: dict[str, Any], key: str) -> int:
     return value
 
 
-def _read_rope(raw: dict[str, Any], default_theta: float = 10000.0) -> tuple[float, RopeScaling]:
+def _read_rope(raw: dict[str, Any], max_pos: int, default_theta: float = 10000.0) -> tuple[float, RopeScaling]:
     params = raw.get("rope_parameters")
     if isinstance(params, dict):  # transformers >= 5
         theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
@@ -223,12 +267,16 @@ def _read_rope(raw: dict[str, Any], default_theta: float = 10000.0) -> tuple[flo
     else:
         theta = float(raw.get("rope_theta", default_theta))
         scaling_raw = raw.get("rope_scaling")
-    return theta, _read_scaling(scaling_raw)
+    return theta, _read_scaling(scaling_raw, max_pos, raw)
 
 
-def _read_scaling(scaling_raw: dict[str, Any] | None) -> RopeScaling:
+def _read_scaling(scaling_raw: dict[str, Any] | None, max_pos: int, raw: dict[str, Any] | None = None) -> RopeScaling:
+    """One rope-parameter dict as transformers' ``modeling_rope_utils`` reads it (``max_pos``:
+    the config's ``max_position_embeddings``; ``raw``: the whole config, whose top-level
+    ``original_max_position_embeddings`` / ``partial_rotary_factor`` transformers also honours)."""
     if not scaling_raw:
         return RopeScaling()
+    raw = raw or {}
     rope_type = scaling_raw.get("rope_type", scaling_raw.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelConfigError(
@@ -236,24 +284,97 @@ def _read_scaling(scaling_raw: dict[str, Any] | None) -> RopeScaling:
         )
     if rope_type == "default":
         return RopeScaling()
-    factor = float(scaling_raw.get("factor", 1.0))
-    if not math.isfinite(factor) or factor <= 0:
-        raise ModelConfigError(f"rope_scaling.factor={factor!r} must be a positive number")
+    partial = scaling_raw.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and (isinstance(partial, bool) or not isinstance(partial, (int, float)) or partial != 1.0):
+        raise ModelConfigError(f"partial_rotary_factor={partial!r} is not supported (rope rotates the whole head)")
+    # transformers' standardize_rope_params: a top-level original_max_position_embeddings (Phi-3
+    # style) wins, else the rope dict's, else max_position_embeddings
+    original = raw.get("original_max_position_embeddings", scaling_raw.get("original_max_position_embeddings", max_pos))
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise ModelConfigError(f"rope_scaling.original_max_position_embeddings={original!r} must be a positive integer")
+    factor = scaling_raw.get("factor")
+    if factor is None:
+        if rope_type in ("yarn", "longrope"):  # transformers: the ratio of the two lengths (DeepSeek, Phi-3)
+            factor = max_pos / original
+        elif rope_type == "dynamic":
+            raise ModelConfigError("rope_scaling.rope_type='dynamic' needs a factor")
+        else:
+            factor = 1.0
+    factor = _positive(factor, "factor")
+    extra: dict[str, Any] = {}
+    if rope_type == "yarn":
+        extra = _yarn_fields(scaling_raw, factor)
+    elif rope_type == "longrope":
+        extra = _longrope_fields(scaling_raw, factor, original)
     return RopeScaling(
         rope_type=rope_type,
         factor=factor,
         low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(scaling_raw.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=original,
+        **extra,
     )
 
 
-def _read_gemma3_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling, float]:
+def _positive(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ModelConfigError(f"rope_scaling.{name}={value!r} must be a positive number")
+    return float(value)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 * mscale * ln(scale) + 1`` (1 for scale <= 1), transformers' ``yarn_get_mscale``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_fields(scaling_raw: dict[str, Any], factor: float) -> dict[str, Any]:
+    attention_factor = scaling_raw.get("attention_factor")
+    mscale, mscale_all_dim = scaling_raw.get("mscale"), scaling_raw.get("mscale_all_dim")
+    if attention_factor is None:  # transformers: the mscale ratio only when both are set and non-zero
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+        else:
+            attention_factor = yarn_mscale(factor)
+    truncate = scaling_raw.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ModelConfigError(f"rope_scaling.truncate={truncate!r} must be true or false")
+    return dict(
+        attention_factor=_positive(attention_factor, "attention_factor"),
+        # transformers: `or`, so 0 / None take the paper's 32 / 1
+        beta_fast=_finite(scaling_raw.get("beta_fast") or 32, "beta_fast"),
+        beta_slow=_finite(scaling_raw.get("beta_slow") or 1, "beta_slow"),
+        truncate=truncate,
+    )
+
+
+def _longrope_fields(scaling_raw: dict[str, Any], factor: float, original: int) -> dict[str, Any]:
+    attention_factor = scaling_raw.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    lists = {}
+    for name in ("short_factor", "long_factor"):
+        values = scaling_raw.get(name)
+        if not isinstance(values, list) or not values or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values
+        ):
+            raise ModelConfigError(f"rope_scaling.{name}={values!r} must be a list of positive numbers")
+        lists[name] = tuple(float(v) for v in values)
+    return dict(attention_factor=_positive(attention_factor, "attention_factor"), **lists)
+
+
+def _finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ModelConfigError(f"rope_scaling.{name}={value!r} must be a number")
+    return float(value)
+
+
+def _read_gemma3_rope(raw: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling, float]:
     """(global rope_theta, global scaling, local rope base) of a Gemma 3 config.
 
     transformers 5 nests them per layer type (``rope_parameters.full_attention`` /
     ``.sliding_attention``); transformers 4 spells ``rope_theta`` + ``rope_scaling`` (global
-    layers only) and ``rope_local_base_freq``.  Local layers take no scaling.
+    layers only) and ``rope_local_base_freq``.  Local layers take no scaling; global layers
+    take the scalings that are one frequency table (``GEMMA3_ROPE_TYPES``).
     """
     defaults = _GEMMA_DEFAULTS["gemma3_text"]
     params = raw.get("rope_parameters")
@@ -262,13 +383,20 @@ def _read_gemma3_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling, float]:
         local = params.get("sliding_attention") or {}
         theta = float(full.get("rope_theta", raw.get("rope_theta", defaults["rope_theta"])))
         local_theta = float(local.get("rope_theta", raw.get("rope_local_base_freq", defaults["rope_local_base_freq"])))
-        if _read_scaling(local).rope_type != "default":
+        if _read_scaling(local, max_pos).rope_type != "default":
             raise ModelConfigError(
                 f"rope_parameters.sliding_attention.rope_type={local.get('rope_type')!r}: scaled rope on local layers is not supported"
             )
-        return theta, _read_scaling(full), local_theta
-    theta, scaling = _read_rope(raw, default_theta=defaults["rope_theta"])
-    return theta, scaling, float(raw.get("rope_local_base_freq", defaults["rope_local_base_freq"]))
+        scaling = _read_scaling(full, max_pos, raw)
+    else:
+        theta, scaling = _read_rope(raw, max_pos, default_theta=defaults["rope_theta"])
+        local_theta = float(raw.get("rope_local_base_freq", defaults["rope_local_base_freq"]))
+    if scaling.rope_type not in GEMMA3_ROPE_TYPES:
+        raise ModelConfigError(
+            f"rope_type={scaling.rope_type!r} on gemma3_text's global layers is not supported "
+            f"(supported: {', '.join(GEMMA3_ROPE_TYPES)})"
+        )
+    return theta, scaling, local_theta
 
 
 def _cap(raw: dict[str, Any], key: str, defaults: dict[str, Any]) -> float | None:

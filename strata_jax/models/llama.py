@@ -38,7 +38,7 @@ from flax import nnx
 
 import pallas_kernels
 from strata_jax.models.config import ModelConfig
-from strata_jax.models.rope import apply_rope, inverse_frequencies
+from strata_jax.models.rope import apply_rope, inverse_frequencies, rope_application
 
 
 @jax.tree_util.register_dataclass
@@ -143,6 +143,7 @@ class Attention(nnx.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.sm_scale, self.soft_cap = c.attention_scale, c.attn_logit_softcapping
+        self.rope = rope_application(c)  # static: the cos/sin factor, dynamic NTK's parameters
         self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std)
         self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std)
         self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std)
@@ -168,7 +169,7 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = apply_rope(q, positions, inv_freq, self.rope), apply_rope(k, positions, inv_freq, self.rope)
         page_table, slot_mapping, pool_layer = meta.for_layer(kv_pool, layer, window)
         kv_pool = pallas_kernels.write_kv(kv_pool, pool_layer, k, v, slot_mapping)
         decode_only = tokens == meta.page_table.shape[0]  # the runner's decode buckets: one token per sequence
