@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+import random
 import shutil
 import signal
 import socket
@@ -122,6 +123,12 @@ def register_fault_backend(monkeypatch: Any, name: str, inner: str) -> list[Faul
 
 
 # ------------------------------------------------------------------------------- file store
+def random_prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids of the tiny model's vocabulary, the same for the same seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
 def object_paths(storage_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(storage_dir, "objects", "*", "*.kv")))
 

@@ -97,13 +97,18 @@ def shared_server() -> ThreadedServer:
     global _shared
     with _shared_lock:
         if _shared is None:
-            srv = start_server(max_waiting=MAX_WAITING, max_running=MAX_RUNNING, max_context_tokens=CONTEXT)
-            engine = srv.frontend.engine()
-            wait_idle(engine)
-            engine.flush_cache("all")
-            srv.baseline_used = engine.cache_stats()["device_pool"]["used_pages"]  # type: ignore[attr-defined]
-            _shared = srv
+            _shared = with_baseline(start_server(max_waiting=MAX_WAITING, max_running=MAX_RUNNING, max_context_tokens=CONTEXT))
         return _shared
+
+
+def with_baseline(srv: ThreadedServer) -> ThreadedServer:
+    """Settle a started server (idle, tiers flushed) and record its L1 pages in use as
+    ``srv.baseline_used``, what ``assert_no_leaks`` compares against."""
+    engine = srv.frontend.engine()
+    wait_idle(engine)
+    engine.flush_cache("all")
+    srv.baseline_used = engine.cache_stats()["device_pool"]["used_pages"]  # type: ignore[attr-defined]
+    return srv
 
 
 def stop_shared_server() -> None:

@@ -28,7 +28,7 @@ import pytest
 from serving.config import ServerConfig
 from serving.protos import strata_pb2, strata_pb2_grpc
 from serving.server import ThreadedServer
-from serving_harness import assert_no_leaks, engine_factory, wait_idle
+from serving_harness import assert_no_leaks, engine_factory, with_baseline
 
 MAX_BODY = 256 << 10  # room for 100k levels of [[...]] (200 KB)
 BODY_TIMEOUT_S = 3.0
@@ -38,11 +38,7 @@ BODY_TIMEOUT_S = 3.0
 def server():
     config = ServerConfig(port=0, grpc_port=0, max_body_bytes=MAX_BODY, body_timeout_s=BODY_TIMEOUT_S, grace_s=5.0)
     factory = engine_factory(max_waiting=256, max_running=8, max_context_tokens=512)
-    srv = ThreadedServer(config, factory).start()
-    engine = srv.frontend.engine()
-    wait_idle(engine)
-    engine.flush_cache("all")
-    srv.baseline_used = engine.cache_stats()["device_pool"]["used_pages"]  # type: ignore[attr-defined]
+    srv = with_baseline(ThreadedServer(config, factory).start())
     yield srv
     srv.stop(30.0)
 

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 import fault_backends as fb
-from serving_harness import assert_no_leaks, real_engine_available, start_server, wait_idle
+from serving_harness import assert_no_leaks, real_engine_available, start_server, wait_idle, with_baseline
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -47,11 +47,7 @@ def server(request):
         max_waiting=4, max_running=8, max_context_tokens=2048, device_tokens=4096, tiers="L1+L2",
         hicache_ratio=0.25, write_policy=request.param,
     )  # fmt: skip
-    engine = srv.frontend.engine()
-    wait_idle(engine)
-    engine.flush_cache("all")
-    srv.baseline_used = engine.cache_stats()["device_pool"]["used_pages"]  # type: ignore[attr-defined]
-    yield srv
+    yield with_baseline(srv)
     srv.stop(30.0)
 
 

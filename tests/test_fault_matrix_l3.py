@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -44,8 +43,7 @@ HANG_BOUND_S = 10.0  # ... must not hold the request (or the engine) for more th
 
 
 def _prompt(seed: int, n: int = PROMPT_TOKENS) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 250) for _ in range(n)]
+    return fb.random_prompt(seed, n)
 
 
 @dataclass

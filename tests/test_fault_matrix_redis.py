@@ -12,7 +12,6 @@ server, no leaked page, ``/health`` 200 and a further request afterwards.  Skipp
 
 from __future__ import annotations
 
-import random
 import shutil
 import subprocess
 import sys
@@ -40,8 +39,7 @@ MAXMEMORY = ("--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru")
 
 
 def _prompt(seed: int, n: int = PROMPT_TOKENS) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 250) for _ in range(n)]
+    return fb.random_prompt(seed, n)
 
 
 @dataclass
