@@ -8,6 +8,7 @@ Error mapping (``map_error``):
 ``EngineUnavailableError`` ``UNAVAILABLE``
 ``RequestAbortedError``    ``ABORTED``
 ``StepFailedError``        ``INTERNAL`` (the message names the cause)
+``StorageError``           ``UNAVAILABLE`` (an admin call that needs L3)
 anything else              ``INTERNAL`` (logged)
 =========================  ====================
 
@@ -28,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from strata_jax.cache.storage import StorageError
 from strata_jax.api import (
     EngineUnavailableError,
     InvalidRequestError,
@@ -62,6 +64,8 @@ def map_error(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.ABORTED, str(exc) or "the request was aborted"
     if isinstance(exc, StepFailedError):  # the engine serves on; the message names the cause
         return grpc.StatusCode.INTERNAL, str(exc)
+    if isinstance(exc, StorageError):  # L3 unreachable for an admin call (a flush): the store, not the server
+        return grpc.StatusCode.UNAVAILABLE, f"the L3 storage is unavailable: {exc}"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 

@@ -48,6 +48,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 
+from strata_jax.cache.storage import StorageError
 from strata_jax.api import (
     EngineUnavailableError,
     InvalidRequestError,
@@ -161,6 +162,8 @@ def map_error(exc: BaseException) -> HTTPError:
         return HTTPError(503, str(exc) or "the request was aborted", "service_unavailable", "aborted")
     if isinstance(exc, StepFailedError):  # the engine serves on; the message names the cause
         return HTTPError(500, str(exc), "internal_error", "step_failed")
+    if isinstance(exc, StorageError):  # L3 unreachable for an admin call (a flush): the store, not the server
+        return HTTPError(503, f"the L3 storage is unavailable: {exc}", "service_unavailable", "storage_unavailable")
     log.error("request failed", exc_info=exc)
     return HTTPError(500, f"internal error: {type(exc).__name__}", "internal_error")
 

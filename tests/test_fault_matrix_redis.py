@@ -176,10 +176,10 @@ def test_killed_mid_backup_then_restarted(checked):
     r = fb.complete(env.url, prompt)  # Redis down: a probe error is no hit
     fb.assert_same_tokens(r, cold)
     assert fb.cached(r)["storage"] == 0
-    # an operator clearing L3 while Redis is down: refused (L3 cannot be cleared), the server serves on
+    # an operator clearing L3 while Redis is down: 503 naming the store (L3 cannot be cleared), the server serves on
     flush = httpx.post(env.url + "/admin/flush_cache", json={"tier": "storage"}, timeout=60)
-    assert flush.status_code >= 500, flush.text
-    print(f"flush_cache storage while Redis is down: {flush.status_code} {flush.text}")
+    assert flush.status_code == 503 and flush.json()["error"]["code"] == "storage_unavailable", flush.text
+    assert "L3 storage is unavailable" in flush.json()["error"]["message"], flush.text
     env.redis.start()
     _l3_serves_again(env, seed=1102)
 
