@@ -79,8 +79,13 @@ def make_hf_model(kind: str, folder: Path, seed: int = 0, **overrides) -> torch.
     """Build a random HF model of ``kind`` (``overrides`` replace config fields), save it to
     ``folder`` and return it (float32, eval)."""
     config_cls, kwargs = CONFIGS[kind] if kind in CONFIGS else SLIDING_CONFIGS[kind]
+    return save_random_hf_model(config_cls(**{**kwargs, **overrides}), folder, seed)
+
+
+def save_random_hf_model(config: transformers.PretrainedConfig, folder: Path, seed: int = 0) -> torch.nn.Module:
+    """A random HF model of ``config`` saved to ``folder`` (float32, eval; biases and norm
+    weights randomised too)."""
     torch.manual_seed(seed)
-    config = config_cls(**{**kwargs, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF inits biases/norm weights trivially; randomise so they are exercised
         for name, param in model.named_parameters():

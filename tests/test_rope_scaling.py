@@ -22,6 +22,7 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from hf_reference import save_random_hf_model
 from strata_jax.api import SamplingParams
 from strata_jax.engine import Engine, EngineConfig
 from strata_jax.models.checkpoint import CONFIG_FILE, read_checkpoint_config
@@ -78,15 +79,8 @@ def build(folder: Path, family: str, max_pos: int, rope: dict, extra: dict | Non
     """A random HF model with ``rope`` as its rope scaling, saved to ``folder`` (its config.json
     in the transformers-5 ``rope_parameters`` or transformers-4 ``rope_theta`` + ``rope_scaling``
     spelling); returns it (float32, eval)."""
-    torch.manual_seed(seed)
     config = FAMILIES[family](**{**BASE, **(extra or {}), "max_position_embeddings": max_pos, "rope_scaling": dict(rope)})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # HF inits biases / norm weights trivially; randomise so they are exercised
-        for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-    model.eval()
-    model.save_pretrained(folder)
+    model = save_random_hf_model(config, folder, seed)
     if spelling == "t4":
         raw = json.loads((folder / "config.json").read_text())
         params = dict(raw.pop("rope_parameters"))
