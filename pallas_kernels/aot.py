@@ -35,7 +35,9 @@ def gpu_lowering_target(
     its per-shard kernels on it).
     """
     if platform not in DEFAULT_DEVICE_KIND:
-        raise ValueError(f"gpu_lowering_target: platform must be one of {sorted(DEFAULT_DEVICE_KIND)}, got {platform!r}")
+        raise ValueError(
+            f"gpu_lowering_target: platform must be one of {sorted(DEFAULT_DEVICE_KIND)}, got {platform!r}"
+        )
     kind = device_kind or DEFAULT_DEVICE_KIND[platform]
     device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform=platform)
     axes = dict(mesh_axes) if mesh_axes else {"aot": 1}

@@ -67,9 +67,7 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start) -> Non
     if k_pages.shape[3] != q.shape[2]:
         raise AttentionShapeError(f"head_dim of q ({q.shape[2]}) != head_dim of K/V ({k_pages.shape[3]})")
     if q.shape[1] % k_pages.shape[2] != 0:
-        raise AttentionShapeError(
-            f"num_q_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k_pages.shape[2]})"
-        )
+        raise AttentionShapeError(f"num_q_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k_pages.shape[2]})")
     if page_table.ndim != 2:
         raise AttentionShapeError(f"page_table must be [B, max_pages], got {page_table.shape}")
     batch = page_table.shape[0]
@@ -146,9 +144,12 @@ def _attention_kernel(
             slot = page * page_size + kv_pos % page_size
             k = k_ref[layer, k_kv, slot, h, :].astype(dtype)  # [BK, D]
             v = v_ref[layer, v_kv, slot, h, :].astype(dtype)
-            scores = jax.lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-            ) * sm_scale
+            scores = (
+                jax.lax.dot_general(
+                    q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+                )
+                * sm_scale
+            )
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             visible = (kv_pos[None, :] <= pos[:, None]) & (kv_pos[None, :] >= lo[:, None])
@@ -159,7 +160,11 @@ def _attention_kernel(
             row_sum = row_sum * correction + jnp.sum(probs, axis=1)
             v = jnp.where(((kv_pos >= kv_start) & (kv_pos < kv_end))[:, None], v, jnp.zeros_like(v))
             pv = jax.lax.dot_general(
-                probs.astype(dtype), v, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+                probs.astype(dtype),
+                v,
+                (((1,), (0,)), ((), ())),
+                precision=precision,
+                preferred_element_type=jnp.float32,
             )
             acc = acc * correction[:, None] + pv
             return acc, new_max, row_sum
@@ -209,10 +214,26 @@ def ragged_paged_attention_pallas(
     k5 = k_pages.reshape(1, 1, num_pages * page_size, num_kv_heads, head_dim)
     v5 = v_pages.astype(k_pages.dtype).reshape(k5.shape)
     return _attention_call(
-        q, k5, v5, 0, 0, 0, page_size, page_table, seq_lens, query_start,
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, max_q_len=max_q_len,
-        block_rows=block_rows, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-    )  # fmt: skip
+        q,
+        k5,
+        v5,
+        0,
+        0,
+        0,
+        page_size,
+        page_table,
+        seq_lens,
+        query_start,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        max_q_len=max_q_len,
+        block_rows=block_rows,
+        block_kv=block_kv,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )
 
 
 def ragged_paged_attention_pool_pallas(
@@ -256,16 +277,50 @@ def ragged_paged_attention_pool_pallas(
     _check_inputs(q, page_view, page_view, page_table, seq_lens, query_start)
     kv5 = kv_pool.reshape(layers, 2, num_pages * page_size, num_kv_heads, head_dim)
     return _attention_call(
-        q, kv5, kv5, layer, 0, 1, page_size, page_table, seq_lens, query_start,
-        sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window, max_q_len=max_q_len,
-        block_rows=block_rows, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-    )  # fmt: skip
+        q,
+        kv5,
+        kv5,
+        layer,
+        0,
+        1,
+        page_size,
+        page_table,
+        seq_lens,
+        query_start,
+        sm_scale=sm_scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        max_q_len=max_q_len,
+        block_rows=block_rows,
+        block_kv=block_kv,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        interpret=interpret,
+    )
 
 
 def _attention_call(
-    q, k5, v5, layer, k_kv, v_kv, page_size, page_table, seq_lens, query_start,
-    *, sm_scale, soft_cap, sliding_window, max_q_len, block_rows, block_kv, num_warps, num_stages, interpret,
-) -> jax.Array:  # fmt: skip
+    q,
+    k5,
+    v5,
+    layer,
+    k_kv,
+    v_kv,
+    page_size,
+    page_table,
+    seq_lens,
+    query_start,
+    *,
+    sm_scale,
+    soft_cap,
+    sliding_window,
+    max_q_len,
+    block_rows,
+    block_kv,
+    num_warps,
+    num_stages,
+    interpret,
+) -> jax.Array:
     """Launch the kernel on K/V sources ``[L', 2, P*S, H, D]`` read at ``[layer, k_kv]`` /
     ``[layer, v_kv]`` (``layer``: int or int32 scalar array, read by the kernel at run time)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -334,7 +389,9 @@ def _window_operand(sliding_window: int | jax.Array | None) -> jax.Array:
     if sliding_window is None:
         return jnp.zeros((1,), jnp.int32)
     if jnp.ndim(sliding_window) != 0 or not jnp.issubdtype(jnp.result_type(sliding_window), jnp.integer):
-        raise AttentionShapeError(f"sliding_window must be None, an int or an integer scalar array, got {sliding_window!r}")
+        raise AttentionShapeError(
+            f"sliding_window must be None, an int or an integer scalar array, got {sliding_window!r}"
+        )
     return jnp.asarray(sliding_window, jnp.int32).reshape(1)
 
 

@@ -195,7 +195,9 @@ def gather_pages(pool: jax.Array, page_ids: jax.Array, *, backend: str | KernelC
     return sharded.per_head_shard(impl, (pool, page_ids), (4, None), 4)
 
 
-def write_kv(kv_pool: jax.Array, layer: int | jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+def write_kv(
+    kv_pool: jax.Array, layer: int | jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> jax.Array:
     """Write new tokens' K/V ``[T, H, D]`` of one layer into the pool (``write_kv_reference``)."""
     return sharded.per_head_shard(write_kv_reference, (kv_pool, layer, k, v, slot_mapping), (4, None, 1, 1, None), 4)
 

@@ -165,8 +165,14 @@ def status_for(backend: str) -> str:
 
 
 def _call(
-    target: str, q: jax.Array, kv_pool: jax.Array, layer: int | jax.Array, row_operands: tuple[jax.Array, ...],
-    sliding_window: int | jax.Array | None, sm_scale: float, soft_cap: float | None,
+    target: str,
+    q: jax.Array,
+    kv_pool: jax.Array,
+    layer: int | jax.Array,
+    row_operands: tuple[jax.Array, ...],
+    sliding_window: int | jax.Array | None,
+    sm_scale: float,
+    soft_cap: float | None,
 ) -> jax.Array:
     """One kernel's custom call: ``(q, pool, layer, *row_operands, window)`` with the scale
     and soft cap as attributes; the output has q's shape and dtype.  The kernels' operands
@@ -205,7 +211,9 @@ def paged_decode_attention_pool(
     if kv_pool.dtype != jnp.float32:
         raise ValueError(f"the native decode attention reads a float32 pool, got {kv_pool.dtype}")
     if num_tokens != page_table.shape[0]:
-        raise ValueError(f"decode-shaped calls only (tokens == rows), got {num_tokens} tokens, {page_table.shape[0]} rows")
+        raise ValueError(
+            f"decode-shaped calls only (tokens == rows), got {num_tokens} tokens, {page_table.shape[0]} rows"
+        )
     seq_of_token, kv_len = decode_token_rows(seq_lens, query_start, num_tokens)
     rows = (page_table[seq_of_token], kv_len)
     return _call(_TARGET, q, kv_pool, layer, rows, sliding_window, sm_scale, soft_cap), kv_pool
@@ -232,7 +240,9 @@ def paged_extend_attention_pool(
     if kv_pool.dtype != jnp.float32:
         raise ValueError(f"the native extend attention reads a float32 pool, got {kv_pool.dtype}")
     if head_dim % EXTEND_HEAD_DIM_MULTIPLE:
-        raise ValueError(f"the native extend attention needs head_dim % {EXTEND_HEAD_DIM_MULTIPLE} == 0, got {head_dim}")
+        raise ValueError(
+            f"the native extend attention needs head_dim % {EXTEND_HEAD_DIM_MULTIPLE} == 0, got {head_dim}"
+        )
     rows = (page_table, query_start, seq_lens)
     return _call(_EXTEND_TARGET, q, kv_pool, layer, rows, sliding_window, sm_scale, soft_cap), kv_pool
 

@@ -364,7 +364,11 @@ def _implementation(backend, head_dim: int) -> str:  # noqa: ANN001
 
 
 def gather_quantize(
-    pool: jax.Array, page_ids: jax.Array, fmt: str, *, backend=None  # noqa: ANN001
+    pool: jax.Array,
+    page_ids: jax.Array,
+    fmt: str,
+    *,
+    backend=None,  # noqa: ANN001
 ) -> tuple[jax.Array, jax.Array]:
     """Backup side: gather ``page_ids`` of ``pool`` and quantize them to ``fmt`` (``"fp8"``/``"int8"``)."""
     quantized_dtype(fmt)
@@ -377,7 +381,12 @@ def gather_quantize(
 
 
 def scatter_dequantize(
-    pool: jax.Array, q: jax.Array, scales: jax.Array, page_ids: jax.Array, *, backend=None  # noqa: ANN001
+    pool: jax.Array,
+    q: jax.Array,
+    scales: jax.Array,
+    page_ids: jax.Array,
+    *,
+    backend=None,  # noqa: ANN001
 ) -> jax.Array:
     """Load side: dequantize ``(q, scales)`` to the pool's dtype while scattering into ``page_ids``."""
     name = _implementation(backend, pool.shape[-1])

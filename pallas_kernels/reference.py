@@ -266,7 +266,9 @@ def _ragged_attention_core(
                 k, v = read_block(src, pages)
                 k = k.reshape(block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
                 v = v.reshape(block_tokens, num_kv_heads, head_dim).astype(jnp.float32)
-                v = jnp.where(jnp.isfinite(v), v, 0.0)  # unwritten (e.g. NaN-poisoned) slots must not leak through 0 * NaN
+                v = jnp.where(
+                    jnp.isfinite(v), v, 0.0
+                )  # unwritten (e.g. NaN-poisoned) slots must not leak through 0 * NaN
                 scores = jnp.einsum("thgd,khd->thgk", qf, k)
                 stats = online_softmax(stats, scores, visible, lambda p: jnp.einsum("thgk,khd->thgd", p, v))
                 return (*stats, src)

@@ -84,7 +84,9 @@ def per_head_shard(
         out_specs = _spec(out_head_axes, len(out_shapes.shape), axis)
     # check_vma=False: pallas_call has no varying-manual-axes rule; every output is
     # either head-sharded or computed identically on every shard, as declared above.
-    return jax.shard_map(body, mesh=_mesh_for_shard_map(mesh), in_specs=in_specs, out_specs=out_specs, check_vma=False)(*operands)
+    return jax.shard_map(body, mesh=_mesh_for_shard_map(mesh), in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        *operands
+    )
 
 
 def _mesh_for_shard_map(mesh: Mesh):  # noqa: ANN202

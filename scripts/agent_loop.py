@@ -15,7 +15,15 @@ import asyncio
 import json
 import sys
 
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, RunConfig, Runner, function_tool, set_tracing_disabled
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    RunConfig,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from openai import AsyncOpenAI
 
 CALLS: list[str] = []
@@ -45,7 +53,9 @@ async def main(url: str, model_name: str) -> int:
         tools=[get_weather, get_time],
         model_settings=ModelSettings(tool_choice="required", max_tokens=96, temperature=0.2),
     )
-    result = await Runner.run(agent, "What is the weather in Lisbon, and what time is it there?", max_turns=6, run_config=RunConfig())
+    result = await Runner.run(
+        agent, "What is the weather in Lisbon, and what time is it there?", max_turns=6, run_config=RunConfig()
+    )
     ok = bool(CALLS)
     for i, response in enumerate(result.raw_responses):
         usage = response.usage

@@ -42,8 +42,15 @@ def median_ms(fn, *args, repeats: int) -> float:
 
 
 def layer_matmuls(repeats: int, rng: np.random.Generator) -> None:
-    shapes = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, KV_WIDTH), "v": (HIDDEN, KV_WIDTH), "o": (HIDDEN, HIDDEN),
-              "gate": (HIDDEN, INTERMEDIATE), "up": (HIDDEN, INTERMEDIATE), "down": (INTERMEDIATE, HIDDEN)}  # fmt: skip
+    shapes = {
+        "q": (HIDDEN, HIDDEN),
+        "k": (HIDDEN, KV_WIDTH),
+        "v": (HIDDEN, KV_WIDTH),
+        "o": (HIDDEN, HIDDEN),
+        "gate": (HIDDEN, INTERMEDIATE),
+        "up": (HIDDEN, INTERMEDIATE),
+        "down": (INTERMEDIATE, HIDDEN),
+    }
     stacked = {n: jnp.asarray(rng.standard_normal((LAYERS, *s), dtype=np.float32) * 0.02) for n, s in shapes.items()}
     per_layer = {n: tuple(jnp.array(a[i]) for i in range(LAYERS)) for n, a in stacked.items()}
 
@@ -91,7 +98,10 @@ def decode_attention(repeats: int, rng: np.random.Generator) -> None:
 
         return run
 
-    runs = {"native": scan_of(native.paged_decode_attention_pool), "xla": scan_of(partial(blocked_paged_attention_pool))}
+    runs = {
+        "native": scan_of(native.paged_decode_attention_pool),
+        "xla": scan_of(partial(blocked_paged_attention_pool)),
+    }
     cases = []
     for rows in (1, 4, 16):
         cases.append((f"{rows:2d} rows, contiguous", np.arange(rows * width).reshape(rows, width)))

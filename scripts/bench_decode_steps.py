@@ -32,7 +32,9 @@ def main() -> None:
     parser.add_argument("--layer-weights", default="auto", help="EngineConfig.layer_weights")
     args = parser.parse_args()
     engine = Engine(
-        EngineConfig(model=str(smollm2_gguf_path()), dtype="float32", layer_weights=args.layer_weights, show_progress=False)
+        EngineConfig(
+            model=str(smollm2_gguf_path()), dtype="float32", layer_weights=args.layer_weights, show_progress=False
+        )
     )
     print(f"native decode attention: {engine.runner.native_kernels}; layer weights: {engine.runner.layer_weights}")
     steps: list[tuple[int, float]] = []
@@ -55,7 +57,9 @@ def main() -> None:
             engine.generate(prompts, greedy(args.steps + 1))
             times = [s for r, s in steps if r == rows]
             step = statistics.median(times)
-            print(f"decode {rows:2d} rows, {args.context}-token contexts: {len(times)} steps, median {step * 1e3:.1f} ms ({rows / step:.1f} tok/s)")
+            print(
+                f"decode {rows:2d} rows, {args.context}-token contexts: {len(times)} steps, median {step * 1e3:.1f} ms ({rows / step:.1f} tok/s)"
+            )
     finally:
         engine.shutdown()
 

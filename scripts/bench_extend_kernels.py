@@ -97,8 +97,10 @@ def main() -> None:
         (t_b, out_b), (t_n, out_n) = results["blocked"], results["native"]
         t_b, t_n = t_b / args.layers, t_n / args.layers
         diff = float(jnp.max(jnp.abs(out_b - out_n)))
-        print(f"| {name} | {'scattered' if scattered else 'in order'} | {t_b * 1e3:.1f} | {t_n * 1e3:.1f} | {t_n / t_b:.2f} | {flops / t_b / 1e9:.0f} | "
-              f"{flops / t_n / 1e9:.0f} | {diff:.1e} |")  # fmt: skip
+        print(
+            f"| {name} | {'scattered' if scattered else 'in order'} | {t_b * 1e3:.1f} | {t_n * 1e3:.1f} | {t_n / t_b:.2f} | {flops / t_b / 1e9:.0f} | "
+            f"{flops / t_n / 1e9:.0f} | {diff:.1e} |"
+        )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ def held_bytes(engine) -> dict:  # noqa: ANN001
     local = ctl.local_pages.device if ctl.local_pages is not None else None
     return {
         "global_pages": sum(len(t.page_table) for t in live),
-        "local_pages": sum(local.pinned(t.request_id) for t in live) if local is not None else sum(len(t.page_table) for t in live),
+        "local_pages": sum(local.pinned(t.request_id) for t in live)
+        if local is not None
+        else sum(len(t.page_table) for t in live),
         "bytes": sum(ctl.device_kv_bytes(t.request_id, t.page_table) for t in live),
     }
 
@@ -87,7 +89,11 @@ def timed_request(engine, prompt: list[int], decode_tokens: int, at_first_token=
             done.set()
 
     t0 = time.perf_counter()
-    engine.submit(prompt, SamplingParams(max_tokens=decode_tokens, ignore_eos=True), sink=CallbackSink(on_chunk, lambda exc: done.set()))
+    engine.submit(
+        prompt,
+        SamplingParams(max_tokens=decode_tokens, ignore_eos=True),
+        sink=CallbackSink(on_chunk, lambda exc: done.set()),
+    )
     if not done.wait(1800):
         raise RuntimeError("a request did not finish in 30 min")
     timed = [(at, ids) for at, ids in arrivals if ids]
@@ -98,7 +104,9 @@ def timed_request(engine, prompt: list[int], decode_tokens: int, at_first_token=
     return first - t0, (len(out) - 1) / max(last - first, 1e-9), out, (seen_first or [None])[0]
 
 
-def run(model: str, prompt_tokens: int, decode_tokens: int, rounds: int, repeats: int, local_ratio: float, chunk: int) -> dict:
+def run(
+    model: str, prompt_tokens: int, decode_tokens: int, rounds: int, repeats: int, local_ratio: float, chunk: int
+) -> dict:
     from strata_jax.api import SamplingParams
     from strata_jax.engine import Engine, EngineConfig
     from strata_jax.models.loader import load_model
@@ -108,11 +116,22 @@ def run(model: str, prompt_tokens: int, decode_tokens: int, rounds: int, repeats
     prompt = tokenizer.encode(text * (prompt_tokens // 1000 + 2))[:prompt_tokens]
     context = prompt_tokens + decode_tokens + 64
     engines = {
-        name: Engine(EngineConfig(
-            model=model, warmup=False, show_progress=False, tiers="L1+L2", dtype="float32", page_size=16,
-            device_tokens=context + 16, max_context_tokens=context, max_batch_tokens=chunk, max_batch_size=4,
-            kv_layer_groups=groups, kv_local_ratio=local_ratio if groups else 1.0,
-        ))  # fmt: skip
+        name: Engine(
+            EngineConfig(
+                model=model,
+                warmup=False,
+                show_progress=False,
+                tiers="L1+L2",
+                dtype="float32",
+                page_size=16,
+                device_tokens=context + 16,
+                max_context_tokens=context,
+                max_batch_tokens=chunk,
+                max_batch_size=4,
+                kv_layer_groups=groups,
+                kv_local_ratio=local_ratio if groups else 1.0,
+            )
+        )
         for name, groups in (("layer_first", False), ("grouped", True))
     }
     peaks = {name: PeakHeld(engine) for name, engine in engines.items()}
@@ -135,7 +154,9 @@ def run(model: str, prompt_tokens: int, decode_tokens: int, rounds: int, repeats
             for name, engine in engines.items():
                 for _ in range(repeats):
                     peaks[name].reset()
-                    ttft, rate, out, held[name] = timed_request(engine, prompt, decode_tokens, lambda e=engine: held_bytes(e))
+                    ttft, rate, out, held[name] = timed_request(
+                        engine, prompt, decode_tokens, lambda e=engine: held_bytes(e)
+                    )
                     samples[name]["ttft_s"].append(ttft)
                     samples[name]["decode_tok_s"].append(rate)
                     tokens[name]["cold"] = out
@@ -170,11 +191,21 @@ def run(model: str, prompt_tokens: int, decode_tokens: int, rounds: int, repeats
         "l2_pages": l2["grouped"]["pages"] / l2["layer_first"]["pages"],
     }
     return {
-        "model": model, "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens, "rounds": rounds,
-        "kv_local_ratio": local_ratio, "max_batch_tokens": chunk, "samples": samples, "median": med,
-        "held_at_first_token": held, "held_peak": peak, "l2_load": loaded, "l2": l2, "grouped_over_layer_first": ratio,
+        "model": model,
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
+        "rounds": rounds,
+        "kv_local_ratio": local_ratio,
+        "max_batch_tokens": chunk,
+        "samples": samples,
+        "median": med,
+        "held_at_first_token": held,
+        "held_peak": peak,
+        "l2_load": loaded,
+        "l2": l2,
+        "grouped_over_layer_first": ratio,
         "same_tokens": True,
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,7 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2)")
     parser.add_argument("--repeats", type=int, default=1, help="requests per engine per round (default 1)")
-    parser.add_argument("--kv-local-ratio", type=float, default=0.3, help="the grouped engine's local-layer pages / global (default 0.3)")
+    parser.add_argument(
+        "--kv-local-ratio",
+        type=float,
+        default=0.3,
+        help="the grouped engine's local-layer pages / global (default 0.3)",
+    )
     parser.add_argument("--max-batch-tokens", type=int, default=256, help="prefill chunk of both engines (default 256)")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
@@ -193,16 +229,33 @@ def main(argv: list[str] | None = None) -> int:
         from real_model import gemma3_gguf_path
 
         model = str(gemma3_gguf_path())
-    report = run(model, args.prompt_tokens, args.decode_tokens, args.rounds, args.repeats, args.kv_local_ratio, args.max_batch_tokens)
+    report = run(
+        model,
+        args.prompt_tokens,
+        args.decode_tokens,
+        args.rounds,
+        args.repeats,
+        args.kv_local_ratio,
+        args.max_batch_tokens,
+    )
     mib = 2**20
-    print(f"{'layout':<12} {'TTFT s':>7} {'L2 TTFT s':>10} {'decode tok/s':>13} {'pages':>6} {'local pinned':>13} "
-          f"{'MiB held':>9} {'MiB peak':>9} {'MiB L2 load':>12} {'L2 pages':>9} {'L2 MiB':>7}")  # fmt: skip
+    print(
+        f"{'layout':<12} {'TTFT s':>7} {'L2 TTFT s':>10} {'decode tok/s':>13} {'pages':>6} {'local pinned':>13} "
+        f"{'MiB held':>9} {'MiB peak':>9} {'MiB L2 load':>12} {'L2 pages':>9} {'L2 MiB':>7}"
+    )
     for name in ("layer_first", "grouped"):
-        m, h, p, ld = report["median"][name], report["held_at_first_token"][name], report["held_peak"][name], report["l2_load"][name]
+        m, h, p, ld = (
+            report["median"][name],
+            report["held_at_first_token"][name],
+            report["held_peak"][name],
+            report["l2_load"][name],
+        )
         host = report["l2"][name]
-        print(f"{name:<12} {m['ttft_s']:>7.2f} {m['l2_ttft_s']:>10.2f} {m['decode_tok_s']:>13.2f} {h['global_pages']:>6} "
-              f"{h['local_pages']:>13} {h['bytes'] / mib:>9.1f} {p['bytes'] / mib:>9.1f} {ld['bytes'] / mib:>12.1f} "
-              f"{host['pages']:>9} {host['bytes'] / mib:>7.0f}")  # fmt: skip
+        print(
+            f"{name:<12} {m['ttft_s']:>7.2f} {m['l2_ttft_s']:>10.2f} {m['decode_tok_s']:>13.2f} {h['global_pages']:>6} "
+            f"{h['local_pages']:>13} {h['bytes'] / mib:>9.1f} {p['bytes'] / mib:>9.1f} {ld['bytes'] / mib:>12.1f} "
+            f"{host['pages']:>9} {host['bytes'] / mib:>7.0f}"
+        )
     print("grouped / layer-first:", json.dumps({k: round(v, 3) for k, v in report["grouped_over_layer_first"].items()}))
     print("issue 22 target: held_bytes and l2_load_bytes <= 0.35")
     if args.json:

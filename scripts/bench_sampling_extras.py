@@ -40,8 +40,13 @@ def _child(model: str, batch: int, steps: int, variants: list[str], temperature:
     loaded = load_model(model, show_progress=False)
     context, page = 256, 16
     pages_per_seq = context // page
-    cfg = RunnerConfig(page_size=page, num_device_pages=batch * pages_per_seq + 1, max_batch_tokens=max(64, 2 * batch),
-                       max_batch_size=batch, max_context_tokens=context)  # fmt: skip
+    cfg = RunnerConfig(
+        page_size=page,
+        num_device_pages=batch * pages_per_seq + 1,
+        max_batch_tokens=max(64, 2 * batch),
+        max_batch_size=batch,
+        max_context_tokens=context,
+    )
     runner = ModelRunner(loaded.model, cfg)
     vocab = loaded.config.vocab_size
     sampling = {"temperature": temperature, "rng_key": (1, 2)} if temperature > 0 else {}
@@ -52,9 +57,20 @@ def _child(model: str, batch: int, steps: int, variants: list[str], temperature:
         kws["all"] = []
         for i in range(batch):
             slot = runner.sampling.acquire()
-            runner.sampling.seed(slot, initial_flags(vocab, list(range(i, i + 64)), [0]), initial_bias(vocab, {5: 1.0, 7: -2.0}))
-            kws["all"].append(dict(sampling_slot=slot, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3,
-                                   min_tokens_active=True, logprobs=True, **sampling))  # fmt: skip
+            runner.sampling.seed(
+                slot, initial_flags(vocab, list(range(i, i + 64)), [0]), initial_bias(vocab, {5: 1.0, 7: -2.0})
+            )
+            kws["all"].append(
+                dict(
+                    sampling_slot=slot,
+                    repetition_penalty=1.2,
+                    frequency_penalty=0.5,
+                    presence_penalty=0.3,
+                    min_tokens_active=True,
+                    logprobs=True,
+                    **sampling,
+                )
+            )
     tokens = [1] * batch
     pos = 64
 
@@ -91,7 +107,17 @@ def main() -> None:
     ap.add_argument("--child", choices=["base", "new"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(_child(args.model, args.batch, args.steps, ["none"] if args.child == "base" else ["none", "all"], args.temperature)))
+        print(
+            json.dumps(
+                _child(
+                    args.model,
+                    args.batch,
+                    args.steps,
+                    ["none"] if args.child == "base" else ["none", "all"],
+                    args.temperature,
+                )
+            )
+        )
         return
     procs = [("new", REPO)]
     if args.base_checkout:
@@ -100,8 +126,20 @@ def main() -> None:
     for r in range(args.rounds):
         for child, root in procs:
             env = dict(os.environ, PYTHONPATH=str(root))
-            cmd = [sys.executable, str(REPO / "scripts" / "bench_sampling_extras.py"), "--child", child,
-                   "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps), "--temperature", str(args.temperature)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                str(REPO / "scripts" / "bench_sampling_extras.py"),
+                "--child",
+                child,
+                "--model",
+                args.model,
+                "--batch",
+                str(args.batch),
+                "--steps",
+                str(args.steps),
+                "--temperature",
+                str(args.temperature),
+            ]
             out = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, check=True)
             for name, value in json.loads(out.stdout.strip().splitlines()[-1]).items():
                 key = "base" if child == "base" else name

@@ -98,18 +98,60 @@ def loogle_corpus(data_dir: Path, docs: int, questions: int, chars: int) -> Corp
         seen.add(title)
         picked.append(Document(title, _cut(text, chars), tuple(qs[:questions])))
     if len(picked) < docs:
-        raise SystemExit(f"the LooGLE data under {data_dir} has {len(picked)} distinct documents with "
-                         f">= {questions} questions; --docs {docs} asks for more")  # fmt: skip
+        raise SystemExit(
+            f"the LooGLE data under {data_dir} has {len(picked)} distinct documents with "
+            f">= {questions} questions; --docs {docs} asks for more"
+        )
     note = f"LooGLE ({data_dir / 'loogle'}): {docs} documents cut to {chars} characters, {questions} questions each"
     return Corpus("loogle", note, tuple(picked[:docs]))
 
 
 _WORDS = [
-    "river", "harbour", "council", "market", "bridge", "winter", "archive", "railway", "museum", "garden",
-    "festival", "engineer", "merchant", "library", "castle", "valley", "treaty", "harvest", "lantern",
-    "village", "mayor", "school", "factory", "canal", "orchestra", "painter", "printer", "quarry", "tower",
-    "island", "monastery", "forest", "lighthouse", "brewery", "ferry", "observatory", "senate", "tramway",
-    "orchard", "vineyard", "fortress", "theatre", "cathedral", "mill", "granary",
+    "river",
+    "harbour",
+    "council",
+    "market",
+    "bridge",
+    "winter",
+    "archive",
+    "railway",
+    "museum",
+    "garden",
+    "festival",
+    "engineer",
+    "merchant",
+    "library",
+    "castle",
+    "valley",
+    "treaty",
+    "harvest",
+    "lantern",
+    "village",
+    "mayor",
+    "school",
+    "factory",
+    "canal",
+    "orchestra",
+    "painter",
+    "printer",
+    "quarry",
+    "tower",
+    "island",
+    "monastery",
+    "forest",
+    "lighthouse",
+    "brewery",
+    "ferry",
+    "observatory",
+    "senate",
+    "tramway",
+    "orchard",
+    "vineyard",
+    "fortress",
+    "theatre",
+    "cathedral",
+    "mill",
+    "granary",
 ]
 
 
@@ -122,9 +164,11 @@ def synthetic_corpus(docs: int, questions: int, chars: int, seed: int) -> Corpus
         sentences = [f"This is the chronicle of {town}, document number {d}."]
         while sum(len(s) + 1 for s in sentences) < chars:
             words = rng.sample(_WORDS, 7)
-            sentences.append(f"In {rng.randint(1500, 2020)} the {words[0]} of {town} met the {words[1]} near the "
-                             f"{words[2]}, and the {words[3]} was rebuilt beside the {words[4]} and the {words[5]} "
-                             f"for the {words[6]}.")  # fmt: skip
+            sentences.append(
+                f"In {rng.randint(1500, 2020)} the {words[0]} of {town} met the {words[1]} near the "
+                f"{words[2]}, and the {words[3]} was rebuilt beside the {words[4]} and the {words[5]} "
+                f"for the {words[6]}."
+            )
         topics = rng.sample(_WORDS, questions)
         qs = tuple(f"What does the chronicle of {town} say about the {t}?" for t in topics)
         documents.append(Document(f"synthetic {town}", _cut(" ".join(sentences), chars), qs))
@@ -136,7 +180,10 @@ def load_corpus(data_dir: Path, docs: int, questions: int, chars: int, seed: int
     corpus = loogle_corpus(data_dir, docs, questions, chars)
     if corpus is None:
         corpus = synthetic_corpus(docs, questions, chars, seed)
-        print(f"no LooGLE data under {data_dir / 'loogle'} (a clone has no ../shared): using {corpus.note}", file=sys.stderr)
+        print(
+            f"no LooGLE data under {data_dir / 'loogle'} (a clone has no ../shared): using {corpus.note}",
+            file=sys.stderr,
+        )
     return corpus
 
 
@@ -178,8 +225,9 @@ def same_tokens(a: dict[str, Any] | Answer, b: dict[str, Any] | Answer) -> bool:
     return bool(ta) and ta == tb and all(abs(x - y) <= LOGPROB_TOLERANCE for x, y in zip(la, lb))
 
 
-async def ask(client: httpx.AsyncClient, url: str, model: str, corpus: Corpus, doc: int, question: int,
-              max_tokens: int, t0: float) -> Answer:  # fmt: skip
+async def ask(
+    client: httpx.AsyncClient, url: str, model: str, corpus: Corpus, doc: int, question: int, max_tokens: int, t0: float
+) -> Answer:
     """One streamed, greedy chat completion; never raises (a failure is ``Answer.error``)."""
     d = corpus.documents[doc]
     body = {
@@ -204,7 +252,7 @@ async def ask(client: httpx.AsyncClient, url: str, model: str, corpus: Corpus, d
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
                         continue
-                    data = line[len("data: "):]
+                    data = line[len("data: ") :]
                     if data.strip() == "[DONE]":
                         done = True
                         break
@@ -289,8 +337,9 @@ class ReplicaStats:
     requests_per_s: float
 
 
-def replica_stats(urls: list[str], ids: list[str], before: list[dict], after: list[dict], answers: list[Answer],
-                  wall_s: float) -> list[ReplicaStats]:  # fmt: skip
+def replica_stats(
+    urls: list[str], ids: list[str], before: list[dict], after: list[dict], answers: list[Answer], wall_s: float
+) -> list[ReplicaStats]:
     first_by_doc: dict[int, int | None] = {}
     for a in sorted(answers, key=lambda a: a.start_s):
         if a.error is None:
@@ -302,18 +351,23 @@ def replica_stats(urls: list[str], ids: list[str], before: list[dict], after: li
         done = int(_delta(a, b, "requests{stop}") + _delta(a, b, "requests{length}"))
         failed = int(sum(_delta(a, b, k) for k in a if k.startswith("requests{")) - done)
         count = _delta(a, b, "strata_time_to_first_token_seconds_count")
-        stats.append(ReplicaStats(
-            url=url, instance_id=iid, requests=done, failed=failed,
-            hit_tokens={t: int(_delta(a, b, f"cached{{{t}}}")) for t in TIERS},
-            prompt_tokens=int(_delta(a, b, "strata_prompt_tokens_total")),
-            completion_tokens=int(_delta(a, b, "strata_completion_tokens_total")),
-            client_requests=len(mine),
-            documents_computed=sum(1 for r in first_by_doc.values() if r == i),
-            mean_ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
-            server_mean_ttft_s=_delta(a, b, "strata_time_to_first_token_seconds_sum") / count if count else None,
-            tokens_per_s=_delta(a, b, "strata_completion_tokens_total") / wall_s,
-            requests_per_s=done / wall_s,
-        ))  # fmt: skip
+        stats.append(
+            ReplicaStats(
+                url=url,
+                instance_id=iid,
+                requests=done,
+                failed=failed,
+                hit_tokens={t: int(_delta(a, b, f"cached{{{t}}}")) for t in TIERS},
+                prompt_tokens=int(_delta(a, b, "strata_prompt_tokens_total")),
+                completion_tokens=int(_delta(a, b, "strata_completion_tokens_total")),
+                client_requests=len(mine),
+                documents_computed=sum(1 for r in first_by_doc.values() if r == i),
+                mean_ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
+                server_mean_ttft_s=_delta(a, b, "strata_time_to_first_token_seconds_sum") / count if count else None,
+                tokens_per_s=_delta(a, b, "strata_completion_tokens_total") / wall_s,
+                requests_per_s=done / wall_s,
+            )
+        )
     return stats
 
 
@@ -327,24 +381,40 @@ def classify(answers: list[Answer]) -> list[dict[str, Any]]:
     for a in sorted(answers, key=lambda a: a.start_s):
         if a.error is not None:
             first = computed.get(a.doc)
-            out.append({"answer": a, "computed_on": first.replica if first else None, "foreign_first": False,
-                        "while_computing": False})  # fmt: skip
+            out.append(
+                {
+                    "answer": a,
+                    "computed_on": first.replica if first else None,
+                    "foreign_first": False,
+                    "while_computing": False,
+                }
+            )
             continue
         first = computed.setdefault(a.doc, a)
         elsewhere = first is not a and a.replica != first.replica and (a.doc, a.replica) not in seen
         seen.add((a.doc, a.replica))
-        out.append({
-            "answer": a,
-            "computed_on": first.replica,
-            "foreign_first": elsewhere and a.start_s >= first.end_s,
-            "while_computing": elsewhere and a.start_s < first.end_s,  # the document was not in L3 yet
-        })  # fmt: skip
+        out.append(
+            {
+                "answer": a,
+                "computed_on": first.replica,
+                "foreign_first": elsewhere and a.start_s >= first.end_s,
+                "while_computing": elsewhere and a.start_s < first.end_s,  # the document was not in L3 yet
+            }
+        )
     return out
 
 
 # ---- run -----------------------------------------------------------------------------------------
-async def run_workload(router: str, model: str, corpus: Corpus, pairs: list[tuple[int, int]], concurrency: int,
-                       max_tokens: int, ids: list[str], timeout_s: float) -> tuple[list[Answer], float]:  # fmt: skip
+async def run_workload(
+    router: str,
+    model: str,
+    corpus: Corpus,
+    pairs: list[tuple[int, int]],
+    concurrency: int,
+    max_tokens: int,
+    ids: list[str],
+    timeout_s: float,
+) -> tuple[list[Answer], float]:
     queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
     for p in pairs:
         queue.put_nowait(p)
@@ -375,9 +445,12 @@ def probe_router(router: str, model: str, ids: list[str]) -> dict[str, Any]:
     instance = r.headers.get(INSTANCE_HEADER)
     return {
         "models": [m["id"] for m in models.json().get("data", [])],
-        "completions": {"status": r.status_code, "replica": ids.index(instance) if instance in ids else None,
-                        "text": r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:300]},
-    }  # fmt: skip
+        "completions": {
+            "status": r.status_code,
+            "replica": ids.index(instance) if instance in ids else None,
+            "text": r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:300],
+        },
+    }
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -385,16 +458,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     pairs = schedule(args.docs, args.questions, args.seed)
     ids = instance_ids(args.replicas)
     probe = probe_router(args.router, args.model, ids)
-    print(f"the router lists {probe['models']}; /v1/completions through it: HTTP {probe['completions']['status']} "
-          f"from replica {probe['completions']['replica']}", file=sys.stderr)  # fmt: skip
+    print(
+        f"the router lists {probe['models']}; /v1/completions through it: HTTP {probe['completions']['status']} "
+        f"from replica {probe['completions']['replica']}",
+        file=sys.stderr,
+    )
     if args.flush_after_probe:
         for url in args.replicas:  # the probe's pages must not count as the workload's hits
             httpx.post(url.rstrip("/") + "/admin/flush_cache", json={"tier": "all"}, timeout=60).raise_for_status()
     before = [scrape(u) for u in args.replicas]
-    print(f"{args.policy}: {len(pairs)} requests ({corpus.note}), {args.concurrency} in flight, via {args.router}",
-          file=sys.stderr)  # fmt: skip
-    answers, wall_s = asyncio.run(run_workload(args.router, args.model, corpus, pairs, args.concurrency,
-                                               args.max_tokens, ids, args.request_timeout_s))  # fmt: skip
+    print(
+        f"{args.policy}: {len(pairs)} requests ({corpus.note}), {args.concurrency} in flight, via {args.router}",
+        file=sys.stderr,
+    )
+    answers, wall_s = asyncio.run(
+        run_workload(
+            args.router, args.model, corpus, pairs, args.concurrency, args.max_tokens, ids, args.request_timeout_s
+        )
+    )
     after = [scrape(u) for u in args.replicas]
     stats = replica_stats(args.replicas, ids, before, after, answers, wall_s)
     result = {
@@ -415,8 +496,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         "wall_s": wall_s,
         "replicas": [dataclasses.asdict(s) for s in stats],
         "answers": [
-            {**dataclasses.asdict(c["answer"]), "computed_on": c["computed_on"], "foreign_first": c["foreign_first"],
-             "while_computing": c["while_computing"]}
+            {
+                **dataclasses.asdict(c["answer"]),
+                "computed_on": c["computed_on"],
+                "foreign_first": c["foreign_first"],
+                "while_computing": c["while_computing"],
+            }
             for c in classify(answers)
         ],
     }
@@ -435,22 +520,28 @@ def _ms(s: float | None) -> str:
 
 
 def print_table(runs: list[dict]) -> None:
-    print(f"{'policy':<12} {'replica':<24} {'reqs':>5} {'docs':>5} {'L1 hit':>7} {'L2 hit':>7} {'L3 hit':>7} "
-          f"{'prompt':>7} {'TTFT ms':>8} {'tok/s':>6} {'req/s':>6}")  # fmt: skip
+    print(
+        f"{'policy':<12} {'replica':<24} {'reqs':>5} {'docs':>5} {'L1 hit':>7} {'L2 hit':>7} {'L3 hit':>7} "
+        f"{'prompt':>7} {'TTFT ms':>8} {'tok/s':>6} {'req/s':>6}"
+    )
     for run in runs:
         for r in run["replicas"]:
             h = r["hit_tokens"]
-            print(f"{run['policy']:<12} {r['url']:<24} {r['requests']:>5} {r['documents_computed']:>5} {h['device']:>7} "
-                  f"{h['host']:>7} {h['storage']:>7} {r['prompt_tokens']:>7} {_ms(r['mean_ttft_s'])} "
-                  f"{r['tokens_per_s']:>6.1f} {r['requests_per_s']:>6.2f}")  # fmt: skip
+            print(
+                f"{run['policy']:<12} {r['url']:<24} {r['requests']:>5} {r['documents_computed']:>5} {h['device']:>7} "
+                f"{h['host']:>7} {h['storage']:>7} {r['prompt_tokens']:>7} {_ms(r['mean_ttft_s'])} "
+                f"{r['tokens_per_s']:>6.1f} {r['requests_per_s']:>6.2f}"
+            )
         ok = [a for a in run["answers"] if a["error"] is None]
         ttft = [a["ttft_s"] for a in ok if a["ttft_s"] is not None]
         hits = {t: sum(r["hit_tokens"][t] for r in run["replicas"]) for t in TIERS}
         tokens = sum(r["completion_tokens"] for r in run["replicas"])
-        print(f"{run['policy']:<12} {'all (via the router)':<24} {len(ok):>5} {run['documents']['count']:>5} "
-              f"{hits['device']:>7} {hits['host']:>7} {hits['storage']:>7} "
-              f"{sum(r['prompt_tokens'] for r in run['replicas']):>7} {_ms(sum(ttft) / len(ttft) if ttft else None)} "
-              f"{tokens / run['wall_s']:>6.1f} {len(ok) / run['wall_s']:>6.2f}   ({run['wall_s']:.0f} s)")  # fmt: skip
+        print(
+            f"{run['policy']:<12} {'all (via the router)':<24} {len(ok):>5} {run['documents']['count']:>5} "
+            f"{hits['device']:>7} {hits['host']:>7} {hits['storage']:>7} "
+            f"{sum(r['prompt_tokens'] for r in run['replicas']):>7} {_ms(sum(ttft) / len(ttft) if ttft else None)} "
+            f"{tokens / run['wall_s']:>6.1f} {len(ok) / run['wall_s']:>6.2f}   ({run['wall_s']:.0f} s)"
+        )
 
 
 def checks(runs: list[dict]) -> list[tuple[str, bool, str]]:
@@ -459,37 +550,68 @@ def checks(runs: list[dict]) -> list[tuple[str, bool, str]]:
     by_policy = {r["policy"]: r for r in runs}
     for run in runs:
         probe = run["router_probe"]
-        out.append((f"{run['policy']}: the router lists the served model", probe["models"] == [run["model"]],
-                    f"/v1/models: {probe['models']}"))  # fmt: skip
-        out.append((f"{run['policy']}: /v1/completions routes", probe["completions"]["status"] == 200
-                    and probe["completions"]["replica"] is not None,
-                    f"HTTP {probe['completions']['status']}, answered by replica {probe['completions']['replica']}"))  # fmt: skip
+        out.append(
+            (
+                f"{run['policy']}: the router lists the served model",
+                probe["models"] == [run["model"]],
+                f"/v1/models: {probe['models']}",
+            )
+        )
+        out.append(
+            (
+                f"{run['policy']}: /v1/completions routes",
+                probe["completions"]["status"] == 200 and probe["completions"]["replica"] is not None,
+                f"HTTP {probe['completions']['status']}, answered by replica {probe['completions']['replica']}",
+            )
+        )
         errors = [a for a in run["answers"] if a["error"]]
-        out.append((f"{run['policy']}: every request answered", not errors,
-                    f"{len(run['answers']) - len(errors)}/{len(run['answers'])} answered"))  # fmt: skip
+        out.append(
+            (
+                f"{run['policy']}: every request answered",
+                not errors,
+                f"{len(run['answers']) - len(errors)}/{len(run['answers'])} answered",
+            )
+        )
         used = Counter(a["replica"] for a in run["answers"] if a["error"] is None)
-        out.append((f"{run['policy']}: requests per replica", True,
-                    ", ".join(f"replica {k}: {v}" for k, v in sorted(used.items(), key=lambda kv: str(kv[0])))))  # fmt: skip
+        out.append(
+            (
+                f"{run['policy']}: requests per replica",
+                True,
+                ", ".join(f"replica {k}: {v}" for k, v in sorted(used.items(), key=lambda kv: str(kv[0]))),
+            )
+        )
     rr, ca = by_policy.get("round_robin"), by_policy.get("cache_aware")
     if rr is not None:
         foreign = [a for a in rr["answers"] if a["foreign_first"]]
         with_l3 = [a for a in foreign if a["cached"]["storage"] > 0]
         racing = sum(1 for a in rr["answers"] if a["while_computing"])
-        detail = (f"{len(with_l3)}/{len(foreign)} questions whose document another replica had computed took it from "
-                  f"L3 ({sum(a['cached']['storage'] for a in foreign)} L3 tokens of "
-                  f"{sum(a['prompt_tokens'] for a in foreign)} prompt tokens; not counted: {racing} sent while "
-                  f"the other replica was still computing the document)")  # fmt: skip
+        detail = (
+            f"{len(with_l3)}/{len(foreign)} questions whose document another replica had computed took it from "
+            f"L3 ({sum(a['cached']['storage'] for a in foreign)} L3 tokens of "
+            f"{sum(a['prompt_tokens'] for a in foreign)} prompt tokens; not counted: {racing} sent while "
+            f"the other replica was still computing the document)"
+        )
         out.append(("round_robin: L3 hits across replicas", bool(foreign) and len(with_l3) == len(foreign), detail))
         if ca is not None:
             ref = {(a["doc"], a["question"]): a for a in ca["answers"] if a["error"] is None}
             compared = [a for a in foreign if (a["doc"], a["question"]) in ref]
             same = [a for a in compared if same_tokens(a, ref[(a["doc"], a["question"])])]
-            out.append(("round_robin: same greedy tokens as cache_aware where L3 served the document",
-                        bool(compared) and len(same) == len(compared), f"{len(same)}/{len(compared)} identical"))  # fmt: skip
+            out.append(
+                (
+                    "round_robin: same greedy tokens as cache_aware where L3 served the document",
+                    bool(compared) and len(same) == len(compared),
+                    f"{len(same)}/{len(compared)} identical",
+                )
+            )
             everything = [a for a in rr["answers"] if a["error"] is None and (a["doc"], a["question"]) in ref]
             equal = sum(1 for a in everything if same_tokens(a, ref[(a["doc"], a["question"])]))
-            out.append(("all questions: same greedy tokens in both runs (informational)", True,
-                        f"{equal}/{len(everything)} identical"))  # fmt: skip
+            out.append(
+                (
+                    "all questions: same greedy tokens in both runs (informational)",
+                    True,
+                    f"{equal}/{len(everything)} identical",
+                )
+            )
     return out
 
 
@@ -503,8 +625,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     for name, ok, detail in results:
         print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"runs": runs, "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in results]}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"runs": runs, "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in results]}, indent=1
+            )
+        )
     return 0 if all(ok for _, ok, _ in results) else 1
 
 
@@ -540,7 +665,10 @@ async def failover_load(args: argparse.Namespace, corpus: Corpus, ids: list[str]
             await asyncio.sleep(args.before_s)
             os.kill(args.kill_pid, getattr(signal, f"SIG{args.signal}"))
             kill_s = time.perf_counter() - t0
-            print(f"  [{kill_s:7.1f} s] SIG{args.signal} -> replica {args.kill_replica} (pid {args.kill_pid})", file=sys.stderr)
+            print(
+                f"  [{kill_s:7.1f} s] SIG{args.signal} -> replica {args.kill_replica} (pid {args.kill_pid})",
+                file=sys.stderr,
+            )
             while time.perf_counter() - t0 < stop_s:
                 health = await asyncio.to_thread(router_health, args.router)
                 if not health.get(victim_url, False):
@@ -557,8 +685,11 @@ def cmd_failover(args: argparse.Namespace) -> int:
     corpus = load_corpus(Path(args.data_dir), args.docs, args.questions, args.doc_chars, args.seed)
     ids = instance_ids(args.replicas)
     victim = args.kill_replica
-    print(f"failover: {args.concurrency} streams through {args.router} for {args.before_s} s, then SIG{args.signal} to "
-          f"replica {victim}, {args.after_s} s more", file=sys.stderr)  # fmt: skip
+    print(
+        f"failover: {args.concurrency} streams through {args.router} for {args.before_s} s, then SIG{args.signal} to "
+        f"replica {victim}, {args.after_s} s more",
+        file=sys.stderr,
+    )
     out = asyncio.run(failover_load(args, corpus, ids))
     answers: list[Answer] = out["answers"]
     kill_s, noticed_s = out["kill_s"], out["noticed_s"]
@@ -570,34 +701,64 @@ def cmd_failover(args: argparse.Namespace) -> int:
     after = [a for a in answers if noticed_s is not None and a.start_s > noticed_s]
     survivors = [i for i in range(len(args.replicas)) if i != victim]
     results = [
-        ("the router marked the killed replica unhealthy", noticed_s is not None,
-         f"{noticed_s - kill_s:.1f} s after the kill" if noticed_s is not None else "never"),
-        ("errors only for requests in flight at the kill, none served by a survivor",
-         all(id(a) in in_flight_ids and a.replica not in survivors for a in errors),
-         (f"{len(errors)} errors; {len(in_flight)} requests in flight at the kill "
-          f"({sum(1 for a in in_flight if a.replica == victim)} known on the killed replica)")),
-        ("requests sent after the router noticed: all answered by a survivor",
-         bool(after) and all(a.error is None and a.replica in survivors for a in after),
-         f"{sum(1 for a in after if a.error is None and a.replica in survivors)}/{len(after)}"),
-        ("the survivors kept serving", any(a.error is None and a.replica in survivors and a.start_s > kill_s for a in answers),
-         f"{sum(1 for a in answers if a.error is None and a.replica in survivors and a.start_s > kill_s)} answered after the kill"),
-    ]  # fmt: skip
+        (
+            "the router marked the killed replica unhealthy",
+            noticed_s is not None,
+            f"{noticed_s - kill_s:.1f} s after the kill" if noticed_s is not None else "never",
+        ),
+        (
+            "errors only for requests in flight at the kill, none served by a survivor",
+            all(id(a) in in_flight_ids and a.replica not in survivors for a in errors),
+            (
+                f"{len(errors)} errors; {len(in_flight)} requests in flight at the kill "
+                f"({sum(1 for a in in_flight if a.replica == victim)} known on the killed replica)"
+            ),
+        ),
+        (
+            "requests sent after the router noticed: all answered by a survivor",
+            bool(after) and all(a.error is None and a.replica in survivors for a in after),
+            f"{sum(1 for a in after if a.error is None and a.replica in survivors)}/{len(after)}",
+        ),
+        (
+            "the survivors kept serving",
+            any(a.error is None and a.replica in survivors and a.start_s > kill_s for a in answers),
+            f"{sum(1 for a in answers if a.error is None and a.replica in survivors and a.start_s > kill_s)} answered after the kill",
+        ),
+    ]
     for a in errors:
         print(f"  error (started {a.start_s:.1f} s, replica {a.replica}): {a.error}", file=sys.stderr)
     for name, ok, detail in results:
         print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
     before = [a for a in answers if a.error is None and a.end_s < kill_s]
-    print(f"answered before the kill: {len(before)} "
-          f"({', '.join(f'replica {i}: {sum(1 for a in before if a.replica == i)}' for i in range(len(args.replicas)))})")
+    print(
+        f"answered before the kill: {len(before)} "
+        f"({', '.join(f'replica {i}: {sum(1 for a in before if a.replica == i)}' for i in range(len(args.replicas)))})"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "replicas": args.replicas, "killed": victim, "signal": args.signal, "kill_s": kill_s, "noticed_s": noticed_s,
-            "documents": {"source": corpus.source, "note": corpus.note, "chars": args.doc_chars, "docs": args.docs,
-                          "questions": args.questions, "seed": args.seed, "data_dir": args.data_dir},
-            "max_tokens": args.max_tokens,
-            "answers": [dataclasses.asdict(a) for a in answers],
-            "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in results],
-        }, indent=1))  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "replicas": args.replicas,
+                    "killed": victim,
+                    "signal": args.signal,
+                    "kill_s": kill_s,
+                    "noticed_s": noticed_s,
+                    "documents": {
+                        "source": corpus.source,
+                        "note": corpus.note,
+                        "chars": args.doc_chars,
+                        "docs": args.docs,
+                        "questions": args.questions,
+                        "seed": args.seed,
+                        "data_dir": args.data_dir,
+                    },
+                    "max_tokens": args.max_tokens,
+                    "answers": [dataclasses.asdict(a) for a in answers],
+                    "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in results],
+                },
+                indent=1,
+            )
+        )
     return 0 if all(ok for _, ok, _ in results) else 1
 
 
@@ -628,11 +789,18 @@ def cmd_verify_l3(args: argparse.Namespace) -> int:
     for (d, q), a in zip(picks, got):
         same = same_tokens(a, reference[(d, q)])
         ok = a.error is None and a.cached["storage"] > 0 and same
-        results.append((f"doc {d} q {q} read back from L3", ok,
-                        a.error or f"{a.cached['storage']}/{a.prompt_tokens} prompt tokens from L3, "
-                        f"tokens {'identical' if same else 'DIFFERENT'}: {a.text!r}"))  # fmt: skip
-    results.append(("no corrupt L3 object read", storage.get("corrupt") == 0,
-                    f"storage stats of the restarted replica: {storage}"))  # fmt: skip
+        results.append(
+            (
+                f"doc {d} q {q} read back from L3",
+                ok,
+                a.error
+                or f"{a.cached['storage']}/{a.prompt_tokens} prompt tokens from L3, "
+                f"tokens {'identical' if same else 'DIFFERENT'}: {a.text!r}",
+            )
+        )
+    results.append(
+        ("no corrupt L3 object read", storage.get("corrupt") == 0, f"storage stats of the restarted replica: {storage}")
+    )
     # the router routes to the restarted replica again (health checks passed)
     deadline = time.monotonic() + args.rejoin_timeout_s
     while time.monotonic() < deadline and not router_health(args.router).get(args.replica.rstrip("/"), False):
@@ -642,17 +810,31 @@ def cmd_verify_l3(args: argparse.Namespace) -> int:
     async def via_router() -> list[Answer]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout_s, connect=10)) as client:
             t0 = time.perf_counter()
-            return [await ask(client, args.router, args.model, corpus, d, q, prior["max_tokens"], t0) for d, q in picks * 2]
+            return [
+                await ask(client, args.router, args.model, corpus, d, q, prior["max_tokens"], t0) for d, q in picks * 2
+            ]
 
     routed = asyncio.run(via_router())
     back = sum(1 for a in routed if a.error is None and a.instance == new_id)
-    results.append(("the router sends to the restarted replica again", back > 0,
-                    f"{back}/{len(routed)} requests through the router answered by it"))  # fmt: skip
+    results.append(
+        (
+            "the router sends to the restarted replica again",
+            back > 0,
+            f"{back}/{len(routed)} requests through the router answered by it",
+        )
+    )
     for name, ok, detail in results:
         print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in results],
-                                               "answers": [dataclasses.asdict(a) for a in got]}, indent=1))  # fmt: skip
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "checks": [{"name": n, "passed": ok, "detail": d} for n, ok, d in results],
+                    "answers": [dataclasses.asdict(a) for a in got],
+                },
+                indent=1,
+            )
+        )
     return 0 if all(ok for _, ok, _ in results) else 1
 
 
@@ -662,13 +844,20 @@ def _workload_flags(p: argparse.ArgumentParser, docs: int, questions: int, concu
     p.add_argument("--model", required=True, help="the served model name")
     p.add_argument("--docs", type=int, default=docs, help="documents")
     p.add_argument("--questions", type=int, default=questions, help="questions per document")
-    p.add_argument("--doc-chars", type=int, default=5300,
-                   help="characters per document (5300: ~1,200 SmolLM2 tokens of LooGLE text)")  # fmt: skip
+    p.add_argument(
+        "--doc-chars",
+        type=int,
+        default=5300,
+        help="characters per document (5300: ~1,200 SmolLM2 tokens of LooGLE text)",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of each answer (greedy)")
     p.add_argument("--concurrency", type=int, default=concurrency, help="requests in flight")
     p.add_argument("--seed", type=int, default=0, help="order of the questions; synthetic documents")
-    p.add_argument("--data-dir", default=os.environ.get("STRATA_DATA_DIR", str(DEFAULT_DATA_DIR)),
-                   help="folder holding loogle/*.jsonl (default $STRATA_DATA_DIR or ../shared/data)")  # fmt: skip
+    p.add_argument(
+        "--data-dir",
+        default=os.environ.get("STRATA_DATA_DIR", str(DEFAULT_DATA_DIR)),
+        help="folder holding loogle/*.jsonl (default $STRATA_DATA_DIR or ../shared/data)",
+    )
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="per request")
     p.add_argument("--json", default=None, help="write the results here")
 
@@ -680,8 +869,12 @@ def main(argv: list[str] | None = None) -> int:
     _workload_flags(run, docs=8, questions=6, concurrency=2)
     run.add_argument("--replicas", nargs="+", required=True, help="each replica's URL (for /server_info and /metrics)")
     run.add_argument("--policy", required=True, help="the router's policy (a label for the report)")
-    run.add_argument("--no-flush-after-probe", dest="flush_after_probe", action="store_false",
-                     help="keep what the /v1/completions probe cached (default: flush every tier before the workload)")
+    run.add_argument(
+        "--no-flush-after-probe",
+        dest="flush_after_probe",
+        action="store_false",
+        help="keep what the /v1/completions probe cached (default: flush every tier before the workload)",
+    )
     report = sub.add_parser("report", help="runs side by side, and the checks")
     report.add_argument("runs", nargs="+", help="JSON files written by `run`")
     report.add_argument("--json", default=None)
@@ -700,8 +893,12 @@ def main(argv: list[str] | None = None) -> int:
     verify.add_argument("--failover", required=True, help="the JSON written by `failover`")
     verify.add_argument("--questions", type=int, default=3, help="questions to read back (one per document)")
     verify.add_argument("--rejoin-timeout-s", type=float, default=30.0)
-    verify.add_argument("--settle-s", type=float, default=5.0,
-                        help="read back questions answered at least this long before the kill (L3 writes are asynchronous)")
+    verify.add_argument(
+        "--settle-s",
+        type=float,
+        default=5.0,
+        help="read back questions answered at least this long before the kill (L3 writes are asynchronous)",
+    )
     verify.add_argument("--request-timeout-s", type=float, default=600.0)
     verify.add_argument("--json", default=None)
     args = parser.parse_args(argv)

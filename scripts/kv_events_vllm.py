@@ -52,8 +52,15 @@ def stored_on_gpu(batches) -> list[BlockStored]:
 
 
 document = " ".join(f"Fact {i}: the {i}th stone of the wall is grey." for i in range(40))
-ask = lambda q: post("/v1/chat/completions", {"model": "strata-events", "max_tokens": 4, "temperature": 0,  # noqa: E731
-                                               "messages": [{"role": "user", "content": f"{document}\n\n{q}"}]})
+ask = lambda q: post(
+    "/v1/chat/completions",
+    {
+        "model": "strata-events",
+        "max_tokens": 4,
+        "temperature": 0,  # noqa: E731
+        "messages": [{"role": "user", "content": f"{document}\n\n{q}"}],
+    },
+)
 first = ask("Which stone is grey?")
 collect()
 n_first = len(received)
@@ -102,7 +109,9 @@ assert all(replayed[seq] == payload for seq, _, payload in received), "the repla
 
 kinds = sorted({f"{type(e).__name__}({getattr(e, 'medium', '') or ''})" for e in events})
 print(f"decoded {len(received)} batches, {len(events)} events with vLLM's KVEventBatch: {', '.join(kinds)}")
-print(f"first question: {prompt_tokens} prompt tokens -> {len(blocks)} GPU blocks stored; "
-      f"second: {cached} cached tokens, {sum(len(e.block_hashes) for e in later)} new blocks chained on block "
-      f"{later[0].parent_block_hash:#018x}; flush -> AllBlocksCleared; replay from seq {start}: {len(replayed)} batches, same bytes")
+print(
+    f"first question: {prompt_tokens} prompt tokens -> {len(blocks)} GPU blocks stored; "
+    f"second: {cached} cached tokens, {sum(len(e.block_hashes) for e in later)} new blocks chained on block "
+    f"{later[0].parent_block_hash:#018x}; flush -> AllBlocksCleared; replay from seq {start}: {len(replayed)} batches, same bytes"
+)
 print("OK")

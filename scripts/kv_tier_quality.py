@@ -49,15 +49,26 @@ def demo_prompts(tokenizer, n: int, length: int, stride: int = 40) -> list[list[
     doc = json.loads((ROOT / "strata_jax" / "demo_data" / "loogle_picardo.json").read_text())["text"]
     ids = tokenizer.encode(doc)
     if (n - 1) * stride + length > len(ids):
-        raise SystemExit(f"the demo document has {len(ids)} tokens: too few for {n} prompts of {length} at stride {stride}")
+        raise SystemExit(
+            f"the demo document has {len(ids)} tokens: too few for {n} prompts of {length} at stride {stride}"
+        )
     return [ids[i * stride : i * stride + length] for i in range(n)]
 
 
 def _engine(model: str, **kw):  # noqa: ANN003, ANN202
     from strata_jax.engine import Engine, EngineConfig
 
-    base = dict(model=model, warmup=False, show_progress=False, page_size=16, max_context_tokens=1024, dtype="float32",
-                max_batch_tokens=512, max_batch_size=8, compilation_cache_dir="none")  # fmt: skip
+    base = dict(
+        model=model,
+        warmup=False,
+        show_progress=False,
+        page_size=16,
+        max_context_tokens=1024,
+        dtype="float32",
+        max_batch_tokens=512,
+        max_batch_size=8,
+        compilation_cache_dir="none",
+    )
     base.update(kw)
     return Engine(EngineConfig(**base))
 
@@ -85,7 +96,9 @@ class Tally:
         self.outside += not inside
         self.deltas.append(abs(value - ref_logprob))
         if argmax != ref_token:  # how close the reference itself was to choosing otherwise
-            self.flips.append({"at": where, "reference_top1_minus_top2": ref_margin, "delta_logprob": abs(value - ref_logprob)})
+            self.flips.append(
+                {"at": where, "reference_top1_minus_top2": ref_margin, "delta_logprob": abs(value - ref_logprob)}
+            )
 
     def merge(self, other: Tally, prompt_offset: int = 0) -> None:
         """Add ``other``'s positions (asked of prompts numbered from ``prompt_offset``)."""
@@ -113,8 +126,9 @@ def _device_tokens(prompts: list[list[int]], positions: int) -> int:
     return max(4096, len(prompts) * (len(prompts[0]) + positions + 32))
 
 
-def teacher_forced(engine, prompts: list[list[int]], ref_tokens: list, ref_lps: list, margins: list, positions: int,
-                   check_first=None) -> Tally:  # noqa: ANN001  # fmt: skip
+def teacher_forced(
+    engine, prompts: list[list[int]], ref_tokens: list, ref_lps: list, margins: list, positions: int, check_first=None
+) -> Tally:  # noqa: ANN001
     """Position j of every prompt asked as prompt + the reference's first j tokens, one token
     each; ``check_first(i, output)`` sees each prompt's first ask (where its pages came from)."""
     from strata_jax.api import SamplingParams
@@ -159,7 +173,9 @@ def reference_and_l2(model: str, fmt: str, prompts: list[list[int]], positions: 
         engine.shutdown()
 
 
-def l1_fp8(model: str, prompts: list[list[int]], ref_tokens: list, ref_lps: list, margins: list, positions: int) -> dict:
+def l1_fp8(
+    model: str, prompts: list[list[int]], ref_tokens: list, ref_lps: list, margins: list, positions: int
+) -> dict:
     """Teacher-forced positions on an engine whose L1 is fp8 (no other tier), one prompt at a
     time over a small pool: XLA:CPU rewrites a whole fp8 buffer on every update, so the
     pool is sized for one prompt (a pool for all of them made this row take hours)."""
@@ -167,7 +183,9 @@ def l1_fp8(model: str, prompts: list[list[int]], ref_tokens: list, ref_lps: list
     try:
         tally = Tally()
         for i in range(len(prompts)):
-            one = teacher_forced(engine, prompts[i : i + 1], ref_tokens[i : i + 1], ref_lps[i : i + 1], margins[i : i + 1], positions)
+            one = teacher_forced(
+                engine, prompts[i : i + 1], ref_tokens[i : i + 1], ref_lps[i : i + 1], margins[i : i + 1], positions
+            )
             tally.merge(one, prompt_offset=i)
             engine.flush_cache("device")
         return tally.result() | {"device_bytes_per_token": engine.ctl.stats()["device_bytes_per_token"]}
@@ -176,9 +194,12 @@ def l1_fp8(model: str, prompts: list[list[int]], ref_tokens: list, ref_lps: list
 
 
 def _print_row(name: str, r: dict) -> None:
-    print(f"{name:<9} {r['positions']:>9} {r['top1_agreement']:>7.4f} {r['mean_abs_delta_logprob']:>10.4f} "
-          f"{r['max_abs_delta_logprob']:>9.4f} {r['outside_top']:>7} "
-          f"{r.get('host_bytes_per_token') or r['device_bytes_per_token']:>11.0f} {r['seconds']:>8.0f}", flush=True)  # fmt: skip
+    print(
+        f"{name:<9} {r['positions']:>9} {r['top1_agreement']:>7.4f} {r['mean_abs_delta_logprob']:>10.4f} "
+        f"{r['max_abs_delta_logprob']:>9.4f} {r['outside_top']:>7} "
+        f"{r.get('host_bytes_per_token') or r['device_bytes_per_token']:>11.0f} {r['seconds']:>8.0f}",
+        flush=True,
+    )
 
 
 def _checkpoint(report: dict, name: str, json_path: str | None) -> None:
@@ -187,17 +208,32 @@ def _checkpoint(report: dict, name: str, json_path: str | None) -> None:
         Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
 
 
-def run(model: str, *, prompts: int = 32, prompt_tokens: int = 640, positions: int = 32,
-        formats: tuple[str, ...] = ("fp8", "int8"), json_path: str | None = None) -> dict:  # fmt: skip
+def run(
+    model: str,
+    *,
+    prompts: int = 32,
+    prompt_tokens: int = 640,
+    positions: int = 32,
+    formats: tuple[str, ...] = ("fp8", "int8"),
+    json_path: str | None = None,
+) -> dict:
     """Each configuration's row is printed (and the report so far written to ``json_path``)
     as soon as it finishes: a long run keeps what it measured."""
     from strata_jax.models.loader import load_model
 
     tokenizer = load_model(model, show_progress=False).tokenizer
     asks = demo_prompts(tokenizer, prompts, prompt_tokens)
-    report: dict = {"model": model, "prompts": prompts, "prompt_tokens": prompt_tokens, "positions": positions, "runs": {}}
+    report: dict = {
+        "model": model,
+        "prompts": prompts,
+        "prompt_tokens": prompt_tokens,
+        "positions": positions,
+        "runs": {},
+    }
     ref = None
-    print(f"{'run':<9} {'positions':>9} {'top-1':>7} {'mean|dlp|':>10} {'max|dlp|':>9} {'>top20':>7} {'B/token':>11} {'seconds':>8}")
+    print(
+        f"{'run':<9} {'positions':>9} {'top-1':>7} {'mean|dlp|':>10} {'max|dlp|':>9} {'>top20':>7} {'B/token':>11} {'seconds':>8}"
+    )
     for fmt in formats:
         t0 = time.perf_counter()
         if fmt == "l1-fp8":
@@ -213,7 +249,10 @@ def run(model: str, *, prompts: int = 32, prompt_tokens: int = 640, positions: i
         report["runs"][f"L2 {fmt}"] = row | {"seconds": time.perf_counter() - t0}
         _checkpoint(report, f"L2 {fmt}", json_path)
     report["targets"] = {
-        name: {"top1_ge_0.97": r["top1_agreement"] >= 0.97, "mean_abs_delta_le_0.05": r["mean_abs_delta_logprob"] <= 0.05}
+        name: {
+            "top1_ge_0.97": r["top1_agreement"] >= 0.97,
+            "mean_abs_delta_le_0.05": r["mean_abs_delta_logprob"] <= 0.05,
+        }
         for name, r in report["runs"].items()
     }
     return report
@@ -234,8 +273,14 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(smollm2_gguf_path())
     formats = tuple(f for f in args.formats.split(",") if f)
-    report = run(model, prompts=args.prompts, prompt_tokens=args.prompt_tokens, positions=args.positions,
-                 formats=formats, json_path=args.json)  # fmt: skip
+    report = run(
+        model,
+        prompts=args.prompts,
+        prompt_tokens=args.prompt_tokens,
+        positions=args.positions,
+        formats=formats,
+        json_path=args.json,
+    )
     print("targets:", json.dumps(report["targets"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

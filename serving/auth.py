@@ -55,7 +55,9 @@ def check(config: ServerConfig, scope: Scope, authorization: str | bytes | None)
         return None
     if scope is Scope.ADMIN and config.admin_api_key is not None:
         if _matches(sent, config.api_key):
-            return Refusal(True, "this admin route needs the admin API key (--admin-api-key); the API key does not grant it")
+            return Refusal(
+                True, "this admin route needs the admin API key (--admin-api-key); the API key does not grant it"
+            )
         return Refusal(False, "missing or wrong admin API key")
     if _matches(sent, config.admin_api_key):
         return Refusal(True, "the admin API key grants only the admin routes; send the API key (--api-key)")

@@ -12,7 +12,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     subparsers = next(a for a in parser._subparsers._group_actions if a.dest == "command")  # noqa: SLF001
-    serve = subparsers.add_parser("serve", help="start the gRPC and OpenAI-compatible HTTP servers (needs the serve extra)")
+    serve = subparsers.add_parser(
+        "serve", help="start the gRPC and OpenAI-compatible HTTP servers (needs the serve extra)"
+    )
     # serve's flags import the servers and the engine (jax, ~3 s): only build them for `serve`.
     if next((a for a in argv if not a.startswith("-")), None) != "serve":
         serve.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -59,7 +59,9 @@ class ServerConfig:
         if self.max_batch_prompts < 1 or self.default_chat_max_tokens < 1:
             raise ValueError("max_batch_prompts and default_chat_max_tokens must be positive")
         if self.generation_config not in GENERATION_CONFIG_CHOICES:
-            raise ValueError(f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {self.generation_config!r}")
+            raise ValueError(
+                f"generation_config must be one of {GENERATION_CONFIG_CHOICES}, got {self.generation_config!r}"
+            )
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         for name in ("api_key", "admin_api_key"):

@@ -15,9 +15,11 @@ import enum
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import Any, Protocol
 
+from serving.metrics import ServingMetrics
 from strata_jax.api import (
     EngineUnavailableError,
     InvalidRequestError,
@@ -26,8 +28,6 @@ from strata_jax.api import (
     SamplingParams,
     StreamChunk,
 )
-
-from serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,9 @@ class EngineLike(Protocol):
     vocab_size: int
     tokenizer: Any
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, **kw: Any) -> AsyncIterator[StreamChunk]: ...
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None, **kw: Any
+    ) -> AsyncIterator[StreamChunk]: ...
     def abort(self, request_id: str) -> object: ...  # queues the abort; never waits for the engine
     def cache_stats(self) -> dict: ...
     def check_accounting(self) -> dict: ...  # raises AssertionError when an invariant is broken
@@ -103,9 +105,7 @@ def check_prompt(prompt: object, vocab_size: int) -> str | list[int]:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise InvalidRequestError(f"prompt token {i} is not an integer: {t!r}")
             if not 0 <= t < vocab_size:
-                raise InvalidRequestError(
-                    f"prompt token {i} = {t} is outside the vocabulary [0, {vocab_size})"
-                )
+                raise InvalidRequestError(f"prompt token {i} = {t} is outside the vocabulary [0, {vocab_size})")
         return ids
     raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 

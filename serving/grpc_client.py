@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,7 +35,7 @@ class StrataClient:
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
-    def __enter__(self) -> "StrataClient":
+    def __enter__(self) -> StrataClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

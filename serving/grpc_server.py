@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -29,7 +30,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from strata_jax.cache.storage import StorageError
+from serving import auth
+from serving.config import ServerConfig
+from serving.frontend import TIERS, Frontend
+from serving.protos import strata_pb2, strata_pb2_grpc
 from strata_jax.api import (
     EngineUnavailableError,
     InvalidRequestError,
@@ -40,11 +44,7 @@ from strata_jax.api import (
     StreamChunk,
     TokenLogprob,
 )
-
-from serving import auth
-from serving.config import ServerConfig
-from serving.frontend import TIERS, Frontend
-from serving.protos import strata_pb2, strata_pb2_grpc
+from strata_jax.cache.storage import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +69,25 @@ def map_error(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 
-def params_from_proto(msg: strata_pb2.SamplingParams, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+def params_from_proto(
+    msg: strata_pb2.SamplingParams, model_defaults: Mapping[str, Any] | None = None
+) -> SamplingParams:
     """``SamplingParams`` from the proto.  An unset field takes ``model_defaults`` (the model's
     generation_config.json), else ``SamplingParams``' default (greedy, no filters)."""
     kwargs: dict = dict(model_defaults or {})
     for name in (
-        "max_tokens", "temperature", "top_k", "top_p", "seed", "repetition_penalty",
-        "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "min_tokens",
-    ):  # fmt: skip
+        "max_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "repetition_penalty",
+        "logprobs",
+        "prompt_logprobs",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_tokens",
+    ):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     if msg.logit_bias:
@@ -147,7 +158,9 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
                 raise InvalidRequestError("prompt is empty: set `text` or `token_ids`")
             prompt = request.text if kind == "text" else list(request.token_ids.ids)
             engine = self._frontend.engine_or_none
-            defaults = getattr(engine, "generation_defaults", None) if self._config.generation_config == "auto" else None
+            defaults = (
+                getattr(engine, "generation_defaults", None) if self._config.generation_config == "auto" else None
+            )
             params = params_from_proto(request.params, defaults.sampling_defaults() if defaults is not None else None)
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             self._frontend.count_rejected("grpc", exc)
@@ -219,7 +232,9 @@ GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 OnRefused = Callable[[str], None]  # called with a rejection reason for each refused Generate call
 
 
-ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in ("GetCacheStats", "FlushCache", "StartProfile", "StopProfile"))
+ADMIN_METHODS = frozenset(
+    f"/{SERVICE_NAME}/{name}" for name in ("GetCacheStats", "FlushCache", "StartProfile", "StopProfile")
+)
 
 
 def method_scope(method: str) -> auth.Scope:
@@ -266,7 +281,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 deny_stream, handler.request_deserializer, handler.response_serializer
             )
-        return grpc.unary_unary_rpc_method_handler(deny_unary, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            deny_unary, handler.request_deserializer, handler.response_serializer
+        )
 
 
 class _Undecodable:

@@ -38,7 +38,8 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -48,7 +49,11 @@ from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 
-from strata_jax.cache.storage import StorageError
+from serving import auth, tool_calls, worker_info
+from serving import openai_logprobs as olp
+from serving import openai_protocol as oai
+from serving.config import ServerConfig
+from serving.frontend import TIERS, Frontend, PromptTooLongError, check_prompt
 from strata_jax.api import (
     EngineUnavailableError,
     InvalidRequestError,
@@ -58,14 +63,7 @@ from strata_jax.api import (
     StepFailedError,
     StreamChunk,
 )
-
-from serving import openai_logprobs as olp
-from serving import tool_calls
-from serving import worker_info
-from serving import auth
-from serving import openai_protocol as oai
-from serving.config import ServerConfig
-from serving.frontend import TIERS, Frontend, PromptTooLongError, check_prompt
+from strata_jax.cache.storage import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +119,9 @@ class InstanceHeader:
 class HTTPError(Exception):
     """An error that becomes an OpenAI-style JSON error response."""
 
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
 
@@ -135,7 +135,9 @@ class HTTPError(Exception):
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
         if self.status in (408, 413):  # the body was not read to its end: the connection cannot carry another request
             headers = {"Connection": "close"}
-        return JSONResponse(oai.error_body(self.message, self.type, self.code, self.param), self.status, headers=headers)
+        return JSONResponse(
+            oai.error_body(self.message, self.type, self.code, self.param), self.status, headers=headers
+        )
 
 
 def _auth_error(refusal: auth.Refusal) -> HTTPError:
@@ -177,7 +179,9 @@ def _check_json(data: Any) -> None:
         value, path = stack.pop()
         if len(path) > MAX_JSON_DEPTH:
             field = _path_text(path[:1])
-            raise HTTPError(400, f"{field}: JSON nested deeper than {MAX_JSON_DEPTH} levels", "invalid_request_error", param=field)
+            raise HTTPError(
+                400, f"{field}: JSON nested deeper than {MAX_JSON_DEPTH} levels", "invalid_request_error", param=field
+            )
         if isinstance(value, str):
             _check_utf8(value, path)
         elif isinstance(value, list):
@@ -198,7 +202,9 @@ def _check_utf8(text: str, path: tuple[str, ...]) -> None:
     except UnicodeEncodeError as exc:
         # the path of a bad key is its parent's; the key itself cannot be printed safely
         field = _path_text(tuple(p.encode("utf-8", "backslashreplace").decode() for p in path))
-        raise HTTPError(400, f"{field}: invalid UTF-8 in a string: {exc.reason}", "invalid_request_error", param=field) from None
+        raise HTTPError(
+            400, f"{field}: invalid UTF-8 in a string: {exc.reason}", "invalid_request_error", param=field
+        ) from None
 
 
 async def _read_raw(request: Request, limit: int, timeout_s: float) -> bytearray:
@@ -217,9 +223,13 @@ async def _read_raw(request: Request, limit: int, timeout_s: float) -> bytearray
             async for part in request.stream():
                 raw += part
                 if len(raw) > limit:
-                    raise HTTPError(413, f"request body exceeds {limit} bytes", "invalid_request_error", "body_too_large")
+                    raise HTTPError(
+                        413, f"request body exceeds {limit} bytes", "invalid_request_error", "body_too_large"
+                    )
     except TimeoutError:
-        raise HTTPError(408, f"request body not received within {timeout_s:g} s", "invalid_request_error", "body_timeout") from None
+        raise HTTPError(
+            408, f"request body not received within {timeout_s:g} s", "invalid_request_error", "body_timeout"
+        ) from None
     except ClientDisconnect:
         raise HTTPError(499, "client disconnected while sending the body", "client_closed_request") from None
     return raw
@@ -235,11 +245,15 @@ async def read_body(
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise HTTPError(400, f"request body is not valid UTF-8 (byte {exc.start})", "invalid_request_error", param="body") from None
+        raise HTTPError(
+            400, f"request body is not valid UTF-8 (byte {exc.start})", "invalid_request_error", param="body"
+        ) from None
     try:
         data = json.loads(text)
     except RecursionError:
-        raise HTTPError(400, f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels", "invalid_request_error", param="body") from None
+        raise HTTPError(
+            400, f"request body: JSON nested deeper than {MAX_JSON_DEPTH} levels", "invalid_request_error", param="body"
+        ) from None
     except ValueError as exc:
         raise HTTPError(400, f"request body is not valid JSON: {exc}", "invalid_request_error", param="body") from None
     if not isinstance(data, dict):
@@ -248,7 +262,9 @@ async def read_body(
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise HTTPError(400, oai.describe_validation_error(exc), "invalid_request_error", param=oai.validation_error_param(exc)) from None
+        raise HTTPError(
+            400, oai.describe_validation_error(exc), "invalid_request_error", param=oai.validation_error_param(exc)
+        ) from None
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -359,7 +375,9 @@ def _choice_streams(
         if i > 0 and p.prompt_logprobs is not None:
             p = dataclasses.replace(p, prompt_logprobs=None)
         follows = f"{base}-0" if i > 0 else None
-        streams.append(frontend.stream(prompt, p, api="http", cache_salt=cache_salt, request_id=f"{base}-{i}", follows=follows))
+        streams.append(
+            frontend.stream(prompt, p, api="http", cache_salt=cache_salt, request_id=f"{base}-{i}", follows=follows)
+        )
     return streams
 
 
@@ -543,9 +561,13 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             streams = []
             for p in prompts:
                 streams += _choice_streams(
-                    frontend, p, params, candidates, cache_salt=req.cache_salt,
+                    frontend,
+                    p,
+                    params,
+                    candidates,
+                    cache_salt=req.cache_salt,
                     request_id=req.request_id if len(prompts) == 1 else None,
-                )  # fmt: skip
+                )
             results = await until_disconnect(request, _collect_all(streams))
         except Exception as exc:  # noqa: BLE001
             return map_error(exc).response()
@@ -568,7 +590,9 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
                     parts.append(builder.build(r.logprobs))
                     logprobs = olp.merge_completion_logprobs(parts)
                 text = echo_text + "".join(r.text)
-                choices.append({"index": len(choices), "text": text, "finish_reason": r.finish_reason, "logprobs": logprobs})
+                choices.append(
+                    {"index": len(choices), "text": text, "finish_reason": r.finish_reason, "logprobs": logprobs}
+                )
         leaders = results[::candidates]
         total = oai.usage(
             sum(r.prompt_tokens for r in leaders),  # the prompt once, however many choices
@@ -580,7 +604,9 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
     async def _stream_completion(
         request: Request, req: oai.CompletionRequest, engine: Any, prompt: Any, params: SamplingParams, rid: str
     ) -> Response:
-        streams = _choice_streams(frontend, prompt, params, req.num_choices, cache_salt=req.cache_salt, request_id=req.request_id)
+        streams = _choice_streams(
+            frontend, prompt, params, req.num_choices, cache_salt=req.cache_salt, request_id=req.request_id
+        )
         merged = _merged(streams)
         first = await until_disconnect(request, _first(merged))
         model, created = frontend.model_name, int(time.time())
@@ -609,7 +635,11 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             event["choices"][0].update(index=index, logprobs=logprobs)
             return [event]
 
-        usage = (lambda totals: oai.usage_chunk(rid, model, "text_completion", created, totals)) if req.include_usage else None
+        usage = (
+            (lambda totals: oai.usage_chunk(rid, model, "text_completion", created, totals))
+            if req.include_usage
+            else None
+        )
         return _sse_response(merged, first, [], on_chunk, usage, continuous_usage=req.continuous_usage)
 
     @app.post("/v1/chat/completions", dependencies=inference_auth)
@@ -641,7 +671,9 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             params = req.sampling_params(max_tokens, _sampling_defaults(defaults))
             if tools.constraint is not None:
                 if params.structured is not None:
-                    raise InvalidRequestError("tool_choice required or a named function cannot be combined with an output constraint")
+                    raise InvalidRequestError(
+                        "tool_choice required or a named function cannot be combined with an output constraint"
+                    )
                 params = dataclasses.replace(params, structured=tools.constraint)
             params.check_vocab(engine.vocab_size)
             frontend.check_fits(len(prompt_ids), max_tokens)
@@ -659,7 +691,9 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         except Exception as exc:  # noqa: BLE001
             return map_error(exc).response()
         decode = _decoder(engine)
-        body = oai.chat_response(rid, frontend.model_name, "".join(results[0].text), results[0].finish_reason, results[0].usage())
+        body = oai.chat_response(
+            rid, frontend.model_name, "".join(results[0].text), results[0].finish_reason, results[0].usage()
+        )
         choices = []
         for i, r in enumerate(results):
             message: dict[str, Any] = {"role": "assistant", "content": "".join(r.text)}
@@ -667,7 +701,11 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             if tools.fmt is not None:
                 content, calls = tools.fmt.parse(message["content"])
                 if calls:
-                    message = {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}
+                    message = {
+                        "role": "assistant",
+                        "content": content or None,
+                        "tool_calls": [c.openai() for c in calls],
+                    }
                     finish = "tool_calls" if finish == "stop" else finish
             choice = {
                 "index": i,
@@ -683,9 +721,13 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         return JSONResponse(body)
 
     async def _stream_chat(
-        request: Request, req: oai.ChatCompletionRequest, engine: Any, streams: list[AsyncIterator[StreamChunk]], rid: str,
+        request: Request,
+        req: oai.ChatCompletionRequest,
+        engine: Any,
+        streams: list[AsyncIterator[StreamChunk]],
+        rid: str,
         fmt: Any = None,
-    ) -> Response:  # fmt: skip
+    ) -> Response:
         merged = _merged(streams)
         first = await until_disconnect(request, _first(merged))
         model, created = frontend.model_name, int(time.time())
@@ -699,7 +741,9 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
                 text, deltas = calls[index].push(chunk.text, final=chunk.finished)
             if text or chunk.logprobs:
                 event = oai.chat_chunk(rid, model, {"content": text}, None, created)
-                logprobs = olp.chat_logprobs(chunk.logprobs or [], decode, req.top_logprobs or 0) if req.logprobs else None
+                logprobs = (
+                    olp.chat_logprobs(chunk.logprobs or [], decode, req.top_logprobs or 0) if req.logprobs else None
+                )
                 event["choices"][0].update(index=index, logprobs=logprobs)
                 out.append(event)
             if deltas:
@@ -720,7 +764,11 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             role = oai.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None, created)
             role["choices"][0]["index"] = i
             opening.append(role)
-        usage = (lambda totals: oai.usage_chunk(rid, model, "chat.completion.chunk", created, totals)) if req.include_usage else None
+        usage = (
+            (lambda totals: oai.usage_chunk(rid, model, "chat.completion.chunk", created, totals))
+            if req.include_usage
+            else None
+        )
         return _sse_response(merged, first, opening, on_chunk, usage, continuous_usage=req.continuous_usage)
 
     def _sse_response(
@@ -760,7 +808,9 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             finally:
                 await stream.aclose()
 
-        return AbortingStreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return AbortingStreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     @app.get("/v1/models", dependencies=inference_auth)
     async def models() -> JSONResponse:
@@ -833,7 +883,9 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
         try:
             figures = await asyncio.to_thread(frontend.engine().check_accounting)
         except AssertionError as exc:
-            return HTTPError(500, f"the engine's accounting is broken: {exc}", "internal_error", "accounting").response()
+            return HTTPError(
+                500, f"the engine's accounting is broken: {exc}", "internal_error", "accounting"
+            ).response()
         except Exception as exc:  # noqa: BLE001
             return map_error(exc).response()
         return JSONResponse(figures)
@@ -853,7 +905,12 @@ def create_app(frontend: Frontend, config: ServerConfig) -> FastAPI:
             req = await read_body(request, oai.AdminProfileRequest, limit, allow_empty=True, timeout_s=body_timeout)
             log_dir = req.log_dir or config.profile_dir
             if not log_dir:
-                raise HTTPError(400, "no log_dir given and the server has no --profile-dir", "invalid_request_error", param="log_dir")
+                raise HTTPError(
+                    400,
+                    "no log_dir given and the server has no --profile-dir",
+                    "invalid_request_error",
+                    param="log_dir",
+                )
             await asyncio.to_thread(frontend.engine().start_profile, log_dir)
         except RuntimeError as exc:  # a trace is already running
             return HTTPError(409, str(exc), "invalid_request_error", "profile_state").response()

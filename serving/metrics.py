@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -59,6 +59,8 @@ def transfer_bytes(stats: Mapping[str, object]) -> dict[str, float]:
         if str(key).endswith("_pages") and _is_number(value):
             out[str(key)[: -len("_pages")]] = float(value) * page_bytes
     return out
+
+
 _TIERS = frozenset({"device", "host", "storage"})
 
 
@@ -100,7 +102,10 @@ class ServingMetrics:
         )
         self.completion_tokens = Counter(f"{PREFIX}_completion_tokens", "Tokens generated", registry=registry)
         self.cached_prompt_tokens = Counter(
-            f"{PREFIX}_request_cached_tokens", "Prompt tokens served from the cache, by tier", ["tier"], registry=registry
+            f"{PREFIX}_request_cached_tokens",
+            "Prompt tokens served from the cache, by tier",
+            ["tier"],
+            registry=registry,
         )
 
     def count_rejected(self, api: str, reason: str) -> None:

@@ -28,13 +28,13 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, Literal, Mapping
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from strata_jax.api import MAX_LOGPROBS, MAX_N, InvalidRequestError, SamplingParams
-
 from serving.frontend import TIERS
+from strata_jax.api import MAX_LOGPROBS, MAX_N, InvalidRequestError, SamplingParams
 
 TokenIds = list[int]
 
@@ -94,7 +94,16 @@ class _CommonRequest(_Strict):
         else OpenAI's default (temperature 1.0; the rest off)."""
         kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 1.0}  # OpenAI's default temperature
         kwargs.update(model_defaults or {})
-        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "presence_penalty", "frequency_penalty", "min_tokens"):
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "repetition_penalty",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "min_tokens",
+        ):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -119,13 +128,20 @@ class _CommonRequest(_Strict):
                 found.append(_from_response_format(rf))
         if self.structured_outputs:
             found.append(_from_structured_outputs(self.structured_outputs))
-        legacy = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+        legacy = {
+            "guided_json": "json",
+            "guided_regex": "regex",
+            "guided_choice": "choice",
+            "guided_grammar": "grammar",
+        }
         for name, kind in legacy.items():
             value = getattr(self, name)
             if value is not None:
                 found.append(_constraint(kind, value, name))
         if len(found) > 1:
-            raise InvalidRequestError("send one output constraint: response_format, structured_outputs or one guided_* field")
+            raise InvalidRequestError(
+                "send one output constraint: response_format, structured_outputs or one guided_* field"
+            )
         return found[0] if found else None
 
     @property
@@ -327,9 +343,15 @@ def _from_response_format(rf: dict[str, Any]) -> Any:
 
 def _from_structured_outputs(so: dict[str, Any]) -> Any:
     named = [k for k in STRUCTURED_KINDS if so.get(k) not in (None, False)]
-    unknown = sorted(set(so) - set(STRUCTURED_KINDS) - {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"})
+    unknown = sorted(
+        set(so)
+        - set(STRUCTURED_KINDS)
+        - {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
+    )
     if unknown:
-        raise InvalidRequestError(f"structured_outputs: unknown field(s) {', '.join(unknown)}; use one of {', '.join(STRUCTURED_KINDS)}")
+        raise InvalidRequestError(
+            f"structured_outputs: unknown field(s) {', '.join(unknown)}; use one of {', '.join(STRUCTURED_KINDS)}"
+        )
     if len(named) != 1:
         raise InvalidRequestError(f"structured_outputs must name exactly one of {', '.join(STRUCTURED_KINDS)}")
     kind = named[0]

@@ -17,7 +17,8 @@ import logging
 import signal
 import socket
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import uvicorn
 
@@ -33,7 +34,7 @@ EngineFactory = Callable[[], EngineLike]
 T = TypeVar("T")
 
 
-def _in_thread(fn: Callable[..., T], *args: object) -> "asyncio.Future[T]":
+def _in_thread(fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
     """Run ``fn`` on a fresh thread; unlike ``asyncio.to_thread`` this works while the interpreter exits."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
@@ -42,7 +43,9 @@ def _in_thread(fn: Callable[..., T], *args: object) -> "asyncio.Future[T]":
         try:
             result = fn(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(lambda e=exc: future.done() or future.set_exception(e))  # `exc` is unbound after the block
+            loop.call_soon_threadsafe(
+                lambda e=exc: future.done() or future.set_exception(e)
+            )  # `exc` is unbound after the block
         else:
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
 
@@ -102,7 +105,9 @@ class StrataServer:
         assert loop is not None and stop is not None
 
         def died(exc: BaseException) -> None:  # on the event loop
-            log.critical("the engine stopped after an unrecoverable error; shutting down (exit code %d)", EXIT_ENGINE_FAILED)
+            log.critical(
+                "the engine stopped after an unrecoverable error; shutting down (exit code %d)", EXIT_ENGINE_FAILED
+            )
             self.frontend.fail(f"the engine stopped: {type(exc).__name__}: {exc}")
             self.exit_code = EXIT_ENGINE_FAILED
             if grpc_face is not None:
@@ -224,7 +229,7 @@ class ThreadedServer:
             self.server.bound.set()
             self.server.ready.set()
 
-    def start(self, timeout: float = 600.0) -> "ThreadedServer":
+    def start(self, timeout: float = 600.0) -> ThreadedServer:
         self._thread.start()
         if not self.server.ready.wait(timeout):
             raise TimeoutError("the server did not become ready")

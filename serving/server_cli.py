@@ -131,7 +131,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``strata-jax serve``."""
     d = ServerConfig()
     srv = parser.add_argument_group("server")
-    srv.add_argument("--model", default="tiny", help="'tiny' (built-in test model), a Hugging Face model folder or a .gguf file (needs the gguf extra)")
+    srv.add_argument(
+        "--model",
+        default="tiny",
+        help="'tiny' (built-in test model), a Hugging Face model folder or a .gguf file (needs the gguf extra)",
+    )
     srv.add_argument("--served-model-name", default=None, help="model name clients must send (default: the engine's)")
     srv.add_argument("--host", default=d.host, help="address to bind; anything off loopback needs --api-key")
     srv.add_argument("--port", type=int, default=d.port, help="HTTP (OpenAI-compatible) port; 0 picks a free one")
@@ -170,11 +174,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "the server defaults (its EOS ids still stop generation)",
     )
     srv.add_argument(
-        "--tool-call-parser", choices=("auto", "hermes", "llama3_json"), default=d.tool_call_parser,
+        "--tool-call-parser",
+        choices=("auto", "hermes", "llama3_json"),
+        default=d.tool_call_parser,
         help="how chat replies are parsed into tool calls (and tools described to a chat template that does not "
-        "render them): hermes, <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> (Qwen, Hermes); llama3_json, "
-        "{\"name\": ..., \"parameters\": ...} (Llama 3); auto picks from the chat template (default)",
-    )  # fmt: skip
+        'render them): hermes, <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen, Hermes); llama3_json, '
+        '{"name": ..., "parameters": ...} (Llama 3); auto picks from the chat template (default)',
+    )
     srv.add_argument("--grace-s", type=float, default=d.grace_s, help="SIGTERM: seconds to finish in-flight work")
     srv.add_argument("--profile-dir", default=None, help="where jax.profiler traces go (StartProfile / admin route)")
     srv.add_argument(
@@ -215,7 +221,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig fields set on the command line."""
     return {
-        k[len(_ENGINE_FLAG_PREFIX):].replace(_NEST, "."): v
+        k[len(_ENGINE_FLAG_PREFIX) :].replace(_NEST, "."): v
         for k, v in vars(args).items()
         if k.startswith(_ENGINE_FLAG_PREFIX) and v is not None
     }

@@ -47,7 +47,10 @@ class Tool:
     parameters: dict
 
     def for_template(self) -> dict:
-        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 def parse_tools(raw: Any) -> list[Tool]:
@@ -58,7 +61,11 @@ def parse_tools(raw: Any) -> list[Tool]:
     tools: list[Tool] = []
     for i, t in enumerate(raw):
         where = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+        if (
+            not isinstance(t, dict)
+            or t.get("type", "function") != "function"
+            or not isinstance(t.get("function"), dict)
+        ):
             raise InvalidRequestError(f'{where} must be {{"type": "function", "function": {{...}}}}')
         f = t["function"]
         name = f.get("name")
@@ -92,7 +99,9 @@ def resolve_choice(choice: Any, tools: list[Tool]) -> str | None:
         if not any(t.name == name for t in tools):
             raise InvalidRequestError(f"tool_choice names {name!r}, which is not among the tools")
         return name
-    raise InvalidRequestError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    raise InvalidRequestError(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+    )
 
 
 # ---------------------------------------------------------------------------- formats
@@ -102,8 +111,11 @@ class ToolCall:
     arguments: dict
 
     def openai(self, index: int | None = None) -> dict:
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}  # fmt: skip
+        call = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
         if index is not None:
             call["index"] = index
         return call
@@ -137,7 +149,13 @@ class HermesFormat:
         """Lark (llguidance): only calls of ``tools``, arguments valid against their parameters."""
         rules, alternatives = _call_rules(tools, "arguments")
         repeat = '("\\n" block)*' if parallel else ""
-        return "\n".join([f"start: block {repeat}", f'block: "{self.opener}\\n" ({" | ".join(alternatives)}) "\\n{self.closer}"', *rules])
+        return "\n".join(
+            [
+                f"start: block {repeat}",
+                f'block: "{self.opener}\\n" ({" | ".join(alternatives)}) "\\n{self.closer}"',
+                *rules,
+            ]
+        )
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         calls: list[ToolCall] = []
@@ -212,7 +230,7 @@ def _call_rules(tools: list[Tool], arguments_key: str) -> tuple[list[str], list[
     rules, alternatives = [], []
     for i, t in enumerate(tools):
         head = json.dumps('{"name": ' + json.dumps(t.name) + f', "{arguments_key}": ')
-        rules.append(f"call_{i}: {head} args_{i} \"}}\"")
+        rules.append(f'call_{i}: {head} args_{i} "}}"')
         rules.append(f"args_{i}: %json {_compact(t.parameters)}")
         alternatives.append(f"call_{i}")
     return rules, alternatives
@@ -282,7 +300,11 @@ def _history_for_template(messages: list[dict]) -> list[dict]:
         m = dict(m)
         if m.get("tool_calls"):
             m["tool_calls"] = [
-                {"type": "function", "id": c.get("id"), "function": {"name": c["function"]["name"], "arguments": _args(c)}}
+                {
+                    "type": "function",
+                    "id": c.get("id"),
+                    "function": {"name": c["function"]["name"], "arguments": _args(c)},
+                }
                 for c in m["tool_calls"]
             ]
         out.append(m)

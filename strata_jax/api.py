@@ -135,9 +135,13 @@ class SamplingParams:
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
-            raise InvalidRequestError(f"logit_bias must be a map of token id to bias, got {type(self.logit_bias).__name__}")
+            raise InvalidRequestError(
+                f"logit_bias must be a map of token id to bias, got {type(self.logit_bias).__name__}"
+            )
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise InvalidRequestError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
+            raise InvalidRequestError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}"
+            )
         checked: dict[int, float] = {}
         for key, value in self.logit_bias.items():
             token = _token_key(key)
@@ -149,10 +153,14 @@ class SamplingParams:
         """Token ids the params name must exist in the model's vocabulary."""
         for token in self.logit_bias:
             if token >= vocab_size:
-                raise InvalidRequestError(f"logit_bias names token id {token}, outside the vocabulary [0, {vocab_size})")
+                raise InvalidRequestError(
+                    f"logit_bias names token id {token}, outside the vocabulary [0, {vocab_size})"
+                )
         for token in self.stop_token_ids:
             if token >= vocab_size:
-                raise InvalidRequestError(f"stop_token_ids names token id {token}, outside the vocabulary [0, {vocab_size})")
+                raise InvalidRequestError(
+                    f"stop_token_ids names token id {token}, outside the vocabulary [0, {vocab_size})"
+                )
 
     @property
     def greedy(self) -> bool:

@@ -28,14 +28,15 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jinja2
-import jinja2.meta
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 
@@ -49,7 +50,9 @@ TEMPLATE_DIR = "additional_chat_templates"
 LEGACY_TEMPLATE_JSON = "chat_template.json"
 DEFAULT_NAME = "default"
 # Names the renderer sets itself; ``chat_template_kwargs`` may not override them.
-RESERVED_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template"})
+RESERVED_KWARGS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template"}
+)
 # Marks the end of the final message when continuing it (trailing space: tells whether the template trims).
 _CONTINUE_TAG = "STRATA_CONTINUE_FINAL_MESSAGE "
 
@@ -93,7 +96,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # Jinja's own tojson escapes HTML characters, which chat templates must not do.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -171,7 +176,9 @@ class ChatTemplates:
         kwargs = dict(template_kwargs or {})
         clash = sorted(RESERVED_KWARGS & set(kwargs))
         if clash:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {clash}: use the request fields of those names")
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {clash}: use the request fields of those names"
+            )
         chat = [dict(m) for m in messages]
         final_text = ""
         if continue_final_message:
@@ -231,7 +238,9 @@ def _named_entries(value: object, origin: Path) -> dict[str, object]:
         out: dict[str, object] = {}
         for i, entry in enumerate(value):
             if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str) or "template" not in entry:
-                raise TokenizerFilesError(f"{origin}: chat_template[{i}] must be an object with a string 'name' and a 'template'")
+                raise TokenizerFilesError(
+                    f"{origin}: chat_template[{i}] must be an object with a string 'name' and a 'template'"
+                )
             if entry["name"] in out:
                 raise TokenizerFilesError(f"{origin}: chat template name {entry['name']!r} appears twice")
             out[entry["name"]] = entry["template"]

@@ -21,8 +21,9 @@ is encoded without adding any (``encode(text, add_special_tokens=False)``), as t
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 from strata_jax.api import InvalidRequestError
 from strata_jax.chat_template import ChatTemplates, TokenizerFilesError, load_chat_templates, read_json_object
@@ -95,7 +96,9 @@ class ByteTokenizer:
             raise InvalidRequestError(f"chat_template {chat_template!r}: the tiny model has no named chat templates")
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)  # tools: rendered into messages by the caller
+        text = "".join(
+            f"<|{m['role']}|>\n{m['content']}\n" for m in messages
+        )  # tools: rendered into messages by the caller
         if continue_final_message:
             return text[: -len("\n")]
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
@@ -112,7 +115,9 @@ class HFTokenizer:
         try:
             self._tok = RawTokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as exc:  # noqa: BLE001 - the library raises a bare Exception for bad files
-            raise TokenizerFilesError(f"{folder / 'tokenizer.json'}: cannot be read by the tokenizers library: {exc}") from None
+            raise TokenizerFilesError(
+                f"{folder / 'tokenizer.json'}: cannot be read by the tokenizers library: {exc}"
+            ) from None
         config_file = folder / "tokenizer_config.json"
         config = read_json_object(config_file) if config_file.is_file() else {}
         legacy_file = folder / "special_tokens_map.json"
@@ -225,7 +230,9 @@ class HFTokenizer:
             log.warning(
                 "%s: tokenizer_config.json sets add_bos_token=%s but tokenizer.json %s BOS; following "
                 "tokenizer.json, as transformers >= 5 does",
-                self.folder, wanted, "adds" if adds else "does not add",
+                self.folder,
+                wanted,
+                "adds" if adds else "does not add",
             )
 
 

@@ -41,7 +41,9 @@ def loogle_documents(data_dir: Path) -> list[tuple[str, str, list[str]]]:
     return docs
 
 
-def mooncake_rows(path: Path, block_ids: Callable[[int], Iterable[int]], max_input_tokens: int) -> Iterator[tuple[list[int], dict]]:
+def mooncake_rows(
+    path: Path, block_ids: Callable[[int], Iterable[int]], max_input_tokens: int
+) -> Iterator[tuple[list[int], dict]]:
     """Each row of the trace with its prompt: ``block_ids(hash_id)`` per block, cut to the
     row's ``input_length`` and ``max_input_tokens``; rows left with no token are skipped."""
     with open(path) as fh:

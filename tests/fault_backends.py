@@ -177,8 +177,9 @@ def mount_tmpfs(path: str, size: str) -> bool:
     """Mount a tmpfs of ``size`` at ``path``; False where this sandbox does not allow it."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         return False
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                          check=False)  # fmt: skip
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, check=False
+    )
     return proc.returncode == 0
 
 
@@ -237,10 +238,23 @@ class RedisProc:
         binary = shutil.which("redis-server")
         assert binary is not None
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.workdir, *self.args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.workdir,
+                *self.args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -275,12 +289,20 @@ class RedisProc:
 
 
 # -------------------------------------------------------------------------------- HTTP checks
-def complete(base_url: str, prompt: list[int] | str, *, max_tokens: int = 12, timeout: float = 180.0,
-             **extra: Any) -> httpx.Response:  # fmt: skip
+def complete(
+    base_url: str, prompt: list[int] | str, *, max_tokens: int = 12, timeout: float = 180.0, **extra: Any
+) -> httpx.Response:
     """A greedy completion with per-token logprobs (the tiny model's byte tokenizer prints
     several tokens as U+FFFD, so the text alone does not pin the tokens)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "logprobs": 5, **extra}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 5,
+        **extra,
+    }
     return httpx.post(base_url + "/v1/completions", json=body, timeout=timeout)
 
 
@@ -339,5 +361,6 @@ def server_errors(srv: Any) -> float:
     """Requests that ended as server errors (HTTP 5xx / gRPC INTERNAL) so far."""
     registry = srv.frontend.metrics.registry
     return sum(
-        registry.get_sample_value("strata_requests_total", {"api": api, "status": "error"}) or 0.0 for api in ("http", "grpc")
+        registry.get_sample_value("strata_requests_total", {"api": api, "status": "error"}) or 0.0
+        for api in ("http", "grpc")
     )

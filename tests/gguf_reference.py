@@ -14,7 +14,14 @@ import numpy as np
 import torch
 
 # HF model_type -> the architecture llama.cpp writes (Mistral is converted as llama)
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
 # Gemma: four norms per layer, ffn_norm is the one before the MLP; llama.cpp stores every norm weight + 1
 _GEMMA_LAYER = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
@@ -41,7 +48,11 @@ _LAYER = {
 
 def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute: interleave each head's two rope halves."""
-    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def llama_cpp_rope_freqs(cfg, head_dim: int) -> np.ndarray | None:

@@ -44,35 +44,67 @@ CONFIGS: dict[str, tuple[type, dict]] = {
 SLIDING_CONFIGS: dict[str, tuple[type, dict]] = {
     "mistral_window": (transformers.MistralConfig, dict(BASE, sliding_window=16)),
     # layers >= max_window_layers slide: layer 0 full, layer 1 local
-    "qwen2_window": (transformers.Qwen2Config, dict(BASE, use_sliding_window=True, sliding_window=12, max_window_layers=1)),
+    "qwen2_window": (
+        transformers.Qwen2Config,
+        dict(BASE, use_sliding_window=True, sliding_window=12, max_window_layers=1),
+    ),
     "gemma2": (
         transformers.Gemma2Config,
         dict(
-            BASE, num_hidden_layers=3, head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
-            attn_logit_softcapping=0.05, final_logit_softcapping=0.5, hidden_activation="gelu_pytorch_tanh",
+            BASE,
+            num_hidden_layers=3,
+            head_dim=32,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=0.05,
+            final_logit_softcapping=0.5,
+            hidden_activation="gelu_pytorch_tanh",
         ),
     ),
     "gemma3": (
         transformers.Gemma3TextConfig,
         dict(
-            BASE, num_hidden_layers=4, head_dim=32, sliding_window=16, query_pre_attn_scalar=24,
-            sliding_window_pattern=3, hidden_activation="gelu_pytorch_tanh",
+            BASE,
+            num_hidden_layers=4,
+            head_dim=32,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            sliding_window_pattern=3,
+            hidden_activation="gelu_pytorch_tanh",
             rope_parameters={
                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             },
         ),
     ),
-}  # fmt: skip
+}
 
 # google/gemma-3-270m's config.json as published (the base model the real GGUF of the tests holds).
 GEMMA3_270M_CONFIG = dict(
-    architectures=["Gemma3ForCausalLM"], attention_bias=False, attn_logit_softcapping=None, bos_token_id=2, eos_token_id=1,
-    final_logit_softcapping=None, head_dim=256, hidden_activation="gelu_pytorch_tanh", hidden_size=640,
-    intermediate_size=2048, max_position_embeddings=32768, num_attention_heads=4, num_hidden_layers=18,
-    num_key_value_heads=1, pad_token_id=0, query_pre_attn_scalar=256, rms_norm_eps=1e-6, rope_local_base_freq=10000.0,
-    rope_theta=1000000.0, sliding_window=512, sliding_window_pattern=6, tie_word_embeddings=True, vocab_size=262144,
-)  # fmt: skip
+    architectures=["Gemma3ForCausalLM"],
+    attention_bias=False,
+    attn_logit_softcapping=None,
+    bos_token_id=2,
+    eos_token_id=1,
+    final_logit_softcapping=None,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    hidden_size=640,
+    intermediate_size=2048,
+    max_position_embeddings=32768,
+    num_attention_heads=4,
+    num_hidden_layers=18,
+    num_key_value_heads=1,
+    pad_token_id=0,
+    query_pre_attn_scalar=256,
+    rms_norm_eps=1e-6,
+    rope_local_base_freq=10000.0,
+    rope_theta=1000000.0,
+    sliding_window=512,
+    sliding_window_pattern=6,
+    tie_word_embeddings=True,
+    vocab_size=262144,
+)
 
 
 def make_hf_model(kind: str, folder: Path, seed: int = 0, **overrides) -> torch.nn.Module:

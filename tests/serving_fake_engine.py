@@ -14,8 +14,8 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import jax
 
@@ -112,9 +112,7 @@ class FakeEngine:
         if not ids:
             raise InvalidRequestError("prompt is empty")
         if len(ids) >= self.max_context_tokens:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; the context holds {self.max_context_tokens}"
-            )
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_context_tokens}")
         return ids, params
 
     def _submit(self, ids, params, request_id, loop, queue) -> _Req:
@@ -244,7 +242,11 @@ class FakeEngine:
     # ---- admin ---------------------------------------------------------
     def check_accounting(self) -> dict:
         with self._lock:
-            return {"device_used_pages": self._used_pages, "locked_nodes": len(self._running), "live_requests": len(self._running)}
+            return {
+                "device_used_pages": self._used_pages,
+                "locked_nodes": len(self._running),
+                "live_requests": len(self._running),
+            }
 
     def cache_stats(self) -> dict:
         with self._lock:
@@ -254,8 +256,13 @@ class FakeEngine:
                 "locked_nodes": len(self._running),
                 "hit_tokens": {**empty_tier_counts(), "device": self._hits},
                 "evictions": empty_tier_counts(),
-                "transfers": {"loaded_pages": 0, "backed_up_pages": 0, "prefetched_pages": 0, "page_bytes": 4096,
-                              "link_bandwidth_bytes_per_s": 16e9},
+                "transfers": {
+                    "loaded_pages": 0,
+                    "backed_up_pages": 0,
+                    "prefetched_pages": 0,
+                    "page_bytes": 4096,
+                    "link_bandwidth_bytes_per_s": 16e9,
+                },
                 "compiles": 3,
                 "waiting": len(self._waiting),
                 "running": len(self._running),

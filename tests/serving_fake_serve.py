@@ -6,9 +6,10 @@ import argparse
 import asyncio
 import sys
 
+from serving_fake_engine import FakeEngine, FakeEngineConfig
+
 from serving.config import ServerConfig
 from serving.server import StrataServer
-from serving_fake_engine import FakeEngine, FakeEngineConfig
 
 
 def main() -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from serving.config import ServerConfig
 from serving.server import ThreadedServer
@@ -48,9 +49,8 @@ def engine_factory(**overrides: Any) -> Callable[[], Any]:
     step_s); they are translated to the real ``EngineConfig``'s field paths.
     """
     if real_engine_available():
-        from strata_jax.engine import Engine, EngineConfig
-
         from serving.server_cli import build_engine_config
+        from strata_jax.engine import Engine, EngineConfig
 
         config = build_engine_config(EngineConfig, "tiny", _real_overrides(EngineConfig, overrides))
         return lambda: Engine(config)
@@ -97,7 +97,9 @@ def shared_server() -> ThreadedServer:
     global _shared
     with _shared_lock:
         if _shared is None:
-            _shared = with_baseline(start_server(max_waiting=MAX_WAITING, max_running=MAX_RUNNING, max_context_tokens=CONTEXT))
+            _shared = with_baseline(
+                start_server(max_waiting=MAX_WAITING, max_running=MAX_RUNNING, max_context_tokens=CONTEXT)
+            )
         return _shared
 
 

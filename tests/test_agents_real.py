@@ -36,9 +36,25 @@ def server(smollm2_gguf, tmp_path_factory):
     port, grpc_port = _free_port(), _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = [
-        sys.executable, "-m", "serving.cli", "serve", "--model", smollm2_gguf, "--port", str(port), "--grpc-port", str(grpc_port),
-        "--max-batch-size", "8", "--max-context-tokens", "2048", "--device-tokens", "16384", "--show-progress", "false",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "serving.cli",
+        "serve",
+        "--model",
+        smollm2_gguf,
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+        "--max-batch-size",
+        "8",
+        "--max-context-tokens",
+        "2048",
+        "--device-tokens",
+        "16384",
+        "--show-progress",
+        "false",
+    ]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
@@ -77,10 +93,34 @@ def model(server):
 
 
 FRUITS = [
-    "apple", "banana", "cherry", "grape", "lemon", "lime", "mango", "melon", "orange", "papaya",
-    "peach", "pear", "plum", "kiwi", "fig", "date", "guava", "lychee", "apricot", "coconut",
-]  # fmt: skip
-PEOPLE = [("Alice", 31, "Paris"), ("Bob", 45, "Madrid"), ("Chen", 27, "Beijing"), ("Dana", 52, "Cairo"), ("Emil", 38, "Oslo")]
+    "apple",
+    "banana",
+    "cherry",
+    "grape",
+    "lemon",
+    "lime",
+    "mango",
+    "melon",
+    "orange",
+    "papaya",
+    "peach",
+    "pear",
+    "plum",
+    "kiwi",
+    "fig",
+    "date",
+    "guava",
+    "lychee",
+    "apricot",
+    "coconut",
+]
+PEOPLE = [
+    ("Alice", 31, "Paris"),
+    ("Bob", 45, "Madrid"),
+    ("Chen", 27, "Beijing"),
+    ("Dana", 52, "Cairo"),
+    ("Emil", 38, "Oslo"),
+]
 
 
 def _each(fn, items):
@@ -101,7 +141,12 @@ def test_parse_with_a_pydantic_model_20_of_20(client, model):
         name, age, city = PEOPLE[i % len(PEOPLE)]
         text = f"{name} is {age} years old and lives in {city}. Give the person's name, age and city as JSON."
         return client.chat.completions.parse(
-            model=model, messages=[{"role": "user", "content": text}], response_format=Person, max_tokens=80, temperature=0.7, seed=i
+            model=model,
+            messages=[{"role": "user", "content": text}],
+            response_format=Person,
+            max_tokens=80,
+            temperature=0.7,
+            seed=i,
         )
 
     replies = _each(ask, range(N))
@@ -117,9 +162,13 @@ def test_parse_with_a_pydantic_model_20_of_20(client, model):
 def test_json_object_regex_and_choice_every_time(client, model):
     def json_object(i):
         return client.chat.completions.create(
-            model=model, max_tokens=120, temperature=0.8, seed=i, response_format={"type": "json_object"},
+            model=model,
+            max_tokens=120,
+            temperature=0.8,
+            seed=i,
+            response_format={"type": "json_object"},
             messages=[{"role": "user", "content": f"{FRUITS[i]}: give its name and color as a JSON object."}],
-        )  # fmt: skip
+        )
 
     for r in _each(json_object, range(N)):
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content  # closed, not cut by max_tokens
@@ -130,15 +179,23 @@ def test_json_object_regex_and_choice_every_time(client, model):
 
     def regex(i):
         return client.completions.create(
-            model=model, prompt=f"Phone number {i}: ", max_tokens=16, temperature=0.8, seed=i,
+            model=model,
+            prompt=f"Phone number {i}: ",
+            max_tokens=16,
+            temperature=0.8,
+            seed=i,
             extra_body={"structured_outputs": {"regex": pattern}},
-        )  # fmt: skip
+        )
 
     def choice(i):
         return client.chat.completions.create(
-            model=model, max_tokens=8, temperature=0.8, seed=i, extra_body={"structured_outputs": {"choice": choices}},
+            model=model,
+            max_tokens=8,
+            temperature=0.8,
+            seed=i,
+            extra_body={"structured_outputs": {"choice": choices}},
             messages=[{"role": "user", "content": f"Is 'I loved it, take {i}' positive, negative or neutral?"}],
-        )  # fmt: skip
+        )
 
     for r in _each(regex, range(N)):
         assert re.fullmatch(pattern, r.choices[0].text), r.choices[0].text
@@ -150,7 +207,10 @@ def test_json_object_regex_and_choice_every_time(client, model):
 def test_bad_constraints_are_400s_naming_the_field(server, model):
     base = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     cases = [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectt"}}}}, "response_format.json_schema.schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectt"}}}},
+            "response_format.json_schema.schema",
+        ),
         ({"structured_outputs": {"json": {"type": "string", "format": "no-such-format"}}}, "structured_outputs.json"),
         ({"structured_outputs": {"regex": "(["}}, "structured_outputs.regex"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
@@ -161,14 +221,33 @@ def test_bad_constraints_are_400s_naming_the_field(server, model):
 
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "The weather in a city now.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-                       "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "get_time", "description": "The local time in a timezone.",
-        "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"], "additionalProperties": False}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city now.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The local time in a timezone.",
+            "parameters": {
+                "type": "object",
+                "properties": {"timezone": {"type": "string"}},
+                "required": ["timezone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
@@ -187,7 +266,9 @@ def test_required_and_named_tool_calls_20_of_20(client, model, stream):
         i, choice = args
         city = PEOPLE[i % len(PEOPLE)][2]
         messages = [{"role": "user", "content": f"What is the weather in {city} right now, and what time is it there?"}]
-        kwargs = dict(model=model, messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=120, temperature=0.7, seed=i)
+        kwargs = dict(
+            model=model, messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=120, temperature=0.7, seed=i
+        )
         if not stream:
             reply = client.chat.completions.create(**kwargs)
             return reply.choices[0].finish_reason, reply.choices[0].message.tool_calls

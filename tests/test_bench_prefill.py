@@ -9,8 +9,8 @@ import pytest
 
 from strata_jax.bench import BENCHMARKS, run_benchmark
 from strata_jax.bench.prefill import PARTS, ChunkPlan, plan_chunks, split_shares
-from strata_jax.runtime.compute_prior import attention_flops, projection_flops
 from strata_jax.models.config import ModelConfig
+from strata_jax.runtime.compute_prior import attention_flops, projection_flops
 
 
 def test_registered():
@@ -19,9 +19,15 @@ def test_registered():
 
 def test_projection_flops_hand_count():
     config = ModelConfig(
-        model_type="llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=3,
-        num_heads=2, num_kv_heads=1, head_dim=4,
-    )  # fmt: skip
+        model_type="llama",
+        vocab_size=100,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+    )
     # per token and layer, multiply-adds: q 8x8, k 8x4, v 8x4, o 8x8, gate 8x16, up 8x16, down 16x8
     macs = 64 + 32 + 32 + 64 + 128 + 128 + 128
     assert projection_flops(config, 5) == 2 * 5 * 3 * macs == 17280

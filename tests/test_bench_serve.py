@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 
 import numpy as np
+import pytest
 
 from strata_jax.api import SamplingParams
 from strata_jax.bench import run_benchmark, workloads
@@ -18,9 +17,28 @@ def test_serve_bench_multiturn_json(tmp_path):
     out = tmp_path / "serve.json"
     code = run_benchmark(
         "serve",
-        ["--workload", "multiturn", "--clients", "2", "--rounds", "2", "--request-length", "20", "--output-len", "3",
-         "--max-batch-tokens", "64", "--max-batch-size", "2", "--device-tokens", "1024", "--policy", "strata,fifo",
-         "--json", str(out)],
+        [
+            "--workload",
+            "multiturn",
+            "--clients",
+            "2",
+            "--rounds",
+            "2",
+            "--request-length",
+            "20",
+            "--output-len",
+            "3",
+            "--max-batch-tokens",
+            "64",
+            "--max-batch-size",
+            "2",
+            "--device-tokens",
+            "1024",
+            "--policy",
+            "strata,fifo",
+            "--json",
+            str(out),
+        ],
     )
     assert code == 0
     report = json.loads(out.read_text())
@@ -40,15 +58,28 @@ def test_mooncake_blocks_share_prefixes(tmp_path):
         {"timestamp": 10, "input_length": 600, "output_length": 5, "hash_ids": [1, 3]},
     ]
     trace.write_text("\n".join(json.dumps(r) for r in rows))
-    a, b = workloads.mooncake_trace(250, path=trace, num_requests=10, max_input_tokens=4096, output_len=None, time_scale=1.0)
+    a, b = workloads.mooncake_trace(
+        250, path=trace, num_requests=10, max_input_tokens=4096, output_len=None, time_scale=1.0
+    )
     assert len(a.prompt_ids) == 700 and len(b.prompt_ids) == 600
     assert a.prompt_ids[:512] == b.prompt_ids[:512] and a.prompt_ids[512:600] != b.prompt_ids[512:600]
     assert b.arrival_s == 0.01 and max(a.prompt_ids) < 250
 
 
 def _recomputed(policy: str, prompts: list[list[int]]) -> tuple[int, int]:
-    engine = Engine(EngineConfig(model="tiny", policy=policy, warmup=False, show_progress=False, tiers="L1",
-                                 device_tokens=4096, max_batch_tokens=256, max_batch_size=4), start=False)
+    engine = Engine(
+        EngineConfig(
+            model="tiny",
+            policy=policy,
+            warmup=False,
+            show_progress=False,
+            tiers="L1",
+            device_tokens=4096,
+            max_batch_tokens=256,
+            max_batch_size=4,
+        ),
+        start=False,
+    )
     for p in prompts:
         engine.submit(p, SamplingParams(max_tokens=2, ignore_eos=True))
     engine.run_until_idle()

@@ -11,7 +11,14 @@ from strata_jax.bench.startup import ratios, write_random_model
 from strata_jax.models.loader import load_model
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
 
-SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+SMALL = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+}
 
 
 def test_random_model_folder_loads_and_matches_transformers(tmp_path):
@@ -19,7 +26,10 @@ def test_random_model_folder_loads_and_matches_transformers(tmp_path):
     loaded = load_model(str(folder))
     assert loaded.config.num_layers == 3 and loaded.model.model.layers.mlp.up_proj.kernel.shape == (3, 32, 48)
     ids = [5, 9, 2, 77, 31, 8]
-    runner = ModelRunner(loaded.model, RunnerConfig(page_size=4, num_device_pages=4, max_batch_tokens=16, max_batch_size=2, max_context_tokens=16))
+    runner = ModelRunner(
+        loaded.model,
+        RunnerConfig(page_size=4, num_device_pages=4, max_batch_tokens=16, max_batch_size=2, max_context_tokens=16),
+    )
     ours = runner.step([SeqInput(ids, 0, [0, 1])], all_logits=True).logits[: len(ids)]
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     with torch.no_grad():
@@ -29,11 +39,17 @@ def test_random_model_folder_loads_and_matches_transformers(tmp_path):
 
 def test_ratios():
     rows = [
-        {"name": "2L", "mode": "cold", "ready_s": 10.0}, {"name": "2L", "mode": "warm", "ready_s": 2.0},
-        {"name": "32L", "mode": "cold", "ready_s": 15.0}, {"name": "32L", "mode": "warm", "ready_s": 3.0},
-    ]  # fmt: skip
+        {"name": "2L", "mode": "cold", "ready_s": 10.0},
+        {"name": "2L", "mode": "warm", "ready_s": 2.0},
+        {"name": "32L", "mode": "cold", "ready_s": 15.0},
+        {"name": "32L", "mode": "warm", "ready_s": 3.0},
+    ]
     assert ratios(rows) == {"2L warm/cold": 0.2, "32L warm/cold": 0.2, "32L/2L cold": 1.5}
     # repeats: the ratios are of the medians
-    rows += [{"name": "2L", "mode": "cold", "ready_s": 30.0}, {"name": "2L", "mode": "cold", "ready_s": 20.0},
-             {"name": "2L", "mode": "warm", "ready_s": 5.0}, {"name": "2L", "mode": "warm", "ready_s": 4.0}]  # fmt: skip
+    rows += [
+        {"name": "2L", "mode": "cold", "ready_s": 30.0},
+        {"name": "2L", "mode": "cold", "ready_s": 20.0},
+        {"name": "2L", "mode": "warm", "ready_s": 5.0},
+        {"name": "2L", "mode": "warm", "ready_s": 4.0},
+    ]
     assert ratios(rows) == {"2L warm/cold": 4.0 / 20.0, "32L warm/cold": 0.2, "32L/2L cold": 15.0 / 20.0}

@@ -71,9 +71,16 @@ def test_random_batches_and_windows(seed, page_size, heads, batch, shape, window
     ctx_lens = rng.integers(0, 70, size=batch)
     pad = 0 if shape != "ragged" else int(rng.integers(0, 4))
     args, host = make_batch(
-        rng, page_size=page_size, q_lens=q_lens, ctx_lens=ctx_lens, num_q_heads=heads[0],
-        num_kv_heads=heads[1], head_dim=16, pad_tokens=pad, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=page_size,
+        q_lens=q_lens,
+        ctx_lens=ctx_lens,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=16,
+        pad_tokens=pad,
+        dtype=jnp.float32,
+    )
     if args[0].shape[0] == 0:
         return
     got = np.asarray(blocked_paged_attention(*args, sm_scale=0.3, sliding_window=window, **SMALL_BLOCKS))
@@ -89,9 +96,16 @@ def test_window_as_a_traced_per_layer_value_under_scan():
     window arriving as a traced scalar, reads each layer's K/V with its own window."""
     rng = np.random.default_rng(3)
     args, host = make_batch(
-        rng, page_size=4, q_lens=(6, 1, 9), ctx_lens=(20, 31, 0), num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=2, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=4,
+        q_lens=(6, 1, 9),
+        ctx_lens=(20, 31, 0),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=2,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     windows = jnp.asarray([5, 0, 12], jnp.int32)
     scale = jnp.arange(1, 4, dtype=jnp.float32)[:, None, None, None, None, None]
@@ -118,9 +132,16 @@ def test_window_as_a_traced_per_layer_value_under_scan():
 def test_pool_variant_threads_the_pool_and_reads_its_layer():
     rng = np.random.default_rng(11)
     args, host = make_batch(
-        rng, page_size=8, q_lens=(4, 1, 2), ctx_lens=(11, 30, 0), num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=2, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=8,
+        q_lens=(4, 1, 2),
+        ctx_lens=(11, 30, 0),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=2,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     pool = jnp.full((3, 2, *k.shape), jnp.nan, k.dtype).at[1, 0].set(k).at[1, 1].set(v)
     got, pool_out = blocked_paged_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=0.25, **SMALL_BLOCKS)
@@ -154,15 +175,36 @@ def test_every_default_query_tile_and_multi_block_decode_equal_brute_force(page_
     rng = np.random.default_rng(page_size)
     edges = sorted({n for t in DEFAULT_Q_BLOCKS[:-1] for n in (t, t + 1)})
     args, host = make_batch(
-        rng, page_size=page_size, q_lens=edges, ctx_lens=[37] * len(edges), num_q_heads=6, num_kv_heads=2,
-        head_dim=16, pad_tokens=5, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=page_size,
+        q_lens=edges,
+        ctx_lens=[37] * len(edges),
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=5,
+        dtype=jnp.float32,
+    )
     real = int(host[5][-1])  # the padding tokens after them are checked elsewhere
     got = np.asarray(blocked_paged_attention(*args, sm_scale=0.3))
     np.testing.assert_allclose(got[:real], brute_force(*host, 0.3, None)[:real], atol=2e-5, rtol=2e-5)
-    contexts = [3 * DEFAULT_DECODE_KV_BLOCK_TOKENS + 5, DEFAULT_DECODE_KV_BLOCK_TOKENS, 1, 2 * DEFAULT_DECODE_KV_BLOCK_TOKENS - 1]
+    contexts = [
+        3 * DEFAULT_DECODE_KV_BLOCK_TOKENS + 5,
+        DEFAULT_DECODE_KV_BLOCK_TOKENS,
+        1,
+        2 * DEFAULT_DECODE_KV_BLOCK_TOKENS - 1,
+    ]
     args, host = make_batch(
-        rng, page_size=page_size, q_lens=[1] * 4, ctx_lens=contexts, num_q_heads=6, num_kv_heads=2, head_dim=16,
-        pad_tokens=0, dtype=jnp.float32,
-    )  # fmt: skip
-    np.testing.assert_allclose(np.asarray(blocked_paged_attention(*args, sm_scale=0.3)), brute_force(*host, 0.3, None), atol=2e-5, rtol=2e-5)
+        rng,
+        page_size=page_size,
+        q_lens=[1] * 4,
+        ctx_lens=contexts,
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=0,
+        dtype=jnp.float32,
+    )
+    np.testing.assert_allclose(
+        np.asarray(blocked_paged_attention(*args, sm_scale=0.3)), brute_force(*host, 0.3, None), atol=2e-5, rtol=2e-5
+    )

@@ -15,8 +15,23 @@ TRACE = "/work/shared/data/mooncake/conversation_trace.jsonl"
 
 def _multiturn(tmp_path, *extra: str) -> dict:
     out = tmp_path / "mt.json"
-    argv = ["--clients", "6", "--rounds", "14", "--request-length", "64", "--output-length", "16",
-            "--page-size", "16", "--device-rounds", "3", "--json", str(out), *extra]
+    argv = [
+        "--clients",
+        "6",
+        "--rounds",
+        "14",
+        "--request-length",
+        "64",
+        "--output-length",
+        "16",
+        "--page-size",
+        "16",
+        "--device-rounds",
+        "3",
+        "--json",
+        str(out),
+        *extra,
+    ]
     assert run_benchmark("multiturn", argv) == 0
     return json.loads(out.read_text())
 
@@ -48,8 +63,22 @@ def test_multiturn_l3_tracks_reuse_ceiling(tmp_path) -> None:
 
 
 def test_multiturn_with_real_arrays_verifies_every_hit(tmp_path) -> None:
-    res = _multiturn(tmp_path, "--tiers", "L1+L2+L3", "--verify", "--storage", "file",
-                     "--storage-dir", str(tmp_path / "kv"), "--layers", "1", "--kv-heads", "1", "--head-dim", "8")
+    res = _multiturn(
+        tmp_path,
+        "--tiers",
+        "L1+L2+L3",
+        "--verify",
+        "--storage",
+        "file",
+        "--storage-dir",
+        str(tmp_path / "kv"),
+        "--layers",
+        "1",
+        "--kv-heads",
+        "1",
+        "--head-dim",
+        "8",
+    )
     assert res["verified_pages"] > 0
     for r in res["rounds"]:
         assert r["hit_rate"] == pytest.approx(r["ceiling"], abs=1e-9)
@@ -58,8 +87,21 @@ def test_multiturn_with_real_arrays_verifies_every_hit(tmp_path) -> None:
 @pytest.mark.skipif(not os.path.exists(TRACE), reason="needs the shared Mooncake trace")
 def test_trace_unlimited_equals_ideal_and_bounded_is_monotone(tmp_path) -> None:
     out = tmp_path / "trace.json"
-    argv = ["--trace", TRACE, "--limit", "250", "--no-model", "--tiers", "L1", "--page-size", "16",
-            "--sweep", "0.05,0.15,0.4,1.0", "--json", str(out)]
+    argv = [
+        "--trace",
+        TRACE,
+        "--limit",
+        "250",
+        "--no-model",
+        "--tiers",
+        "L1",
+        "--page-size",
+        "16",
+        "--sweep",
+        "0.05,0.15,0.4,1.0",
+        "--json",
+        str(out),
+    ]
     assert run_benchmark("trace", argv) == 0
     res = json.loads(out.read_text())
     assert res["requests"] == 250
@@ -77,8 +119,18 @@ def test_trace_block_tokens_follow_the_spec() -> None:
 
 
 def test_match_bench_runs_small() -> None:
-    argv = ["--tree-tokens", "60000", "--prompt-tokens", "8192", "--turn-tokens", "1024", "--queries", "5",
-            "--target-ms", "1000"]
+    argv = [
+        "--tree-tokens",
+        "60000",
+        "--prompt-tokens",
+        "8192",
+        "--turn-tokens",
+        "1024",
+        "--queries",
+        "5",
+        "--target-ms",
+        "1000",
+    ]
     assert run_benchmark("match", argv) == 0
 
 

@@ -144,8 +144,14 @@ def _path(node):
 
 def test_bfloat16_round_trip_through_host_and_storage(tmp_path) -> None:
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="bfloat16")
-    cfg = CacheConfig(page_size=4, device_pages=8, write_policy="write_back", tiers="L1+L2+L3",
-                      prefetch_policy="wait_complete", prefetch_min_tokens=0)
+    cfg = CacheConfig(
+        page_size=4,
+        device_pages=8,
+        write_policy="write_back",
+        tiers="L1+L2+L3",
+        prefetch_policy="wait_complete",
+        prefetch_min_tokens=0,
+    )
     ctl = CacheController(cfg, layout, storage=MemoryStorage())
     rng = np.random.default_rng(1)
     data = rng.standard_normal(layout.page_first_shape(3)).astype(ctl.host_pool.data.dtype)
@@ -289,7 +295,9 @@ def test_storage_keys_are_namespaced(tmp_path) -> None:
 
 
 def _bookkeeping(policy: str, tiers: str = "L1+L2", device_pages: int = 8, **kw) -> CacheController:
-    cfg = CacheConfig(page_size=1, device_pages=device_pages, tiers=tiers, write_policy=policy, storage_backend="memory", **kw)
+    cfg = CacheConfig(
+        page_size=1, device_pages=device_pages, tiers=tiers, write_policy=policy, storage_backend="memory", **kw
+    )
     return CacheController(cfg)
 
 
@@ -532,7 +540,9 @@ def test_redis_backend_contract() -> None:
             st.tuples(st.just("fork"), st.integers(0, 3), st.integers(0, 12)),
             st.tuples(st.just("evict_device"), st.integers(1, 10)),
             st.tuples(st.just("evict_host"), st.integers(1, 10)),
-            st.tuples(st.just("flush"),),
+            st.tuples(
+                st.just("flush"),
+            ),
         ),
         min_size=10,
         max_size=30,
@@ -546,8 +556,14 @@ def test_random_workload_every_hit_is_bit_exact(policy: str, tiers: str, ops: li
 
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4)
     cfg = CacheConfig(
-        page_size=4, device_pages=12, hicache_ratio=2.0, tiers=tiers, write_policy=policy,
-        write_through_threshold=1, prefetch_policy="wait_complete", prefetch_min_tokens=0,
+        page_size=4,
+        device_pages=12,
+        hicache_ratio=2.0,
+        tiers=tiers,
+        write_policy=policy,
+        write_through_threshold=1,
+        prefetch_policy="wait_complete",
+        prefetch_min_tokens=0,
         transfer_chunk_bytes=2 * layout.page_bytes,  # loads of 3+ pages go in several pipelined chunks
     )
     ctl = CacheController(cfg, layout, storage=MemoryStorage())
@@ -641,8 +657,15 @@ def test_evictable_device_tokens_is_what_eviction_frees(policy: str) -> None:
 
     for seed in range(60):
         rng = np.random.default_rng(seed)
-        cfg = CacheConfig(page_size=2, device_pages=24, hicache_ratio=0.25, tiers="L1+L2", write_policy=policy,
-                          write_through_threshold=2, storage_backend="memory")  # fmt: skip
+        cfg = CacheConfig(
+            page_size=2,
+            device_pages=24,
+            hicache_ratio=0.25,
+            tiers="L1+L2",
+            write_policy=policy,
+            write_through_threshold=2,
+            storage_backend="memory",
+        )
         ctl = CacheController(cfg)
         stems = [rng.integers(0, 5, 4).tolist() for _ in range(4)]  # shared first pages: a branchy tree
         inserted: list[list[int]] = []
@@ -650,7 +673,9 @@ def test_evictable_device_tokens_is_what_eviction_frees(policy: str) -> None:
         for step in range(40):
             op = int(rng.integers(0, 7))
             if op <= 1:  # a new conversation on a shared stem, or the next turn of an old one
-                base = inserted[int(rng.integers(len(inserted)))] if op == 1 and inserted else stems[int(rng.integers(4))]
+                base = (
+                    inserted[int(rng.integers(len(inserted)))] if op == 1 and inserted else stems[int(rng.integers(4))]
+                )
                 tokens = base + rng.integers(0, 3, 2 * int(rng.integers(1, 5))).tolist()
                 inserted.append(tokens)
                 m = ctl.match_prefix(tokens, "")
@@ -772,7 +797,9 @@ def test_failing_storage_is_counted_and_served_as_misses(caplog) -> None:
     silently: the write is dropped, a read stops the prefetch, both are counted."""
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=4)
     store = _FailingStorage()
-    cfg = CacheConfig(page_size=4, device_pages=32, tiers="L1+L2+L3", prefetch_policy="wait_complete", prefetch_min_tokens=0)
+    cfg = CacheConfig(
+        page_size=4, device_pages=32, tiers="L1+L2+L3", prefetch_policy="wait_complete", prefetch_min_tokens=0
+    )
     ctl = CacheController(cfg, layout, storage=store)
     rng = np.random.default_rng(0)
     stored = rng.integers(0, 1000, 32).tolist()

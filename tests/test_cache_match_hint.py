@@ -39,10 +39,15 @@ def export(tree: HiRadixTree, ns: str) -> dict[tuple, TreeNode]:
 
 def tiers(tree: HiRadixTree, ns: str) -> dict[tuple, tuple]:
     return {
-        pre: (n.device and n.device[len(pre) - 1 - n_start(n, tree)], n.host and n.host[len(pre) - 1 - n_start(n, tree)],
-              n.state, n.owner, n.lock_ref)
+        pre: (
+            n.device and n.device[len(pre) - 1 - n_start(n, tree)],
+            n.host and n.host[len(pre) - 1 - n_start(n, tree)],
+            n.state,
+            n.owner,
+            n.lock_ref,
+        )
         for pre, n in export(tree, ns).items()
-    }  # fmt: skip
+    }
 
 
 def n_start(node: TreeNode, tree: HiRadixTree) -> int:
@@ -185,7 +190,11 @@ class Driver:
             kw = {"owner": self.rng.choice(["r1", "r2"])}
         res = self.tree.insert(tokens, hint=hint, **kw)
         ref = twin.insert(tokens, hint=None, **kw)
-        assert (res.existing_tokens, res.unused_pages, len(res.new_nodes)) == (ref.existing_tokens, ref.unused_pages, len(ref.new_nodes))
+        assert (res.existing_tokens, res.unused_pages, len(res.new_nodes)) == (
+            ref.existing_tokens,
+            ref.unused_pages,
+            len(ref.new_nodes),
+        )
         assert tiers(self.tree, "") == tiers(twin, "")
         self.tree.check()
         self.hints[key] = res  # an insert's walk is a hint for the next match

@@ -143,9 +143,7 @@ class TreeMachine(RuleBasedStateMachine):
     def insert_host(self, ns: str, seq: list[int], start: int) -> None:
         pres = self._prefixes(seq)
         start = min(start, len(pres))
-        prefix_ok = all(
-            (t := self.model[ns].get(pre)) is not None and not isinstance(t, tuple) for pre in pres[:start]
-        )
+        prefix_ok = all((t := self.model[ns].get(pre)) is not None and not isinstance(t, tuple) for pre in pres[:start])
         n = len(pres) - start
         if n > len(self.host_free):
             return
@@ -185,7 +183,9 @@ class TreeMachine(RuleBasedStateMachine):
         for ns in NAMESPACES:
             model = self.model[ns]
             # deepest first: drop leaves, hand inner ones to a child's owner
-            for pre in sorted([p for p, t in model.items() if isinstance(t, tuple) and t[1] == owner], key=len, reverse=True):
+            for pre in sorted(
+                [p for p, t in model.items() if isinstance(t, tuple) and t[1] == owner], key=len, reverse=True
+            ):
                 kids = [p for p in model if len(p) == len(pre) + 1 and p[: len(pre)] == pre]
                 if kids:
                     model[pre] = ("T", model[kids[0]][1], model[kids[0]][2])  # any heir; compared loosely
@@ -293,9 +293,9 @@ class TreeMachine(RuleBasedStateMachine):
                 ):
                     # queued continuations (and, with drop_host, nodes that are or just became
                     # host-only) below an evicted L1-only prefix go with it
-                    assert any(
-                        before[ns][p] == "D" and len(p) < len(pre) and pre[: len(p)] == p for p in removed
-                    ), "evicted a transient or host-only node that was not below an evicted prefix"
+                    assert any(before[ns][p] == "D" and len(p) < len(pre) and pre[: len(p)] == p for p in removed), (
+                        "evicted a transient or host-only node that was not below an evicted prefix"
+                    )
                 else:
                     assert before[ns][pre] == tier_letter, "evicted something that was not a pure tier copy"
         for _, ns, pres, _ in self.locks:
@@ -306,9 +306,7 @@ class TreeMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         if not hasattr(self, "tree"):
             return
-        self.tree.check(
-            device_free=self.dev_free, device_total=POOL, host_free=self.host_free, host_total=POOL
-        )
+        self.tree.check(device_free=self.dev_free, device_total=POOL, host_free=self.host_free, host_total=POOL)
         assert export(self.tree) == self.model
         for _, ns, pres, _ in self.locks:
             for pre in pres:
@@ -423,7 +421,12 @@ def test_bookkeeping_modules_do_not_import_jax() -> None:
         "from strata_jax.cache import HiRadixTree, CacheConfig; "
         "sys.exit(1 if 'jax' in sys.modules else 0)"
     )
-    assert subprocess.run([sys.executable, "-c", code], cwd=str(__import__("pathlib").Path(__file__).parents[1])).returncode == 0
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", code], cwd=str(__import__("pathlib").Path(__file__).parents[1])
+        ).returncode
+        == 0
+    )
 
 
 def test_device_pages_of_stops_at_the_device_prefix() -> None:

@@ -38,13 +38,13 @@ RAISING = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first m
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "What is 2+2? Answer with \"four\" <b>bold</b> é."},
+    {"role": "user", "content": 'What is 2+2? Answer with "four" <b>bold</b> é.'},
     {"role": "assistant", "content": "Four.  "},
     {"role": "user", "content": "And 3+3?"},
 ]
 
 
-def _write_tokenizer(folder: Path, chat_template: object | None = None) -> "transformers.PreTrainedTokenizerFast":
+def _write_tokenizer(folder: Path, chat_template: object | None = None) -> transformers.PreTrainedTokenizerFast:
     """A small byte-level BPE tokenizer with ChatML special tokens, saved by transformers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -52,10 +52,18 @@ def _write_tokenizer(folder: Path, chat_template: object | None = None) -> "tran
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    raw.train_from_iterator([m["content"] for m in CONVERSATION] * 20 + ["hello world assistant user system"] * 20, trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    raw.train_from_iterator(
+        [m["content"] for m in CONVERSATION] * 20 + ["hello world assistant user system"] * 20, trainer
+    )
     tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token="<s>", eos_token="<|im_end|>", unk_token="<|endoftext|>", pad_token="<|endoftext|>"
+        tokenizer_object=raw,
+        bos_token="<s>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
     )
     if chat_template is not None:
         tok.chat_template = chat_template
@@ -69,13 +77,21 @@ def _reference(folder: Path):
 
 def _same_as_transformers(folder: Path, messages: list[dict], **kwargs) -> str:
     ours, ref = HFTokenizer(folder), _reference(folder)
-    kwargs.setdefault("add_generation_prompt", not kwargs.get("continue_final_message", False))  # transformers' default is False
+    kwargs.setdefault(
+        "add_generation_prompt", not kwargs.get("continue_final_message", False)
+    )  # transformers' default is False
     names = {"chat_template": kwargs.pop("chat_template", None)}
     extra = kwargs.pop("chat_template_kwargs", {}) or {}
-    text = ours.apply_chat_template(messages, chat_template=names["chat_template"], chat_template_kwargs=extra, **kwargs)
-    expected = ref.apply_chat_template(messages, tokenize=False, chat_template=names["chat_template"], **kwargs, **extra)
+    text = ours.apply_chat_template(
+        messages, chat_template=names["chat_template"], chat_template_kwargs=extra, **kwargs
+    )
+    expected = ref.apply_chat_template(
+        messages, tokenize=False, chat_template=names["chat_template"], **kwargs, **extra
+    )
     assert text == expected
-    ref_ids = ref.apply_chat_template(messages, tokenize=True, chat_template=names["chat_template"], return_dict=False, **kwargs, **extra)
+    ref_ids = ref.apply_chat_template(
+        messages, tokenize=True, chat_template=names["chat_template"], return_dict=False, **kwargs, **extra
+    )
     assert ours.encode(text, add_special_tokens=False) == list(ref_ids)
     return text
 
@@ -88,7 +104,9 @@ def test_chat_template_jinja_saved_by_current_transformers(tmp_path):
     assert text.startswith("<s><|im_start|>system") and text.endswith("<|im_start|>assistant\n")
     no_prompt = _same_as_transformers(tmp_path, CONVERSATION, add_generation_prompt=False)
     assert not no_prompt.endswith("assistant\n")
-    thinking_off = _same_as_transformers(tmp_path, CONVERSATION, add_generation_prompt=True, chat_template_kwargs={"enable_thinking": False})
+    thinking_off = _same_as_transformers(
+        tmp_path, CONVERSATION, add_generation_prompt=True, chat_template_kwargs={"enable_thinking": False}
+    )
     assert thinking_off.endswith("<think>\n\n</think>\n")
     # the rendered prompt already holds its special tokens: encoding adds none
     ours = HFTokenizer(tmp_path)
@@ -97,13 +115,18 @@ def test_chat_template_jinja_saved_by_current_transformers(tmp_path):
 
 def test_named_templates_in_additional_chat_templates(tmp_path):
     _write_tokenizer(tmp_path, {"default": CHATML, "tool_use": TOOLS, "plain": TRIMMING})
-    assert sorted(p.name for p in (tmp_path / "additional_chat_templates").iterdir()) == ["plain.jinja", "tool_use.jinja"]
+    assert sorted(p.name for p in (tmp_path / "additional_chat_templates").iterdir()) == [
+        "plain.jinja",
+        "tool_use.jinja",
+    ]
     assert _same_as_transformers(tmp_path, CONVERSATION).startswith("<s>")  # default
     assert _same_as_transformers(tmp_path, CONVERSATION, chat_template="tool_use").startswith("TOOL-STYLE system: ")
     _same_as_transformers(tmp_path, CONVERSATION, chat_template="plain", add_generation_prompt=True)
     ours = HFTokenizer(tmp_path)
     assert ours.chat_templates.names == ["default", "plain", "tool_use"]
-    with pytest.raises(InvalidRequestError, match=r"one of this model's chat templates \['default', 'plain', 'tool_use'\]"):
+    with pytest.raises(
+        InvalidRequestError, match=r"one of this model's chat templates \['default', 'plain', 'tool_use'\]"
+    ):
         ours.apply_chat_template(CONVERSATION, chat_template="{{ messages }}")  # a raw template is not a name
 
 
@@ -113,11 +136,20 @@ def test_templates_in_tokenizer_config_as_string_or_named_list(tmp_path):
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "chat_template": TRIMMING}))
     _same_as_transformers(tmp_path, CONVERSATION, add_generation_prompt=True)
-    config_file.write_text(json.dumps({**config, "chat_template": [{"name": "tool_use", "template": TOOLS}, {"name": "default", "template": CHATML}]}))
+    config_file.write_text(
+        json.dumps(
+            {
+                **config,
+                "chat_template": [{"name": "tool_use", "template": TOOLS}, {"name": "default", "template": CHATML}],
+            }
+        )
+    )
     _same_as_transformers(tmp_path, CONVERSATION)
     _same_as_transformers(tmp_path, CONVERSATION, chat_template="tool_use")
     # several templates, none named default: the request must choose (transformers refuses too)
-    config_file.write_text(json.dumps({**config, "chat_template": [{"name": "a", "template": TOOLS}, {"name": "b", "template": TRIMMING}]}))
+    config_file.write_text(
+        json.dumps({**config, "chat_template": [{"name": "a", "template": TOOLS}, {"name": "b", "template": TRIMMING}]})
+    )
     with pytest.raises(InvalidRequestError, match="none is named 'default'"):
         HFTokenizer(tmp_path).apply_chat_template(CONVERSATION)
     _same_as_transformers(tmp_path, CONVERSATION, chat_template="b")
@@ -127,14 +159,16 @@ def test_jinja_file_takes_precedence_and_legacy_chat_template_json_is_read(tmp_p
     _write_tokenizer(tmp_path, CHATML)
     config_file = tmp_path / "tokenizer_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": TOOLS}))
-    _same_as_transformers(tmp_path, CONVERSATION)  # chat_template.jinja wins over tokenizer_config.json, as in transformers
+    _same_as_transformers(
+        tmp_path, CONVERSATION
+    )  # chat_template.jinja wins over tokenizer_config.json, as in transformers
     assert HFTokenizer(tmp_path).chat_template == CHATML
     (tmp_path / "chat_template.jinja").unlink()
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": TRIMMING}))  # the processors' legacy file
     ours = HFTokenizer(tmp_path)
     assert ours.chat_template == TRIMMING  # and it wins over tokenizer_config.json (vLLM reads it first too)
     assert ours.apply_chat_template(CONVERSATION[:2], add_generation_prompt=True) == (
-        "[SYSTEM] You are terse.<|im_end|>\n[USER] What is 2+2? Answer with \"four\" <b>bold</b> é.<|im_end|>\n[ASSISTANT] "
+        '[SYSTEM] You are terse.<|im_end|>\n[USER] What is 2+2? Answer with "four" <b>bold</b> é.<|im_end|>\n[ASSISTANT] '
     )
 
 
@@ -210,10 +244,20 @@ def test_special_tokens_from_tokenizer_config(tmp_path, caplog):
 
 
 def test_generation_config_defaults_and_eos_lists(tmp_path):
-    (tmp_path / "generation_config.json").write_text(json.dumps({
-        "bos_token_id": 1, "eos_token_id": [2, 7, 2], "do_sample": True, "temperature": 0.6, "top_p": 0.9,
-        "top_k": 50, "repetition_penalty": 1.0, "max_new_tokens": 99,
-    }))
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": 1,
+                "eos_token_id": [2, 7, 2],
+                "do_sample": True,
+                "temperature": 0.6,
+                "top_p": 0.9,
+                "top_k": 50,
+                "repetition_penalty": 1.0,
+                "max_new_tokens": 99,
+            }
+        )
+    )
     gen = GenerationDefaults.from_folder(tmp_path)
     assert gen.eos_token_ids == (2, 7)
     # top_k 50 and repetition_penalty 1.0 are transformers' own defaults, not recommendations (as in vLLM)

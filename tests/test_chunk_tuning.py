@@ -49,10 +49,18 @@ def test_a_longer_bucket_that_is_slower_per_token_is_never_chosen():
 
 @pytest.mark.heavy  # 20-50 s on 2 cores; the default suite stays near 15 min
 def test_engine_auto_chunk_sets_the_scheduler_budget_and_serves():
-    engine = Engine(EngineConfig(
-        model="tiny", show_progress=False, tiers="L1", max_batch_tokens=256, max_batch_size=4, prefill_chunk="auto",
-        device_tokens=4096, max_context_tokens=1024,
-    ))  # fmt: skip
+    engine = Engine(
+        EngineConfig(
+            model="tiny",
+            show_progress=False,
+            tiers="L1",
+            max_batch_tokens=256,
+            max_batch_size=4,
+            prefill_chunk="auto",
+            device_tokens=4096,
+            max_context_tokens=1024,
+        )
+    )
     try:
         measured = engine.extend_step_seconds
         assert set(measured) == {64, 128, 256}
@@ -63,10 +71,17 @@ def test_engine_auto_chunk_sets_the_scheduler_budget_and_serves():
         assert len(out.token_ids) == 4
     finally:
         engine.shutdown()
-    reference = Engine(EngineConfig(
-        model="tiny", show_progress=False, tiers="L1", max_batch_tokens=256, max_batch_size=4, device_tokens=4096,
-        max_context_tokens=1024,
-    ))  # fmt: skip
+    reference = Engine(
+        EngineConfig(
+            model="tiny",
+            show_progress=False,
+            tiers="L1",
+            max_batch_tokens=256,
+            max_batch_size=4,
+            device_tokens=4096,
+            max_context_tokens=1024,
+        )
+    )
     try:
         assert reference.prefill_chunk == 256 and reference.extend_step_seconds == {}
         assert reference.generate([[3 + i % 250 for i in range(600)]], greedy)[0].token_ids == out.token_ids

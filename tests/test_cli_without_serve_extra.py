@@ -45,8 +45,20 @@ def test_gguf_and_sim_commands_name_their_extras(tmp_path):
     gen = _run("generate", "--model", str(model), "--prompt-ids", "1,2", "--max-tokens", "1")
     lines = gen.stderr.strip().splitlines()
     assert gen.returncode == 2 and len(lines) == 1 and "strata-jax[gguf]" in lines[0], gen.stderr
-    sim = _run("simulate", "--workload", "sharegpt", "--systems", "strata", "--rates", "1", "--num-requests", "3",
-               "--no-progress", "--plot", str(tmp_path / "x.png"))  # fmt: skip
+    sim = _run(
+        "simulate",
+        "--workload",
+        "sharegpt",
+        "--systems",
+        "strata",
+        "--rates",
+        "1",
+        "--num-requests",
+        "3",
+        "--no-progress",
+        "--plot",
+        str(tmp_path / "x.png"),
+    )
     lines = sim.stderr.strip().splitlines()
     assert sim.returncode != 0 and len(lines) == 1 and "strata-jax[sim]" in lines[0], sim.stderr
     assert "sharegpt on" not in sim.stdout  # refused before simulating

@@ -14,8 +14,19 @@ from strata_jax.models.weights import random_model
 from strata_jax.runtime import compilation_cache
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig
 
-CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
-RUNNER = RunnerConfig(page_size=4, num_device_pages=16, max_batch_tokens=16, max_batch_size=1, max_context_tokens=32)  # 2 programs
+CONFIG = ModelConfig(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
+RUNNER = RunnerConfig(
+    page_size=4, num_device_pages=16, max_batch_tokens=16, max_batch_size=1, max_context_tokens=32
+)  # 2 programs
 
 
 @pytest.fixture
@@ -48,7 +59,9 @@ def test_second_start_compiles_nothing_and_other_models_do_not_reuse(tmp_path, r
     compilation_cache.configure(str(tmp_path))
     probe = ModelRunner(random_model(CONFIG), RUNNER)
     steps = len(probe.program_shapes)
-    writers = 1 + probe.seqs.warmup_programs  # the sampling table's and the sequence tables' row and mask writers, compiled at warm-up too
+    writers = (
+        1 + probe.seqs.warmup_programs
+    )  # the sampling table's and the sequence tables' row and mask writers, compiled at warm-up too
     programs = steps + writers
     cold = _warm(CONFIG)
     assert cold.requests == programs and cold.compiled == programs and cold.cache_hits == 0

@@ -15,8 +15,16 @@ from strata_jax.runtime.compute_prior import extend_prior, matmul_flops_per_s
 def test_flops_formula_by_hand():
     from strata_jax.models.config import ModelConfig
 
-    cfg = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=256, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16)  # fmt: skip
+    cfg = ModelConfig(
+        model_type="llama",
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     a, b, c = extend_prior(cfg, 1e9)
     per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 256  # q, k+v, o, gate/up/down
     assert b == 2 * 2 * per_layer / 1e9
@@ -33,7 +41,9 @@ def test_prior_is_within_an_order_of_magnitude_of_a_measured_prefill():
     from strata_jax.engine import Engine, EngineConfig
 
     assert matmul_flops_per_s(jnp.float32, n=256) > 1e8  # any machine that runs the suite
-    engine = Engine(EngineConfig(model="tiny", show_progress=False, tiers="L1", device_tokens=4096, max_batch_tokens=512))
+    engine = Engine(
+        EngineConfig(model="tiny", show_progress=False, tiers="L1", device_tokens=4096, max_batch_tokens=512)
+    )
     try:
         predicted = engine.scheduler.cost.extend_seconds(500)  # before any step was observed
         prompt = np.random.default_rng(0).integers(3, 250, size=500).tolist()

@@ -31,7 +31,9 @@ priors = st.sampled_from(
     [
         CostPrior(),
         CostPrior(bytes_per_token=64, link_bytes_per_s=1.0, storage_bytes_per_s=1e-3),  # tiny rates
-        CostPrior(local_share=0.8, local_window_tokens=512, extend_coeffs=(0.0, 0.0, 0.0), decode_coeffs=(0.0, 0.0, 0.0)),
+        CostPrior(
+            local_share=0.8, local_window_tokens=512, extend_coeffs=(0.0, 0.0, 0.0), decode_coeffs=(0.0, 0.0, 0.0)
+        ),
     ]
 )
 
@@ -55,7 +57,11 @@ def _finite_non_negative(value: float) -> bool:
 def _check_estimates(model: CostModel) -> None:
     p = model.prior
     assert p.link_bytes_per_s / RATE_BOUND_FACTOR <= model.link_bytes_per_s <= p.link_bytes_per_s * RATE_BOUND_FACTOR
-    assert p.storage_bytes_per_s / RATE_BOUND_FACTOR <= model.storage_bytes_per_s <= p.storage_bytes_per_s * RATE_BOUND_FACTOR
+    assert (
+        p.storage_bytes_per_s / RATE_BOUND_FACTOR
+        <= model.storage_bytes_per_s
+        <= p.storage_bytes_per_s * RATE_BOUND_FACTOR
+    )
     for coeff in model.extend_coeffs + model.decode_coeffs:
         assert _finite_non_negative(coeff)
     for host, storage in ((0, 0), (1, 0), (0, 1), (4096, 131072), (1 << 22, 1 << 22)):
@@ -91,7 +97,9 @@ def test_bounded_rate_against_a_plain_clamp(measured: float, prior: float) -> No
 
 def test_a_measured_zero_storage_rate_keeps_the_prior() -> None:
     """The reported defect: every L3 read failed, the measured rate was 0, schedule() divided by it."""
-    model = CostModel(CostPrior(bytes_per_token=1000, link_bytes_per_s=1e9, storage_bytes_per_s=1e8, transfer_overhead_s=0.0))
+    model = CostModel(
+        CostPrior(bytes_per_token=1000, link_bytes_per_s=1e9, storage_bytes_per_s=1e8, transfer_overhead_s=0.0)
+    )
     model.set_storage_rate(0.0)
     model.observe_load(1024, 0.0, tier="storage")
     assert model.storage_bytes_per_s == 1e8

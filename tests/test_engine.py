@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 import torch
-
 from hf_reference import make_hf_model
+
 from strata_jax.api import InvalidRequestError, OverloadedError, SamplingParams
 from strata_jax.engine import Engine, EngineConfig
 from strata_jax.engine.sinks import CollectingSink
@@ -29,8 +29,16 @@ def _baseline(engine: Engine) -> dict:
 def tiered_engine(tmp_path_factory):
     engine = Engine(
         EngineConfig(
-            model="tiny", warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16, device_tokens=4096,
-            max_batch_tokens=128, max_batch_size=4, prefetch_policy="wait_complete", prefetch_min_tokens=0,
+            model="tiny",
+            warmup=False,
+            show_progress=False,
+            tiers="L1+L2+L3",
+            page_size=16,
+            device_tokens=4096,
+            max_batch_tokens=128,
+            max_batch_size=4,
+            prefetch_policy="wait_complete",
+            prefetch_min_tokens=0,
             storage_dir=str(tmp_path_factory.mktemp("kv")),
         )
     )
@@ -70,18 +78,30 @@ def test_namespaces_never_share_cache(tiered_engine):
 def test_engine_matches_hf_greedy_with_concurrent_requests(tmp_path):
     hf = make_hf_model("qwen3", tmp_path / "m", seed=3)
     engine = Engine(
-        EngineConfig(model=str(tmp_path / "m"), warmup=False, show_progress=False, page_size=4, device_tokens=512,
-                     max_batch_tokens=32, max_batch_size=4, max_context_tokens=256)
+        EngineConfig(
+            model=str(tmp_path / "m"),
+            warmup=False,
+            show_progress=False,
+            page_size=4,
+            device_tokens=512,
+            max_batch_tokens=32,
+            max_batch_size=4,
+            max_context_tokens=256,
+        )
     )
     rng = np.random.default_rng(4)
     shared = rng.integers(0, 96, size=20).tolist()
-    prompts = [shared + rng.integers(0, 96, size=n).tolist() for n in (3, 17, 40)] + [rng.integers(0, 96, size=9).tolist()]
+    prompts = [shared + rng.integers(0, 96, size=n).tolist() for n in (3, 17, 40)] + [
+        rng.integers(0, 96, size=9).tolist()
+    ]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     outs = engine.generate(prompts, params)  # concurrent: chunked prefill (40+20 > 32) beside decodes
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert out.token_ids == ref[0, len(prompt):].tolist()
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        assert out.token_ids == ref[0, len(prompt) :].tolist()
     # again, now with the shared prefix cached
     again = engine.generate(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
@@ -119,8 +139,19 @@ def test_abort_at_any_point_frees_everything(tiered_engine):
 
 
 def test_overload_is_a_clear_error_and_accepted_requests_finish(tmp_path):
-    engine = Engine(EngineConfig(model="tiny", warmup=False, show_progress=False, max_waiting=2, max_batch_tokens=64,
-                                 max_batch_size=2, device_tokens=2048, tiers="L1"), start=False)
+    engine = Engine(
+        EngineConfig(
+            model="tiny",
+            warmup=False,
+            show_progress=False,
+            max_waiting=2,
+            max_batch_tokens=64,
+            max_batch_size=2,
+            device_tokens=2048,
+            tiers="L1",
+        ),
+        start=False,
+    )
     accepted = [engine.submit([1, 2, 3, i], SamplingParams(max_tokens=3)) for i in range(2)]
     engine._drain_inbox()  # admit them (this engine runs no thread)
     with pytest.raises(OverloadedError, match="overloaded"):
@@ -186,8 +217,18 @@ def test_retraction_under_l1_pressure_keeps_tokens_identical():
     params = SamplingParams(max_tokens=60, ignore_eos=True)
 
     def run(device_tokens: int):
-        engine = Engine(EngineConfig(model="tiny", warmup=False, show_progress=False, tiers="L1+L2", device_tokens=device_tokens,
-                                     page_size=16, max_batch_tokens=128, max_batch_size=4))
+        engine = Engine(
+            EngineConfig(
+                model="tiny",
+                warmup=False,
+                show_progress=False,
+                tiers="L1+L2",
+                device_tokens=device_tokens,
+                page_size=16,
+                max_batch_tokens=128,
+                max_batch_size=4,
+            )
+        )
         outs = engine.generate(prompts, params)
         retractions = engine.cache_stats()["retractions"]
         _baseline(engine)
@@ -211,8 +252,12 @@ def test_bubble_filling_decodes_first_and_keeps_tokens_identical():
     b_prompt = doc + [1, 2, 3]
     a_params = SamplingParams(max_tokens=30, ignore_eos=True)
     slow_link = CacheConfig(page_size=16, device_tokens=2048, tiers="L1+L2", initial_bandwidth_bytes_per_s=1e4)
-    engine = Engine(EngineConfig(model="tiny", warmup=False, show_progress=False, cache=slow_link, max_batch_tokens=64,
-                                 max_batch_size=4), start=False)
+    engine = Engine(
+        EngineConfig(
+            model="tiny", warmup=False, show_progress=False, cache=slow_link, max_batch_tokens=64, max_batch_size=4
+        ),
+        start=False,
+    )
 
     def run(prompt, params):
         sink = CollectingSink()
@@ -248,4 +293,6 @@ def test_shutdown_lets_a_running_request_finish_and_returns():
     done.join(90)
     assert not done.is_alive(), "shutdown hung"
     assert sink.wait(1) and sink.error is None, sink.error
-    assert sum(len(c.token_ids) for c in sink.chunks) == 20 and sink.chunks[-1].finish_reason == "length", sink.chunks[-1]
+    assert sum(len(c.token_ids) for c in sink.chunks) == 20 and sink.chunks[-1].finish_reason == "length", sink.chunks[
+        -1
+    ]

@@ -23,9 +23,13 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 def tier_tokens(
-    backend: str, storage_dir: str, *, prepare: Callable[[Engine], None] | None = None,
-    inspect: Callable[[Engine], None] | None = None, **overrides: object,
-) -> dict:  # fmt: skip
+    backend: str,
+    storage_dir: str,
+    *,
+    prepare: Callable[[Engine], None] | None = None,
+    inspect: Callable[[Engine], None] | None = None,
+    **overrides: object,
+) -> dict:
     """Generate one prompt cold, then with its prefix from L1, L2 and L3: the tokens and
     cache hits of each, and the names of the Pallas kernels traced meanwhile.
     ``prepare`` / ``inspect`` see the engine before the first request and after the last."""
@@ -37,11 +41,21 @@ def tier_tokens(
         return real_pallas_call(*args, name=name, **kwargs)
 
     config = {
-        "model": "tiny", "warmup": False, "show_progress": False, "tiers": "L1+L2+L3", "page_size": 16,
-        "device_tokens": 2048, "max_batch_tokens": 64, "max_batch_size": 4, "max_context_tokens": 512,
-        "prefetch_policy": "wait_complete", "prefetch_min_tokens": 0, "storage_dir": storage_dir,
-        "kernel_backend": backend, **overrides,
-    }  # fmt: skip
+        "model": "tiny",
+        "warmup": False,
+        "show_progress": False,
+        "tiers": "L1+L2+L3",
+        "page_size": 16,
+        "device_tokens": 2048,
+        "max_batch_tokens": 64,
+        "max_batch_size": 4,
+        "max_context_tokens": 512,
+        "prefetch_policy": "wait_complete",
+        "prefetch_min_tokens": 0,
+        "storage_dir": storage_dir,
+        "kernel_backend": backend,
+        **overrides,
+    }
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv(dispatch.ENV_VAR, raising=False)
         patch.setattr(pl, "pallas_call", recording_pallas_call)
@@ -95,18 +109,32 @@ def test_interpreted_and_xla_kernels_give_the_reference_tokens_from_every_tier(t
 def test_unknown_kernel_backend_is_a_clear_config_error():
     from strata_jax.api import InvalidRequestError
 
-    with pytest.raises(InvalidRequestError, match="kernel_backend must be one of auto, xla, reference, pallas, interpret"):
+    with pytest.raises(
+        InvalidRequestError, match="kernel_backend must be one of auto, xla, reference, pallas, interpret"
+    ):
         EngineConfig(kernel_backend="triton")
 
 
 def test_warmup_compiles_every_transfer_so_serving_compiles_nothing(tmp_path):
     """After warm-up, cold prefills, L1 hits, L2 loads, L3 prefetches and backups compile
     nothing: the first L2 hit used to compile its scatter while a request waited."""
-    engine = Engine(EngineConfig(
-        model="tiny", warmup=True, show_progress=False, tiers="L1+L2+L3", page_size=16, device_tokens=2048,
-        max_batch_tokens=32, max_batch_size=2, max_context_tokens=512, prefetch_policy="wait_complete",
-        prefetch_min_tokens=0, storage_dir=str(tmp_path), kernel_backend="reference",
-    ))  # fmt: skip
+    engine = Engine(
+        EngineConfig(
+            model="tiny",
+            warmup=True,
+            show_progress=False,
+            tiers="L1+L2+L3",
+            page_size=16,
+            device_tokens=2048,
+            max_batch_tokens=32,
+            max_batch_size=2,
+            max_context_tokens=512,
+            prefetch_policy="wait_complete",
+            prefetch_min_tokens=0,
+            storage_dir=str(tmp_path),
+            kernel_backend="reference",
+        )
+    )
     try:
         rng = np.random.default_rng(5)
         for size in (40, 200, 333):  # loads and backups of several chunk buckets

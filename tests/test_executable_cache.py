@@ -18,7 +18,16 @@ from strata_jax.runtime import compilation_cache
 from strata_jax.runtime.executable_cache import ExecutableCache, environment_fingerprint, source_fingerprint
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
 
-CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+CONFIG = ModelConfig(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
 RUNNER = RunnerConfig(page_size=4, num_device_pages=16, max_batch_tokens=16, max_batch_size=2, max_context_tokens=32)
 
 
@@ -244,7 +253,14 @@ def test_engine_keeps_executables_beside_the_xla_cache_and_can_be_told_not_to(tm
     from strata_jax.engine import Engine, EngineConfig
     from strata_jax.runtime import executable_cache
 
-    kwargs = dict(model="tiny", show_progress=False, max_batch_tokens=32, max_batch_size=2, device_tokens=256, max_context_tokens=64)
+    kwargs = dict(
+        model="tiny",
+        show_progress=False,
+        max_batch_tokens=32,
+        max_batch_size=2,
+        device_tokens=256,
+        max_context_tokens=64,
+    )
     config = EngineConfig(**kwargs, compilation_cache_dir=str(tmp_path))
     directory = compilation_cache.resolve(str(tmp_path)) / executable_cache.SUBDIR
     try:
@@ -258,7 +274,9 @@ def test_engine_keeps_executables_beside_the_xla_cache_and_can_be_told_not_to(tm
         entries = {p: p.stat().st_mtime_ns for p in directory.glob("*.exe")}  # reads refresh the mtime
         off = Engine(dataclasses.replace(config, reuse_executables=False), start=False)
         assert off.executables_reused == 0
-        assert off.cache_stats()["startup_xla"]["cache_hits"] >= len(off.runner.program_shapes)  # traced, read from XLA's cache
+        assert off.cache_stats()["startup_xla"]["cache_hits"] >= len(
+            off.runner.program_shapes
+        )  # traced, read from XLA's cache
         assert {p: p.stat().st_mtime_ns for p in directory.glob("*.exe")} == entries  # neither read nor written
     finally:
         compilation_cache.configure("none")
@@ -281,7 +299,9 @@ def test_least_recently_used_entries_go_beyond_the_size_cap(tmp_path):
     os.utime(old[0], (5000, 5000))  # read recently: kept over the newer-written old[1], old[2]
     assert cache.store("new", compiled)
     assert [p.exists() for p in old] == [True, False, False]
-    np.testing.assert_array_equal(cache.load("new", compiled.in_tree)(np.ones(4, np.float32)), np.full(4, 2.0, np.float32))
+    np.testing.assert_array_equal(
+        cache.load("new", compiled.in_tree)(np.ones(4, np.float32)), np.full(4, 2.0, np.float32)
+    )
 
 
 def test_nothing_is_stored_once_the_code_changed_on_disk_after_import(tmp_path, monkeypatch, no_xla_cache, caplog):
@@ -337,7 +357,10 @@ def test_a_read_back_program_that_fails_on_the_device_leaves_the_cache(stored_en
         raise jax.errors.JaxRuntimeError("NOT_FOUND: Function wrapped_iota not found (type id: 1)")
 
     runner._compiled[shape] = failing  # noqa: SLF001 - stands in for a broken read-back executable
-    with caplog.at_level(logging.WARNING, logger="strata_jax.runtime.executable_cache"), pytest.raises(jax.errors.JaxRuntimeError):
+    with (
+        caplog.at_level(logging.WARNING, logger="strata_jax.runtime.executable_cache"),
+        pytest.raises(jax.errors.JaxRuntimeError),
+    ):
         runner.step([SeqInput(list(range(1, 8)), 0, [0, 1])])
     assert not entry.exists() and any("failed when run" in r.getMessage() for r in caplog.records)
     assert len(list(tmp_path.glob("*.exe"))) == len(runner.program_shapes) - 1  # the others stay
@@ -351,8 +374,15 @@ def test_engine_starts_without_the_executable_cache_when_its_directory_cannot_be
     directory = compilation_cache.resolve(str(tmp_path))
     directory.mkdir(parents=True)
     (directory / executable_cache.SUBDIR).write_text("a file where the directory would go")
-    config = EngineConfig(model="tiny", show_progress=False, max_batch_tokens=32, max_batch_size=2, device_tokens=256,
-                          max_context_tokens=64, compilation_cache_dir=str(tmp_path))  # fmt: skip
+    config = EngineConfig(
+        model="tiny",
+        show_progress=False,
+        max_batch_tokens=32,
+        max_batch_size=2,
+        device_tokens=256,
+        max_context_tokens=64,
+        compilation_cache_dir=str(tmp_path),
+    )
     try:
         with caplog.at_level(logging.WARNING, logger="strata_jax.runtime.executable_cache"):
             engine = Engine(config, start=False)

@@ -24,11 +24,11 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from serving_harness import assert_no_leaks, engine_factory, with_baseline
 
 from serving.config import ServerConfig
 from serving.protos import strata_pb2, strata_pb2_grpc
 from serving.server import ThreadedServer
-from serving_harness import assert_no_leaks, engine_factory, with_baseline
 
 MAX_BODY = 256 << 10  # room for 100k levels of [[...]] (200 KB)
 BODY_TIMEOUT_S = 3.0
@@ -45,7 +45,10 @@ def server():
 
 def _errors(srv: ThreadedServer) -> float:
     registry = srv.frontend.metrics.registry
-    return sum(registry.get_sample_value("strata_requests_total", {"api": api, "status": "error"}) or 0.0 for api in ("http", "grpc"))
+    return sum(
+        registry.get_sample_value("strata_requests_total", {"api": api, "status": "error"}) or 0.0
+        for api in ("http", "grpc")
+    )
 
 
 @pytest.fixture()
@@ -55,7 +58,9 @@ def healthy(server):
     yield server
     with httpx.Client(base_url=server.http_url, timeout=60) as http:
         assert http.get("/health").status_code == 200
-        r = http.post("/v1/completions", json={"model": server.frontend.model_name, "prompt": "still there?", "max_tokens": 2})
+        r = http.post(
+            "/v1/completions", json={"model": server.frontend.model_name, "prompt": "still there?", "max_tokens": 2}
+        )
         assert r.status_code == 200, r.text
     assert _errors(server) == before
     assert_no_leaks(server.frontend.engine(), server.baseline_used)
@@ -94,13 +99,13 @@ async def _slow_sender(port: int, body: bytes, interval_s: float) -> tuple[bytes
             try:
                 raw = await asyncio.wait_for(reader.read(65536), interval_s)
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
         elapsed = time.monotonic() - t0
         try:  # after its answer the server drops the connection (it cannot carry another request)
             while chunk := await asyncio.wait_for(reader.read(65536), 5.0):
                 raw += chunk
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return raw, elapsed, False
         except ConnectionError:  # a reset: the server closed with our unread bytes in its buffer
             pass
@@ -177,7 +182,9 @@ def test_body_at_the_limit_passes_one_byte_over_is_413(healthy):
         generate = channel.unary_stream("/strata.v1.Strata/Generate")
         for extra, code in ((0, grpc.StatusCode.INVALID_ARGUMENT), (1, grpc.StatusCode.RESOURCE_EXHAUSTED)):
             msg = strata_pb2.GenerateRequest(text="x")
-            msg.text = "x" * (len(msg.text) + MAX_BODY + extra - msg.ByteSize() - 2)  # the length prefix grows by 2 bytes
+            msg.text = "x" * (
+                len(msg.text) + MAX_BODY + extra - msg.ByteSize() - 2
+            )  # the length prefix grows by 2 bytes
             assert msg.ByteSize() == MAX_BODY + extra
             with pytest.raises(grpc.RpcError) as err:
                 list(generate(msg.SerializeToString(), timeout=60))
@@ -192,8 +199,16 @@ def test_invalid_utf8_and_deep_nesting_are_400_naming_the_problem(healthy):
         (b'{"model": "' + m + b'", "prompt": "\xff\xfe bad"}', "body", "UTF-8"),
         (b'{"model": "' + m + b'", "prompt": "\\ud800"}', "prompt", "UTF-8"),
         (b'{"model": "' + m + b'", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "body", "nested"),
-        (b'{"model": "' + m + b'", "prompt": "x", "guided_json": ' + b'{"a":' * 150 + b"1" + b"}" * 150 + b"}", "guided_json", "nested"),
-        (b'{"model": "' + m + b'", "prompt": "x", "response_format": ' + b"[" * 500 + b"]" * 500 + b"}", "response_format", "nested"),
+        (
+            b'{"model": "' + m + b'", "prompt": "x", "guided_json": ' + b'{"a":' * 150 + b"1" + b"}" * 150 + b"}",
+            "guided_json",
+            "nested",
+        ),
+        (
+            b'{"model": "' + m + b'", "prompt": "x", "response_format": ' + b"[" * 500 + b"]" * 500 + b"}",
+            "response_format",
+            "nested",
+        ),
     ]
     with httpx.Client(base_url=srv.http_url, timeout=60) as http:
         for path in ("/v1/completions", "/v1/chat/completions"):
@@ -259,8 +274,11 @@ async def _hang_up_non_streamed(http: httpx.AsyncClient, path: str, body: dict, 
 
 
 async def _grpc_cancel(stub: Any, rng: random.Random, i: int) -> int | None:
-    call = stub.Generate(strata_pb2.GenerateRequest(
-        text=f"grpc hang-up {i}", params=strata_pb2.SamplingParams(max_tokens=TOKENS, ignore_eos=True)))  # fmt: skip
+    call = stub.Generate(
+        strata_pb2.GenerateRequest(
+            text=f"grpc hang-up {i}", params=strata_pb2.SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+        )
+    )
     cut = rng.randrange(0, 6)
     try:
         got = 0
@@ -279,9 +297,10 @@ async def _grpc_cancel(stub: Any, rng: random.Random, i: int) -> int | None:
 async def _hang_ups(srv: ThreadedServer, seed: int) -> list[int | None]:
     rng, model, port = random.Random(seed), srv.frontend.model_name, _port(srv)
     limits = httpx.Limits(max_connections=HANGUPS, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=srv.http_url, timeout=120, limits=limits) as http, grpc.aio.insecure_channel(
-        srv.grpc_target
-    ) as channel:
+    async with (
+        httpx.AsyncClient(base_url=srv.http_url, timeout=120, limits=limits) as http,
+        grpc.aio.insecure_channel(srv.grpc_target) as channel,
+    ):
         stub = strata_pb2_grpc.StrataStub(channel)
 
         async def one(i: int) -> int | None:
@@ -289,7 +308,9 @@ async def _hang_ups(srv: ThreadedServer, seed: int) -> list[int | None]:
             chat = rng.random() < 0.5
             path = "/v1/chat/completions" if chat else "/v1/completions"
             body: dict[str, Any] = {"model": model, "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
-            body.update({"messages": [{"role": "user", "content": f"hang-up {i}"}]} if chat else {"prompt": f"hang-up {i}"})
+            body.update(
+                {"messages": [{"role": "user", "content": f"hang-up {i}"}]} if chat else {"prompt": f"hang-up {i}"}
+            )
             kind = i % 5
             if kind == 0:
                 return await _hang_up_mid_body(port, json.dumps(body).encode(), rng)
@@ -309,14 +330,20 @@ def test_200_clients_hanging_up_at_random_points(healthy):
     statuses = asyncio.run(_hang_ups(srv, seed=1234))
     seen = [s for s in statuses if s is not None]
     assert seen and all(s < 500 for s in seen), sorted(set(seen))
-    cancelled = srv.frontend.metrics.registry.get_sample_value("strata_requests_total", {"api": "http", "status": "cancelled"})
+    cancelled = srv.frontend.metrics.registry.get_sample_value(
+        "strata_requests_total", {"api": "http", "status": "cancelled"}
+    )
     assert cancelled and cancelled > 0
 
 
 # ---- the wrong key on an admin route (--admin-api-key) --------------------------
 # The faces alone, on the contract fake (no engine warm-up): which key each route takes.
 API_KEY, ADMIN_KEY = "inference-key", "admin-key"
-ADMIN_HTTP = [("GET", "/admin/cache_stats", None), ("POST", "/admin/flush_cache", {"tier": "device"}), ("POST", "/flush_cache", None)]
+ADMIN_HTTP = [
+    ("GET", "/admin/cache_stats", None),
+    ("POST", "/admin/flush_cache", {"tier": "device"}),
+    ("POST", "/flush_cache", None),
+]
 
 
 @pytest.fixture(scope="module")
@@ -365,12 +392,20 @@ def test_admin_key_guards_the_admin_rpcs_over_grpc(keyed_server, tmp_path):
     from serving.grpc_client import StrataClient
 
     srv = keyed_server
-    with StrataClient(srv.grpc_target, api_key=ADMIN_KEY) as admin, StrataClient(srv.grpc_target, api_key=API_KEY) as user:
+    with (
+        StrataClient(srv.grpc_target, api_key=ADMIN_KEY) as admin,
+        StrataClient(srv.grpc_target, api_key=API_KEY) as user,
+    ):
         admin.flush_cache("device")
         assert "device_pool" in admin.cache_stats()
         admin.start_profile(str(tmp_path))
         admin.stop_profile()
-        for call in (lambda c: c.flush_cache(), lambda c: c.cache_stats(), lambda c: c.start_profile(str(tmp_path)), lambda c: c.stop_profile()):
+        for call in (
+            lambda c: c.flush_cache(),
+            lambda c: c.cache_stats(),
+            lambda c: c.start_profile(str(tmp_path)),
+            lambda c: c.stop_profile(),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 call(user)
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--admin-api-key" in err.value.details()
@@ -408,4 +443,7 @@ def test_admin_key_flag_env_and_defaults(monkeypatch):
     assert auth.check(only_admin, auth.Scope.ADMIN, None) is not None
     # one key for both: the same value in both flags
     same = ServerConfig(api_key="k", admin_api_key="k")
-    assert auth.check(same, auth.Scope.ADMIN, "Bearer k") is None and auth.check(same, auth.Scope.INFERENCE, "Bearer k") is None
+    assert (
+        auth.check(same, auth.Scope.ADMIN, "Bearer k") is None
+        and auth.check(same, auth.Scope.INFERENCE, "Bearer k") is None
+    )

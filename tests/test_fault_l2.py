@@ -18,10 +18,9 @@ from __future__ import annotations
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import fault_backends as fb
 import httpx
 import pytest
-
-import fault_backends as fb
 from serving_harness import assert_no_leaks, real_engine_available, start_server, wait_idle, with_baseline
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -44,9 +43,14 @@ def server(request):
     if not real_engine_available():
         pytest.skip("needs the real engine")
     srv = start_server(
-        max_waiting=4, max_running=8, max_context_tokens=2048, device_tokens=4096, tiers="L1+L2",
-        hicache_ratio=0.25, write_policy=request.param,
-    )  # fmt: skip
+        max_waiting=4,
+        max_running=8,
+        max_context_tokens=2048,
+        device_tokens=4096,
+        tiers="L1+L2",
+        hicache_ratio=0.25,
+        write_policy=request.param,
+    )
     yield with_baseline(srv)
     srv.stop(30.0)
 
@@ -69,7 +73,9 @@ def test_host_pool_exhausted_by_a_burst(server):
     with ThreadPoolExecutor(len(prompts)) as pool:
         answers = list(pool.map(lambda p: fb.complete(url, p, max_tokens=8), prompts))
     statuses = [a.status_code for a in answers]
-    assert set(statuses) <= {200, 429}, [(a.status_code, a.text[:300]) for a in answers if a.status_code not in (200, 429)]
+    assert set(statuses) <= {200, 429}, [
+        (a.status_code, a.text[:300]) for a in answers if a.status_code not in (200, 429)
+    ]
     assert statuses.count(200) >= 1
     for a, c in zip(answers, cold):
         if a.status_code == 200:
@@ -80,14 +86,18 @@ def test_host_pool_exhausted_by_a_burst(server):
     for i in refused:  # sent again once the burst is over: served, the cold tokens
         fb.assert_same_tokens(fb.complete(url, prompts[i], max_tokens=8), cold[i])
     after = engine.cache_stats()
-    print(f"\n{engine.config.write_policy}: {statuses.count(200)} answered, {len(refused)} refused (429) of "
-          f"{len(prompts)}; host pool {after['host_pool']}; hits {after.get('hit_tokens')}")  # fmt: skip
+    print(
+        f"\n{engine.config.write_policy}: {statuses.count(200)} answered, {len(refused)} refused (429) of "
+        f"{len(prompts)}; host pool {after['host_pool']}; hits {after.get('hit_tokens')}"
+    )
     assert after["evictions"]["host"] > evicted_before  # L2 really was full
     assert fb.server_errors(server) == errors
     fb.assert_alive(url)
     wait_idle(engine)
     acc = engine.check_accounting()  # tree invariants and exact page accounting
-    assert acc["live_requests"] == acc["device_request_pages"] == acc["locked_nodes"] == acc["transient_nodes"] == 0, acc
+    assert acc["live_requests"] == acc["device_request_pages"] == acc["locked_nodes"] == acc["transient_nodes"] == 0, (
+        acc
+    )
     engine.flush_cache("all")
     left = engine.cache_stats()
     assert left["device_pool"]["used_pages"] <= server.baseline_used and left["host_pool"]["used_pages"] == 0, (  # type: ignore[attr-defined]

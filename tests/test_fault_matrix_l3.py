@@ -28,10 +28,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import fault_backends as fb
 import httpx
 import pytest
-
-import fault_backends as fb
 from serving_harness import assert_no_leaks, real_engine_available, start_server, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -78,9 +77,14 @@ def env(tmp_path_factory):
     built = fb.register_fault_backend(mp, "fault-file", "file")
     try:
         srv = start_server(
-            max_waiting=64, max_running=8, max_context_tokens=2048, device_tokens=8192,
-            tiers="L1+L2+L3", storage_backend="fault-file", storage_dir=storage_dir,
-        )  # fmt: skip
+            max_waiting=64,
+            max_running=8,
+            max_context_tokens=2048,
+            device_tokens=8192,
+            tiers="L1+L2+L3",
+            storage_backend="fault-file",
+            storage_dir=storage_dir,
+        )
     except BaseException:
         mp.undo()
         if mounted:
@@ -89,8 +93,16 @@ def env(tmp_path_factory):
     engine = srv.frontend.engine()
     wait_idle(engine)
     engine.flush_cache("all")
-    env = Env(srv, srv.http_url, engine, storage_dir, mount, mounted, built[-1],
-              engine.cache_stats()["device_pool"]["used_pages"])  # fmt: skip
+    env = Env(
+        srv,
+        srv.http_url,
+        engine,
+        storage_dir,
+        mount,
+        mounted,
+        built[-1],
+        engine.cache_stats()["device_pool"]["used_pages"],
+    )
     yield env
     env.fault.release()
     srv.stop(30.0)
@@ -321,8 +333,18 @@ def test_reads_that_hang(checked):
 def _serve_cmd(storage_dir: str, port: int, grpc_port: int) -> list[str]:
     exe = shutil.which("strata-jax")
     base = [exe] if exe else [sys.executable, "-m", "serving.cli"]
-    return [*base, "serve", "--tiers", "L1+L2+L3", "--storage-dir", storage_dir, "--port", str(port),
-            "--grpc-port", str(grpc_port)]  # fmt: skip
+    return [
+        *base,
+        "serve",
+        "--tiers",
+        "L1+L2+L3",
+        "--storage-dir",
+        storage_dir,
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+    ]
 
 
 def _serve(storage_dir: str, log_path: str) -> tuple[subprocess.Popen, str]:

@@ -20,16 +20,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import fault_backends as fb
 import httpx
 import pytest
-
-import fault_backends as fb
 from serving_harness import assert_no_leaks, real_engine_available, start_server, wait_idle
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed (apt-get install redis-server)"),
+    pytest.mark.skipif(
+        shutil.which("redis-server") is None, reason="redis-server is not installed (apt-get install redis-server)"
+    ),
 ]
 
 PROMPT_TOKENS = 600
@@ -73,9 +74,14 @@ def env(tmp_path_factory):
     built = fb.register_fault_backend(mp, "fault-redis", "redis")
     try:
         srv = start_server(
-            max_waiting=64, max_running=8, max_context_tokens=2048, device_tokens=8192,
-            tiers="L1+L2+L3", storage_backend="fault-redis", storage_url=redis.url,
-        )  # fmt: skip
+            max_waiting=64,
+            max_running=8,
+            max_context_tokens=2048,
+            device_tokens=8192,
+            tiers="L1+L2+L3",
+            storage_backend="fault-redis",
+            storage_url=redis.url,
+        )
     except BaseException:
         mp.undo()
         redis.stop()
@@ -215,8 +221,20 @@ def test_maxmemory_reached(checked, policy):
 def _serve_cmd(url: str) -> list[str]:
     exe = shutil.which("strata-jax")
     base = [exe] if exe else [sys.executable, "-m", "serving.cli"]
-    return [*base, "serve", "--tiers", "L1+L2+L3", "--storage-backend", "redis", "--storage-url", url,
-            "--port", str(fb.free_port()), "--grpc-port", str(fb.free_port())]  # fmt: skip
+    return [
+        *base,
+        "serve",
+        "--tiers",
+        "L1+L2+L3",
+        "--storage-backend",
+        "redis",
+        "--storage-url",
+        url,
+        "--port",
+        str(fb.free_port()),
+        "--grpc-port",
+        str(fb.free_port()),
+    ]
 
 
 def test_wrong_password_at_startup(tmp_path):
@@ -227,8 +245,13 @@ def test_wrong_password_at_startup(tmp_path):
     secret = "wrong-pass-456"
     try:
         t0 = time.monotonic()
-        proc = subprocess.run(_serve_cmd(f"redis://:{secret}@127.0.0.1:{redis.port}/0"), capture_output=True,
-                              text=True, timeout=300, check=False)  # fmt: skip
+        proc = subprocess.run(
+            _serve_cmd(f"redis://:{secret}@127.0.0.1:{redis.port}/0"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         took = time.monotonic() - t0
         # without a password at all: the same clear start-up error (checked on the backend: same path)
         from strata_jax.cache.storage import StorageError

@@ -41,21 +41,39 @@ def _fleet_env(tmp_path: Path) -> dict[str, str]:
             pytest.skip(f"{tool} is not installed (apt-get install redis-server util-linux)")
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("two replicas on a CPU each need two CPUs")
-    env = dict(os.environ, MODEL="tiny", SERVED_MODEL_NAME=NAME, REPLICAS="2", CPUS_PER_REPLICA="1",
-               SERVE_FLAGS=SERVE_FLAGS, BENCH_FLAGS=BENCH_FLAGS, OUT=str(tmp_path), FLEET_TIMEOUT_S="240")  # fmt: skip
+    env = dict(
+        os.environ,
+        MODEL="tiny",
+        SERVED_MODEL_NAME=NAME,
+        REPLICAS="2",
+        CPUS_PER_REPLICA="1",
+        SERVE_FLAGS=SERVE_FLAGS,
+        BENCH_FLAGS=BENCH_FLAGS,
+        OUT=str(tmp_path),
+        FLEET_TIMEOUT_S="240",
+    )
     # the router's virtualenv (created once, as the script does): no network and no venv -> skip
     install = subprocess.run(
-        ["bash", "-c", f'source "{ROOT}/scripts/chat_clients_common.sh" && client_venv sglang-router "sglang-router==0.3.2"'],
-        capture_output=True, text=True, timeout=600, env=env, check=False,
-    )  # fmt: skip
+        [
+            "bash",
+            "-c",
+            f'source "{ROOT}/scripts/chat_clients_common.sh" && client_venv sglang-router "sglang-router==0.3.2"',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
     if install.returncode != 0:
         pytest.skip(f"sglang-router 0.3.2 could not be installed into its virtualenv: {install.stderr.strip()[-400:]}")
     return env
 
 
 def _run(mode: str, env: dict[str, str], tmp_path: Path, timeout: int) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["bash", str(FLEET), mode], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
-                          check=False)
+    proc = subprocess.run(
+        ["bash", str(FLEET), mode], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False
+    )
     (tmp_path / f"{mode}.stdout").write_text(proc.stdout)
     (tmp_path / f"{mode}.stderr").write_text(proc.stderr)
     return proc

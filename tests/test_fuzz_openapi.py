@@ -29,7 +29,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from serving_harness import assert_no_leaks, shared_server
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -153,9 +152,13 @@ def fuzz_operation(
     for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
 
         @settings(
-            max_examples=examples, deadline=None, database=None, derandomize=True,
-            phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
-        )  # fmt: skip
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy(generation_mode=mode))
         def run(case: Any) -> None:
             _prepare(case, profile_dir)

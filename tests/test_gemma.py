@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-
 from hf_reference import SLIDING_CONFIGS, hf_gemma3_270m_from_gguf, hf_logits, make_hf_model
+
 from strata_jax.models.config import ModelConfig, ModelConfigError
 from strata_jax.models.loader import load_model
 from strata_jax.models.weights import model_class
@@ -39,13 +39,22 @@ TOL = 1e-4
 # ---- configs ------------------------------------------------------------------------------------
 
 _GEMMA3_RAW = {
-    "model_type": "gemma3_text", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 7,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
-}  # fmt: skip
+    "model_type": "gemma3_text",
+    "vocab_size": 10,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 7,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "sliding_window": 512,
+}
 
 
 def test_gemma3_config_transformers4_spelling_and_defaults():
-    raw = dict(_GEMMA3_RAW, rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    raw = dict(
+        _GEMMA3_RAW, rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0}
+    )
     cfg = ModelConfig.from_hf_dict(raw)
     assert cfg.layer_windows == (512, 512, 512, 512, 512, 0, 512)  # every 6th layer global (the default pattern)
     assert (cfg.rope_theta, cfg.rope_local_theta) == (1e6, 1e4)
@@ -83,7 +92,9 @@ def test_gemma2_defaults_and_window_configs_of_other_families():
     qwen = ModelConfig.from_hf_dict(dict(base, model_type="qwen2", use_sliding_window=True, max_window_layers=3))
     assert qwen.layer_windows == (0, 0, 0, 64) and qwen.max_context_tokens == 4096  # the model's, not the window
     types = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
-    assert ModelConfig.from_hf_dict(dict(base, model_type="qwen2", use_sliding_window=True, layer_types=types)).layer_windows == (0, 64, 0, 64)
+    assert ModelConfig.from_hf_dict(
+        dict(base, model_type="qwen2", use_sliding_window=True, layer_types=types)
+    ).layer_windows == (0, 64, 0, 64)
 
 
 @pytest.mark.parametrize(
@@ -96,7 +107,10 @@ def test_gemma2_defaults_and_window_configs_of_other_families():
         ({"hidden_activation": "relu"}, "hidden_activation='relu' is not supported"),
         ({"final_logit_softcapping": "x"}, "final_logit_softcapping='x' must be null or a positive number"),
         ({"model_type": "gemma3", "text_config": {}}, "multimodal Gemma 3"),
-        ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}}, "scaled rope on local layers"),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+            "scaled rope on local layers",
+        ),
     ],
 )
 def test_configs_this_runtime_cannot_run_fail_in_one_line(change, message):
@@ -124,7 +138,9 @@ def hf_models(tmp_path_factory):
 def _runner(model, page_size: int = 4, pages: int = 160) -> ModelRunner:
     return ModelRunner(
         model,
-        RunnerConfig(page_size=page_size, num_device_pages=pages, max_batch_tokens=256, max_batch_size=4, max_context_tokens=512),
+        RunnerConfig(
+            page_size=page_size, num_device_pages=pages, max_batch_tokens=256, max_batch_size=4, max_context_tokens=512
+        ),
     )
 
 
@@ -136,7 +152,11 @@ def _with_config(model, **changes):
 
 
 def _forward(model, ids, page_size=4):
-    return _runner(model, page_size).step([SeqInput(ids, 0, list(range(-(-len(ids) // page_size))))], all_logits=True).logits
+    return (
+        _runner(model, page_size)
+        .step([SeqInput(ids, 0, list(range(-(-len(ids) // page_size))))], all_logits=True)
+        .logits
+    )
 
 
 # Taken away one at a time, each of these features moves the logits well past the tolerance:
@@ -160,10 +180,21 @@ def test_full_forward_logits_match_hf(hf_models, kind):
     assert np.abs(ours - ref).max() <= TOL, kind
     assert (ours.argmax(-1) == ref.argmax(-1)).all(), kind
     if kind == "gemma3":  # per-layer values (window, rope table) static when unrolled, traced under scan
-        unrolled = ModelRunner(
-            loaded.model,
-            RunnerConfig(page_size=4, num_device_pages=160, max_batch_tokens=256, max_batch_size=4, max_context_tokens=512, scan_layers=False),
-        ).step([SeqInput(ids, 0, list(range(25)))], all_logits=True).logits
+        unrolled = (
+            ModelRunner(
+                loaded.model,
+                RunnerConfig(
+                    page_size=4,
+                    num_device_pages=160,
+                    max_batch_tokens=256,
+                    max_batch_size=4,
+                    max_context_tokens=512,
+                    scan_layers=False,
+                ),
+            )
+            .step([SeqInput(ids, 0, list(range(25)))], all_logits=True)
+            .logits
+        )
         assert np.abs(unrolled - ours).max() <= 1e-5
     for field, value in _ABLATIONS[kind].items():
         ablated = _forward(_with_config(loaded.model, **{field: value}), ids)
@@ -208,7 +239,11 @@ def test_ragged_batch_of_extends_and_decodes_matches_hf(hf_models):
     ]
     logits = runner.step(batch, all_logits=True).logits
     expected = np.concatenate(
-        [hf_logits(hf, seqs[0]).numpy()[40:43], hf_logits(hf, seqs[1]).numpy()[8:9], hf_logits(hf, seqs[2]).numpy()[50:51]]
+        [
+            hf_logits(hf, seqs[0]).numpy()[40:43],
+            hf_logits(hf, seqs[1]).numpy()[8:9],
+            hf_logits(hf, seqs[2]).numpy()[50:51],
+        ]
     )
     assert np.abs(logits - expected).max() <= TOL
 
@@ -220,7 +255,9 @@ def test_checkpoint_round_trip_keeps_the_layer_windows(hf_models, tmp_path):
     loaded = load_model(str(folder))
     restored = restore_checkpoint(save_checkpoint(loaded.model, tmp_path / "ckpt"))
     assert restored.config == loaded.config and type(restored) is type(loaded.model)
-    for (path, got), (_, want) in zip(nnx.to_flat_state(nnx.state(restored)), nnx.to_flat_state(nnx.state(loaded.model))):
+    for (path, got), (_, want) in zip(
+        nnx.to_flat_state(nnx.state(restored)), nnx.to_flat_state(nnx.state(loaded.model))
+    ):
         np.testing.assert_array_equal(np.asarray(got.get_value()), np.asarray(want.get_value()), err_msg=str(path))
 
 
@@ -244,7 +281,14 @@ def test_gguf_written_like_llama_cpp_loads_to_hf_logits(tmp_path, kind):
         return  # convert is the same code for both architectures
     out = tmp_path / "converted"
     cmd = [sys.executable, "-m", "serving.cli", "convert", str(path), str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env={"JAX_PLATFORMS": "cpu", **__import__("os").environ})
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={"JAX_PLATFORMS": "cpu", **__import__("os").environ},
+    )
     assert done.returncode == 0, done.stderr
     import transformers
 
@@ -275,18 +319,31 @@ def gemma3_gguf() -> str:
 # the L1 pool layer-first (the default) and with layer groups (--kv-layer-groups; heavy: 2 more minutes),
 # whose 77 local-layer pages for 256 global ones (--kv-local-ratio 0.3) cannot hold the
 # 1,700-token prompt's 106 pages: its local KV is trimmed as the prefill goes
-@pytest.fixture(scope="module", params=[False, pytest.param(True, marks=pytest.mark.heavy)], ids=["layer_first", "grouped"])
+@pytest.fixture(
+    scope="module", params=[False, pytest.param(True, marks=pytest.mark.heavy)], ids=["layer_first", "grouped"]
+)
 def gemma_engine(request, gemma3_gguf, tmp_path_factory):
     from strata_jax.engine import Engine, EngineConfig
 
     engine = Engine(
         EngineConfig(
-            model=gemma3_gguf, warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16, dtype="float32",
-            device_tokens=4096, max_batch_tokens=512, max_batch_size=2, max_context_tokens=2048,
-            prefetch_policy="wait_complete", prefetch_min_tokens=0, storage_dir=str(tmp_path_factory.mktemp("kv")),
-            kv_layer_groups=request.param, kv_local_ratio=0.3 if request.param else 1.0,
+            model=gemma3_gguf,
+            warmup=False,
+            show_progress=False,
+            tiers="L1+L2+L3",
+            page_size=16,
+            dtype="float32",
+            device_tokens=4096,
+            max_batch_tokens=512,
+            max_batch_size=2,
+            max_context_tokens=2048,
+            prefetch_policy="wait_complete",
+            prefetch_min_tokens=0,
+            storage_dir=str(tmp_path_factory.mktemp("kv")),
+            kv_layer_groups=request.param,
+            kv_local_ratio=0.3 if request.param else 1.0,
         )
-    )  # fmt: skip
+    )
     assert (engine.ctl.device_pool.grouped is not None) == request.param
     yield engine
     engine.shutdown()

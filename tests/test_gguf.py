@@ -29,7 +29,8 @@ Q = gguf.GGMLQuantizationType
 
 def _logits(model, ids: list[int]) -> np.ndarray:
     runner = ModelRunner(
-        model, RunnerConfig(page_size=16, num_device_pages=32, max_batch_tokens=128, max_batch_size=1, max_context_tokens=256)
+        model,
+        RunnerConfig(page_size=16, num_device_pages=32, max_batch_tokens=128, max_batch_size=1, max_context_tokens=256),
     )
     return runner.step([SeqInput(ids, 0, list(range(-(-len(ids) // 16))))], all_logits=True).logits
 
@@ -77,8 +78,16 @@ def test_without_the_qk_unpermutation_a_llama_gguf_would_be_wrong(hf_models, tmp
 # reference: transformers' own torch implementation of the formats, or a plain restatement of the
 # ones it lacks. Row width 256 = one K-block.
 _F16_FIELDS = {  # byte offsets of the float16 scales in each block (kept finite in the random data)
-    Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.Q8_0: (0,),
+    Q.Q4_0: (0,),
+    Q.Q4_1: (0, 2),
+    Q.Q5_0: (0,),
+    Q.Q5_1: (0, 2),
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
 }
 
 
@@ -101,7 +110,9 @@ def _reference_dequantize(raw: np.ndarray, qtype, rows: int, width: int) -> np.n
         return ((low | (high << 4)) * d + m).reshape(rows, width)
     from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
 
-    return hf_dequantize(torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1), int(qtype)).reshape(rows, width).numpy()
+    return (
+        hf_dequantize(torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1), int(qtype)).reshape(rows, width).numpy()
+    )
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, *_F16_FIELDS], ids=lambda q: q.name)
@@ -215,7 +226,11 @@ def test_cli_reports_a_bad_gguf_in_one_line_without_traceback(hf_models, tmp_pat
     )
     done = subprocess.run(
         [sys.executable, "-c", code, str(bad), str(unsupported), str(tmp_path / "out")],
-        check=False, capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
     )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
@@ -233,8 +248,18 @@ def test_config_json_of_convert_matches_transformers_reading_of_the_gguf(hf_mode
     path = write_gguf(hf, tmp_path / "q3.gguf")
     ours = json.loads((convert_gguf(path, tmp_path / "out") / "config.json").read_text())
     ref = load_gguf_checkpoint(str(path))["config"]
-    keys = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-            "num_key_value_heads", "max_position_embeddings", "rope_theta", "vocab_size", "tie_word_embeddings")
+    keys = (
+        "model_type",
+        "num_hidden_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rope_theta",
+        "vocab_size",
+        "tie_word_embeddings",
+    )
     for key in keys:
         assert ours[key] == pytest.approx(ref[key]), key
     assert ours["head_dim"] == hf.config.head_dim == 32  # not hidden/heads: read from attention.key_length
@@ -260,14 +285,48 @@ def _compare_with_transformers(path: Path) -> None:
 
 
 def test_sentencepiece_tokenizer_matches_transformers(hf_models, tmp_path):
-    pieces = ["▁the", "▁a", "▁cat", "▁sat", "th", "he", "at", "▁t", "▁c", "▁s", "ca", "sa", "▁", "t", "h", "e", "a",
-              "c", "s", "o", "n", "▁on", "▁mat", "ma", "▁m", "m", "r", "i", "d", "▁d", "og", "▁dog", "g"]
+    pieces = [
+        "▁the",
+        "▁a",
+        "▁cat",
+        "▁sat",
+        "th",
+        "he",
+        "at",
+        "▁t",
+        "▁c",
+        "▁s",
+        "ca",
+        "sa",
+        "▁",
+        "t",
+        "h",
+        "e",
+        "a",
+        "c",
+        "s",
+        "o",
+        "n",
+        "▁on",
+        "▁mat",
+        "ma",
+        "▁m",
+        "m",
+        "r",
+        "i",
+        "d",
+        "▁d",
+        "og",
+        "▁dog",
+        "g",
+    ]
     tokenizer = {
         "model": "llama",  # Llama 2 / Mistral: SentencePiece BPE, byte fallback, merges recovered from scores
         "tokens": ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces,
         "types": [2, 3, 3] + [6] * 256 + [1] * len(pieces),
         "scores": [0.0] * 259 + [-float(i) - (10 if len(p) == 1 else 0) for i, p in enumerate(pieces)],
-        "bos": 1, "eos": 2,
+        "bos": 1,
+        "eos": 2,
     }
     _compare_with_transformers(write_gguf(hf_models("llama_tied"), tmp_path / "spm.gguf", tokenizer=tokenizer))
 
@@ -278,8 +337,32 @@ def test_byte_level_tokenizer_matches_transformers(hf_models, tmp_path, pre):
 
     alphabet = _byte_alphabet()
     bytes_ = [alphabet[b] for b in range(256)]
-    merges = ["Ġ t", "h e", "Ġt he", "a t", "c at", "Ġ c", "Ġc at", "Ġ s", "Ġs at", "o n", "Ġ on", "Ġ d", "o g", "Ġd og", "2 0", "20 2"]
+    merges = [
+        "Ġ t",
+        "h e",
+        "Ġt he",
+        "a t",
+        "c at",
+        "Ġ c",
+        "Ġc at",
+        "Ġ s",
+        "Ġs at",
+        "o n",
+        "Ġ on",
+        "Ġ d",
+        "o g",
+        "Ġd og",
+        "2 0",
+        "20 2",
+    ]
     tokens = bytes_ + [m.replace(" ", "") for m in merges] + ["<s>", "</s>"]
-    tokenizer = {"model": "gpt2", "pre": pre, "tokens": tokens, "types": [1] * (len(tokens) - 2) + [3, 3],
-                 "merges": merges, "bos": len(tokens) - 2, "eos": len(tokens) - 1}
+    tokenizer = {
+        "model": "gpt2",
+        "pre": pre,
+        "tokens": tokens,
+        "types": [1] * (len(tokens) - 2) + [3, 3],
+        "merges": merges,
+        "bos": len(tokens) - 2,
+        "eos": len(tokens) - 1,
+    }
     _compare_with_transformers(write_gguf(hf_models("qwen2"), tmp_path / f"{pre}.gguf", tokenizer=tokenizer))

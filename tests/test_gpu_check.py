@@ -16,7 +16,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("devices", "tests", "transfer", "roofline", "calibrate", "summary")
-FILES = {"summary.txt", "devices.txt", "log.txt", "tests.xml", "transfer.json", "roofline.json", "calibrated_profile.json"}
+FILES = {
+    "summary.txt",
+    "devices.txt",
+    "log.txt",
+    "tests.xml",
+    "transfer.json",
+    "roofline.json",
+    "calibrated_profile.json",
+}
 
 
 def _get(doc: dict, path: str) -> object:
@@ -40,8 +48,13 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comple
     env["PYTHON"] = sys.executable
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=480, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
+        check=False,
+    )
     return proc, out
 
 
@@ -55,7 +68,18 @@ def test_every_step_passes_and_writes_at_most_8_files(dry_run) -> None:
     names = {p.name for p in out.iterdir()}
     assert names == FILES and len(names) <= 8
     # the numbers a human wants are in the summary
-    for text in ("link peak", "staging", "pinned pages", "per-page", "TTFT", "L1", "L2", "prefill MFU", "decode batch", "HBM"):
+    for text in (
+        "link peak",
+        "staging",
+        "pinned pages",
+        "per-page",
+        "TTFT",
+        "L1",
+        "L2",
+        "prefill MFU",
+        "decode batch",
+        "HBM",
+    ):
         assert text in summary, text
 
 
@@ -77,8 +101,20 @@ def test_transfer_results_have_every_path_at_every_page_size(dry_run) -> None:
         row = f"page_sizes.{size}."
         _finite_positive(
             report,
-            *(row + k for k in ("coalesced_gbps", "pinned_pages_gbps", "pinned_staging_gbps", "pinned_contiguous_gbps")),
-            *(row + k for k in ("naive_gbps", "pipelined_gbps", "contiguous_gbps", "split_ms.transfer", "pinned_split_ms.transfer")),
+            *(
+                row + k
+                for k in ("coalesced_gbps", "pinned_pages_gbps", "pinned_staging_gbps", "pinned_contiguous_gbps")
+            ),
+            *(
+                row + k
+                for k in (
+                    "naive_gbps",
+                    "pipelined_gbps",
+                    "contiguous_gbps",
+                    "split_ms.transfer",
+                    "pinned_split_ms.transfer",
+                )
+            ),
         )
 
 
@@ -86,13 +122,22 @@ def test_roofline_results_have_ttft_per_tier_decode_per_batch_and_mfu(dry_run) -
     _, out = dry_run
     r = json.loads((out / "roofline.json").read_text())
     assert r["errors"] == {}
-    _finite_positive(r, "peaks.hbm_bytes_per_s", "peaks.matmul_flops_per_s", "model.weight_bytes", "model.kv_bytes_per_token")
-    _finite_positive(r, "ttft.cold_s", "ttft.l1_s", "ttft.l2_s", "prefill.ttft_mfu", "prefill.chunk_mfu", "prefill.chunk_s")
-    assert r["ttft"]["l1_served_by_device"] and r["ttft"]["l2_served_by_host"]  # each tier timed is the tier that served
+    _finite_positive(
+        r, "peaks.hbm_bytes_per_s", "peaks.matmul_flops_per_s", "model.weight_bytes", "model.kv_bytes_per_token"
+    )
+    _finite_positive(
+        r, "ttft.cold_s", "ttft.l1_s", "ttft.l2_s", "prefill.ttft_mfu", "prefill.chunk_mfu", "prefill.chunk_s"
+    )
+    assert (
+        r["ttft"]["l1_served_by_device"] and r["ttft"]["l2_served_by_host"]
+    )  # each tier timed is the tier that served
     assert set(r["decode"]["batches"]) == {"1", "2", "4"}
     for batch in r["decode"]["batches"]:
         row = f"decode.batches.{batch}."
-        _finite_positive(r, *(row + k for k in ("step_s", "pipelined_step_s", "bytes_per_step", "hbm_bytes_per_s", "hbm_utilisation")))
+        _finite_positive(
+            r,
+            *(row + k for k in ("step_s", "pipelined_step_s", "bytes_per_step", "hbm_bytes_per_s", "hbm_utilisation")),
+        )
 
 
 def test_calibrated_profile_is_a_profile_the_simulator_loads(dry_run) -> None:
@@ -100,5 +145,11 @@ def test_calibrated_profile_is_a_profile_the_simulator_loads(dry_run) -> None:
 
     _, out = dry_run
     path = out / "calibrated_profile.json"
-    _finite_positive(json.loads(path.read_text()), "link_peak_bytes_per_s", "hbm_bytes_per_s", "matmul_flops_per_s", "coalesced_efficiency")
+    _finite_positive(
+        json.loads(path.read_text()),
+        "link_peak_bytes_per_s",
+        "hbm_bytes_per_s",
+        "matmul_flops_per_s",
+        "coalesced_efficiency",
+    )
     assert load_profile(str(path)).name.startswith("calibrated:")

@@ -75,10 +75,15 @@ def test_a_layer_never_reaches_another_layers_rows():
     pool = jnp.zeros(grouped.pool_shape())
     total = grouped.num_slots  # 22 rows x 2
     meta = AttentionMetadata(
-        slot_mapping=jnp.asarray([0, 9, 10, total]), page_table=jnp.asarray([[0, 4, 7]]),
-        seq_lens=jnp.asarray([5]), query_start=jnp.asarray([0, 4]), layer_page_base=base, layer_page_count=count,
-        local_page_table=jnp.asarray([[2, 1, 6]]), local_slot_mapping=jnp.asarray([5, 6, -1, total]),
-    )  # fmt: skip
+        slot_mapping=jnp.asarray([0, 9, 10, total]),
+        page_table=jnp.asarray([[0, 4, 7]]),
+        seq_lens=jnp.asarray([5]),
+        query_start=jnp.asarray([0, 4]),
+        layer_page_base=base,
+        layer_page_count=count,
+        local_page_table=jnp.asarray([[2, 1, 6]]),
+        local_slot_mapping=jnp.asarray([5, 6, -1, total]),
+    )
     table, slots, layer = meta.for_layer(pool, 1, jnp.int32(0))  # global layer: rows 3..7
     assert layer == 0 and table.tolist() == [[3, 7, 7]] and slots.tolist() == [6, 15, total, total]
     table, slots, _ = meta.for_layer(pool, 2, jnp.int32(4))  # local layer: rows 8..10, local ids

@@ -162,9 +162,13 @@ def test_writing_each_group_apart_is_writing_the_pages(fmt):
     for pool in (whole, apart):
         pool.attach_local([7, 9])
     whole.write(pages, values, scales)
-    apart.write_layers(pages, GLOBAL_LAYERS, values[:, GLOBAL_LAYERS], None if scales is None else scales[:, GLOBAL_LAYERS])
     apart.write_layers(
-        [7, 0, 9], LOCAL_LAYERS, values[[2, 3, 4]][:, LOCAL_LAYERS],
+        pages, GLOBAL_LAYERS, values[:, GLOBAL_LAYERS], None if scales is None else scales[:, GLOBAL_LAYERS]
+    )
+    apart.write_layers(
+        [7, 0, 9],
+        LOCAL_LAYERS,
+        values[[2, 3, 4]][:, LOCAL_LAYERS],
         None if scales is None else scales[[2, 3, 4]][:, LOCAL_LAYERS],
     )  # page 0 has no local host page: skipped
     np.testing.assert_array_equal(apart.read(pages).view(np.uint8), whole.read(pages).view(np.uint8))

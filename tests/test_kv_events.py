@@ -28,12 +28,24 @@ def _free_port() -> int:
 
 def _engine(tmp_path, **overrides) -> Engine:
     settings = dict(
-        model="tiny", warmup=False, show_progress=False, tiers="L1+L2+L3", storage_dir=str(tmp_path / "l3"),
-        page_size=PAGE, device_tokens=1024, hicache_ratio=1.5, max_batch_tokens=128, max_batch_size=4,
-        max_context_tokens=512, prefetch_policy="wait_complete", prefetch_min_tokens=0,
-        kv_events_endpoint=f"ipc://{tmp_path}/events", kv_events_replay_endpoint=f"tcp://127.0.0.1:{_free_port()}",
-        kv_events_topic="kv", data_parallel_rank=0,
-    )  # fmt: skip
+        model="tiny",
+        warmup=False,
+        show_progress=False,
+        tiers="L1+L2+L3",
+        storage_dir=str(tmp_path / "l3"),
+        page_size=PAGE,
+        device_tokens=1024,
+        hicache_ratio=1.5,
+        max_batch_tokens=128,
+        max_batch_size=4,
+        max_context_tokens=512,
+        prefetch_policy="wait_complete",
+        prefetch_min_tokens=0,
+        kv_events_endpoint=f"ipc://{tmp_path}/events",
+        kv_events_replay_endpoint=f"tcp://127.0.0.1:{_free_port()}",
+        kv_events_topic="kv",
+        data_parallel_rank=0,
+    )
     settings.update(overrides)
     return Engine(EngineConfig(**settings), start=False)
 
@@ -244,7 +256,9 @@ def test_a_full_queue_drops_and_counts_never_blocks(tmp_path):
 
 
 def test_off_by_default_and_bad_settings_are_clear_errors(tmp_path):
-    engine = Engine(EngineConfig(model="tiny", warmup=False, show_progress=False, tiers="L1", device_tokens=1024), start=False)
+    engine = Engine(
+        EngineConfig(model="tiny", warmup=False, show_progress=False, tiers="L1", device_tokens=1024), start=False
+    )
     try:
         assert engine.kv_event_publisher is None and engine.ctl.tree.tier_observer is None
         assert "kv_events" not in engine.cache_stats()
@@ -286,7 +300,10 @@ def test_metrics_export_the_publisher_counters(tmp_path):
         engine.generate([list(range(3, 3 + 2 * PAGE))], SamplingParams(max_tokens=1))
         engine.run_until_idle()
         deadline = time.monotonic() + 10
-        while engine.kv_event_publisher.stats()["batches_total"] < engine.kv_event_publisher.stats()["queued_batches_total"]:
+        while (
+            engine.kv_event_publisher.stats()["batches_total"]
+            < engine.kv_event_publisher.stats()["queued_batches_total"]
+        ):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         samples = {s.name: s.value for m in EngineStatsCollector(lambda: engine).collect() for s in m.samples}

@@ -56,8 +56,12 @@ def test_write_and_scatter_into_an_fp8_pool_store_the_clipped_values():
     slots = jnp.asarray([5, 6, 17], jnp.int32)  # page 1 offsets 1-2, page 4 offset 1
     out = np.asarray(write_kv_reference(pool, 1, jnp.asarray(k), jnp.asarray(v), slots))
     for t, slot in enumerate((5, 6, 17)):
-        np.testing.assert_array_equal(out[1, 0, slot // page_size, slot % page_size].view(np.uint8), _numpy_fp8(k[t]).view(np.uint8))
-        np.testing.assert_array_equal(out[1, 1, slot // page_size, slot % page_size].view(np.uint8), _numpy_fp8(v[t]).view(np.uint8))
+        np.testing.assert_array_equal(
+            out[1, 0, slot // page_size, slot % page_size].view(np.uint8), _numpy_fp8(k[t]).view(np.uint8)
+        )
+        np.testing.assert_array_equal(
+            out[1, 1, slot // page_size, slot % page_size].view(np.uint8), _numpy_fp8(v[t]).view(np.uint8)
+        )
     assert not np.isnan(out.astype(np.float32)).any()
 
     staging = rng.standard_normal((2, layers, 2, page_size, heads, dim)).astype(np.float32) * 400
@@ -76,8 +80,14 @@ def test_quantized_tier_pages_load_into_an_fp8_pool(fmt):
     q, scales = qt.quantize_pages_reference(jnp.asarray(pages), fmt)
     pool = jnp.zeros((2, 2, 6, 4, 2, 16), FP8)
     ids = jnp.asarray([4, 1, 2], jnp.int32)
-    want = _numpy_fp8(np.transpose(np.asarray(qt.dequantize_pages_reference(q, scales, jnp.float32)), (1, 2, 0, 3, 4, 5)))
-    impls = (qt.scatter_dequantize_reference, qt.scatter_dequantize_xla, functools.partial(qt.scatter_dequantize_pallas, interpret=True))
+    want = _numpy_fp8(
+        np.transpose(np.asarray(qt.dequantize_pages_reference(q, scales, jnp.float32)), (1, 2, 0, 3, 4, 5))
+    )
+    impls = (
+        qt.scatter_dequantize_reference,
+        qt.scatter_dequantize_xla,
+        functools.partial(qt.scatter_dequantize_pallas, interpret=True),
+    )
     for impl in impls:
         got = np.asarray(impl(pool, q, scales, ids))
         np.testing.assert_array_equal(got[:, :, [4, 1, 2]].view(np.uint8), want.view(np.uint8))
@@ -87,7 +97,9 @@ def test_quantized_tier_pages_load_into_an_fp8_pool(fmt):
 @pytest.mark.parametrize("q_dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
 def test_attention_over_an_fp8_pool_reads_its_values_upcast(backend, q_dtype):
     rng = np.random.default_rng(2)
-    args, host = make_batch(rng, page_size=4, num_q_heads=4, num_kv_heads=2, head_dim=16, pad_tokens=2, dtype=jnp.float32, **MIXED)
+    args, host = make_batch(
+        rng, page_size=4, num_q_heads=4, num_kv_heads=2, head_dim=16, pad_tokens=2, dtype=jnp.float32, **MIXED
+    )
     q, k, v = args[0].astype(q_dtype), args[1].astype(FP8), args[2].astype(FP8)
     rest = args[3:]
     if backend == "reference":
@@ -98,8 +110,14 @@ def test_attention_over_an_fp8_pool_reads_its_values_upcast(backend, q_dtype):
         got = ragged_paged_attention_pallas(q, k, v, *rest, sm_scale=0.25, interpret=True)
     got = np.asarray(got.astype(jnp.float32))
     real = int(host[5][-1])
-    want = brute_force(np.asarray(q.astype(jnp.float32)), np.asarray(k.astype(jnp.float32)), np.asarray(v.astype(jnp.float32)),
-                       *host[3:], 0.25, None)  # fmt: skip
+    want = brute_force(
+        np.asarray(q.astype(jnp.float32)),
+        np.asarray(k.astype(jnp.float32)),
+        np.asarray(v.astype(jnp.float32)),
+        *host[3:],
+        0.25,
+        None,
+    )
     tol = 2e-5 if q_dtype == jnp.float32 else 3e-2
     np.testing.assert_allclose(got[:real], want[:real], atol=tol, rtol=tol)
 
@@ -135,9 +153,20 @@ def test_platform_and_config_take_fp8_and_refuse_other_names():
 def _engine(tmp_path, **kw):  # noqa: ANN001, ANN003, ANN202
     from strata_jax.engine import Engine, EngineConfig
 
-    base = dict(model="tiny", warmup=False, show_progress=False, kv_dtype="fp8", tiers="L1+L2+L3", page_size=8,
-                storage_dir=str(tmp_path / "l3"), max_batch_tokens=128, max_batch_size=4, max_context_tokens=512,
-                prefetch_min_tokens=0, prefetch_policy="wait_complete")  # fmt: skip
+    base = dict(
+        model="tiny",
+        warmup=False,
+        show_progress=False,
+        kv_dtype="fp8",
+        tiers="L1+L2+L3",
+        page_size=8,
+        storage_dir=str(tmp_path / "l3"),
+        max_batch_tokens=128,
+        max_batch_size=4,
+        max_context_tokens=512,
+        prefetch_min_tokens=0,
+        prefetch_policy="wait_complete",
+    )
     base.update(kw)
     return Engine(EngineConfig(**base))
 
@@ -169,7 +198,9 @@ def test_engine_with_an_fp8_l1_gives_its_cold_tokens_from_every_tier(tmp_path):
                 assert out.cached_tokens[tier_key[tier]] == (len(prompt) - 1) // 8 * 8, (tier, out.cached_tokens)
                 assert out.token_ids == ref.token_ids, tier
                 # the same KV values; an extend and a prefill may sum in another order
-                np.testing.assert_allclose([lp.logprob for lp in out.logprobs], [lp.logprob for lp in ref.logprobs], atol=1e-5)
+                np.testing.assert_allclose(
+                    [lp.logprob for lp in out.logprobs], [lp.logprob for lp in ref.logprobs], atol=1e-5
+                )
     finally:
         engine.shutdown()
 
@@ -197,10 +228,14 @@ def test_engine_with_an_fp8_l1_and_an_int8_tier_loads_close_values(tmp_path):
 @pytest.mark.parametrize("q_dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
 def test_compiled_attention_over_an_fp8_pool_matches_the_reference_on_a_gpu(q_dtype):
     rng = np.random.default_rng(5)
-    args, host = make_batch(rng, page_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64, pad_tokens=2, dtype=jnp.float32, **MIXED)
+    args, host = make_batch(
+        rng, page_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64, pad_tokens=2, dtype=jnp.float32, **MIXED
+    )
     q, k, v = args[0].astype(q_dtype), args[1].astype(FP8), args[2].astype(FP8)
     got = jax.jit(functools.partial(ragged_paged_attention_pallas, sm_scale=0.125))(q, k, v, *args[3:])
     want = ragged_paged_attention_reference(q, k, v, *args[3:], sm_scale=0.125)
     real = int(host[5][-1])
     tol = 2e-3 if q_dtype == jnp.float32 else 3e-2
-    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32))[:real], np.asarray(want.astype(jnp.float32))[:real], atol=tol, rtol=tol)
+    np.testing.assert_allclose(
+        np.asarray(got.astype(jnp.float32))[:real], np.asarray(want.astype(jnp.float32))[:real], atol=tol, rtol=tol
+    )

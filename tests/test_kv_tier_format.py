@@ -156,7 +156,9 @@ def test_quantizing_transfer_kernels_lower_for_gpus(platform, fmt, page_size, dt
     scales = jax.ShapeDtypeStruct((5, 4, 2, 8), jnp.float32)
     text = lower_for_gpu(lambda p, i: qt.gather_quantize_pallas(p, i, fmt), pool, ids, platform=platform).as_text()
     assert "__gpu$xla.gpu.triton" in text
-    text = lower_for_gpu(qt.scatter_dequantize_pallas, pool, q, scales, ids, platform=platform, donate_argnums=(0,)).as_text()
+    text = lower_for_gpu(
+        qt.scatter_dequantize_pallas, pool, q, scales, ids, platform=platform, donate_argnums=(0,)
+    ).as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert "tf.aliasing_output = 0" in text and "output_operand_aliases" in text  # in place, no pool copy
 
@@ -184,7 +186,9 @@ def test_tier_format_resolution_sizes_and_config():
         assert f.page_bytes(layout) / layout.page_bytes == pytest.approx(0.5 + 2 / (16 * 64))
     assert TierFormat.resolve("fp8", "float8_e4m3fn").name == "full"  # already fp8: nothing to quantize
     assert TierFormat.resolve("int8", jnp.float32).l1_dtype == "float32"
-    assert fp8.object_key(b"k" * 32) != int8.object_key(b"k" * 32) != b"k" * 32 and full.object_key(b"k" * 32) == b"k" * 32
+    assert (
+        fp8.object_key(b"k" * 32) != int8.object_key(b"k" * 32) != b"k" * 32 and full.object_key(b"k" * 32) == b"k" * 32
+    )
     with pytest.raises(TierFormatError):
         TierFormat.resolve("fp4", "float32")
     with pytest.raises(CacheConfigError, match="kv_tier_format"):
@@ -215,10 +219,18 @@ def test_engine_config_flags():
 def _controller(tmp_path, fmt, *, ps=4, dtype="float32", device_pages=24, storage_dir=None, **kw):
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=ps, dtype=dtype)
     cfg = CacheConfig(
-        page_size=ps, device_pages=device_pages, tiers="L1+L2+L3", write_policy="write_through",
-        prefetch_policy="wait_complete", prefetch_min_tokens=0, storage_backend="file",
-        storage_dir=str(storage_dir or tmp_path / "kv"), kv_tier_format=fmt, storage_probe_ttl_s=0, **kw,
-    )  # fmt: skip
+        page_size=ps,
+        device_pages=device_pages,
+        tiers="L1+L2+L3",
+        write_policy="write_through",
+        prefetch_policy="wait_complete",
+        prefetch_min_tokens=0,
+        storage_backend="file",
+        storage_dir=str(storage_dir or tmp_path / "kv"),
+        kv_tier_format=fmt,
+        storage_probe_ttl_s=0,
+        **kw,
+    )
     return CacheController(cfg, layout), layout
 
 
@@ -303,7 +315,9 @@ def test_objects_of_another_format_are_other_keys_and_forged_headers_are_misses(
     # an int8 page under the fp8 key of page 2 (valid frame, checksum right): the header says int8 -> a miss
     c3.flush()
     keys = c3.match_prefix(tokens).storage_keys
-    int8_payload = TierFormat.resolve("int8", "float32").header(layout) + bytes(TierFormat.resolve("int8", "float32").page_bytes(layout))
+    int8_payload = TierFormat.resolve("int8", "float32").header(layout) + bytes(
+        TierFormat.resolve("int8", "float32").page_bytes(layout)
+    )
     c3.storage.delete([c3.tier_format.object_key(keys[2])])
     c3.storage.batch_set([c3.tier_format.object_key(keys[2])], [int8_payload])
     got, landed = _from_l3_to_device(c3, tokens)
@@ -346,11 +360,21 @@ def test_corrupted_scale_and_truncated_object_are_misses(tmp_path, damage):
 def _engine(tmp_path, fmt, **kw):
     from strata_jax.engine import Engine, EngineConfig
 
-    return Engine(EngineConfig(
-        model="tiny", warmup=False, show_progress=False, tiers="L1+L2+L3", storage_dir=str(tmp_path / "l3"),
-        device_tokens=2048, max_context_tokens=512, prefetch_min_tokens=0, prefetch_policy="wait_complete",
-        kv_tier_format=fmt, **kw,
-    ))  # fmt: skip
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            warmup=False,
+            show_progress=False,
+            tiers="L1+L2+L3",
+            storage_dir=str(tmp_path / "l3"),
+            device_tokens=2048,
+            max_context_tokens=512,
+            prefetch_min_tokens=0,
+            prefetch_policy="wait_complete",
+            kv_tier_format=fmt,
+            **kw,
+        )
+    )
 
 
 def test_engine_l3_in_a_quantized_format_is_shared_and_damage_means_cold_tokens(tmp_path):
@@ -416,8 +440,10 @@ def test_head_sharded_pool_moves_the_same_quantized_pages(backend):
     q, s = np_quantize(data, "int8")
     host = HostPool.from_array(layout, q, s, fmt)
     want = np_dequantize(q, s, np.float32)
-    pools = [DevicePool(layout, 12, kernel_backend=backend, tier_format=fmt),
-             DevicePool(layout, 12, pool_sharding(make_mesh(2)), kernel_backend=backend, tier_format=fmt)]  # fmt: skip
+    pools = [
+        DevicePool(layout, 12, kernel_backend=backend, tier_format=fmt),
+        DevicePool(layout, 12, pool_sharding(make_mesh(2)), kernel_backend=backend, tier_format=fmt),
+    ]
     dev_pages = [7, 2, 9, 0, 11, 5]
     for pool in pools:
         for a in pool.load_from_host(host, list(range(6)), dev_pages, chunk_pages=4):
@@ -470,7 +496,9 @@ def test_simulator_counts_the_tier_formats_bytes():
     for pages in (1, 64, 700):  # coalesced: fixed overhead + bytes at the path's efficiency
         want = p.transfer_overhead_s + pages * fp8.tier_page_bytes / (p.link_peak_bytes_per_s * p.coalesced_efficiency)
         assert fp8.link_seconds(pages, "coalesced") == pytest.approx(want)
-        assert fp8.storage_read_seconds(pages) == pytest.approx(full.storage_read_seconds(pages) * fp8.tier_page_bytes / full.tier_page_bytes)
+        assert fp8.storage_read_seconds(pages) == pytest.approx(
+            full.storage_read_seconds(pages) * fp8.tier_page_bytes / full.tier_page_bytes
+        )
     assert fp8.host_kv_tokens() == pytest.approx(2 * full.host_kv_tokens(), rel=2e-3)  # same bytes, half per token
     # a run: same tokens loaded, half the bytes per loaded page
     reqs = W.multiturn(num_requests=40, rate=4.0, seed=3)
@@ -487,10 +515,24 @@ def test_simulate_cli_runs_formats_side_by_side(tmp_path, capsys):
     from strata_jax.cli.simulate import run_simulate
 
     out = tmp_path / "runs.json"
-    args = build_parser().parse_args([
-        "simulate", "--workload", "multiturn", "--systems", "strata", "--kv-tier-format", "full,int8", "--rates", "4",
-        "--num-requests", "20", "--no-progress", "--json", str(out),
-    ])  # fmt: skip
+    args = build_parser().parse_args(
+        [
+            "simulate",
+            "--workload",
+            "multiturn",
+            "--systems",
+            "strata",
+            "--kv-tier-format",
+            "full,int8",
+            "--rates",
+            "4",
+            "--num-requests",
+            "20",
+            "--no-progress",
+            "--json",
+            str(out),
+        ]
+    )
     assert run_simulate(args) == 0
     import json
 

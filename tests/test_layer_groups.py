@@ -63,9 +63,14 @@ def _runner(model, backend: str, pages: int = 64) -> ModelRunner:
     """A runner over a grouped pool whose local pages are handed out in reverse, so every
     local layer reads other page ids than the global layers (through the step's map)."""
     config = RunnerConfig(
-        page_size=4, num_device_pages=pages, max_batch_tokens=64, max_batch_size=4, max_context_tokens=256,
-        kv_layer_groups=True, kernel_backend=backend,
-    )  # fmt: skip
+        page_size=4,
+        num_device_pages=pages,
+        max_batch_tokens=64,
+        max_batch_size=4,
+        max_context_tokens=256,
+        kv_layer_groups=True,
+        kernel_backend=backend,
+    )
     layout = KVLayout(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, 4)
     grouped = GroupedPoolLayout(layout, model.config.local_layers, pages, pages)
     pool = DevicePool(layout, pages, grouped=grouped)
@@ -120,7 +125,12 @@ def test_engine_tiers_on_grouped_pool_give_the_layer_first_tokens(tmp_path):
     model = str(tmp_path / "model")
     layer_first = tier_tokens("auto", str(tmp_path / "kv0"), model=model)
     grouped = tier_tokens(
-        "auto", str(tmp_path / "kv1"), model=model, kv_layer_groups=True, prepare=shuffle_local_ids, inspect=local_ids_differ
+        "auto",
+        str(tmp_path / "kv1"),
+        model=model,
+        kv_layer_groups=True,
+        prepare=shuffle_local_ids,
+        inspect=local_ids_differ,
     )
     assert_tiers_agree(layer_first["tiers"])
     assert_tiers_agree(grouped["tiers"], layer_first["tiers"]["cold"][0])  # every tier: the layer-first tokens
@@ -137,7 +147,9 @@ def test_trimmed_local_pages_give_the_layer_first_tokens_from_every_tier(tmp_pat
 
     def inspect(engine) -> None:  # noqa: ANN001
         ctl = engine.ctl
-        seen.update(evicted=ctl.device_pool.local.evicted, local_pages=ctl.device_pool.local.num_pages, **ctl.bytes_per_token())
+        seen.update(
+            evicted=ctl.device_pool.local.evicted, local_pages=ctl.device_pool.local.num_pages, **ctl.bytes_per_token()
+        )
 
     model = str(tmp_path / "model")
     layer_first = tier_tokens("auto", str(tmp_path / "kv0"), model=model)
@@ -161,11 +173,21 @@ def test_write_back_eviction_keeps_the_local_layers_kv(tmp_path):
     docs = [rng.integers(0, 96, size=200).tolist() for _ in range(3)]  # 12 full pages each, 28 in L1
     results = {}
     for groups in (False, True):
-        engine = Engine(EngineConfig(
-            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1+L2", page_size=16,
-            device_tokens=448, max_batch_tokens=64, max_batch_size=2, max_context_tokens=256, write_policy="write_back",
-            kv_layer_groups=groups,
-        ))  # fmt: skip
+        engine = Engine(
+            EngineConfig(
+                model=str(tmp_path / "model"),
+                warmup=False,
+                show_progress=False,
+                tiers="L1+L2",
+                page_size=16,
+                device_tokens=448,
+                max_batch_tokens=64,
+                max_batch_size=2,
+                max_context_tokens=256,
+                write_policy="write_back",
+                kv_layer_groups=groups,
+            )
+        )
         try:
             if groups:
                 engine.ctl.device_pool.local.hand_out_in(np.random.default_rng(4).permutation(28).tolist())
@@ -193,11 +215,24 @@ def test_trimmed_pages_reach_l2_and_l3_as_global_only(tmp_path):
     again, branch = doc + [4, 5, 6], doc[:64] + [7, 8, 9]
 
     def engine(groups: bool, storage: str) -> Engine:
-        return Engine(EngineConfig(
-            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16,
-            device_tokens=1024, max_batch_tokens=64, max_batch_size=2, max_context_tokens=256, write_policy="write_back",
-            storage_dir=str(tmp_path / storage), prefetch_policy="wait_complete", prefetch_min_tokens=0, kv_layer_groups=groups,
-        ))  # fmt: skip
+        return Engine(
+            EngineConfig(
+                model=str(tmp_path / "model"),
+                warmup=False,
+                show_progress=False,
+                tiers="L1+L2+L3",
+                page_size=16,
+                device_tokens=1024,
+                max_batch_tokens=64,
+                max_batch_size=2,
+                max_context_tokens=256,
+                write_policy="write_back",
+                storage_dir=str(tmp_path / storage),
+                prefetch_policy="wait_complete",
+                prefetch_min_tokens=0,
+                kv_layer_groups=groups,
+            )
+        )
 
     cold = engine(False, "cold")
     try:
@@ -249,11 +284,21 @@ def test_documents_with_questions_on_a_tight_local_pool(tmp_path):
     rounds = [[d + rng.integers(0, 256, size=5).tolist() for d in docs] for _ in range(3)]
     results, stats = {}, {}
     for groups in (False, True):
-        engine = Engine(EngineConfig(
-            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1+L2", page_size=16,
-            device_tokens=1024, max_batch_tokens=64, max_batch_size=2, max_context_tokens=256,
-            kv_layer_groups=groups, kv_local_ratio=0.25 if groups else 1.0,
-        ))  # fmt: skip
+        engine = Engine(
+            EngineConfig(
+                model=str(tmp_path / "model"),
+                warmup=False,
+                show_progress=False,
+                tiers="L1+L2",
+                page_size=16,
+                device_tokens=1024,
+                max_batch_tokens=64,
+                max_batch_size=2,
+                max_context_tokens=256,
+                kv_layer_groups=groups,
+                kv_local_ratio=0.25 if groups else 1.0,
+            )
+        )
         try:
             outs = [o for prompts in rounds for o in engine.generate(prompts, greedy)]
             engine.check_accounting()
@@ -276,11 +321,21 @@ def test_a_load_whose_window_finds_every_local_page_pinned_gives_its_pages_back(
     from strata_jax.cache.controller import CacheFullError
 
     make_hf_model("gemma3", tmp_path / "model", vocab_size=256)
-    engine = Engine(EngineConfig(
-        model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1+L2", page_size=16,
-        device_tokens=1024, max_batch_tokens=64, max_batch_size=2, max_context_tokens=256, kv_layer_groups=True,
-        kv_local_ratio=0.25,
-    ))  # fmt: skip
+    engine = Engine(
+        EngineConfig(
+            model=str(tmp_path / "model"),
+            warmup=False,
+            show_progress=False,
+            tiers="L1+L2",
+            page_size=16,
+            device_tokens=1024,
+            max_batch_tokens=64,
+            max_batch_size=2,
+            max_context_tokens=256,
+            kv_layer_groups=True,
+            kv_local_ratio=0.25,
+        )
+    )
     try:
         doc = np.random.default_rng(3).integers(0, 256, size=128).tolist()
         engine.generate([doc + [1]], SamplingParams(max_tokens=2, ignore_eos=True))
@@ -319,10 +374,21 @@ def test_device_kv_bytes_a_running_request_holds(tmp_path):
     layer_page = 2 * 16 * 2 * 32 * 4  # K and V, page 16, 2 KV heads, head_dim 32, float32
     held = {}
     for groups in (False, True):
-        engine = Engine(EngineConfig(
-            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1", page_size=16, dtype="float32",
-            device_tokens=1024, max_batch_tokens=64, max_batch_size=2, max_context_tokens=512, kv_layer_groups=groups,
-        ))  # fmt: skip
+        engine = Engine(
+            EngineConfig(
+                model=str(tmp_path / "model"),
+                warmup=False,
+                show_progress=False,
+                tiers="L1",
+                page_size=16,
+                dtype="float32",
+                device_tokens=1024,
+                max_batch_tokens=64,
+                max_batch_size=2,
+                max_context_tokens=512,
+                kv_layer_groups=groups,
+            )
+        )
         try:
             ctl = engine.ctl
             pages = ctl.alloc_device(20)
@@ -342,8 +408,11 @@ def test_device_kv_bytes_a_running_request_holds(tmp_path):
                     release.wait(60)  # hold the request at its first token while the stats are read
 
             finished = threading.Event()
-            engine.submit(list(range(1, 201)), SamplingParams(max_tokens=8, ignore_eos=True),
-                          sink=CallbackSink(on_chunk, lambda exc: finished.set()))  # fmt: skip
+            engine.submit(
+                list(range(1, 201)),
+                SamplingParams(max_tokens=8, ignore_eos=True),
+                sink=CallbackSink(on_chunk, lambda exc: finished.set()),
+            )
             assert first_token.wait(120)
             stats_thread_result = {}
             reader = threading.Thread(target=lambda: stats_thread_result.update(engine.cache_stats()))
@@ -373,11 +442,22 @@ def test_l2_with_layer_groups_holds_more_documents_in_the_same_bytes(tmp_path):
     rounds = [[d + rng.integers(0, 256, size=4).tolist() for d in docs] for _ in range(2)]
     results, stats = {}, {}
     for groups in (False, True):
-        engine = Engine(EngineConfig(
-            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1+L2", page_size=16,
-            device_tokens=256, hicache_ratio=2.0, max_batch_tokens=64, max_batch_size=1, max_context_tokens=192,
-            kv_layer_groups=groups, kv_host_local_ratio=0.25 if groups else None,
-        ))  # fmt: skip
+        engine = Engine(
+            EngineConfig(
+                model=str(tmp_path / "model"),
+                warmup=False,
+                show_progress=False,
+                tiers="L1+L2",
+                page_size=16,
+                device_tokens=256,
+                hicache_ratio=2.0,
+                max_batch_tokens=64,
+                max_batch_size=1,
+                max_context_tokens=192,
+                kv_layer_groups=groups,
+                kv_host_local_ratio=0.25 if groups else None,
+            )
+        )
         try:
             outs = [engine.generate([p], greedy)[0] for prompts in rounds for p in prompts]
             engine.check_accounting()
@@ -411,11 +491,21 @@ def test_concurrent_requests_on_a_local_pool_for_one_window(tmp_path, admission)
     prompts = [rng.integers(0, 256, size=60).tolist() for _ in range(6)]
     results = {}
     for groups in (False, True):
-        engine = Engine(EngineConfig(
-            model=str(tmp_path / "model"), warmup=False, show_progress=False, tiers="L1", page_size=16,
-            device_tokens=1024, max_batch_tokens=64, max_batch_size=4, max_context_tokens=256,
-            kv_layer_groups=groups, kv_local_ratio=0.1 if groups else 1.0,
-        ))  # fmt: skip
+        engine = Engine(
+            EngineConfig(
+                model=str(tmp_path / "model"),
+                warmup=False,
+                show_progress=False,
+                tiers="L1",
+                page_size=16,
+                device_tokens=1024,
+                max_batch_tokens=64,
+                max_batch_size=4,
+                max_context_tokens=256,
+                kv_layer_groups=groups,
+                kv_local_ratio=0.1 if groups else 1.0,
+            )
+        )
         try:
             if groups:
                 assert engine.ctl.device_pool.local.num_pages == 6

@@ -11,9 +11,16 @@ from strata_jax.models.weights import hf_name_to_param, random_model
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
 
 CONFIG = ModelConfig(
-    model_type="qwen3", vocab_size=80, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
-    num_kv_heads=2, head_dim=16, qk_norm=True,
-)  # fmt: skip
+    model_type="qwen3",
+    vocab_size=80,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qk_norm=True,
+)
 
 
 def _logits(scan_layers: bool, layer_weights: str = "stacked") -> tuple[np.ndarray, np.ndarray]:
@@ -74,7 +81,12 @@ def test_parameters_are_stacked_per_layer():
         ("model.layers.7.self_attn.q_proj.weight", ("model", "layers", "self_attn", "q_proj", "kernel"), 7, True),
         ("model.layers.0.self_attn.q_proj.bias", ("model", "layers", "self_attn", "q_proj", "bias"), 0, False),
         ("model.layers.12.self_attn.k_norm.weight", ("model", "layers", "self_attn", "k_norm", "weight"), 12, False),
-        ("model.layers.3.post_attention_layernorm.weight", ("model", "layers", "post_attention_layernorm", "weight"), 3, False),
+        (
+            "model.layers.3.post_attention_layernorm.weight",
+            ("model", "layers", "post_attention_layernorm", "weight"),
+            3,
+            False,
+        ),
         ("model.layers.1.mlp.down_proj.weight", ("model", "layers", "mlp", "down_proj", "kernel"), 1, True),
         ("model.embed_tokens.weight", ("model", "embed_tokens", "weight"), None, False),
         ("model.norm.weight", ("model", "norm", "weight"), None, False),
@@ -89,8 +101,13 @@ def _runner(scan_layers: bool, mesh=None, layer_weights: str = "stacked") -> Mod
     return ModelRunner(
         random_model(CONFIG, seed=3),
         RunnerConfig(
-            page_size=4, num_device_pages=32, max_batch_tokens=32, max_batch_size=2, max_context_tokens=64,
-            scan_layers=scan_layers, layer_weights=layer_weights,
+            page_size=4,
+            num_device_pages=32,
+            max_batch_tokens=32,
+            max_batch_size=2,
+            max_context_tokens=64,
+            scan_layers=scan_layers,
+            layer_weights=layer_weights,
         ),
         mesh=mesh,
     )

@@ -37,7 +37,22 @@ def test_strata_jax_never_imports_serving():
 
 
 def test_pallas_kernels_imports_only_jax_and_numpy():
-    allowed = {"jax", "numpy", "ml_dtypes", "pallas_kernels", "__future__", "functools", "os", "dataclasses", "types", "collections", "math", "typing", "contextlib", "contextvars"}
+    allowed = {
+        "jax",
+        "numpy",
+        "ml_dtypes",
+        "pallas_kernels",
+        "__future__",
+        "functools",
+        "os",
+        "dataclasses",
+        "types",
+        "collections",
+        "math",
+        "typing",
+        "contextlib",
+        "contextvars",
+    }
     # native.py builds and loads the C++ kernel: the standard library's process, file and ctypes modules
     build = {"ctypes", "hashlib", "logging", "pathlib", "platform", "shutil", "subprocess", "tempfile"}
     for path in (REPO / "pallas_kernels").rglob("*.py"):

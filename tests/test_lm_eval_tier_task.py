@@ -37,7 +37,9 @@ def test_task_yaml():  # (test_client_scripts.test_scripts_parse parses lm_eval_
     assert task["doc_to_text"] == ("function", "tier_task.doc_to_text")
     assert task["process_results"] == ("function", "tier_task.process_results")
     gen = task["generation_kwargs"]
-    assert gen["until"] == ["\n"] and gen["do_sample"] is False and gen["temperature"] == 0.0 and gen["max_gen_toks"] <= 32
+    assert (
+        gen["until"] == ["\n"] and gen["do_sample"] is False and gen["temperature"] == 0.0 and gen["max_gen_toks"] <= 32
+    )
     assert {m["metric"] for m in task["metric_list"]} == {"exact_match", "valid_choice"}
 
 
@@ -62,13 +64,20 @@ def test_questions_share_a_long_prefix(tier_task):
     # block's full pages from L2).
     assert len(re.findall(r"[A-Za-z]+|[0-9]+|[^\w\s]+", tier_task.PREFIX)) >= 600
     assert len(tier_task.SHOTS) == len(shots)
-    assert prompts[0].removeprefix(tier_task.PREFIX) == "Q: What is the capital of France? (Lyon, Paris, Brussels, Rome)\nA:"
+    assert (
+        prompts[0].removeprefix(tier_task.PREFIX)
+        == "Q: What is the capital of France? (Lyon, Paris, Brussels, Rome)\nA:"
+    )
     # the shots are worked examples in the same format, each answered on its own line
     assert all(f"{tier_task.format_question(s)} {s['answer']}\n" in tier_task.PREFIX for s in shots)
 
 
 def test_scorer(tier_task):
-    doc = {"question": "What is the capital of Mexico?", "choices": ["Cancun", "Mexico City", "Havana", "Lima"], "answer": "Mexico City"}
+    doc = {
+        "question": "What is the capital of Mexico?",
+        "choices": ["Cancun", "Mexico City", "Havana", "Lima"],
+        "answer": "Mexico City",
+    }
     assert tier_task.process_results(doc, [" Mexico City"]) == {"exact_match": 1.0, "valid_choice": 1.0}
     assert tier_task.process_results(doc, [" mexico city."]) == {"exact_match": 1.0, "valid_choice": 1.0}
     assert tier_task.process_results(doc, [" Havana"]) == {"exact_match": 0.0, "valid_choice": 1.0}

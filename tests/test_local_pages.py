@@ -21,7 +21,11 @@ def test_first_needed_page_is_the_first_page_a_later_token_attends_to() -> None:
         pages = -(-p // page_size)
         needed = [
             i == p // page_size
-            or any(q - window < t <= q for q in range(p, p + window + 1) for t in range(i * page_size, min((i + 1) * page_size, p)))
+            or any(
+                q - window < t <= q
+                for q in range(p, p + window + 1)
+                for t in range(i * page_size, min((i + 1) * page_size, p))
+            )
             for i in range(pages)
         ]
         first = first_needed_page(p, window, page_size)
@@ -32,7 +36,9 @@ def test_a_match_end_needs_the_pages_a_running_request_keeps() -> None:
     for window in range(2, 70):
         for page_size in (1, 2, 4, 16):
             for end in range(80, 84):  # past the first window: nothing clamps at page 0
-                assert end - first_needed_page(end * page_size, window, page_size) == window_pages_for(window, page_size)
+                assert end - first_needed_page(end * page_size, window, page_size) == window_pages_for(
+                    window, page_size
+                )
 
 
 def test_local_page_map_against_a_dict() -> None:

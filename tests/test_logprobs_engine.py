@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hf_reference import hf_logits, make_hf_model
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from hf_reference import hf_logits, make_hf_model
 from strata_jax.api import SamplingParams
 from strata_jax.engine import Engine, EngineConfig
 
@@ -19,10 +19,16 @@ def setup(tmp_path_factory):
     hf = make_hf_model("qwen2", folder)
     engine = Engine(
         EngineConfig(
-            model=str(folder), warmup=False, show_progress=False, page_size=4,
-            max_batch_tokens=32, max_batch_size=2, device_tokens=1024, tiers="L1",
+            model=str(folder),
+            warmup=False,
+            show_progress=False,
+            page_size=4,
+            max_batch_tokens=32,
+            max_batch_size=2,
+            device_tokens=1024,
+            tiers="L1",
         )
-    )  # fmt: skip
+    )
     yield hf, engine
     engine.shutdown()
 
@@ -85,10 +91,16 @@ def test_penalised_greedy_matches_reference_with_slots_scarce(setup):
     prompts = [rng.integers(0, 96, 6 + i).tolist() for i in range(6)]
     settings = [dict(rep=1.0 + 0.2 * i, freq=0.3 * (i % 3), pres=0.4 * (i % 2), bias={5: 1.0 * i}) for i in range(6)]
     params = [
-        SamplingParams(max_tokens=8, ignore_eos=True, repetition_penalty=s["rep"], frequency_penalty=s["freq"],
-                       presence_penalty=s["pres"], logit_bias=s["bias"])
+        SamplingParams(
+            max_tokens=8,
+            ignore_eos=True,
+            repetition_penalty=s["rep"],
+            frequency_penalty=s["freq"],
+            presence_penalty=s["pres"],
+            logit_bias=s["bias"],
+        )
         for s in settings
-    ]  # fmt: skip
+    ]
     outs = engine.generate(prompts, params)
     for p, s, o in zip(prompts, settings, outs):
         assert o.token_ids == _reference(hf, p, 8, **s)

@@ -8,10 +8,10 @@ import json
 
 import httpx
 import pytest
+from serving_harness import assert_no_leaks, shared_server
 
 from serving.grpc_client import StrataClient
 from serving.protos import strata_pb2
-from serving_harness import assert_no_leaks, shared_server
 from strata_jax.api import SamplingParams
 
 
@@ -65,7 +65,14 @@ def test_echo_scoring_matches_the_engine(server, http):
 
 def test_completion_logprobs_streamed_and_not_agree(server, http):
     model = server.frontend.model_name
-    body = {"model": model, "prompt": "hello there", "logprobs": 3, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": "hello there",
+        "logprobs": 3,
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     full = _post(http, "/v1/completions", body)["choices"][0]["logprobs"]
     # byte tokens that decode alike share a key in the dict (OpenAI's legacy shape): 1..4 entries
     assert len(full["tokens"]) == 5 and all(1 <= len(t) <= 4 for t in full["top_logprobs"])
@@ -76,8 +83,15 @@ def test_completion_logprobs_streamed_and_not_agree(server, http):
 
 def test_chat_logprobs_shape(server, http):
     model = server.frontend.model_name
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2,
-            "max_tokens": 4, "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "logprobs": True,
+        "top_logprobs": 2,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     out = _post(http, "/v1/chat/completions", body)
     content = out["choices"][0]["logprobs"]["content"]
     assert len(content) == 4
@@ -85,14 +99,26 @@ def test_chat_logprobs_shape(server, http):
         assert set(item) == {"token", "logprob", "bytes", "top_logprobs"} and len(item["top_logprobs"]) == 2
         assert item["top_logprobs"][0]["logprob"] >= item["logprob"] - 1e-6
     events = _sse(http, "/v1/chat/completions", dict(body, stream=True))
-    streamed = [c["logprob"] for e in events if e["choices"] and e["choices"][0].get("logprobs") for c in e["choices"][0]["logprobs"]["content"]]
+    streamed = [
+        c["logprob"]
+        for e in events
+        if e["choices"] and e["choices"][0].get("logprobs")
+        for c in e["choices"][0]["logprobs"]["content"]
+    ]
     assert streamed == pytest.approx([c["logprob"] for c in content], abs=1e-6)
 
 
 def test_n_choices_and_best_of(server, http):
     model = server.frontend.model_name
-    body = {"model": model, "prompt": "abcdefghijklmnopqrstuvwxyz0123456789", "n": 3, "max_tokens": 6,
-            "temperature": 1.0, "seed": 3, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": "abcdefghijklmnopqrstuvwxyz0123456789",
+        "n": 3,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 3,
+        "ignore_eos": True,
+    }
     out = _post(http, "/v1/completions", body)
     assert [c["index"] for c in out["choices"]] == [0, 1, 2]
     assert len({c["text"] for c in out["choices"]}) == 3
@@ -109,8 +135,18 @@ def test_n_choices_and_best_of(server, http):
     assert got == pytest.approx(max(means), abs=1e-5)
     events = _sse(http, "/v1/completions", dict(body, stream=True, n=2))
     assert {e["choices"][0]["index"] for e in events if e["choices"]} == {0, 1}
-    chat = _post(http, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}], "n": 2,
-                                                  "max_tokens": 3, "temperature": 1.0, "seed": 1})  # fmt: skip
+    chat = _post(
+        http,
+        "/v1/chat/completions",
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "n": 2,
+            "max_tokens": 3,
+            "temperature": 1.0,
+            "seed": 1,
+        },
+    )
     assert [c["index"] for c in chat["choices"]] == [0, 1]
     assert_no_leaks(server.frontend.engine(), server.baseline_used)
 
@@ -118,18 +154,38 @@ def test_n_choices_and_best_of(server, http):
 def test_penalties_bias_min_tokens_reach_the_engine(server, http):
     engine = server.frontend.engine()
     model = server.frontend.model_name
-    fields = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3, "logit_bias": {"65": 3.0}, "min_tokens": 4}
+    fields = {
+        "frequency_penalty": 1.5,
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.3,
+        "logit_bias": {"65": 3.0},
+        "min_tokens": 4,
+    }
     body = {"model": model, "prompt": "aaaa", "max_tokens": 8, "temperature": 0, **fields}
     text = _post(http, "/v1/completions", body)["choices"][0]["text"]
-    params = SamplingParams(max_tokens=8, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3, logit_bias={65: 3.0}, min_tokens=4)
+    params = SamplingParams(
+        max_tokens=8,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        repetition_penalty=1.3,
+        logit_bias={65: 3.0},
+        min_tokens=4,
+    )
     assert text == engine.generate(["aaaa"], params)[0].text
     assert text != engine.generate(["aaaa"], SamplingParams(max_tokens=8))[0].text
 
 
 def test_continuous_usage_stats(server, http):
     model = server.frontend.model_name
-    body = {"model": model, "prompt": "hi", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": "hi",
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     events = _sse(http, "/v1/completions", body)
     with_choices = [e for e in events if e["choices"]]
     assert all("usage" in e for e in with_choices)
@@ -159,8 +215,11 @@ def test_continuous_usage_stats(server, http):
 )
 def test_bad_values_are_400_naming_the_field(server, http, path, extra, field):
     model = server.frontend.model_name
-    base = {"model": model, "prompt": "hi", "max_tokens": 4} if path == "/v1/completions" else {
-        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}  # fmt: skip
+    base = (
+        {"model": model, "prompt": "hi", "max_tokens": 4}
+        if path == "/v1/completions"
+        else {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    )
     r = http.post(path, json={**base, **extra})
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
@@ -172,11 +231,18 @@ def test_grpc_carries_the_fields(server):
     params = strata_pb2.SamplingParams(max_tokens=3, logprobs=2, prompt_logprobs=1, frequency_penalty=1.0, min_tokens=2)
     params.logit_bias[66] = 2.0
     with StrataClient(server.grpc_target) as client:
-        replies = list(client.stub.Generate(strata_pb2.GenerateRequest(token_ids=strata_pb2.TokenIds(ids=[72, 105, 33]), params=params)))
+        replies = list(
+            client.stub.Generate(
+                strata_pb2.GenerateRequest(token_ids=strata_pb2.TokenIds(ids=[72, 105, 33]), params=params)
+            )
+        )
     tokens = [t for r in replies for t in r.token_ids]
     lps = [lp for r in replies for lp in r.logprobs]
     ref = engine.generate(
-        [[72, 105, 33]], SamplingParams(max_tokens=3, logprobs=2, prompt_logprobs=1, frequency_penalty=1.0, min_tokens=2, logit_bias={66: 2.0})
+        [[72, 105, 33]],
+        SamplingParams(
+            max_tokens=3, logprobs=2, prompt_logprobs=1, frequency_penalty=1.0, min_tokens=2, logit_bias={66: 2.0}
+        ),
     )[0]
     assert tokens == ref.token_ids and [lp.token_id for lp in lps] == tokens
     assert [lp.logprob for lp in lps] == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-6)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hf_reference import hf_model_from_gguf
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from hf_reference import hf_model_from_gguf
 from strata_jax.api import SamplingParams
 from strata_jax.engine import Engine, EngineConfig
 
@@ -25,10 +25,18 @@ def hf_model(smollm2_gguf):
 def engine(smollm2_gguf):
     engine = Engine(
         EngineConfig(
-            model=smollm2_gguf, warmup=False, show_progress=False, tiers="L1", page_size=16,
-            device_tokens=2048, max_batch_tokens=128, max_batch_size=4, max_context_tokens=1024, dtype="float32",
+            model=smollm2_gguf,
+            warmup=False,
+            show_progress=False,
+            tiers="L1",
+            page_size=16,
+            device_tokens=2048,
+            max_batch_tokens=128,
+            max_batch_size=4,
+            max_context_tokens=1024,
+            dtype="float32",
         )
-    )  # fmt: skip
+    )
     yield engine
     engine.shutdown()
 
@@ -60,7 +68,10 @@ def test_penalised_greedy_matches_a_plain_reference(engine, hf_model):
     ids = engine.tokenizer.encode("List the colours: red, blue, red, blue,")
     steps, rep, freq, pres = 8, 1.3, 0.7, 0.4
     got = engine.generate(
-        [ids], SamplingParams(max_tokens=steps, ignore_eos=True, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+        [ids],
+        SamplingParams(
+            max_tokens=steps, ignore_eos=True, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres
+        ),
     )[0].token_ids
     out: list[int] = []
     for _ in range(steps):

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hf_reference import hf_logits, make_hf_model
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from hf_reference import hf_logits, make_hf_model
 from strata_jax.models.loader import load_model
 from strata_jax.runtime import logits_processors as lp
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
@@ -25,7 +25,9 @@ def models(tmp_path_factory):
 
 
 def _runner(loaded) -> ModelRunner:
-    cfg = RunnerConfig(page_size=PAGE, num_device_pages=64, max_batch_tokens=64, max_batch_size=4, max_context_tokens=256)
+    cfg = RunnerConfig(
+        page_size=PAGE, num_device_pages=64, max_batch_tokens=64, max_batch_size=4, max_context_tokens=256
+    )
     return ModelRunner(loaded.model, cfg)
 
 

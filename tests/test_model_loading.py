@@ -7,13 +7,13 @@ import shutil
 
 import numpy as np
 import pytest
-
 from hf_reference import make_hf_model
+
 from strata_jax.api import InvalidRequestError
+from strata_jax.models.checkpoint import restore_checkpoint, save_checkpoint
 from strata_jax.models.config import ModelConfig, ModelConfigError
 from strata_jax.models.loader import load_model, tiny_config
 from strata_jax.models.safetensors_io import SafetensorsError
-from strata_jax.models.checkpoint import restore_checkpoint, save_checkpoint
 from strata_jax.models.weights import WeightLoadError
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
 
@@ -26,7 +26,10 @@ def hf_folder(tmp_path_factory):
 
 
 def _logits(model, ids):
-    runner = ModelRunner(model, RunnerConfig(page_size=8, num_device_pages=16, max_batch_tokens=64, max_batch_size=2, max_context_tokens=128))
+    runner = ModelRunner(
+        model,
+        RunnerConfig(page_size=8, num_device_pages=16, max_batch_tokens=64, max_batch_size=2, max_context_tokens=128),
+    )
     return runner.step([SeqInput(ids, 0, list(range(-(-len(ids) // 8))))], all_logits=True).logits
 
 
@@ -60,7 +63,11 @@ def test_per_layer_checkpoint_from_before_stacking_is_converted(hf_folder, tmp_p
     stacked = {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(loaded.model))}
     legacy: dict = {}
     for path, array in stacked.items():
-        rows = [(("model", "layers", str(i)) + path[2:], array[i]) for i in range(len(array))] if path[:2] == ("model", "layers") else [(path, array)]
+        rows = (
+            [(("model", "layers", str(i)) + path[2:], array[i]) for i in range(len(array))]
+            if path[:2] == ("model", "layers")
+            else [(path, array)]
+        )
         for keys, value in rows:
             node = legacy
             for key in keys:
@@ -98,7 +105,9 @@ def test_sharded_checkpoint_loads_like_single_file(hf_folder, tmp_path):
     (folder / "model.safetensors").unlink()
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     ids = list(range(5, 30))
-    np.testing.assert_array_equal(_logits(load_model(str(folder)).model, ids), _logits(load_model(str(hf_folder)).model, ids))
+    np.testing.assert_array_equal(
+        _logits(load_model(str(folder)).model, ids), _logits(load_model(str(hf_folder)).model, ids)
+    )
 
 
 def test_missing_weights_file_is_a_clear_error(hf_folder, tmp_path):
@@ -138,9 +147,13 @@ def test_truncated_weights_are_a_clear_error(hf_folder, tmp_path):
     repo = Path(__file__).resolve().parents[1]
     code = "import sys; from serving.cli import main; sys.exit(main(['generate', '--model', sys.argv[1], '--prompt-ids', '1,2']))"
     done = subprocess.run(
-        [sys.executable, "-c", code, str(folder)], check=False, capture_output=True, text=True, cwd=repo,
+        [sys.executable, "-c", code, str(folder)],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=repo,
         env={"PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "model.safetensors" in done.stderr, done.stderr
 
@@ -150,7 +163,11 @@ def test_truncated_weights_are_a_clear_error(hf_folder, tmp_path):
     [
         ("model_type", "gpt2", "model_type='gpt2' is not supported"),
         ("hidden_act", "gelu", "hidden_act='gelu'"),
-        ("rope_parameters", {"rope_type": "proportional", "factor": 4.0, "rope_theta": 1e4}, "rope_type='proportional'"),
+        (
+            "rope_parameters",
+            {"rope_type": "proportional", "factor": 4.0, "rope_theta": 1e4},
+            "rope_type='proportional'",
+        ),
         ("num_key_value_heads", 3, "not a multiple"),
         ("vocab_size", "many", "vocab_size='many'"),
     ],
@@ -166,9 +183,16 @@ def test_unsupported_config_fields_are_named(hf_folder, tmp_path, field, value, 
 
 def test_config_reads_transformers4_spelling_and_the_sliding_window():
     raw = {
-        "model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "max_position_embeddings": 32768, "sliding_window": 4096, "rope_theta": 1e6,
+        "model_type": "mistral",
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 32768,
+        "sliding_window": 4096,
+        "rope_theta": 1e6,
         "rope_scaling": {"type": "linear", "factor": 2.0},
     }
     cfg = ModelConfig.from_hf_dict(raw)
@@ -182,7 +206,9 @@ def test_config_reads_transformers4_spelling_and_the_sliding_window():
 def test_tiny_default_is_in_the_documented_size_range():
     assert 5e6 <= tiny_config().num_parameters <= 20e6
     loaded = load_model("tiny")
-    counted = sum(int(np.prod(x.shape)) for x in __import__("jax").tree.leaves(__import__("flax").nnx.state(loaded.model)))
+    counted = sum(
+        int(np.prod(x.shape)) for x in __import__("jax").tree.leaves(__import__("flax").nnx.state(loaded.model))
+    )
     assert counted == tiny_config().num_parameters
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("héllo ✓")) == "héllo ✓"
 
@@ -197,7 +223,9 @@ def test_hf_tokenizer_and_chat_template(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": template}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": template})
+    )
     t = HFTokenizer(tmp_path)
     assert t.encode("hello world !") == [3, 4, 6]
     assert t.eos_token_ids == (1,) and t.bos_token_id == 0
@@ -275,7 +303,9 @@ def _probe(*args: str) -> dict | None:
     from pathlib import Path
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, *args], env=env, capture_output=True, text=True, check=False, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMORY_PROBE, *args], env=env, capture_output=True, text=True, check=False, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else None
 

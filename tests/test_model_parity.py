@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from hf_reference import CONFIGS, hf_logits, make_hf_model
+
 from strata_jax.models.loader import load_model
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
 
@@ -35,7 +35,13 @@ def hf_models(tmp_path_factory):
 def _runner(model, page_size: int, pages: int = 96, context: int = 512) -> ModelRunner:
     return ModelRunner(
         model,
-        RunnerConfig(page_size=page_size, num_device_pages=pages, max_batch_tokens=256, max_batch_size=4, max_context_tokens=context),
+        RunnerConfig(
+            page_size=page_size,
+            num_device_pages=pages,
+            max_batch_tokens=256,
+            max_batch_size=4,
+            max_context_tokens=context,
+        ),
     )
 
 
@@ -89,7 +95,11 @@ def test_ragged_batch_of_extends_and_decodes_matches_hf(hf_models):
     ]
     logits = runner.step(batch, all_logits=True).logits
     expected = np.concatenate(
-        [hf_logits(hf, seqs[0]).numpy()[20:23], hf_logits(hf, seqs[1]).numpy()[8:9], hf_logits(hf, seqs[2]).numpy()[30:31]]
+        [
+            hf_logits(hf, seqs[0]).numpy()[20:23],
+            hf_logits(hf, seqs[1]).numpy()[8:9],
+            hf_logits(hf, seqs[2]).numpy()[30:31],
+        ]
     )
     assert np.abs(logits - expected).max() <= 1e-4
 
@@ -101,8 +111,28 @@ def test_generate_cli_json_matches_hf_greedy(tmp_path):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = ref[0, len(prompt) :].tolist()
-    cmd = [sys.executable, "-m", "serving.cli", "generate", "--model", str(folder), "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "12", "--ignore-eos", "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "serving.cli",
+        "generate",
+        "--model",
+        str(folder),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)  # stdout holds exactly one JSON object
     assert out["token_ids"] == expected

@@ -7,8 +7,8 @@ import pytest
 
 from strata_jax.api import InvalidRequestError, SamplingParams
 from strata_jax.engine import Engine, EngineConfig
-from strata_jax.engine.sinks import CollectingSink
 from strata_jax.engine.output import collect
+from strata_jax.engine.sinks import CollectingSink
 
 PAGE = 4
 
@@ -16,10 +16,18 @@ PAGE = 4
 @pytest.fixture(scope="module")
 def engine():
     e = Engine(
-        EngineConfig(model="tiny", warmup=False, show_progress=False, page_size=PAGE, max_batch_tokens=64, max_batch_size=4,
-                     device_tokens=1024, tiers="L1"),
+        EngineConfig(
+            model="tiny",
+            warmup=False,
+            show_progress=False,
+            page_size=PAGE,
+            max_batch_tokens=64,
+            max_batch_size=4,
+            device_tokens=1024,
+            tiers="L1",
+        ),
         start=False,
-    )  # fmt: skip
+    )
     yield e
     e.shutdown()
 

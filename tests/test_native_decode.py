@@ -36,9 +36,16 @@ def test_decode_batch_equals_brute_force(page_size, head_dim, heads, soft_cap, w
     rng = np.random.default_rng(page_size * 100 + head_dim + (window or 0))
     contexts = (0, 5, 16, 47, 130, 3)  # a first token, page edges, several pages, a short row
     args, host = make_batch(
-        rng, page_size=page_size, q_lens=[1] * len(contexts), ctx_lens=contexts, num_q_heads=heads[0],
-        num_kv_heads=heads[1], head_dim=head_dim, pad_tokens=0, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=page_size,
+        q_lens=[1] * len(contexts),
+        ctx_lens=contexts,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        pad_tokens=0,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     got, pool_out = native.paged_decode_attention_pool(
         q, nan_pool(k, v), 1, table, seq_lens, qs, sm_scale=0.3, soft_cap=soft_cap, sliding_window=window
@@ -55,18 +62,32 @@ def test_padding_rows_give_zeros_and_a_padded_extend_with_as_many_tokens_as_rows
     attended token by token, as the XLA decode does."""
     rng = np.random.default_rng(5)
     args, host = make_batch(
-        rng, page_size=16, q_lens=(1, 1, 0, 0), ctx_lens=(20, 33, 0, 0), num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=2, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=16,
+        q_lens=(1, 1, 0, 0),
+        ctx_lens=(20, 33, 0, 0),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=2,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     q = jnp.where(jnp.isnan(q), 0.0, q)
     got = np.asarray(native.paged_decode_attention_pool(q, nan_pool(k, v), 1, table, seq_lens, qs, sm_scale=0.25)[0])
     np.testing.assert_allclose(got[:2], brute_force(*host, 0.25, None)[:2], atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(got[2:], 0.0)
     args, host = make_batch(
-        rng, page_size=16, q_lens=(3, 0, 0), ctx_lens=(21, 0, 0), num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=0, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=16,
+        q_lens=(3, 0, 0),
+        ctx_lens=(21, 0, 0),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=0,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     got = np.asarray(native.paged_decode_attention_pool(q, nan_pool(k, v), 1, table, seq_lens, qs, sm_scale=0.25)[0])
     np.testing.assert_allclose(got, brute_force(*host, 0.25, None), atol=2e-5, rtol=2e-5)
@@ -79,9 +100,16 @@ def test_rows_sharing_a_prefix_and_long_rows_split_across_threads():
     rng = np.random.default_rng(9)
     page_size, prefix_pages = 16, 40
     args, host = make_batch(
-        rng, page_size=page_size, q_lens=[1] * 4, ctx_lens=(700, 655, 641, 300), num_q_heads=9, num_kv_heads=3,
-        head_dim=64, pad_tokens=0, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=page_size,
+        q_lens=[1] * 4,
+        ctx_lens=(700, 655, 641, 300),
+        num_q_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        pad_tokens=0,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     k, v, table = np.asarray(k), np.asarray(v), np.asarray(table).copy()
     for row in (1, 2):  # rows 1 and 2 read row 0's first 40 pages (a shared document)
@@ -101,9 +129,16 @@ def check_traced_layer_and_window_under_a_scan(kernel, q_lens, ctx_lens, pad_tok
     and the pool comes back unchanged.  ``kernel``: a native ``*_attention_pool``."""
     rng = np.random.default_rng(3)
     args, host = make_batch(
-        rng, page_size=16, q_lens=q_lens, ctx_lens=ctx_lens, num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=pad_tokens, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=16,
+        q_lens=q_lens,
+        ctx_lens=ctx_lens,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=pad_tokens,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     scales = (1.0, 2.0, 3.0)
     pool = jnp.stack([jnp.stack([k * s, v * s]) for s in scales])
@@ -123,7 +158,9 @@ def check_traced_layer_and_window_under_a_scan(kernel, q_lens, ctx_lens, pad_tok
     n = int(qs[-1])
     for layer, (s, window) in enumerate(zip(scales, (5, None, 12))):
         want = brute_force(host[0], host[1] * s, host[2] * s, *host[3:], 0.25, None, window)
-        np.testing.assert_allclose(np.asarray(outs[layer])[:n], want[:n], atol=2e-5, rtol=2e-5, err_msg=f"layer {layer}")
+        np.testing.assert_allclose(
+            np.asarray(outs[layer])[:n], want[:n], atol=2e-5, rtol=2e-5, err_msg=f"layer {layer}"
+        )
 
 
 def test_traced_layer_and_window_under_a_scan_in_place():
@@ -137,9 +174,16 @@ def test_the_cpu_backend_takes_the_decode_kernel_for_decodes(monkeypatch):
     ``$STRATA_NATIVE_KERNELS=0`` turns it off."""
     rng = np.random.default_rng(1)
     args, _ = make_batch(
-        rng, page_size=16, q_lens=[1, 1], ctx_lens=(9, 20), num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=0, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=16,
+        q_lens=[1, 1],
+        ctx_lens=(9, 20),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=0,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     pool = nan_pool(k, v)
     assert dispatch.get_implementation("ragged_paged_attention_pool", "xla") is native.cpu_paged_attention_pool

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels:
 
 
 @pytest.mark.parametrize(
-    "page_size,head_dim,heads", [(16, 64, (9, 3)), (16, 16, (8, 2)), (8, 32, (4, 4)), (16, 16, (2, 1)), (4, 48, (12, 1))]
+    "page_size,head_dim,heads",
+    [(16, 64, (9, 3)), (16, 16, (8, 2)), (8, 32, (4, 4)), (16, 16, (2, 1)), (4, 48, (12, 1))],
 )
 @pytest.mark.parametrize("soft_cap", (None, 5.0))
 @pytest.mark.parametrize("window", (None, 0, 1, 7, 40))
@@ -35,9 +36,16 @@ def test_ragged_extend_equals_brute_force(page_size, head_dim, heads, soft_cap, 
     # an empty row, a short question over a long context
     q_lens, contexts = (1, 37, 130, 0, 5), (40, 0, 70, 0, 200)
     args, host = make_batch(
-        rng, page_size=page_size, q_lens=q_lens, ctx_lens=contexts, num_q_heads=heads[0], num_kv_heads=heads[1],
-        head_dim=head_dim, pad_tokens=3, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=page_size,
+        q_lens=q_lens,
+        ctx_lens=contexts,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        pad_tokens=3,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     got, _ = native.paged_extend_attention_pool(
         q, nan_pool(k, v), 1, table, seq_lens, qs, sm_scale=0.3, soft_cap=soft_cap, sliding_window=window
@@ -57,9 +65,16 @@ def test_a_long_chunk_equals_the_reference_and_the_xla_attention():
     the brute force."""
     rng = np.random.default_rng(11)
     args, host = make_batch(
-        rng, page_size=16, q_lens=(512, 300), ctx_lens=(1000, 0), num_q_heads=9, num_kv_heads=3, head_dim=64,
-        pad_tokens=0, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=16,
+        q_lens=(512, 300),
+        ctx_lens=(1000, 0),
+        num_q_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        pad_tokens=0,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     pool = nan_pool(k, v)
     got = np.asarray(native.paged_extend_attention_pool(q, pool, 1, table, seq_lens, qs, sm_scale=0.125)[0])
@@ -71,7 +86,9 @@ def test_a_long_chunk_equals_the_reference_and_the_xla_attention():
 
 
 def test_traced_layer_and_window_under_a_scan_in_place():
-    check_traced_layer_and_window_under_a_scan(native.paged_extend_attention_pool, (20, 3, 1), (30, 64, 9), pad_tokens=2)
+    check_traced_layer_and_window_under_a_scan(
+        native.paged_extend_attention_pool, (20, 3, 1), (30, 64, 9), pad_tokens=2
+    )
 
 
 def test_the_cpu_backend_takes_the_extend_kernel_for_float32_and_whole_tiles(monkeypatch):
@@ -83,9 +100,16 @@ def test_the_cpu_backend_takes_the_extend_kernel_for_float32_and_whole_tiles(mon
     def custom_calls(head_dim: int, dtype=jnp.float32) -> int:  # noqa: ANN001
         rng = np.random.default_rng(head_dim)
         args, _ = make_batch(
-            rng, page_size=16, q_lens=(3, 1), ctx_lens=(9, 20), num_q_heads=4, num_kv_heads=2, head_dim=head_dim,
-            pad_tokens=0, dtype=jnp.float32,
-        )  # fmt: skip
+            rng,
+            page_size=16,
+            q_lens=(3, 1),
+            ctx_lens=(9, 20),
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=head_dim,
+            pad_tokens=0,
+            dtype=jnp.float32,
+        )
         q, k, v, table, seq_lens, qs = args
         pool = nan_pool(k, v).astype(dtype)
         fn = jax.jit(lambda p: native.cpu_paged_attention_pool(q, p, 1, table, seq_lens, qs, sm_scale=0.25)[0])
@@ -96,18 +120,28 @@ def test_the_cpu_backend_takes_the_extend_kernel_for_float32_and_whole_tiles(mon
     assert custom_calls(12) == 0
     with pytest.raises(ValueError, match="head_dim % 16"):
         native.paged_extend_attention_pool(
-            jnp.zeros((3, 2, 12)), jnp.zeros((1, 2, 2, 4, 1, 12)), 0, jnp.zeros((1, 2), jnp.int32),
-            jnp.asarray([3]), jnp.asarray([0, 3]), sm_scale=1.0,
-        )  # fmt: skip
+            jnp.zeros((3, 2, 12)),
+            jnp.zeros((1, 2, 2, 4, 1, 12)),
+            0,
+            jnp.zeros((1, 2), jnp.int32),
+            jnp.asarray([3]),
+            jnp.asarray([0, 3]),
+            sm_scale=1.0,
+        )
     monkeypatch.setenv(native.ENV_VAR, "0")
     native._load.cache_clear()  # noqa: SLF001
     try:
         assert custom_calls(16) == 0
         with pytest.raises(native.NativeBuildError, match="off"):
             native.paged_extend_attention_pool(
-                jnp.zeros((3, 2, 16)), jnp.zeros((1, 2, 2, 4, 1, 16)), 0, jnp.zeros((1, 2), jnp.int32),
-                jnp.asarray([3]), jnp.asarray([0, 3]), sm_scale=1.0,
-            )  # fmt: skip
+                jnp.zeros((3, 2, 16)),
+                jnp.zeros((1, 2, 2, 4, 1, 16)),
+                0,
+                jnp.zeros((1, 2), jnp.int32),
+                jnp.asarray([3]),
+                jnp.asarray([0, 3]),
+                sm_scale=1.0,
+            )
     finally:
         monkeypatch.delenv(native.ENV_VAR)
         native._load.cache_clear()  # noqa: SLF001

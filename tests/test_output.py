@@ -32,7 +32,9 @@ class _FinalOnly(CollectingSink):
 
 
 def _stream(name: str, sink: OutputSink, detok=None) -> OutputStream:
-    return OutputStream(name, sink, SamplingParams(max_tokens=3), 5, 0.0, detok=detok, final_only=getattr(sink, "final_only", False))
+    return OutputStream(
+        name, sink, SamplingParams(max_tokens=3), 5, 0.0, detok=detok, final_only=getattr(sink, "final_only", False)
+    )
 
 
 def test_one_streams_failure_is_its_own():

@@ -47,7 +47,14 @@ def make_batch(rng, *, page_size, q_lens, ctx_lens, num_q_heads, num_kv_heads, h
     q = np.full((num_tokens, num_q_heads, head_dim), np.nan, np.float32)
     q[: query_start[-1]] = rng.standard_normal((int(query_start[-1]), num_q_heads, head_dim))
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-    args = (cast(q), cast(k_pages), cast(v_pages), jnp.asarray(table), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(query_start))
+    args = (
+        cast(q),
+        cast(k_pages),
+        cast(v_pages),
+        jnp.asarray(table),
+        jnp.asarray(seq_lens, jnp.int32),
+        jnp.asarray(query_start),
+    )
     # Brute force reads the *cast* values so bf16 rounding of inputs is shared.
     host = tuple(np.asarray(a, np.float32) for a in args[:3]) + (table, seq_lens, query_start)
     return args, host
@@ -120,9 +127,16 @@ def test_random_ragged_batches(seed, page_size, heads, batch, decode_only):
     q_lens = np.ones(batch, int) if decode_only else rng.integers(0, 9, size=batch)
     ctx_lens = rng.integers(0, 70, size=batch)
     args, host = make_batch(
-        rng, page_size=page_size, q_lens=q_lens, ctx_lens=ctx_lens, num_q_heads=heads[0],
-        num_kv_heads=heads[1], head_dim=16, pad_tokens=int(rng.integers(0, 4)), dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=page_size,
+        q_lens=q_lens,
+        ctx_lens=ctx_lens,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=16,
+        pad_tokens=int(rng.integers(0, 4)),
+        dtype=jnp.float32,
+    )
     if args[0].shape[0] == 0:
         return
     max_q = 1 if decode_only else None
@@ -135,9 +149,16 @@ def test_random_ragged_batches(seed, page_size, heads, batch, decode_only):
 def test_dispatch_interpret_and_reference_agree():
     rng = np.random.default_rng(9)
     args, _ = make_batch(
-        rng, page_size=4, q_lens=(3, 1), ctx_lens=(9, 4), num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=1, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=4,
+        q_lens=(3, 1),
+        ctx_lens=(9, 4),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=1,
+        dtype=jnp.float32,
+    )
     a = dispatch.ragged_paged_attention(*args, sm_scale=0.2, backend="interpret")
     b = dispatch.ragged_paged_attention(*args, sm_scale=0.2, backend="reference")
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
@@ -146,13 +167,21 @@ def test_dispatch_interpret_and_reference_agree():
 def test_bad_inputs_raise_typed_errors():
     rng = np.random.default_rng(1)
     args, _ = make_batch(
-        rng, page_size=4, q_lens=(2,), ctx_lens=(3,), num_q_heads=6, num_kv_heads=2, head_dim=16,
-        pad_tokens=0, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=4,
+        q_lens=(2,),
+        ctx_lens=(3,),
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=0,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     with pytest.raises(AttentionShapeError):  # 6 q heads over 4 kv heads
-        ragged_paged_attention_pallas(q, jnp.concatenate([k, k], 2), jnp.concatenate([v, v], 2), table, seq_lens, qs,
-                                      sm_scale=1.0, interpret=True)  # fmt: skip
+        ragged_paged_attention_pallas(
+            q, jnp.concatenate([k, k], 2), jnp.concatenate([v, v], 2), table, seq_lens, qs, sm_scale=1.0, interpret=True
+        )
     with pytest.raises(AttentionShapeError):
         ragged_paged_attention_pallas(q, k, v, table, seq_lens[:0], qs, sm_scale=1.0, interpret=True)
     with pytest.raises(AttentionShapeError):  # compiled path needs a power-of-two head_dim
@@ -164,21 +193,34 @@ def test_pool_variant_reads_the_layer_in_place(layer):
     """``*_pool`` on the whole [L, 2, P, S, H, D] pool == the per-layer call on that layer's K/V."""
     rng = np.random.default_rng(layer)
     args, host = make_batch(
-        rng, page_size=8, q_lens=(4, 1, 2), ctx_lens=(11, 30, 0), num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=2, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=8,
+        q_lens=(4, 1, 2),
+        ctx_lens=(11, 30, 0),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=2,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     other = jnp.full((3, 2, *k.shape), jnp.nan, k.dtype)  # NaN layers: reading the wrong layer fails
     pool = other.at[layer, 0].set(k).at[layer, 1].set(v)
     want = brute_force(*host, 0.25, None)
     for backend in ("interpret", "reference"):
-        got, _ = dispatch.ragged_paged_attention_pool(q, pool, layer, table, seq_lens, qs, sm_scale=0.25, backend=backend)
+        got, _ = dispatch.ragged_paged_attention_pool(
+            q, pool, layer, table, seq_lens, qs, sm_scale=0.25, backend=backend
+        )
         np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
     with pytest.raises(AttentionShapeError):
         dispatch.ragged_paged_attention_pool(q, pool, 3, table, seq_lens, qs, sm_scale=0.25, backend="interpret")
 
 
-@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)], ids=("f32q-bf16kv", "bf16q-f32kv"))
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype"),
+    [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)],
+    ids=("f32q-bf16kv", "bf16q-f32kv"),
+)
 def test_mixed_query_and_kv_dtypes(q_dtype, kv_dtype):
     """An f32 model over a bf16 KV pool (and the reverse) computes in the promoted dtype.
 
@@ -210,9 +252,16 @@ def test_traced_layer_index_under_scan_reads_and_writes_each_layer():
     rng = np.random.default_rng(7)
     layers = 3
     args, host = make_batch(
-        rng, page_size=8, q_lens=(3, 1), ctx_lens=(9, 17), num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=1, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=8,
+        q_lens=(3, 1),
+        ctx_lens=(9, 17),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=1,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     # Layer l's K/V = the batch's K/V scaled by (l + 1); NaN elsewhere. The new tokens' K/V
     # are written by write_kv inside the scan (their slots start out NaN).
@@ -253,4 +302,6 @@ def test_traced_layer_index_under_scan_reads_and_writes_each_layer():
         for layer in range(layers):
             s = layer + 1
             want = brute_force(host[0], host[1] * s, host[2] * s, *host[3:], 0.25, None)
-            np.testing.assert_allclose(np.asarray(outs[layer]), want, atol=2e-5, rtol=2e-5, err_msg=f"{backend} layer {layer}")
+            np.testing.assert_allclose(
+                np.asarray(outs[layer]), want, atol=2e-5, rtol=2e-5, err_msg=f"{backend} layer {layer}"
+            )

@@ -37,7 +37,9 @@ def test_transfer_compiled_equals_reference(page_size, dtype):
     got = jax.jit(scatter_pages_pallas)(pool, staging, ids)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     back = jax.jit(gather_pages_pallas)(want, ids)
-    np.testing.assert_array_equal(np.asarray(back, np.float32), np.asarray(gather_pages_reference(want, ids), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(back, np.float32), np.asarray(gather_pages_reference(want, ids), np.float32)
+    )
 
 
 def test_compiled_scatter_is_in_place():
@@ -54,9 +56,16 @@ def test_compiled_scatter_is_in_place():
 def test_attention_compiled_equals_reference(page_size, dtype, soft_cap):
     rng = np.random.default_rng(page_size + 1)
     args, _ = make_batch(
-        rng, page_size=page_size, q_lens=(37, 1, 1, 12, 0, 1), ctx_lens=(100, 300, 5, 0, 0, 1000),
-        num_q_heads=32, num_kv_heads=8, head_dim=128, pad_tokens=5, dtype=dtype,
-    )  # fmt: skip
+        rng,
+        page_size=page_size,
+        q_lens=(37, 1, 1, 12, 0, 1),
+        ctx_lens=(100, 300, 5, 0, 0, 1000),
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        pad_tokens=5,
+        dtype=dtype,
+    )
     got = ragged_paged_attention_pallas(*args, sm_scale=128**-0.5, soft_cap=soft_cap)
     with jax.default_matmul_precision("highest"):  # XLA's default f32 dot on a GPU is TF32
         want = ragged_paged_attention_reference(*args, sm_scale=128**-0.5, soft_cap=soft_cap)
@@ -69,9 +78,16 @@ def test_attention_compiled_equals_reference(page_size, dtype, soft_cap):
 def test_pool_attention_compiled_equals_reference():
     rng = np.random.default_rng(5)
     args, _ = make_batch(
-        rng, page_size=16, q_lens=(9, 1, 1), ctx_lens=(50, 200, 3), num_q_heads=32, num_kv_heads=8, head_dim=128,
-        pad_tokens=3, dtype=jnp.bfloat16,
-    )  # fmt: skip
+        rng,
+        page_size=16,
+        q_lens=(9, 1, 1),
+        ctx_lens=(50, 200, 3),
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        pad_tokens=3,
+        dtype=jnp.bfloat16,
+    )
     q, k, v, table, seq_lens, qs = args
     pool = jnp.stack([jnp.stack([k, v])] * 3).at[0].set(jnp.nan)  # [3, 2, P, S, H, D]
     step = jax.jit(
@@ -79,7 +95,9 @@ def test_pool_attention_compiled_equals_reference():
     )
     with jax.default_matmul_precision("highest"):
         want = ragged_paged_attention_reference(q, k, v, table, seq_lens, qs, sm_scale=128**-0.5)
-    np.testing.assert_allclose(np.asarray(step(q, pool), np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(
+        np.asarray(step(q, pool), np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2
+    )
 
 
 def test_engine_on_compiled_kernels_gives_the_reference_tokens(tmp_path):
@@ -120,10 +138,22 @@ def grouped_runner_logits(backend: str, groups: bool) -> np.ndarray:
     from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput, grouped_pool_layout
 
     config = ModelConfig(
-        model_type="gemma3_text", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4,
-        num_kv_heads=1, head_dim=32, qk_norm=True, tie_word_embeddings=True, layer_windows=(8, 8, 0, 8, 8, 0),
-        rope_local_theta=10000.0, rope_theta=1e6, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=32.0,
-    )  # fmt: skip
+        model_type="gemma3_text",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        layer_windows=(8, 8, 0, 8, 8, 0),
+        rope_local_theta=10000.0,
+        rope_theta=1e6,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=32.0,
+    )
     pages = 24
     pool = None
     if groups:
@@ -133,10 +163,17 @@ def grouped_runner_logits(backend: str, groups: bool) -> np.ndarray:
         pool.local.attach(list(range(pages)))
     runner = ModelRunner(
         random_model(config),
-        RunnerConfig(page_size=4, num_device_pages=pages, max_batch_tokens=32, max_batch_size=2, max_context_tokens=96,
-                     kernel_backend=backend, kv_layer_groups=groups),
+        RunnerConfig(
+            page_size=4,
+            num_device_pages=pages,
+            max_batch_tokens=32,
+            max_batch_size=2,
+            max_context_tokens=96,
+            kernel_backend=backend,
+            kv_layer_groups=groups,
+        ),
         pool=pool,
-    )  # fmt: skip
+    )
     ids = np.random.default_rng(7).integers(0, 64, size=30).tolist()
     table = np.random.default_rng(8).permutation(pages)[:8].tolist()
     out = [runner.step([SeqInput(ids[:24], 0, table)], all_logits=True).logits]

@@ -50,7 +50,12 @@ def test_transfer_kernels_lower(platform, page_size, dtype):
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize(
     "page_size,dtype,soft_cap,max_q_len",
-    [(1, jnp.bfloat16, None, None), (16, jnp.bfloat16, 30.0, 1), (64, jnp.float32, None, 8), (8, jnp.float16, 50.0, None)],
+    [
+        (1, jnp.bfloat16, None, None),
+        (16, jnp.bfloat16, 30.0, 1),
+        (64, jnp.float32, None, 8),
+        (8, jnp.float16, 50.0, None),
+    ],
 )
 def test_attention_kernel_lowers(platform, page_size, dtype, soft_cap, max_q_len):
     num_tokens, batch, pages = 32, 4, 64
@@ -103,16 +108,27 @@ def test_engine_step_lowers_for_gpu_with_every_kernel_in_place(platform, tokens,
 
     monkeypatch.setenv("STRATA_KERNEL_BACKEND", "pallas")
     config = ModelConfig(
-        model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
-        num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
-    )  # fmt: skip
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     runner = ModelRunner(
         random_model(config),
         RunnerConfig(
-            page_size=16, num_device_pages=97, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128,
-            kv_dtype="bfloat16", scan_layers=scan_layers,
+            page_size=16,
+            num_device_pages=97,
+            max_batch_tokens=32,
+            max_batch_size=2,
+            max_context_tokens=128,
+            kv_dtype="bfloat16",
+            scan_layers=scan_layers,
         ),
-    )  # fmt: skip
+    )
     args = runner.program_arguments(tokens, 1, decode=tokens == 1)
     with gpu_lowering_target(platform):
         lowered = runner._step.trace(*args, False).lower(  # noqa: SLF001
@@ -123,9 +139,19 @@ def test_engine_step_lowers_for_gpu_with_every_kernel_in_place(platform, tokens,
     assert ("stablehlo.while" in text) == scan_layers
     assert "tf.aliasing_output" in text  # the donated pool comes back as an output buffer
     pool_type = "tensor<3x2x97x16x2x16xbf16>"
-    pool_ops = {line.split("=")[1].split()[0] for line in text.splitlines() if "=" in line and pool_type in line.split("=")[1]}
+    pool_ops = {
+        line.split("=")[1].split()[0] for line in text.splitlines() if "=" in line and pool_type in line.split("=")[1]
+    }
     # no slice or copy of the pool; jax >= 0.11 adds a (free) Shardy annotation under the abstract mesh
-    allowed = {"stablehlo.reshape", "stablehlo.scatter", "stablehlo.custom_call", "call", "func.call", "stablehlo.while", "sdy.sharding_constraint"}
+    allowed = {
+        "stablehlo.reshape",
+        "stablehlo.scatter",
+        "stablehlo.custom_call",
+        "call",
+        "func.call",
+        "stablehlo.while",
+        "sdy.sharding_constraint",
+    }
     assert pool_ops <= allowed, pool_ops
 
 

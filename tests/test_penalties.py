@@ -37,7 +37,10 @@ def test_frequency_presence_match_openai_formula():
     params = [(0.5, 0.25), (-1.5, 2.0), (2.0, -2.0)]
     flags = np.stack([_flags(p, g) for p, g in zip(prompts, generated)])
     out = lp.apply_frequency_presence(
-        jnp.asarray(logits), jnp.asarray(flags), jnp.asarray([f for f, _ in params]), jnp.asarray([p for _, p in params])
+        jnp.asarray(logits),
+        jnp.asarray(flags),
+        jnp.asarray([f for f, _ in params]),
+        jnp.asarray([p for _, p in params]),
     )
     for b in range(3):
         ref = _openai_reference(logits[b], generated[b], *params[b])
@@ -52,7 +55,9 @@ def test_repetition_penalty_matches_hf_processor_over_prompt_and_output():
     histories = [([3, 10, 11], [12, 3, 40]), ([0, 63], [])]
     penalties = [1.3, 0.7]
     flags = np.stack([_flags(p, g) for p, g in histories])
-    out = np.asarray(lp.apply_repetition_penalty(jnp.asarray(logits), jnp.asarray(flags), jnp.asarray(penalties, jnp.float32)))
+    out = np.asarray(
+        lp.apply_repetition_penalty(jnp.asarray(logits), jnp.asarray(flags), jnp.asarray(penalties, jnp.float32))
+    )
     for b, (prompt, gen) in enumerate(histories):
         hf = RepetitionPenaltyLogitsProcessor(penalty=penalties[b])
         ref = hf(torch.tensor([prompt + gen]), torch.tensor(logits[b : b + 1]))[0].numpy()
@@ -65,7 +70,9 @@ def test_bias_and_min_tokens_masking():
     flags = np.stack([_flags([], [], [0, 1]), _flags([], [], [0, 1])])
     active = jnp.asarray([True, False])
     out = np.asarray(
-        lp.process_logits(jnp.asarray(logits), jnp.asarray(flags), jnp.asarray(bias), jnp.ones(2), jnp.zeros(2), jnp.zeros(2), active)
+        lp.process_logits(
+            jnp.asarray(logits), jnp.asarray(flags), jnp.asarray(bias), jnp.ones(2), jnp.zeros(2), jnp.zeros(2), active
+        )
     )
     assert out[0, 5] == 100.0 and out[0, 6] == -100.0
     assert np.isneginf(out[0, [0, 1]]).all() and np.isfinite(out[0, 2:]).all()
@@ -76,7 +83,9 @@ def test_neutral_params_leave_rows_bit_identical():
     rng = np.random.default_rng(2)
     logits = jnp.asarray(rng.standard_normal((4, V)).astype(np.float32))
     flags = jnp.asarray(np.stack([_flags([1, 2], [3, 3, 4], [9]) for _ in range(4)]))
-    out = lp.process_logits(logits, flags, jnp.zeros((4, V)), jnp.ones(4), jnp.zeros(4), jnp.zeros(4), jnp.zeros(4, bool))
+    out = lp.process_logits(
+        logits, flags, jnp.zeros((4, V)), jnp.ones(4), jnp.zeros(4), jnp.zeros(4), jnp.zeros(4, bool)
+    )
     np.testing.assert_array_equal(np.asarray(out), np.asarray(logits))
 
 
@@ -140,7 +149,9 @@ def test_device_state_penalised_greedy_loop_matches_reference():
         for b in range(3):
             got[b].append(int(last[b]))
     for b, c in enumerate(cases):
-        ref = _numpy_penalised_greedy(table, c["prompt"], 12, c["rep"], c["freq"], c["pres"], c["bias"], c["min_tokens"], eos)
+        ref = _numpy_penalised_greedy(
+            table, c["prompt"], 12, c["rep"], c["freq"], c["pres"], c["bias"], c["min_tokens"], eos
+        )
         assert got[b] == ref
     plain = _numpy_penalised_greedy(table, [5], 12, 1.0, 0.0, 0.0, {}, 0, eos)
     assert got[2] == plain  # the stateless row is plain greedy

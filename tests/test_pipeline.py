@@ -19,10 +19,19 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 def _engine(pipeline: bool, tmp_path, **overrides) -> Engine:
     config = dict(
-        model="tiny", warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16, device_tokens=4096,
-        max_batch_tokens=128, max_batch_size=4, prefetch_policy="wait_complete", prefetch_min_tokens=0,
-        storage_dir=str(tmp_path / ("kv-pipe" if pipeline else "kv-serial")), pipeline=pipeline,
-    )  # fmt: skip
+        model="tiny",
+        warmup=False,
+        show_progress=False,
+        tiers="L1+L2+L3",
+        page_size=16,
+        device_tokens=4096,
+        max_batch_tokens=128,
+        max_batch_size=4,
+        prefetch_policy="wait_complete",
+        prefetch_min_tokens=0,
+        storage_dir=str(tmp_path / ("kv-pipe" if pipeline else "kv-serial")),
+        pipeline=pipeline,
+    )
     config.update(overrides)
     return Engine(EngineConfig(**config), start=False)
 
@@ -32,9 +41,15 @@ def _outcome(sink: CollectingSink):
         return ("error", type(sink.error).__name__)
     chunks = sink.chunks
     last = chunks[-1]
-    logprobs = [(lp.token_id, round(lp.logprob, 5), tuple((t, round(v, 5)) for t, v in lp.top)) for c in chunks for lp in (c.logprobs or [])]
+    logprobs = [
+        (lp.token_id, round(lp.logprob, 5), tuple((t, round(v, 5)) for t, v in lp.top))
+        for c in chunks
+        for lp in (c.logprobs or [])
+    ]
     prompt_lps = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
-    prompt_lps = [None if lp is None else (lp.token_id, round(lp.logprob, 5)) for lp in prompt_lps] if prompt_lps else None
+    prompt_lps = (
+        [None if lp is None else (lp.token_id, round(lp.logprob, 5)) for lp in prompt_lps] if prompt_lps else None
+    )
     return (
         [t for c in chunks for t in c.token_ids],
         "".join(c.text for c in chunks),
@@ -95,13 +110,27 @@ def test_stops_length_stop_ids_and_stop_strings(tmp_path):
     tokens, text = free[0], free[1]
     stop_id = tokens[5]
     script = [
-        (0, "submit", ("by_id", _prompt(1, 40), SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,)))),
+        (
+            0,
+            "submit",
+            ("by_id", _prompt(1, 40), SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,))),
+        ),
         (0, "submit", ("one", _prompt(2, 30), SamplingParams(max_tokens=1, ignore_eos=True))),
         (1, "submit", ("scoring", _prompt(3, 50), SamplingParams(max_tokens=0, prompt_logprobs=2))),
-        (2, "submit", ("min_tokens", _prompt(1, 40), SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,), min_tokens=8))),
+        (
+            2,
+            "submit",
+            (
+                "min_tokens",
+                _prompt(1, 40),
+                SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,), min_tokens=8),
+            ),
+        ),
     ]
     if len(text) >= 6:
-        script.append((1, "submit", ("by_str", _prompt(1, 40), SamplingParams(max_tokens=12, ignore_eos=True, stop=(text[3:5],)))))
+        script.append(
+            (1, "submit", ("by_str", _prompt(1, 40), SamplingParams(max_tokens=12, ignore_eos=True, stop=(text[3:5],))))
+        )
     out = _both(tmp_path, script)
     assert out["by_id"][0] == tokens[: tokens.index(stop_id) + 1] and out["by_id"][2] == "stop"
     assert out["one"][2] == "length" and len(out["one"][0]) == 1
@@ -112,8 +141,14 @@ def test_stops_length_stop_ids_and_stop_strings(tmp_path):
 
 def test_joins_finishes_aborts_logprobs_and_penalties(tmp_path):
     lp = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3)
-    pen = SamplingParams(max_tokens=14, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4,
-                         logit_bias={65: 5.0, 66: -100.0})  # fmt: skip
+    pen = SamplingParams(
+        max_tokens=14,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.4,
+        logit_bias={65: 5.0, 66: -100.0},
+    )
     sampled = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=40, seed=3)
     script = [
         (0, "submit", ("a", _prompt(10, 60), GREEDY)),
@@ -158,9 +193,11 @@ def test_n_choices_and_every_tier(tmp_path):
         finally:
             engine.shutdown()
         assert [r[3] for r in runs] == [
-            {"device": 0, "host": 0, "storage": 0}, {"device": 160, "host": 0, "storage": 0},
-            {"device": 0, "host": 160, "storage": 0}, {"device": 0, "host": 0, "storage": 160},
-        ]  # fmt: skip
+            {"device": 0, "host": 0, "storage": 0},
+            {"device": 160, "host": 0, "storage": 0},
+            {"device": 0, "host": 160, "storage": 0},
+            {"device": 0, "host": 0, "storage": 160},
+        ]
         assert runs[0][0] == runs[1][0] == runs[2][0] == runs[3][0] and cold[0]
         by_loop[pipeline] = (runs, cold)
     assert by_loop[True] == by_loop[False]
@@ -203,16 +240,38 @@ def test_real_model_pipelined_equals_serial(smollm2_gguf, tmp_path):
         (0, "submit", ("count", chat("Count from one to five."), free)),
         (1, "submit", ("stop", chat("Name three colors."), SamplingParams(max_tokens=40, stop=(",",)))),
         (1, "submit", ("lp", chat("Say hello."), SamplingParams(max_tokens=12, logprobs=2))),
-        (2, "submit", ("pen", chat("Repeat the word cat."), SamplingParams(max_tokens=16, repetition_penalty=1.5, frequency_penalty=0.5))),
-        (3, "submit", ("s0", chat("Tell me a fact."), SamplingParams(max_tokens=10, temperature=0.7, seed=1).for_choice(0))),
-        (3, "submit", ("s1", chat("Tell me a fact."), SamplingParams(max_tokens=10, temperature=0.7, seed=1).for_choice(1), "s0")),
+        (
+            2,
+            "submit",
+            (
+                "pen",
+                chat("Repeat the word cat."),
+                SamplingParams(max_tokens=16, repetition_penalty=1.5, frequency_penalty=0.5),
+            ),
+        ),
+        (
+            3,
+            "submit",
+            ("s0", chat("Tell me a fact."), SamplingParams(max_tokens=10, temperature=0.7, seed=1).for_choice(0)),
+        ),
+        (
+            3,
+            "submit",
+            ("s1", chat("Tell me a fact."), SamplingParams(max_tokens=10, temperature=0.7, seed=1).for_choice(1), "s0"),
+        ),
         (4, "submit", ("gone", chat("Write a long story."), SamplingParams(max_tokens=40))),
         (9, "abort", "gone"),
     ]
     out = _both(
-        tmp_path, script, model=smollm2_gguf, tiers="L1+L2", device_tokens=4096, max_batch_tokens=256,
-        max_batch_size=8, max_context_tokens=1024,
-    )  # fmt: skip
+        tmp_path,
+        script,
+        model=smollm2_gguf,
+        tiers="L1+L2",
+        device_tokens=4096,
+        max_batch_tokens=256,
+        max_batch_size=8,
+        max_context_tokens=1024,
+    )
     assert out["capital"][2] == "stop" and "Paris" in out["capital"][1]  # ended on the model's own EOS
     assert out["stop"][2] == "stop" and "," not in out["stop"][1]
     assert out["gone"] == ("error", "RequestAbortedError")

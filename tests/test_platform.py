@@ -20,10 +20,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_defaults_per_platform():
     cpu, cuda, rocm = defaults_for("cpu"), defaults_for("cuda"), defaults_for("rocm")
-    assert (cpu.dtype, cpu.kv_dtype, cpu.kernel_backend, cpu.host_memory_kind) == ("float32", "float32", "xla", "unpinned_host")
+    assert (cpu.dtype, cpu.kv_dtype, cpu.kernel_backend, cpu.host_memory_kind) == (
+        "float32",
+        "float32",
+        "xla",
+        "unpinned_host",
+    )
     assert cpu.max_context_cap == CPU_CONTEXT_CAP
     for gpu in (cuda, rocm):
-        assert (gpu.dtype, gpu.kv_dtype, gpu.kernel_backend, gpu.host_memory_kind) == ("bfloat16", "bfloat16", "pallas", "pinned_host")
+        assert (gpu.dtype, gpu.kv_dtype, gpu.kernel_backend, gpu.host_memory_kind) == (
+            "bfloat16",
+            "bfloat16",
+            "pallas",
+            "pinned_host",
+        )
         assert gpu.max_context_cap is None
     with pytest.raises(ValueError, match="unknown platform 'metal'"):
         defaults_for("metal")
@@ -40,7 +50,9 @@ def test_resolve_applies_explicit_choices_over_defaults(monkeypatch):
     assert here.max_context_tokens(32768, None) == CPU_CONTEXT_CAP
     assert resolve(platform="rocm").max_context_tokens(32768, None) == 32768
     assert here.max_context_tokens(32768, 100) == 100
-    with pytest.raises(ValueError, match="kv_dtype must be one of float32, bfloat16, float8_e4m3fn \\(or fp8\\), got .float16."):
+    with pytest.raises(
+        ValueError, match="kv_dtype must be one of float32, bfloat16, float8_e4m3fn \\(or fp8\\), got .float16."
+    ):
         resolve(kv_dtype="float16")
 
 
@@ -51,9 +63,15 @@ def test_cpu_kv_default_avoids_xla_cpu_bf16_pool_rewrite():
 
     def full_buffer_converts(dtype) -> int:
         f = jax.jit(lambda pool, i, v: pool.at[i].set(v), donate_argnums=0)
-        hlo = f.lower(
-            jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((8, 64), dtype)
-        ).compile().as_text()
+        hlo = (
+            f.lower(
+                jax.ShapeDtypeStruct(shape, dtype),
+                jax.ShapeDtypeStruct((8,), jnp.int32),
+                jax.ShapeDtypeStruct((8, 64), dtype),
+            )
+            .compile()
+            .as_text()
+        )
         return sum(1 for line in hlo.splitlines() if " convert(" in line and "[4096,64]" in line)
 
     assert full_buffer_converts(jnp.float32) == 0
@@ -76,7 +94,9 @@ def test_engine_takes_its_defaults_from_the_platform_module():
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "serving.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "serving.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_info_json_reports_devices_versions_and_choices():
@@ -99,5 +119,9 @@ def test_info_json_reports_devices_versions_and_choices():
 def test_info_text():
     proc = _cli("info")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "chosen here (cpu)" in proc.stdout and "would choose on cuda" in proc.stdout and "would choose on rocm" in proc.stdout
+    assert (
+        "chosen here (cpu)" in proc.stdout
+        and "would choose on cuda" in proc.stdout
+        and "would choose on rocm" in proc.stdout
+    )
     assert f"jax {jax.__version__}" in proc.stdout

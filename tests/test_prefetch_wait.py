@@ -13,10 +13,18 @@ GREEDY = SamplingParams(max_tokens=8)
 
 
 def _engine(**storage) -> Engine:
-    return Engine(EngineConfig(
-        model="tiny", warmup=False, show_progress=False, tiers="L1+L2+L3", device_tokens=4096,
-        max_batch_tokens=512, max_context_tokens=2048, **storage,
-    ))  # fmt: skip
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            warmup=False,
+            show_progress=False,
+            tiers="L1+L2+L3",
+            device_tokens=4096,
+            max_batch_tokens=512,
+            max_context_tokens=2048,
+            **storage,
+        )
+    )
 
 
 def check_fresh_engine_takes_the_whole_stored_prefix(**storage) -> None:
@@ -48,10 +56,19 @@ def test_best_effort_takes_what_landed_and_cost_counts_its_choice(tmp_path):
     first = _engine(**storage)
     first.generate([prompt], GREEDY)
     first.shutdown()
-    second = Engine(EngineConfig(
-        model="tiny", warmup=False, show_progress=False, tiers="L1+L2+L3", device_tokens=4096,
-        max_batch_tokens=512, max_context_tokens=2048, prefetch_policy="best_effort", **storage,
-    ))  # fmt: skip
+    second = Engine(
+        EngineConfig(
+            model="tiny",
+            warmup=False,
+            show_progress=False,
+            tiers="L1+L2+L3",
+            device_tokens=4096,
+            max_batch_tokens=512,
+            max_context_tokens=2048,
+            prefetch_policy="best_effort",
+            **storage,
+        )
+    )
     try:
         warm = second.generate([prompt], GREEDY)[0]
         stats = second.cache_stats()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hf_reference import hf_model_from_gguf
+
 from strata_jax.api import SamplingParams
 from strata_jax.engine import Engine, EngineConfig
 
@@ -40,9 +40,18 @@ def hf_model(smollm2_gguf):
 def engine(smollm2_gguf, tmp_path_factory):
     engine = Engine(
         EngineConfig(
-            model=smollm2_gguf, warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16,
-            device_tokens=4096, max_batch_tokens=512, max_batch_size=4, max_context_tokens=2048,
-            prefetch_policy="wait_complete", prefetch_min_tokens=0, storage_dir=str(tmp_path_factory.mktemp("kv")),
+            model=smollm2_gguf,
+            warmup=False,
+            show_progress=False,
+            tiers="L1+L2+L3",
+            page_size=16,
+            device_tokens=4096,
+            max_batch_tokens=512,
+            max_batch_size=4,
+            max_context_tokens=2048,
+            prefetch_policy="wait_complete",
+            prefetch_min_tokens=0,
+            storage_dir=str(tmp_path_factory.mktemp("kv")),
         )
     )
     yield engine
@@ -138,9 +147,9 @@ def test_convert_gives_a_folder_transformers_loads_with_the_same_model(smollm2_g
     tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "In 2024, 12,345 people visited Zürich.\n<|im_start|>user"
     assert tok(text).input_ids == hf_tokenizer(text).input_ids
-    assert tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False) == hf_tokenizer.apply_chat_template(
+    assert tok.apply_chat_template(
         QUESTION, add_generation_prompt=True, tokenize=False
-    )
+    ) == hf_tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = hf_tokenizer(text).input_ids
     with torch.no_grad():

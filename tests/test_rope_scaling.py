@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_reference import save_random_hf_model
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from hf_reference import save_random_hf_model
 from strata_jax.api import SamplingParams
 from strata_jax.engine import Engine, EngineConfig
 from strata_jax.models.checkpoint import CONFIG_FILE, read_checkpoint_config
@@ -35,51 +35,126 @@ FAMILIES = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config
 # initializer_range 0.1 (not HF's 0.02): sharper attention, so a wrong rotation or a missing
 # cos/sin factor moves the logits by far more than the 1e-4 tolerance
 BASE = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, rms_norm_eps=1e-5, initializer_range=0.1,
-)  # fmt: skip
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    initializer_range=0.1,
+)
 SHORT = [round(1.0 + 0.05 * i, 4) for i in range(8)]  # longrope divisors, head_dim 16 -> 8 pairs
 LONG = [round(1.0 + 0.9 * i, 4) for i in range(8)]
 
 # name: (family, max_position_embeddings, rope dict, extra config fields, logits length, spelling)
 CASES: dict[str, tuple[str, int, dict, dict, int, str]] = {
-    "llama_yarn4": ("llama", 128, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, {}, 100, "t5"),
+    "llama_yarn4": (
+        "llama",
+        128,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        {},
+        100,
+        "t5",
+    ),
     # mscale without mscale_all_dim: transformers ignores it (attention factor from factor alone)
     "llama_yarn2_mscale_only": (
-        "llama", 128, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "mscale": 0.707}, {}, 120, "t5",
+        "llama",
+        128,
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "mscale": 0.707},
+        {},
+        120,
+        "t5",
     ),
     "qwen3_yarn8_mscale_ratio_untruncated": (
-        "qwen3", 128,
-        {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0.7, "truncate": False},
-        {"head_dim": 32}, 100, "t5",
+        "qwen3",
+        128,
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 16,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.7,
+            "truncate": False,
+        },
+        {"head_dim": 32},
+        100,
+        "t5",
     ),
     "qwen2_yarn_attention_factor_t4_spelling": (
-        "qwen2", 100,
-        {"rope_type": "yarn", "factor": 2.5, "original_max_position_embeddings": 40, "attention_factor": 1.25, "beta_fast": 16, "beta_slow": 2},
-        {}, 100, "t4",
+        "qwen2",
+        100,
+        {
+            "rope_type": "yarn",
+            "factor": 2.5,
+            "original_max_position_embeddings": 40,
+            "attention_factor": 1.25,
+            "beta_fast": 16,
+            "beta_slow": 2,
+        },
+        {},
+        100,
+        "t4",
     ),
     # max_position_embeddings > original: long factors at every position (a sequence of 100 > 32: transformers too)
     "llama_longrope_long": (
-        "llama", 128, {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 32, "short_factor": SHORT, "long_factor": LONG},
-        {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}, 100, "t5",
+        "llama",
+        128,
+        {
+            "rope_type": "longrope",
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "short_factor": SHORT,
+            "long_factor": LONG,
+        },
+        {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16},
+        100,
+        "t5",
     ),
     # max_position_embeddings == original: short factors (transformers too, within the original length)
     "qwen3_longrope_short_t4_spelling": (
-        "qwen3", 64,
-        {"rope_type": "longrope", "original_max_position_embeddings": 64, "short_factor": SHORT, "long_factor": LONG, "attention_factor": 1.1},
-        {"head_dim": 16}, 60, "t4",
+        "qwen3",
+        64,
+        {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": 64,
+            "short_factor": SHORT,
+            "long_factor": LONG,
+            "attention_factor": 1.1,
+        },
+        {"head_dim": 16},
+        60,
+        "t4",
     ),
     # within max_position_embeddings (the original length of dynamic NTK): the unscaled rope
     "llama_dynamic_within": ("llama", 128, {"rope_type": "dynamic", "factor": 4.0}, {}, 128, "t5"),
-    "qwen3_dynamic_within_t4_spelling": ("qwen3", 96, {"rope_type": "dynamic", "factor": 2.0}, {"head_dim": 32}, 90, "t4"),
-}  # fmt: skip
+    "qwen3_dynamic_within_t4_spelling": (
+        "qwen3",
+        96,
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"head_dim": 32},
+        90,
+        "t4",
+    ),
+}
 
 
-def build(folder: Path, family: str, max_pos: int, rope: dict, extra: dict | None = None, *, spelling: str = "t5", seed: int = 0):
+def build(
+    folder: Path,
+    family: str,
+    max_pos: int,
+    rope: dict,
+    extra: dict | None = None,
+    *,
+    spelling: str = "t5",
+    seed: int = 0,
+):
     """A random HF model with ``rope`` as its rope scaling, saved to ``folder`` (its config.json
     in the transformers-5 ``rope_parameters`` or transformers-4 ``rope_theta`` + ``rope_scaling``
     spelling); returns it (float32, eval)."""
-    config = FAMILIES[family](**{**BASE, **(extra or {}), "max_position_embeddings": max_pos, "rope_scaling": dict(rope)})
+    config = FAMILIES[family](
+        **{**BASE, **(extra or {}), "max_position_embeddings": max_pos, "rope_scaling": dict(rope)}
+    )
     model = save_random_hf_model(config, folder, seed)
     if spelling == "t4":
         raw = json.loads((folder / "config.json").read_text())
@@ -108,25 +183,40 @@ def hf_greedy(hf, prompt: list[int], n: int):  # noqa: ANN001
     ids = torch.tensor([prompt])
     with torch.no_grad():  # an explicit mask: else generate masks every token equal to pad_token_id
         out = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None,
-            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     return out.sequences[0, len(prompt) :].tolist(), torch.stack(out.logits)[:, 0].float().numpy()
 
 
 def runner(model, context: int = 512) -> ModelRunner:  # noqa: ANN001
     return ModelRunner(
-        model, RunnerConfig(page_size=16, num_device_pages=64, max_batch_tokens=256, max_batch_size=2, max_context_tokens=context)
+        model,
+        RunnerConfig(
+            page_size=16, num_device_pages=64, max_batch_tokens=256, max_batch_size=2, max_context_tokens=context
+        ),
     )
 
 
 def engine_greedy(folder: Path, prompts: list[list[int]], n: int):
     engine = Engine(
         EngineConfig(
-            model=str(folder), warmup=False, show_progress=False, page_size=16, device_tokens=2048,
-            max_batch_tokens=64, max_batch_size=2, tiers="L1",
+            model=str(folder),
+            warmup=False,
+            show_progress=False,
+            page_size=16,
+            device_tokens=2048,
+            max_batch_tokens=64,
+            max_batch_size=2,
+            tiers="L1",
         )
-    )  # fmt: skip
+    )
     try:
         return engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0))
     finally:
@@ -137,7 +227,9 @@ def engine_greedy(folder: Path, prompts: list[list[int]], n: int):
 
 
 def _hf_rope(family: str, max_pos: int, rope: dict, extra: dict | None = None, seq_len: int | None = None):
-    config = FAMILIES[family](**{**BASE, **(extra or {}), "max_position_embeddings": max_pos, "rope_scaling": dict(rope)})
+    config = FAMILIES[family](
+        **{**BASE, **(extra or {}), "max_position_embeddings": max_pos, "rope_scaling": dict(rope)}
+    )
     inv_freq, attention = ROPE_INIT_FUNCTIONS[config.rope_parameters["rope_type"]](config, None, seq_len=seq_len)
     return config, inv_freq.numpy(), attention
 
@@ -160,27 +252,55 @@ def test_frequencies_and_attention_factor_match_transformers(name):
 def test_yarn_attention_factor_rules():
     def factor(**rope):
         config = ModelConfig.from_hf_dict(
-            dict(model_type="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
-                 num_attention_heads=4, max_position_embeddings=4096, rope_scaling={"rope_type": "yarn", **rope})
-        )  # fmt: skip
+            dict(
+                model_type="llama",
+                vocab_size=8,
+                hidden_size=64,
+                intermediate_size=8,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                max_position_embeddings=4096,
+                rope_scaling={"rope_type": "yarn", **rope},
+            )
+        )
         return config.rope_scaling.attention_factor
 
     assert factor(factor=4.0, original_max_position_embeddings=1024) == pytest.approx(0.1 * math.log(4) + 1)
-    assert factor(factor=4.0, original_max_position_embeddings=1024, attention_factor=0.9) == 0.9  # replaces, no product
+    assert (
+        factor(factor=4.0, original_max_position_embeddings=1024, attention_factor=0.9) == 0.9
+    )  # replaces, no product
     assert factor(factor=4.0, original_max_position_embeddings=1024, mscale=0.7) == pytest.approx(0.1 * math.log(4) + 1)
     ratio = (0.1 * 0.8 * math.log(4) + 1) / (0.1 * 0.5 * math.log(4) + 1)
-    assert factor(factor=4.0, original_max_position_embeddings=1024, mscale=0.8, mscale_all_dim=0.5) == pytest.approx(ratio)
+    assert factor(factor=4.0, original_max_position_embeddings=1024, mscale=0.8, mscale_all_dim=0.5) == pytest.approx(
+        ratio
+    )
     # no factor: max_position_embeddings / original (DeepSeek), so 4096 / 512 = 8
     assert factor(factor=None, original_max_position_embeddings=512) == pytest.approx(0.1 * math.log(8) + 1)
     assert factor(factor=1.0, original_max_position_embeddings=4096) == 1.0
 
 
 QWEN3_8B = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-    num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, use_sliding_window=False, sliding_window=None,
-    max_window_layers=36, bos_token_id=151643, eos_token_id=151645, hidden_act="silu", attention_bias=False,
-)  # fmt: skip
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+    use_sliding_window=False,
+    sliding_window=None,
+    max_window_layers=36,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    hidden_act="silu",
+    attention_bias=False,
+)
 QWEN3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
 
 
@@ -188,17 +308,33 @@ def test_qwen3_yarn_config_loads_and_context_follows_max_position_embeddings():
     config = ModelConfig.from_hf_dict(dict(QWEN3_8B, rope_scaling=QWEN3_YARN))
     s = config.rope_scaling
     assert (s.rope_type, s.factor, s.original_max_position_embeddings, s.beta_fast, s.beta_slow, s.truncate) == (
-        "yarn", 4.0, 32768, 32.0, 1.0, True,
-    )  # fmt: skip
+        "yarn",
+        4.0,
+        32768,
+        32.0,
+        1.0,
+        True,
+    )
     assert s.attention_factor == pytest.approx(0.1 * math.log(4) + 1)
-    assert config.max_context_tokens == 131072  # original 32768 x factor 4, as vLLM derives it (max_position_embeddings says 40960)
-    assert ModelConfig.from_hf_dict(dict(QWEN3_8B, max_position_embeddings=131072, rope_scaling=QWEN3_YARN)).max_context_tokens == 131072
+    assert (
+        config.max_context_tokens == 131072
+    )  # original 32768 x factor 4, as vLLM derives it (max_position_embeddings says 40960)
+    assert (
+        ModelConfig.from_hf_dict(
+            dict(QWEN3_8B, max_position_embeddings=131072, rope_scaling=QWEN3_YARN)
+        ).max_context_tokens
+        == 131072
+    )
     # the transformers-5 spelling reads the same
     t5 = dict(QWEN3_8B, max_position_embeddings=131072, rope_parameters={**QWEN3_YARN, "rope_theta": 1e6})
     t5.pop("rope_theta")
-    assert ModelConfig.from_hf_dict(t5) == ModelConfig.from_hf_dict(dict(QWEN3_8B, max_position_embeddings=131072, rope_scaling=QWEN3_YARN))
+    assert ModelConfig.from_hf_dict(t5) == ModelConfig.from_hf_dict(
+        dict(QWEN3_8B, max_position_embeddings=131072, rope_scaling=QWEN3_YARN)
+    )
     # "type" (transformers 4's older key) and a top-level original_max_position_embeddings (Phi-3 style) win as in transformers
-    old = ModelConfig.from_hf_dict(dict(QWEN3_8B, original_max_position_embeddings=16384, rope_scaling={"type": "yarn", "factor": 4.0}))
+    old = ModelConfig.from_hf_dict(
+        dict(QWEN3_8B, original_max_position_embeddings=16384, rope_scaling={"type": "yarn", "factor": 4.0})
+    )
     assert old.rope_scaling.rope_type == "yarn" and old.rope_scaling.original_max_position_embeddings == 16384
 
 
@@ -214,12 +350,25 @@ def test_qwen3_yarn_tiny_model_matches_transformers(tmp_path):
 
 
 def test_dynamic_and_longrope_config_fields():
-    base = dict(model_type="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4)
-    dyn = ModelConfig.from_hf_dict(dict(base, max_position_embeddings=4096, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    base = dict(
+        model_type="llama",
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+    )
+    dyn = ModelConfig.from_hf_dict(
+        dict(base, max_position_embeddings=4096, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    )
     assert dyn.max_context_tokens == 8192  # factor x the unscaled length the NTK base grows from
     assert rope_application(dyn) == RopeApplication(1.0, (10000.0, 2.0, 4096, 16))
-    phi = dict(base, max_position_embeddings=131072, original_max_position_embeddings=4096,
-               rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})  # fmt: skip
+    phi = dict(
+        base,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+    )
     cfg = ModelConfig.from_hf_dict(phi)
     assert cfg.max_context_tokens == 131072 and cfg.rope_scaling.factor == 32.0  # 131072 / 4096
     assert cfg.rope_scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
@@ -227,10 +376,22 @@ def test_dynamic_and_longrope_config_fields():
 
 def test_checkpoint_config_round_trip_keeps_rope_fields(tmp_path):
     config = ModelConfig.from_hf_dict(
-        dict(model_type="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
-             max_position_embeddings=128, rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 32,
-                                                        "short_factor": SHORT, "long_factor": LONG})
-    )  # fmt: skip
+        dict(
+            model_type="llama",
+            vocab_size=8,
+            hidden_size=64,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+            rope_scaling={
+                "rope_type": "longrope",
+                "original_max_position_embeddings": 32,
+                "short_factor": SHORT,
+                "long_factor": LONG,
+            },
+        )
+    )
     (tmp_path / CONFIG_FILE).write_text(json.dumps(asdict(config)))
     back = read_checkpoint_config(tmp_path)
     assert back == config and hash(back) == hash(config)
@@ -239,24 +400,45 @@ def test_checkpoint_config_round_trip_keeps_rope_fields(tmp_path):
 @pytest.mark.parametrize(
     ("raw", "match"),
     [
-        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 7, "long_factor": [1.0] * 8}}, "short_factor has 7 entries"),
+        (
+            {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 7, "long_factor": [1.0] * 8}},
+            "short_factor has 7 entries",
+        ),
         ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}}, "long_factor=None"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": -2.0}}, "factor=-2.0"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "truncate": "no"}}, "truncate='no'"),
         ({"rope_scaling": {"rope_type": "dynamic"}}, "dynamic' needs a factor"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor=0.5",
+        ),
         ({"rope_scaling": {"rope_type": "su", "factor": 2.0}}, "rope_type='su' is not supported"),
     ],
 )
 def test_rope_configs_refused(raw, match):
-    base = dict(model_type="llama", vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4)
+    base = dict(
+        model_type="llama",
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+    )
     with pytest.raises(ModelConfigError, match=match):
         ModelConfig.from_hf_dict({**base, **raw})
 
 
 def test_gemma3_global_layers_refuse_yarn():
-    raw = dict(model_type="gemma3_text", vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=2,
-               num_attention_heads=4, head_dim=16, rope_scaling={"rope_type": "yarn", "factor": 8.0})  # fmt: skip
+    raw = dict(
+        model_type="gemma3_text",
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=8,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        rope_scaling={"rope_type": "yarn", "factor": 8.0},
+    )
     with pytest.raises(ModelConfigError, match="rope_type='yarn' on gemma3_text"):
         ModelConfig.from_hf_dict(raw)
 
@@ -320,7 +502,10 @@ def test_dynamic_kv_depends_on_position_only(tmp_path):
     ids = np.random.default_rng(4).integers(0, 96, size=90).tolist()
     whole = runner(loaded.model).step([SeqInput(ids, 0, list(range(8)))], all_logits=True).logits
     r = runner(loaded.model)
-    parts = [r.step([SeqInput(ids[a:b], a, list(range(8)))], all_logits=True).logits for a, b in ((0, 20), (20, 57), (57, 90))]
+    parts = [
+        r.step([SeqInput(ids[a:b], a, list(range(8)))], all_logits=True).logits
+        for a, b in ((0, 20), (20, 57), (57, 90))
+    ]
     np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-5, rtol=0)
 
 
@@ -339,12 +524,25 @@ def _numpy_dynamic_rope(x: np.ndarray, positions: np.ndarray, theta: float, fact
 
 def test_dynamic_rotation_matches_numpy_formula():
     config = ModelConfig.from_hf_dict(
-        dict(model_type="llama", vocab_size=8, hidden_size=128, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-             max_position_embeddings=1024, rope_theta=10000.0, rope_scaling={"rope_type": "dynamic", "factor": 8.0})
-    )  # fmt: skip
+        dict(
+            model_type="llama",
+            vocab_size=8,
+            hidden_size=128,
+            intermediate_size=8,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=1024,
+            rope_theta=10000.0,
+            rope_scaling={"rope_type": "dynamic", "factor": 8.0},
+        )
+    )
     positions = np.array([0, 5, 1022, 1023, 1024, 1500, 3000, 5000, 8191], np.int32)
     x = np.random.default_rng(5).standard_normal((positions.size, 2, 64)).astype(np.float32)
-    got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions), jnp.asarray(inverse_frequencies(config)), rope_application(config)))
+    got = np.asarray(
+        apply_rope(
+            jnp.asarray(x), jnp.asarray(positions), jnp.asarray(inverse_frequencies(config)), rope_application(config)
+        )
+    )
     ref = _numpy_dynamic_rope(x.astype(np.float64), positions, 10000.0, 8.0, 1024)
     # float32 angles of up to ~8000 rad: ~1e-3 absolute phase error at the highest frequency
     np.testing.assert_allclose(got, ref, atol=3e-3, rtol=0)
@@ -358,7 +556,13 @@ def test_dynamic_rotation_matches_numpy_formula():
 def test_longrope_uses_long_factors_at_every_position(tmp_path):
     """max_position_embeddings > original: long factors even for a short sequence (where
     transformers would take the short ones) -- the same as transformers with short := long."""
-    rope = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 32, "short_factor": SHORT, "long_factor": LONG}
+    rope = {
+        "rope_type": "longrope",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "short_factor": SHORT,
+        "long_factor": LONG,
+    }
     extra = {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
     build(tmp_path / "ours", "llama", 128, rope, extra)
     as_long = build(tmp_path / "ref", "llama", 128, {**rope, "short_factor": LONG}, extra)
@@ -378,17 +582,31 @@ def test_yarn_12k_prompt_greedy_matches_transformers(tmp_path):
     greedy tokens and their logprobs equal transformers' (3x past the original length)."""
     t0 = time.perf_counter()
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
-    extra = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    extra = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     hf = build(tmp_path, "llama", 16384, rope, extra)
     prompt = np.random.default_rng(0).integers(0, 96, size=LONG_PROMPT).tolist()
     n = 8
     tokens, logits = hf_greedy(hf, prompt, n)
     engine = Engine(
         EngineConfig(
-            model=str(tmp_path), warmup=False, show_progress=False, page_size=16, device_tokens=16384,
-            max_batch_tokens=2048, max_batch_size=2, max_context_tokens=LONG_PROMPT + 16, tiers="L1",
+            model=str(tmp_path),
+            warmup=False,
+            show_progress=False,
+            page_size=16,
+            device_tokens=16384,
+            max_batch_tokens=2048,
+            max_batch_size=2,
+            max_context_tokens=LONG_PROMPT + 16,
+            tiers="L1",
         )
-    )  # fmt: skip
+    )
     try:
         out = engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, logprobs=0))[0]
     finally:

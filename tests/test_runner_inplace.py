@@ -13,7 +13,16 @@ from strata_jax.models.weights import random_model
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig
 from strata_jax.runtime.sharding import make_mesh
 
-CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16)
+CONFIG = ModelConfig(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
 
 
 @pytest.mark.parametrize("tp", [1, 2])  # tp 2: the pool split on its 2 KV heads over 2 devices
@@ -32,7 +41,11 @@ def test_step_program_never_copies_the_pool(tokens, tp):
     heads = CONFIG.num_kv_heads // tp  # a device's shard of the pool
     pool_shapes = {f"3,2,97,4,{heads},16", f"3,2,388,{heads},16"}  # the pool and its flat-slot view
     pool_lines = [line for line in hlo.splitlines() if any(f"[{s}]" in line for s in pool_shapes)]
-    copies = [line for line in pool_lines if re.search(r"\b(copy|all-gather|all-reduce|all-to-all|collective-permute)\(", line)]
+    copies = [
+        line
+        for line in pool_lines
+        if re.search(r"\b(copy|all-gather|all-reduce|all-to-all|collective-permute)\(", line)
+    ]
     assert not copies, copies[:3]
     # the per-sequence page table (8 slots x 32 pages) is updated in place too
     table = f"s32[{runner.seqs.num_slots},{runner.config.max_pages_per_seq}]"
@@ -68,14 +81,23 @@ def test_step_program_never_copies_a_pool_with_layer_groups(tokens, tp):
     config = dataclasses.replace(CONFIG, layer_windows=(8, 0, 8))
     mesh = make_mesh(tp) if tp > 1 else None
     layout = KVLayout(3, 2, 16, 4)
-    pool = DevicePool(layout, 97, pool_sharding(mesh) if mesh else None, grouped=grouped_pool_layout(config, layout, 97))
+    pool = DevicePool(
+        layout, 97, pool_sharding(mesh) if mesh else None, grouped=grouped_pool_layout(config, layout, 97)
+    )
     pool.local.attach(list(range(97)))
     runner = ModelRunner(
         random_model(config),
-        RunnerConfig(page_size=4, num_device_pages=97, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128,
-                     kv_layer_groups=True),
-        pool=pool, mesh=mesh,
-    )  # fmt: skip
+        RunnerConfig(
+            page_size=4,
+            num_device_pages=97,
+            max_batch_tokens=32,
+            max_batch_size=2,
+            max_context_tokens=128,
+            kv_layer_groups=True,
+        ),
+        pool=pool,
+        mesh=mesh,
+    )
     args = runner.program_arguments(tokens, 1, decode=tokens == 1)
     assert "local_map" in args[-1]
     hlo = runner._step.lower(*args, False).compile().as_text()  # noqa: SLF001
@@ -83,5 +105,9 @@ def test_step_program_never_copies_a_pool_with_layer_groups(tokens, tp):
     pool_shapes = {f"1,2,291,4,{heads},16", f"1,2,1164,{heads},16"}  # 3 x 97 rows, and a flat-slot view
     pool_lines = [line for line in hlo.splitlines() if any(f"[{s}]" in line for s in pool_shapes)]
     assert pool_lines
-    copies = [line for line in pool_lines if re.search(r"\b(copy|all-gather|all-reduce|all-to-all|collective-permute)\(", line)]
+    copies = [
+        line
+        for line in pool_lines
+        if re.search(r"\b(copy|all-gather|all-reduce|all-to-all|collective-permute)\(", line)
+    ]
     assert not copies, copies[:3]

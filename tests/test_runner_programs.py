@@ -11,18 +11,32 @@ from strata_jax.models.weights import random_model
 from strata_jax.runtime.buckets import extend_rows
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
 
-CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+CONFIG = ModelConfig(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
 
 
 def test_program_grid_at_the_default_budget():
-    runner = ModelRunner(random_model(CONFIG), RunnerConfig(max_batch_tokens=512, max_batch_size=16, num_device_pages=8))
+    runner = ModelRunner(
+        random_model(CONFIG), RunnerConfig(max_batch_tokens=512, max_batch_size=16, num_device_pages=8)
+    )
     assert runner.decode_shapes == ((1, 1), (2, 2), (4, 4), (8, 8), (16, 16))
     assert runner.extend_shapes == ((16, 2), (32, 4), (64, 8), (128, 16), (256, 16), (512, 16))
     # was every (token bucket, batch bucket) pair: 5 decode + 29 extend programs
     assert len(runner.program_shapes) == 11
 
 
-@pytest.mark.parametrize("tokens,maximum,batch,rows", [(16, 512, 16, 2), (512, 512, 16, 16), (64, 64, 16, 16), (17, 17, 16, 16), (4, 512, 16, 1)])
+@pytest.mark.parametrize(
+    "tokens,maximum,batch,rows",
+    [(16, 512, 16, 2), (512, 512, 16, 16), (64, 64, 16, 16), (17, 17, 16, 16), (4, 512, 16, 1)],
+)
 def test_extend_rows(tokens, maximum, batch, rows):
     assert extend_rows(tokens, maximum, batch) == rows
     assert rows < tokens  # T == B is the decode shape
@@ -30,7 +44,8 @@ def test_extend_rows(tokens, maximum, batch, rows):
 
 def test_random_batches_after_warmup_compile_nothing_and_match_one_by_one():
     runner = ModelRunner(
-        random_model(CONFIG), RunnerConfig(page_size=4, num_device_pages=256, max_batch_tokens=32, max_batch_size=4, max_context_tokens=64)
+        random_model(CONFIG),
+        RunnerConfig(page_size=4, num_device_pages=256, max_batch_tokens=32, max_batch_size=4, max_context_tokens=64),
     )
     reports = []
     compiled = runner.warmup(show_progress=False, progress=lambda done, total: reports.append((done, total)))

@@ -13,10 +13,14 @@ def _keys(n: int, seed: int) -> jnp.ndarray:
     return jnp.asarray(np.random.default_rng(seed).integers(0, 2**32, size=(n, 2), dtype=np.uint32))
 
 
-def _draw(logits_row: np.ndarray, n: int, temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> np.ndarray:
+def _draw(
+    logits_row: np.ndarray, n: int, temperature: float, top_k: int = 0, top_p: float = 1.0, seed: int = 0
+) -> np.ndarray:
     logits = jnp.asarray(np.tile(logits_row, (n, 1)), jnp.float32)
     f = jax.jit(sample_tokens)
-    return np.asarray(f(logits, jnp.full(n, temperature), jnp.full(n, top_k, jnp.int32), jnp.full(n, top_p), _keys(n, seed)))
+    return np.asarray(
+        f(logits, jnp.full(n, temperature), jnp.full(n, top_k, jnp.int32), jnp.full(n, top_p), _keys(n, seed))
+    )
 
 
 def test_greedy_is_argmax_and_ignores_keys():
@@ -54,11 +58,23 @@ def test_seeded_requests_reproduce_through_the_engine():
     from strata_jax.api import SamplingParams
     from strata_jax.engine import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(model="tiny", warmup=False, show_progress=False, max_batch_tokens=64, max_batch_size=2, device_tokens=1024, tiers="L1"))
+    engine = Engine(
+        EngineConfig(
+            model="tiny",
+            warmup=False,
+            show_progress=False,
+            max_batch_tokens=64,
+            max_batch_size=2,
+            device_tokens=1024,
+            tiers="L1",
+        )
+    )
     params = SamplingParams(max_tokens=8, temperature=1.5, seed=7, ignore_eos=True)
     first = engine.generate(["abc"], params)[0].token_ids
     again = engine.generate(["abc"], params)[0].token_ids
-    other = engine.generate(["abc"], SamplingParams(max_tokens=8, temperature=1.5, seed=8, ignore_eos=True))[0].token_ids
+    other = engine.generate(["abc"], SamplingParams(max_tokens=8, temperature=1.5, seed=8, ignore_eos=True))[
+        0
+    ].token_ids
     engine.shutdown()
     assert first == again and first != other
 

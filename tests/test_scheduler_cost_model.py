@@ -67,7 +67,9 @@ def test_window_only_loads_count_the_bytes_they_move() -> None:
     """Gemma 3 270M's shape: 15 of 18 layers windowed (512 tokens).  A load of n tokens moves
     every token's 3 global layers and the 15 local layers of its last 512 tokens only."""
     per_layer = 100
-    m = CostModel(CostPrior(bytes_per_token=18 * per_layer, link_bytes_per_s=1e6, local_share=15 / 18, local_window_tokens=512))
+    m = CostModel(
+        CostPrior(bytes_per_token=18 * per_layer, link_bytes_per_s=1e6, local_share=15 / 18, local_window_tokens=512)
+    )
     for n in (1, 100, 512, 513, 4096):
         moved = n * 3 * per_layer + min(n, 512) * 15 * per_layer
         assert m.load_bytes(n) == pytest.approx(moved)

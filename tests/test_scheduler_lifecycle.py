@@ -148,8 +148,11 @@ def test_abort_waiting_and_deferred_requests_free_no_device_kv() -> None:
     sched.submit("x", toks(9, 5))
     res_w = sched.abort("x")
     assert (res_w.previous_status, res_w.holds_device_kv, res_w.owns_transient_nodes, res_w.in_flight) == (
-        S.WAITING, False, True, False,
-    )  # fmt: skip
+        S.WAITING,
+        False,
+        True,
+        False,
+    )
     res_b = sched.abort("b")
     assert res_b.previous_status is S.DEFERRED and not res_b.holds_device_kv
     assert sched.queue_order() == ("w",)
@@ -246,7 +249,11 @@ def test_decodes_that_cannot_grow_retract_the_newest_with_its_kv_kept() -> None:
 @given(
     free=st.integers(0, 3000),
     evictable=st.integers(0, 3000),
-    prompts=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 900), st.sampled_from(["device", "host", None])), min_size=1, max_size=8),
+    prompts=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 900), st.sampled_from(["device", "host", None])),
+        min_size=1,
+        max_size=8,
+    ),
     policy=st.sampled_from(["strata", "fifo"]),
 )
 def test_a_plan_never_overcommits_device_memory(free, evictable, prompts, policy) -> None:

@@ -122,8 +122,12 @@ def two_documents_with_siblings(config: SchedulerConfig) -> tuple[Scheduler, Fak
     """Documents 1 and 2 (1200 tokens each), two questions on each, all arriving at once; plays
     the rounds until document 1's first question has its first token.  Returns the plans."""
     sched, cache = Scheduler(config), FakeCache()
-    for rid, tokens in (("a1", doc(1, 1200) + q(1)), ("a2", doc(1, 1200) + q(2)),
-                        ("b1", doc(2, 1200) + q(3)), ("b2", doc(2, 1200) + q(4))):  # fmt: skip
+    for rid, tokens in (
+        ("a1", doc(1, 1200) + q(1)),
+        ("a2", doc(1, 1200) + q(2)),
+        ("b1", doc(2, 1200) + q(3)),
+        ("b2", doc(2, 1200) + q(4)),
+    ):
         submit_uncached(sched, cache, rid, tokens)
     plans = []
     while sched.get("a1").num_output_tokens == 0:
@@ -136,7 +140,9 @@ def test_a_deferred_sibling_goes_ahead_of_the_next_documents_chunks() -> None:
     sched, cache, plans = two_documents_with_siblings(SchedulerConfig(max_batch_tokens=512))
     # a1's 1220 tokens: 512, 512, then its last 196 with b1's first 316.
     assert [[(i.request_id, i.new_tokens) for i in p.prefill] for p in plans] == [
-        [("a1", 512)], [("a1", 512)], [("a1", 196), ("b1", 316)]
+        [("a1", 512)],
+        [("a1", 512)],
+        [("a1", 196), ("b1", 316)],
     ]
     plan = sched.schedule(cache)  # b1's chunk leaves room for a2 (20 tokens over a1's document on the device)
     assert [(i.request_id, i.start, i.new_tokens) for i in plan.prefill] == [("b1", 316, 492), ("a2", 1200, 20)]

@@ -12,11 +12,10 @@ import time
 
 import httpx
 import pytest
+from serving_harness import engine_factory, real_engine_available
 
 from serving.config import ServerConfig
 from serving.server import EXIT_ENGINE_FAILED, ThreadedServer
-
-from serving_harness import engine_factory, real_engine_available
 
 pytestmark = pytest.mark.skipif(not real_engine_available(), reason="needs the real engine")
 

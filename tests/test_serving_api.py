@@ -13,10 +13,10 @@ import grpc
 import httpx
 import openai
 import pytest
+from serving_harness import assert_no_leaks, shared_server
 
 from serving.grpc_client import StrataClient
 from serving.protos import strata_pb2
-from serving_harness import assert_no_leaks, shared_server
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,11 @@ def test_openai_completions_non_stream_and_stream(server, oai):
 
     pieces, reasons = [], []
     stream = oai.completions.create(
-        model=_model(server), prompt="Hello there", max_tokens=5, temperature=0, stream=True,
+        model=_model(server),
+        prompt="Hello there",
+        max_tokens=5,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     usage = None
@@ -132,7 +136,10 @@ def test_grpc_generate_health_and_admin(server, grpc_client):
     # the same prompt again: served partly from the cache (the per-tier counts add up)
     again = list(grpc_client.generate("Hello there", max_tokens=5, temperature=0.0))
     u = again[-1].usage
-    assert u.cached_tokens == u.cached_tokens_per_tier.device + u.cached_tokens_per_tier.host + u.cached_tokens_per_tier.storage
+    assert (
+        u.cached_tokens
+        == u.cached_tokens_per_tier.device + u.cached_tokens_per_tier.host + u.cached_tokens_per_tier.storage
+    )
     text_ids = list(grpc_client.generate([5, 6, 7], max_tokens=2))
     assert text_ids[-1].usage.prompt_tokens == 3
     stats = grpc_client.cache_stats()
@@ -142,8 +149,9 @@ def test_grpc_generate_health_and_admin(server, grpc_client):
         grpc_client.flush_cache("bogus")
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # a request id already in flight is refused
-    call = grpc_client.generate("long one", max_tokens=server.frontend.engine().max_context_tokens - 64,
-                                ignore_eos=True, request_id="dup-1")
+    call = grpc_client.generate(
+        "long one", max_tokens=server.frontend.engine().max_context_tokens - 64, ignore_eos=True, request_id="dup-1"
+    )
     next(iter(call))
     with pytest.raises(grpc.RpcError) as err:
         list(grpc_client.generate("again", max_tokens=2, request_id="dup-1"))
@@ -212,8 +220,19 @@ def _bad_http_requests(model: str, context: int) -> list[tuple[str, object, int]
         (ch, {"model": model, "messages": []}, 400),
         (ch, {"model": model, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
         (ch, {"model": model, "messages": "hi"}, 400),
-        (ch, {"model": model, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
-        (ch, {"model": model, "messages": [{"role": "user", "content": "hi"}], "temperature": None, "max_tokens": 2.5}, 400),
+        (
+            ch,
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            },
+            400,
+        ),
+        (
+            ch,
+            {"model": model, "messages": [{"role": "user", "content": "hi"}], "temperature": None, "max_tokens": 2.5},
+            400,
+        ),
         (ch, {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
         (ch, {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404),
         ("/admin/flush_cache", {"tier": "L9"}, 400),
@@ -231,6 +250,7 @@ def test_bad_http_input_gets_clear_errors_and_server_survives(server, oai):
             assert r.status_code == status, (path, str(body)[:80], r.status_code, r.text[:300])
             err = r.json()["error"]
             assert err["message"] and isinstance(err["message"], str), r.text
+
         # an oversized body without Content-Length (chunked) is cut off at the limit too
         def chunks():
             yield b'{"model": "' + model.encode() + b'", "prompt": "'
@@ -253,8 +273,26 @@ def test_bad_http_input_gets_clear_errors_and_server_survives(server, oai):
     assert_no_leaks(engine, server.baseline_used)
 
 
-_ODD_VALUES = [None, -1, 0, 2**70, -(2**70), 1.5, float("nan"), float("inf"), True, "", "x", "\u0000",
-               [], [None], [1, "a"], [[]], {}, {"a": 1}]
+_ODD_VALUES = [
+    None,
+    -1,
+    0,
+    2**70,
+    -(2**70),
+    1.5,
+    float("nan"),
+    float("inf"),
+    True,
+    "",
+    "x",
+    "\u0000",
+    [],
+    [None],
+    [1, "a"],
+    [[]],
+    {},
+    {"a": 1},
+]
 
 
 def test_fuzzed_fields_never_break_the_server(server):
@@ -264,10 +302,34 @@ def test_fuzzed_fields_never_break_the_server(server):
         "/v1/completions": {"model": model, "prompt": "fuzz", "max_tokens": 1, "temperature": 0},
         "/v1/chat/completions": {"model": model, "messages": [{"role": "user", "content": "fuzz"}], "max_tokens": 1},
     }
-    fields = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stop",
-              "seed", "stream_options", "presence_penalty", "logit_bias", "ignore_eos", "cache_salt",
-              "request_id", "stop_token_ids", "max_completion_tokens", "logprobs",
-              "echo", "best_of", "frequency_penalty", "top_logprobs", "min_tokens", "repetition_penalty"]
+    fields = [
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "stream",
+        "stop",
+        "seed",
+        "stream_options",
+        "presence_penalty",
+        "logit_bias",
+        "ignore_eos",
+        "cache_salt",
+        "request_id",
+        "stop_token_ids",
+        "max_completion_tokens",
+        "logprobs",
+        "echo",
+        "best_of",
+        "frequency_penalty",
+        "top_logprobs",
+        "min_tokens",
+        "repetition_penalty",
+    ]
     seen: dict[int, int] = {}
     with httpx.Client(base_url=server.http_url, timeout=60) as http:
         for path, base in bases.items():
@@ -291,15 +353,36 @@ def test_bad_grpc_input_gets_status_codes(server, grpc_client):
         (strata_pb2.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
         (strata_pb2.GenerateRequest(text=""), grpc.StatusCode.INVALID_ARGUMENT),
         (strata_pb2.GenerateRequest(token_ids=strata_pb2.TokenIds(ids=[])), grpc.StatusCode.INVALID_ARGUMENT),
-        (strata_pb2.GenerateRequest(token_ids=strata_pb2.TokenIds(ids=[1, 4_000_000_000])), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            strata_pb2.GenerateRequest(token_ids=strata_pb2.TokenIds(ids=[1, 4_000_000_000])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
         (strata_pb2.GenerateRequest(text="x " * (engine.max_context_tokens * 2)), grpc.StatusCode.INVALID_ARGUMENT),
-        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(temperature=math.nan)), grpc.StatusCode.INVALID_ARGUMENT),
-        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(temperature=-2)), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(temperature=math.nan)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(temperature=-2)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
         # max_tokens=0 is valid now (prompt scoring with prompt_logprobs); logprobs > 20 is not
-        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(logprobs=21)), grpc.StatusCode.INVALID_ARGUMENT),
-        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(presence_penalty=3)), grpc.StatusCode.INVALID_ARGUMENT),
-        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(max_tokens=4_000_000_000)), grpc.StatusCode.INVALID_ARGUMENT),
-        (strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(top_p=float("inf"))), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(logprobs=21)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(presence_penalty=3)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(max_tokens=4_000_000_000)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            strata_pb2.GenerateRequest(text="hi", params=strata_pb2.SamplingParams(top_p=float("inf"))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
         (strata_pb2.GenerateRequest(text="hi", request_id="bad\nid"), grpc.StatusCode.INVALID_ARGUMENT),
         (strata_pb2.GenerateRequest(text="z" * (2 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED),  # > max message
     ]
@@ -319,7 +402,9 @@ def test_bad_grpc_input_gets_status_codes(server, grpc_client):
 
 # ---- cancellation -------------------------------------------------------
 def _cancelled(server, api: str) -> float:
-    value = server.frontend.metrics.registry.get_sample_value("strata_requests_total", {"api": api, "status": "cancelled"})
+    value = server.frontend.metrics.registry.get_sample_value(
+        "strata_requests_total", {"api": api, "status": "cancelled"}
+    )
     return value or 0.0
 
 
@@ -336,8 +421,20 @@ def test_http_disconnect_mid_stream_frees_pages(server):
     long = engine.max_context_tokens - 64
     before = _cancelled(server, "http")
     for path, body in (
-        ("/v1/completions", {"model": model, "prompt": "tell me a long story", "max_tokens": long, "stream": True, "ignore_eos": True}),
-        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "story"}], "max_tokens": long, "stream": True, "ignore_eos": True}),
+        (
+            "/v1/completions",
+            {"model": model, "prompt": "tell me a long story", "max_tokens": long, "stream": True, "ignore_eos": True},
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": "story"}],
+                "max_tokens": long,
+                "stream": True,
+                "ignore_eos": True,
+            },
+        ),
     ):
         for _ in range(3):
             with httpx.Client(base_url=server.http_url, timeout=60) as http:
@@ -385,7 +482,10 @@ def test_profile_via_admin_route_and_grpc(server, grpc_client, tmp_path):
         r = http.post("/admin/profile/start", json={"log_dir": str(tmp_path / "http")})
         assert r.status_code == 200, r.text
         for _ in range(2):
-            assert http.post("/v1/completions", json={"model": model, "prompt": "profile me", "max_tokens": 8}).status_code == 200
+            assert (
+                http.post("/v1/completions", json={"model": model, "prompt": "profile me", "max_tokens": 8}).status_code
+                == 200
+            )
         r = http.post("/admin/profile/stop")
         assert r.status_code == 200, r.text
         names = _trace_names(r.json()["trace_dir"] or str(tmp_path / "http"))

@@ -14,12 +14,12 @@ import json
 import httpx
 import openai
 import pytest
+from test_chat_template import CHATML, CONVERSATION, TOOLS, _write_tokenizer
 
 from serving.config import ServerConfig
 from serving.server import ThreadedServer
 from strata_jax.models.generation_config import GenerationDefaults
 from strata_jax.tokenizer import HFTokenizer
-from test_chat_template import CHATML, CONVERSATION, TOOLS, _write_tokenizer
 
 transformers = pytest.importorskip("transformers")
 CONTEXT = 1024
@@ -29,7 +29,9 @@ CONTEXT = 1024
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf_folder")
     _write_tokenizer(path, {"default": CHATML, "tool_use": TOOLS})
-    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5], "temperature": 0.6, "top_p": 0.9, "max_new_tokens": 7}))
+    (path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [2, 5], "temperature": 0.6, "top_p": 0.9, "max_new_tokens": 7})
+    )
     return path
 
 
@@ -52,7 +54,9 @@ def _start(folder, **config) -> ThreadedServer:
         engine.stream = recording_stream
         return engine
 
-    srv = ThreadedServer(ServerConfig(port=0, grpc_port=0, grace_s=1.0, default_chat_max_tokens=11, **config), build).start()
+    srv = ThreadedServer(
+        ServerConfig(port=0, grpc_port=0, grace_s=1.0, default_chat_max_tokens=11, **config), build
+    ).start()
     srv.seen = seen
     return srv
 
@@ -78,7 +82,10 @@ def test_chat_prompt_ids_equal_transformers_apply_chat_template(server, folder):
     cases = [
         ({}, {"add_generation_prompt": True}),
         ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
-        ({"chat_template_kwargs": {"enable_thinking": False}}, {"add_generation_prompt": True, "enable_thinking": False}),
+        (
+            {"chat_template_kwargs": {"enable_thinking": False}},
+            {"add_generation_prompt": True, "enable_thinking": False},
+        ),
         ({"chat_template": "tool_use"}, {"add_generation_prompt": True, "chat_template": "tool_use"}),
     ]
     for body, kwargs in cases:
@@ -94,17 +101,31 @@ def test_chat_prompt_ids_equal_transformers_apply_chat_template(server, folder):
     assert _last(server)[0] == expected
     # add_special_tokens (vLLM's field): the tokenizer's own post-processor runs on top of the template
     assert _chat(server, max_tokens=2, add_special_tokens=True).status_code == 200
-    assert _last(server)[0] == ref(ref.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True))["input_ids"]
+    assert (
+        _last(server)[0]
+        == ref(ref.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=True))["input_ids"]
+    )
 
 
 def test_chat_field_validation_is_vllms(server):
-    both = _chat(server, messages=CONVERSATION + [{"role": "assistant", "content": "x"}], continue_final_message=True, add_generation_prompt=True)
+    both = _chat(
+        server,
+        messages=CONVERSATION + [{"role": "assistant", "content": "x"}],
+        continue_final_message=True,
+        add_generation_prompt=True,
+    )
     assert both.status_code == 400
-    assert both.json()["error"]["message"] == "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+    assert (
+        both.json()["error"]["message"]
+        == "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+    )
     unknown = _chat(server, chat_template="{% for m in messages %}{{ m }}{% endfor %}")
     assert unknown.status_code == 400 and "['default', 'tool_use']" in unknown.json()["error"]["message"]
     reserved = _chat(server, chat_template_kwargs={"add_generation_prompt": False})
-    assert reserved.status_code == 400 and "chat_template_kwargs may not set ['add_generation_prompt']" in reserved.json()["error"]["message"]
+    assert (
+        reserved.status_code == 400
+        and "chat_template_kwargs may not set ['add_generation_prompt']" in reserved.json()["error"]["message"]
+    )
     wrong_type = _chat(server, chat_template_kwargs=["enable_thinking"])
     assert wrong_type.status_code == 400 and "chat_template_kwargs" in wrong_type.json()["error"]["message"]
     disagree = _chat(server, max_tokens=3, max_completion_tokens=4)
@@ -146,6 +167,10 @@ def test_generation_config_none_uses_the_server_defaults(folder):
     try:
         assert _chat(srv).status_code == 200
         params = _last(srv)[1]
-        assert (params.temperature, params.top_p, params.max_tokens) == (1.0, 1.0, 11)  # OpenAI's, --default-chat-max-tokens
+        assert (params.temperature, params.top_p, params.max_tokens) == (
+            1.0,
+            1.0,
+            11,
+        )  # OpenAI's, --default-chat-max-tokens
     finally:
         srv.stop()

@@ -14,13 +14,13 @@ import time
 import grpc
 import httpx
 import pytest
+from serving_harness import fake_engine_factory, real_engine_available
 
 from serving.config import ServerConfig
 from serving.grpc_client import StrataClient
 from serving.metrics import build_metrics, flatten_stats
 from serving.server import ThreadedServer
 from serving.server_cli import add_serve_arguments, server_config
-from serving_harness import fake_engine_factory, real_engine_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -143,16 +143,51 @@ def test_serve_process_sigterm_finishes_in_flight_and_exits_zero():
     the same ``StrataServer`` over the fake engine (tests/serving_fake_serve.py).
     """
     port, grpc_port = _free_port(), _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
+    )
     if real_engine_available() and os.environ.get("STRATA_SERVING_SLOW"):  # ~2 min more: a second warm-up
-        cmd = [sys.executable, "-X", "faulthandler", "-m", "serving.cli", "serve", "--model", "tiny", "--port", str(port),
-               "--grpc-port", str(grpc_port), "--grace-s", "20", "--log-level", "warning",
-               "--max-context-tokens", "512", "--device-tokens", "8192", "--max-batch-tokens", "256",
-               "--max-batch-size", "8", "--show-progress", "false",
-               "--compilation-cache-dir", os.path.join(tempfile.gettempdir(), "strata_serving_tests_xla_cache")]
+        cmd = [
+            sys.executable,
+            "-X",
+            "faulthandler",
+            "-m",
+            "serving.cli",
+            "serve",
+            "--model",
+            "tiny",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--grace-s",
+            "20",
+            "--log-level",
+            "warning",
+            "--max-context-tokens",
+            "512",
+            "--device-tokens",
+            "8192",
+            "--max-batch-tokens",
+            "256",
+            "--max-batch-size",
+            "8",
+            "--show-progress",
+            "false",
+            "--compilation-cache-dir",
+            os.path.join(tempfile.gettempdir(), "strata_serving_tests_xla_cache"),
+        ]
     else:
-        cmd = [sys.executable, os.path.join(ROOT, "tests", "serving_fake_serve.py"), "--port", str(port),
-               "--grpc-port", str(grpc_port), "--grace-s", "20"]
+        cmd = [
+            sys.executable,
+            os.path.join(ROOT, "tests", "serving_fake_serve.py"),
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--grace-s",
+            "20",
+        ]
     log_file = tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="serve-")  # a pipe could fill and block it
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

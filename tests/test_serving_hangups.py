@@ -18,10 +18,10 @@ import time
 
 import httpx
 import pytest
+from serving_harness import wait_idle
 
 from serving.config import ServerConfig
 from serving.server import ThreadedServer
-from serving_harness import wait_idle
 
 STREAMERS = 8
 WAVES, WAVE = 5, 20  # 100 others, twenty at once
@@ -35,7 +35,14 @@ STREAM_TOKENS = 400
 
 # A random 8-layer model: steps long enough (tens of ms on CPU) that a hang-up which waits
 # for the engine loop shows in the others' gaps, as on a real model on a GPU.
-WIDTH = {"vocab_size": 512, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64}
+WIDTH = {
+    "vocab_size": 512,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +52,14 @@ def server(tmp_path_factory):
 
     folder = write_random_model(tmp_path_factory.mktemp("hangup-model"), 8, width=WIDTH)
     config = EngineConfig(
-        model=str(folder), show_progress=False, max_batch_size=32, max_batch_tokens=256, device_tokens=32768,
-        max_context_tokens=1024, max_waiting=64,
-    )  # fmt: skip
+        model=str(folder),
+        show_progress=False,
+        max_batch_size=32,
+        max_batch_tokens=256,
+        device_tokens=32768,
+        max_context_tokens=1024,
+        max_waiting=64,
+    )
     srv = ThreadedServer(ServerConfig(port=0, grpc_port=0, grace_s=5.0), lambda: Engine(config)).start()
     yield srv
     srv.stop(30.0)
@@ -57,7 +69,14 @@ async def _stream(
     http: httpx.AsyncClient, model: str, prompt: str | list[int], max_tokens: int, cut_after: int | None = None
 ) -> list[float]:
     """Arrival times of the stream's chunks; with ``cut_after`` the client hangs up after that many."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     times: list[float] = []
     async with http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200, (await r.aread())[:200]
@@ -74,7 +93,9 @@ async def _stream(
 async def _run(url: str, model: str, *, hang_up: bool, label: str) -> tuple[list[float], int]:
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)  # every client its own connection
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
-        streams = [asyncio.create_task(_stream(http, model, [40 + i, 9, 11, 13], STREAM_TOKENS)) for i in range(STREAMERS)]
+        streams = [
+            asyncio.create_task(_stream(http, model, [40 + i, 9, 11, 13], STREAM_TOKENS)) for i in range(STREAMERS)
+        ]
         window: list[float] = []
 
         async def other(j: int) -> int:
@@ -115,7 +136,9 @@ def test_hang_ups_do_not_stall_the_other_streams(server):
     rough.sort()
     n_calm, n_rough = len(calm), len(rough)
     assert n_calm > 50 and n_rough > 50, (n_calm, n_rough)  # the streams ran while the others came and went
-    print(f"HANGUPS p99 gap: {1e3 * _p99(calm):.1f} ms without hang-ups, {1e3 * _p99(rough):.1f} ms with {WAVES * WAVE} hang-ups")
+    print(
+        f"HANGUPS p99 gap: {1e3 * _p99(calm):.1f} ms without hang-ups, {1e3 * _p99(rough):.1f} ms with {WAVES * WAVE} hang-ups"
+    )
     assert _p99(rough) <= 1.5 * _p99(calm), (_p99(rough), _p99(calm))
     stats = wait_idle(engine)
     assert stats["waiting"] == 0 and stats["running"] == 0, stats

@@ -15,14 +15,12 @@ import time
 import grpc
 import httpx
 import pytest
-
 from serving_harness import MAX_WAITING, assert_no_leaks, shared_server
 
 
 @pytest.fixture(scope="module")
 def server():
     return shared_server()
-
 
 
 BURST = 120  # requests fired at once: far more than 8 running + 32 waiting
@@ -34,8 +32,13 @@ async def _burst_http(url: str, model: str, n: int) -> list[tuple[int, float, di
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
 
         async def one(i: int) -> tuple[int, float, dict]:
-            body = {"model": model, "prompt": f"burst request number {i}", "max_tokens": BURST_TOKENS,
-                    "ignore_eos": True, "temperature": 0}
+            body = {
+                "model": model,
+                "prompt": f"burst request number {i}",
+                "max_tokens": BURST_TOKENS,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
             t0 = time.perf_counter()
             r = await http.post("/v1/completions", json=body)
             return r.status_code, time.perf_counter() - t0, r.json()
@@ -88,7 +91,9 @@ def test_overload_rejects_promptly_and_loses_nothing_accepted(server):
 
     grpc_results = asyncio.run(_burst_grpc(server.grpc_target, BURST))
     codes = {r[0] for r in grpc_results}
-    assert codes <= {"OK", "RESOURCE_EXHAUSTED"}, [r for r in grpc_results if r[0] not in ("OK", "RESOURCE_EXHAUSTED")][:3]
+    assert codes <= {"OK", "RESOURCE_EXHAUSTED"}, [r for r in grpc_results if r[0] not in ("OK", "RESOURCE_EXHAUSTED")][
+        :3
+    ]
     assert "RESOURCE_EXHAUSTED" in codes, "the burst never filled the waiting queue"
     first_ok = min(dt for code, dt, _tokens, _detail in grpc_results if code == "OK")
     for code, dt, tokens, detail in grpc_results:
@@ -102,7 +107,9 @@ def test_overload_rejects_promptly_and_loses_nothing_accepted(server):
 SHARED = "You are a helpful assistant. Answer the question briefly. " * 2
 
 
-async def _grpc_client(target: str, i: int, stop_at: float, ttfts: list[float], errors: list[str], done: list[int]) -> None:
+async def _grpc_client(
+    target: str, i: int, stop_at: float, ttfts: list[float], errors: list[str], done: list[int]
+) -> None:
     from serving.protos import strata_pb2, strata_pb2_grpc
 
     async with grpc.aio.insecure_channel(target) as channel:
@@ -130,13 +137,20 @@ async def _grpc_client(target: str, i: int, stop_at: float, ttfts: list[float], 
             done.append(1)
 
 
-async def _client(url: str, model: str, i: int, stop_at: float, ttfts: list[float], errors: list[str], done: list[int]) -> None:
+async def _client(
+    url: str, model: str, i: int, stop_at: float, ttfts: list[float], errors: list[str], done: list[int]
+) -> None:
     shared = SHARED
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         n = 0
         while time.monotonic() < stop_at:
-            body = {"model": model, "prompt": f"{shared} Question {i}-{n}: what is {i} + {n}?",
-                    "max_tokens": 16, "temperature": 0, "stream": True}
+            body = {
+                "model": model,
+                "prompt": f"{shared} Question {i}-{n}: what is {i} + {n}?",
+                "max_tokens": 16,
+                "temperature": 0,
+                "stream": True,
+            }
             n += 1
             t0 = time.perf_counter()
             first = None

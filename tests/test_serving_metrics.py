@@ -17,11 +17,11 @@ from collections import Counter
 import grpc
 import httpx
 import pytest
+from serving_harness import fake_engine_factory
 
 from serving.config import ServerConfig
 from serving.grpc_client import StrataClient
 from serving.server import ThreadedServer
-from serving_harness import fake_engine_factory
 
 CONTEXT = 256
 
@@ -34,7 +34,11 @@ def _samples(server: ThreadedServer) -> Counter:
         for metric, label in (("strata_requests_total", "status"), ("strata_requests_rejected_total", "reason")):
             if line.startswith(metric + "{"):
                 labels = dict(part.split("=", 1) for part in line[line.index("{") + 1 : line.index("}")].split(","))
-                key = (metric.removeprefix("strata_").removesuffix("_total"), labels["api"].strip('"'), labels[label].strip('"'))
+                key = (
+                    metric.removeprefix("strata_").removesuffix("_total"),
+                    labels["api"].strip('"'),
+                    labels[label].strip('"'),
+                )
                 out[key] = float(line.rsplit(" ", 1)[1])
     return out
 
@@ -68,7 +72,7 @@ def _model(server) -> str:
 
 
 def _sse_events(response: httpx.Response) -> list:
-    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
 
 
 def test_http_finished_requests_count_their_finish_reason_streamed_or_not(server):
@@ -76,17 +80,32 @@ def test_http_finished_requests_count_their_finish_reason_streamed_or_not(server
     model, before = _model(server), _samples(server)
     first_token = 3 + ord("a") + len("hello") % 26  # the fake engine's first output token for a 5-byte prompt
     with httpx.Client(base_url=server.http_url, timeout=30) as http:
-        assert http.post("/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 3}).json()["choices"][0]["finish_reason"] == "length"
-        stop = http.post("/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 9, "stop_token_ids": [first_token + 1]})
+        assert (
+            http.post("/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 3}).json()["choices"][
+                0
+            ]["finish_reason"]
+            == "length"
+        )
+        stop = http.post(
+            "/v1/completions",
+            json={"model": model, "prompt": "hello", "max_tokens": 9, "stop_token_ids": [first_token + 1]},
+        )
         assert stop.json()["choices"][0]["finish_reason"] == "stop"
         chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         assert http.post("/v1/chat/completions", json=chat).json()["choices"][0]["finish_reason"] == "length"
-        for path, body in (("/v1/completions", {"model": model, "prompt": "hello", "max_tokens": 4}), ("/v1/chat/completions", chat)):
-            with http.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        for path, body in (
+            ("/v1/completions", {"model": model, "prompt": "hello", "max_tokens": 4}),
+            ("/v1/chat/completions", chat),
+        ):
+            with http.stream(
+                "POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}
+            ) as r:
                 events = _sse_events(r)
             assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 4
         # a batch of three prompts is three requests to the engine
-        batch = http.post("/v1/completions", json={"model": model, "prompt": ["a", "bb", "ccc"], "max_tokens": 2}).json()
+        batch = http.post(
+            "/v1/completions", json={"model": model, "prompt": ["a", "bb", "ccc"], "max_tokens": 2}
+        ).json()
         assert [c["finish_reason"] for c in batch["choices"]] == ["length"] * 3
     delta = _delta_when(server, before, {("requests", "http", "length"): 7, ("requests", "http", "stop"): 1})
     assert delta == {("requests", "http", "length"): 7, ("requests", "http", "stop"): 1}
@@ -111,7 +130,10 @@ def test_http_client_that_goes_away_is_cancelled_once(server):
     # non-streamed: the client gives up before the answer
     with httpx.Client(base_url=server.http_url, timeout=0.3) as http:
         with pytest.raises(httpx.TimeoutException):
-            http.post("/v1/completions", json={"model": model, "prompt": "slow", "max_tokens": CONTEXT - 32, "ignore_eos": True})
+            http.post(
+                "/v1/completions",
+                json={"model": model, "prompt": "slow", "max_tokens": CONTEXT - 32, "ignore_eos": True},
+            )
     expected = {("requests", "http", "cancelled"): 3}
     assert _delta_when(server, before, expected) == expected
 
@@ -137,7 +159,9 @@ def test_http_refusals_are_counted_by_reason_before_and_inside_the_frontend(serv
             assert r.status_code == status, (body, r.text)
         assert http.post("/admin/flush_cache", json={"tier": "L9"}).status_code == 400  # not a generation request
         too_long = http.post(c, json={"model": model, "prompt": "x" * (CONTEXT - 10), "max_tokens": 20}).json()
-        assert too_long["error"]["code"] == "context_length_exceeded" and "context limit" in too_long["error"]["message"]
+        assert (
+            too_long["error"]["code"] == "context_length_exceeded" and "context limit" in too_long["error"]["message"]
+        )
     reasons = Counter(reason for *_, reason in cases)
     reasons["too_long"] += 1
     expected = {("requests", "http", "rejected"): sum(reasons.values())}

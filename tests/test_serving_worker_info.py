@@ -23,11 +23,28 @@ from serving.server import ThreadedServer
 # sglang-router 0.3.2, src/core/steps/worker/local/discover_metadata.rs: `ServerInfo` and `ModelInfo`
 # (every field Option<...>: absent or null is fine, another type is not).
 ROUTER_SERVER_INFO = {
-    "model_id": str, "model": str, "model_path": str, "served_model_name": str, "tp_size": int, "dp_size": int,
-    "load_balance_method": str, "disaggregation_mode": str, "version": str, "max_batch_size": int,
-    "max_total_tokens": int, "max_prefill_tokens": int, "max_running_requests": int, "max_num_reqs": int,
-}  # fmt: skip
-ROUTER_MODEL_INFO = {"model_path": str, "tokenizer_path": str, "is_generation": bool, "model_type": str, "architectures": list}
+    "model_id": str,
+    "model": str,
+    "model_path": str,
+    "served_model_name": str,
+    "tp_size": int,
+    "dp_size": int,
+    "load_balance_method": str,
+    "disaggregation_mode": str,
+    "version": str,
+    "max_batch_size": int,
+    "max_total_tokens": int,
+    "max_prefill_tokens": int,
+    "max_running_requests": int,
+    "max_num_reqs": int,
+}
+ROUTER_MODEL_INFO = {
+    "model_path": str,
+    "tokenizer_path": str,
+    "is_generation": bool,
+    "model_type": str,
+    "architectures": list,
+}
 
 
 def _router_would_parse(body: dict, schema: dict) -> None:
@@ -77,8 +94,11 @@ def test_server_info_is_what_the_router_reads(server, http):
         assert http.get(path).headers["x-strata-instance"] == iid, path
     out = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0})
     assert out.status_code == 200 and out.headers["x-strata-instance"] == iid
-    with http.stream("POST", "/v1/chat/completions", json={"model": "tiny", "stream": True, "max_tokens": 2,
-                                                          "messages": [{"role": "user", "content": "Hi"}]}) as s:  # fmt: skip
+    with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": "tiny", "stream": True, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]},
+    ) as s:
         assert s.status_code == 200 and s.headers["x-strata-instance"] == iid
         assert any(line == "data: [DONE]" for line in s.iter_lines())
 
@@ -104,7 +124,10 @@ def test_get_load_counts_the_requests_in_flight(server, http):
     assert http.get("/get_load").json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
     prompt = [5, 6, 7, 8, 9, 10, 11]
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
-    with httpx.Client(base_url=server.http_url, timeout=60) as other, other.stream("POST", "/v1/completions", json=body) as s:
+    with (
+        httpx.Client(base_url=server.http_url, timeout=60) as other,
+        other.stream("POST", "/v1/completions", json=body) as s,
+    ):
         lines = s.iter_lines()
         got = 0
         for line in lines:  # the prefill is done and some tokens are out
@@ -125,8 +148,12 @@ def test_get_load_counts_the_requests_in_flight(server, http):
 
 
 def test_sglang_flush_cache_drops_this_servers_tiers(server, http):
-    body = {"model": "tiny", "prompt": "a prompt that is long enough to fill whole pages " * 4, "max_tokens": 1,
-            "temperature": 0}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": "a prompt that is long enough to fill whole pages " * 4,
+        "max_tokens": 1,
+        "temperature": 0,
+    }
     http.post("/v1/completions", json=body)
     again = http.post("/v1/completions", json=body).json()["usage"]
     assert again["prompt_tokens_details"]["cached_tokens"] > 0  # the prompt's pages were cached
@@ -134,7 +161,10 @@ def test_sglang_flush_cache_drops_this_servers_tiers(server, http):
     assert r.status_code == 200 and r.json() == {"flushed": ["device", "host"]}
     cold = http.post("/v1/completions", json=body).json()["usage"]
     assert cold["prompt_tokens_details"]["cached_tokens"] == 0 and cold["cached_tokens_per_tier"] == {
-        "device": 0, "host": 0, "storage": 0}  # fmt: skip
+        "device": 0,
+        "host": 0,
+        "storage": 0,
+    }
 
 
 def test_worker_routes_need_the_api_key_and_wait_for_the_engine():

@@ -60,12 +60,14 @@ def test_extend_and_decode_times_follow_the_formulas():
     attn = 4 * c.num_layers * c.num_heads * c.head_dim * pairs / (p.matmul_flops_per_s * p.attention_efficiency)
     assert cost.extend_seconds(items) == pytest.approx(p.step_overhead_s + linear + attn, rel=1e-9)
     read = c.num_parameters * 2 + 64 * 20000 * LLAMA8B.kv_bytes_per_token
-    assert cost.decode_seconds(64, 64 * 20000) == pytest.approx(p.step_overhead_s + read / (p.hbm_bytes_per_s * p.hbm_efficiency), rel=1e-9)
+    assert cost.decode_seconds(64, 64 * 20000) == pytest.approx(
+        p.step_overhead_s + read / (p.hbm_bytes_per_s * p.hbm_efficiency), rel=1e-9
+    )
     assert 700_000 < cost.device_kv_tokens() < 900_000  # (141 GB * 0.85 - 16 GB) / 128 KiB
 
 
 def test_profile_errors_name_the_file_and_field(tmp_path):
-    raw = json.loads((H200.to_json()))
+    raw = json.loads(H200.to_json())
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**raw, "link_gbps": 1}))
     with pytest.raises(ProfileError, match="unknown field.*link_gbps"):
@@ -242,13 +244,34 @@ def test_simulate_cli_writes_the_documented_json_and_plot(tmp_path, capsys):
     from strata_jax.cli import main
 
     out, png = tmp_path / "runs.json", tmp_path / "fig.png"
-    argv = ["simulate", "--workload", "sharegpt", "--num-requests", "30", "--rates", "2,8", "--systems", "hicache,strata",
-            "--json", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        "simulate",
+        "--workload",
+        "sharegpt",
+        "--num-requests",
+        "30",
+        "--rates",
+        "2,8",
+        "--systems",
+        "hicache,strata",
+        "--json",
+        str(out),
+        "--no-progress",
+    ]
     pytest.importorskip("matplotlib")
     assert main(argv + ["--plot", str(png)]) == 0
     doc = json.loads(out.read_text())
     assert set(doc) >= {"runs", "wall_s"} and len(doc["runs"]) == 4
-    keys = {"system", "rate", "ttft_mean", "ttft_p99", "throughput_rps", "output_tps", "load_stall_fraction", "hit_rate"}
+    keys = {
+        "system",
+        "rate",
+        "ttft_mean",
+        "ttft_p99",
+        "throughput_rps",
+        "output_tps",
+        "load_stall_fraction",
+        "hit_rate",
+    }
     assert all(keys <= set(r) and r["finished"] == 30 for r in doc["runs"])
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "sustained rate" in capsys.readouterr().out

@@ -10,10 +10,10 @@ import random
 import pytest
 
 from strata_jax.api import SamplingParams
-from strata_jax.engine.sinks import CollectingSink
-from strata_jax.engine.requests import TrackedRequest
 from strata_jax.engine.core import EngineCore
 from strata_jax.engine.executor import StepOutput
+from strata_jax.engine.requests import TrackedRequest
+from strata_jax.engine.sinks import CollectingSink
 
 
 class _Recording:
@@ -64,10 +64,18 @@ def test_sim_executor_reproduces_the_engines_decisions():
     # The serial loop on both sides: a pipelined real engine learns a step's time only when it
     # had to wait for it, which depends on the machine; the decisions would too.
     engine = Engine(
-        EngineConfig(model="tiny", warmup=False, show_progress=False, page_size=16, device_tokens=4096,
-                     max_batch_tokens=128, max_batch_size=8, pipeline=False),
+        EngineConfig(
+            model="tiny",
+            warmup=False,
+            show_progress=False,
+            page_size=16,
+            device_tokens=4096,
+            max_batch_tokens=128,
+            max_batch_size=8,
+            pipeline=False,
+        ),
         start=False,
-    )  # fmt: skip
+    )
     try:
         rec = _Recording(engine.executor)
         engine.core.executor = rec
@@ -100,16 +108,26 @@ def test_sim_executor_reproduces_the_engines_decisions():
     timer = SimTimer(clock, cost, "coalesced")
     ctl = CacheController(cache_config, None, clock=clock.now, timer=timer, page_bytes=4096)
     executor = SimExecutor(
-        clock, cost, timer, layerwise=True,
+        clock,
+        cost,
+        timer,
+        layerwise=True,
         token_for=lambda rid, i: outputs[rid][i],
         replay=StepTimes(rec.extend_s, rec.decode_s),
-    )  # fmt: skip
+    )
     core = EngineCore(
-        Scheduler(sched_config, CostModel(prior)), ctl, executor, eos_token_ids=eos, max_context_tokens=max_ctx, pipeline=False
+        Scheduler(sched_config, CostModel(prior)),
+        ctl,
+        executor,
+        eos_token_ids=eos,
+        max_context_tokens=max_ctx,
+        pipeline=False,
     )
     core.plan_log = []
     for rid, prompt, n in work:
-        core.admit(TrackedRequest(rid, prompt, "", SamplingParams(max_tokens=n, ignore_eos=True), CollectingSink(), None, 0.0))
+        core.admit(
+            TrackedRequest(rid, prompt, "", SamplingParams(max_tokens=n, ignore_eos=True), CollectingSink(), None, 0.0)
+        )
     while core.scheduler.has_work() or core.has_pending_step():
         core.step()
     assert core.plan_log == real_plans

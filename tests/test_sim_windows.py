@@ -72,7 +72,18 @@ def test_window_loads_move_fewer_bytes_only_when_asked():
 def test_simulate_cli_loads_option(capsys):
     from strata_jax.cli import main
 
-    base = ["simulate", "--workload", "sharegpt", "--systems", "strata", "--rates", "2", "--num-requests", "20", "--no-progress"]
+    base = [
+        "simulate",
+        "--workload",
+        "sharegpt",
+        "--systems",
+        "strata",
+        "--rates",
+        "2",
+        "--num-requests",
+        "20",
+        "--no-progress",
+    ]
     assert main([*base, "--model", "gemma-3-27b", "--loads", "full,window"]) == 0
     out = capsys.readouterr().out
     assert "strata[full]" in out and "strata[window]" in out
@@ -132,9 +143,15 @@ def test_full_loads_keep_the_full_width_capacity():
     spec, profile = load_model_spec("gemma-3-27b"), load_profile("h200")
     default = SimCostModel(profile, spec, 32)
     assert default.cached_share == 1.0
-    assert default.device_kv_tokens() == int((141e9 * 0.85 - spec.config.num_parameters * 2) // GEMMA_TOKEN_BYTES) == 129_613
+    assert (
+        default.device_kv_tokens()
+        == int((141e9 * 0.85 - spec.config.num_parameters * 2) // GEMMA_TOKEN_BYTES)
+        == 129_613
+    )
     assert default.host_kv_tokens() == int(1.0e12 // GEMMA_TOKEN_BYTES) == 1_968_876
-    assert SimCostModel(profile, spec, 32, window_loads=True).device_kv_tokens() == 129_613  # loads alone change no capacity
+    assert (
+        SimCostModel(profile, spec, 32, window_loads=True).device_kv_tokens() == 129_613
+    )  # loads alone change no capacity
 
 
 def test_cached_sequences_of_each_workload():

@@ -68,7 +68,9 @@ def test_reference_and_interpret_equal_the_windowed_brute_force(page_size, windo
     want = windowed_brute_force(*host, 0.25, _span(window), soft_cap)
     for blocks in (8, 256):  # several KV blocks per sequence (window starts mid-block), and one
         got = np.asarray(
-            ragged_paged_attention_reference(*args, sm_scale=0.25, soft_cap=soft_cap, sliding_window=window, kv_block_tokens=blocks)
+            ragged_paged_attention_reference(
+                *args, sm_scale=0.25, soft_cap=soft_cap, sliding_window=window, kv_block_tokens=blocks
+            )
         )
         assert not np.isnan(got).any(), blocks
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5, err_msg=f"reference, blocks of {blocks}")
@@ -98,9 +100,16 @@ def test_random_batches(seed, page_size, heads, batch, decode, window):
     q_lens = np.ones(batch, int) if decode else rng.integers(0, 11, size=batch)
     ctx_lens = rng.integers(0, 60, size=batch)
     args, host = make_batch(
-        rng, page_size=page_size, q_lens=q_lens, ctx_lens=ctx_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
-        head_dim=16, pad_tokens=0 if decode else int(rng.integers(0, 3)), dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=page_size,
+        q_lens=q_lens,
+        ctx_lens=ctx_lens,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=16,
+        pad_tokens=0 if decode else int(rng.integers(0, 3)),
+        dtype=jnp.float32,
+    )
     if args[0].shape[0] == 0:
         return
     args = _poison_outside_windows(args, host, window)
@@ -119,9 +128,16 @@ def test_window_as_a_traced_per_layer_value_under_scan(impl):
     each layer's K/V with that layer's window."""
     rng = np.random.default_rng(3)
     args, host = make_batch(
-        rng, page_size=4, q_lens=(6, 1, 9), ctx_lens=(20, 31, 0), num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=2, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=4,
+        q_lens=(6, 1, 9),
+        ctx_lens=(20, 31, 0),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=2,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     windows = jnp.asarray([5, 0, 12, -1], jnp.int32)
     scale = jnp.arange(1, 5, dtype=jnp.float32)[:, None, None, None, None, None]
@@ -129,8 +145,12 @@ def test_window_as_a_traced_per_layer_value_under_scan(impl):
 
     def attend(pool, layer, window):
         if impl == "reference":
-            return ragged_paged_attention_pool_reference(q, pool, layer, table, seq_lens, qs, sm_scale=0.25, sliding_window=window)
-        out = ragged_paged_attention_pool_pallas(q, pool, layer, table, seq_lens, qs, sm_scale=0.25, sliding_window=window, interpret=True)
+            return ragged_paged_attention_pool_reference(
+                q, pool, layer, table, seq_lens, qs, sm_scale=0.25, sliding_window=window
+            )
+        out = ragged_paged_attention_pool_pallas(
+            q, pool, layer, table, seq_lens, qs, sm_scale=0.25, sliding_window=window, interpret=True
+        )
         return out, pool
 
     @jax.jit
@@ -156,9 +176,16 @@ def test_reference_never_reads_blocks_older_than_the_window(decode):
     rng = np.random.default_rng(5)
     q_lens = (1, 1, 1) if decode else (3, 5, 1)
     args, host = make_batch(
-        rng, page_size=page_size, q_lens=q_lens, ctx_lens=(60, 23, 41), num_q_heads=4, num_kv_heads=2, head_dim=16,
-        pad_tokens=0, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=page_size,
+        q_lens=q_lens,
+        ctx_lens=(60, 23, 41),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=0,
+        dtype=jnp.float32,
+    )
     q, k, v, table, seq_lens, qs = args
     read: list[np.ndarray] = []
 
@@ -167,7 +194,16 @@ def test_reference_never_reads_blocks_older_than_the_window(decode):
         return src[0][pages], src[1][pages]
 
     out, _ = reference._ragged_attention_core(  # noqa: SLF001 - the block reader is the observable here
-        q, (k, v), read_block, k.shape, table, seq_lens, qs, sm_scale=0.25, sliding_window=window, kv_block_tokens=block_tokens
+        q,
+        (k, v),
+        read_block,
+        k.shape,
+        table,
+        seq_lens,
+        qs,
+        sm_scale=0.25,
+        sliding_window=window,
+        kv_block_tokens=block_tokens,
     )
     jax.block_until_ready(out)
     np.testing.assert_allclose(np.asarray(out), windowed_brute_force(*host, 0.25, window), atol=2e-5, rtol=2e-5)
@@ -186,11 +222,20 @@ def test_pallas_local_layer_cost_does_not_grow_with_context():
     layer's KV blocks (interpret mode executes every loop iteration, so time follows blocks)."""
     rng = np.random.default_rng(0)
     args, _ = make_batch(
-        rng, page_size=16, q_lens=(1,), ctx_lens=(16383,), num_q_heads=4, num_kv_heads=1, head_dim=16,
-        pad_tokens=0, dtype=jnp.float32,
-    )  # fmt: skip
+        rng,
+        page_size=16,
+        q_lens=(1,),
+        ctx_lens=(16383,),
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=16,
+        pad_tokens=0,
+        dtype=jnp.float32,
+    )
     run = jax.jit(
-        lambda w, *a: ragged_paged_attention_pallas(*a, sm_scale=0.25, sliding_window=w, max_q_len=1, interpret=True, block_kv=16)
+        lambda w, *a: ragged_paged_attention_pallas(
+            *a, sm_scale=0.25, sliding_window=w, max_q_len=1, interpret=True, block_kv=16
+        )
     )
 
     def seconds(window: int) -> float:
@@ -209,7 +254,15 @@ def test_pallas_local_layer_cost_does_not_grow_with_context():
 def test_bad_window_is_a_typed_error():
     rng = np.random.default_rng(1)
     args, _ = make_batch(
-        rng, page_size=4, q_lens=(2,), ctx_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=16, pad_tokens=0, dtype=jnp.float32
+        rng,
+        page_size=4,
+        q_lens=(2,),
+        ctx_lens=(3,),
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        pad_tokens=0,
+        dtype=jnp.float32,
     )
     with pytest.raises(AttentionShapeError, match="sliding_window"):
         ragged_paged_attention_pallas(*args, sm_scale=0.3, sliding_window=jnp.ones(2, jnp.int32), interpret=True)
@@ -230,9 +283,13 @@ def test_windowed_kernel_lowers_for_gpu_with_a_traced_window(platform, dtype):
 
     pool = jax.ShapeDtypeStruct((18, 2, 64, 16, 1, 256), dtype)
     args = (
-        jax.ShapeDtypeStruct((32, 4, 256), dtype), pool, jax.ShapeDtypeStruct((4, 16), jnp.int32),
-        jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
-    )  # fmt: skip
+        jax.ShapeDtypeStruct((32, 4, 256), dtype),
+        pool,
+        jax.ShapeDtypeStruct((4, 16), jnp.int32),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+        jax.ShapeDtypeStruct((5,), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
 
     def step(q, kv_pool, table, seq_lens, query_start, window):
         return ragged_paged_attention_pool_pallas(
@@ -255,14 +312,31 @@ def test_gemma_engine_step_is_one_program_for_local_and_global_layers(platform, 
 
     monkeypatch.setenv("STRATA_KERNEL_BACKEND", "pallas")
     config = ModelConfig(
-        model_type="gemma3_text", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4,
-        num_kv_heads=1, head_dim=32, qk_norm=True, tie_word_embeddings=True, layer_windows=(8, 8, 0, 8, 8, 0),
-        rope_local_theta=10000.0, rope_theta=1e6, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=32.0,
-    )  # fmt: skip
+        model_type="gemma3_text",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        layer_windows=(8, 8, 0, 8, 8, 0),
+        rope_local_theta=10000.0,
+        rope_theta=1e6,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=32.0,
+    )
     runner_config = RunnerConfig(
-        page_size=16, num_device_pages=33, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128,
-        kv_dtype="bfloat16", kv_layer_groups=groups,
-    )  # fmt: skip
+        page_size=16,
+        num_device_pages=33,
+        max_batch_tokens=32,
+        max_batch_size=2,
+        max_context_tokens=128,
+        kv_dtype="bfloat16",
+        kv_layer_groups=groups,
+    )
     pool = None
     if groups:
         from pallas_kernels.layout import KVLayout
@@ -286,13 +360,22 @@ def test_compiled_windowed_kernel_equals_reference(dtype, window):
     """On a GPU (``STRATA_TEST_GPU=1``): the compiled kernel with windows == the reference, Gemma 3 shapes."""
     rng = np.random.default_rng(window or 0)
     args, host = make_batch(
-        rng, page_size=16, q_lens=(37, 1, 5, 1), ctx_lens=(600, 900, 0, 40), num_q_heads=4, num_kv_heads=1,
-        head_dim=256, pad_tokens=3, dtype=dtype,
-    )  # fmt: skip
+        rng,
+        page_size=16,
+        q_lens=(37, 1, 5, 1),
+        ctx_lens=(600, 900, 0, 40),
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=256,
+        pad_tokens=3,
+        dtype=dtype,
+    )
     args = _poison_outside_windows(args, host, window)
     with jax.default_matmul_precision("highest"):
         want = np.asarray(ragged_paged_attention_reference(*args, sm_scale=0.0625, sliding_window=window), np.float32)
-    got = np.asarray(jax.jit(lambda *a: ragged_paged_attention_pallas(*a, sm_scale=0.0625, sliding_window=window))(*args), np.float32)
+    got = np.asarray(
+        jax.jit(lambda *a: ragged_paged_attention_pallas(*a, sm_scale=0.0625, sliding_window=window))(*args), np.float32
+    )
     assert not np.isnan(got).any()
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == jnp.bfloat16 else dict(atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(got, want, **tol)

@@ -25,7 +25,9 @@ CI_RSS_GROWTH = 0.5  # the 5-minute form's RSS bound: a gross leak only (see the
 
 
 def test_soak_script_parses_and_has_its_flags():
-    proc = subprocess.run([sys.executable, str(SOAK), "--help"], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(SOAK), "--help"], capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     for flag in ("--minutes", "--json", "--port", "--seed", "--keep-dir"):
         assert flag in proc.stdout
@@ -57,9 +59,24 @@ def test_soak_five_minutes(tmp_path):
         pytest.importorskip(module)
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, str(SOAK), "--minutes", str(MINUTES), "--json", str(out), "--seed", "1", "--rss-tolerance", str(CI_RSS_GROWTH)],
-        cwd=ROOT, capture_output=True, text=True, timeout=MINUTES * 60 + 1500, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(SOAK),
+            "--minutes",
+            str(MINUTES),
+            "--json",
+            str(out),
+            "--seed",
+            "1",
+            "--rss-tolerance",
+            str(CI_RSS_GROWTH),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=MINUTES * 60 + 1500,
+        check=False,
+    )
     (tmp_path / "soak.stdout").write_text(proc.stdout)
     tail = (proc.stdout[-6000:] + "\n" + proc.stderr[-3000:]).strip()
     assert out.is_file(), tail

@@ -27,9 +27,15 @@ def _prompt(seed: int, n: int) -> list[int]:
 def engine():
     eng = Engine(
         EngineConfig(
-            model="tiny", warmup=False, show_progress=False, tiers="L1+L2", page_size=16, device_tokens=4096,
-            max_batch_tokens=128, max_batch_size=4,
-        ),  # fmt: skip
+            model="tiny",
+            warmup=False,
+            show_progress=False,
+            tiers="L1+L2",
+            page_size=16,
+            device_tokens=4096,
+            max_batch_tokens=128,
+            max_batch_size=4,
+        ),
         start=True,
     )
     yield eng

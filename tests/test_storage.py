@@ -1,5 +1,3 @@
-
-
 def test_l3_objects_are_keyed_by_the_model_dtype_and_layout(tmp_path):
     """Another model of the same shape (other weights), or the same one with another KV
     dtype, over the same L3 directory: a miss, the tokens of a cold run; the same model
@@ -13,10 +11,20 @@ def test_l3_objects_are_keyed_by_the_model_dtype_and_layout(tmp_path):
     params = SamplingParams(max_tokens=6)
 
     def run(**overrides):
-        engine = Engine(EngineConfig(
-            model="tiny", warmup=False, show_progress=False, tiers="L1+L2+L3", storage_dir=str(tmp_path / "l3"),
-            device_tokens=2048, max_context_tokens=512, prefetch_min_tokens=0, prefetch_policy="wait_complete", **overrides,
-        ))  # fmt: skip
+        engine = Engine(
+            EngineConfig(
+                model="tiny",
+                warmup=False,
+                show_progress=False,
+                tiers="L1+L2+L3",
+                storage_dir=str(tmp_path / "l3"),
+                device_tokens=2048,
+                max_context_tokens=512,
+                prefetch_min_tokens=0,
+                prefetch_policy="wait_complete",
+                **overrides,
+            )
+        )
         try:
             out = engine.generate([prompt], params)[0]
             return out, engine.ctl.tree.kv_identity
@@ -44,4 +52,9 @@ def test_kv_identity_tells_apart_weights_of_the_same_shape():
     a = kv_identity(random_model(cfg, seed=0), cfg, "float32", layout)
     assert a == kv_identity(random_model(cfg, seed=0), cfg, "float32", layout)  # deterministic
     assert a != kv_identity(random_model(cfg, seed=1), cfg, "float32", layout)  # a fine-tune of the same shape
-    assert a != kv_identity(random_model(cfg, seed=0), cfg, "float32", KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, jnp.bfloat16))
+    assert a != kv_identity(
+        random_model(cfg, seed=0),
+        cfg,
+        "float32",
+        KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, jnp.bfloat16),
+    )

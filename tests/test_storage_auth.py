@@ -286,10 +286,19 @@ def test_engine_ignores_objects_forged_with_another_secret(tmp_path: Path, monke
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
 
     def run() -> tuple[object, dict]:
-        engine = Engine(EngineConfig(
-            model="tiny", warmup=False, show_progress=False, tiers="L1+L2+L3", storage_dir=str(tmp_path / "l3"),
-            device_tokens=2048, max_context_tokens=512, prefetch_min_tokens=0, prefetch_policy="wait_complete",
-        ))  # fmt: skip
+        engine = Engine(
+            EngineConfig(
+                model="tiny",
+                warmup=False,
+                show_progress=False,
+                tiers="L1+L2+L3",
+                storage_dir=str(tmp_path / "l3"),
+                device_tokens=2048,
+                max_context_tokens=512,
+                prefetch_min_tokens=0,
+                prefetch_policy="wait_complete",
+            )
+        )
         try:
             out = engine.generate([prompt], greedy)[0]
             return out, engine.cache_stats()["storage"]
@@ -320,4 +329,3 @@ def test_helpers_agree_with_the_module(tmp_path: Path) -> None:
     assert decode_object(KEYS[0], v2_blob(A, KEYS[0], PAYLOADS[0]), A) == PAYLOADS[0]
     assert decode_object(KEYS[0], v2_blob(B, KEYS[0], PAYLOADS[0]), A) is None
     assert decode_object(KEYS[0], v2_blob(A, KEYS[0], PAYLOADS[0])) is None
-

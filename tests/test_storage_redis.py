@@ -86,11 +86,23 @@ def test_two_engines_share_l3_and_give_identical_tokens(server, tmp_path):
     from strata_jax.engine import Engine, EngineConfig
 
     def engine() -> Engine:
-        return Engine(EngineConfig(
-            model="tiny", warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16, device_tokens=2048,
-            max_batch_tokens=64, max_batch_size=4, max_context_tokens=512, prefetch_policy="wait_complete",
-            prefetch_min_tokens=0, storage_backend="redis", storage_url=server.url,
-        ))  # fmt: skip
+        return Engine(
+            EngineConfig(
+                model="tiny",
+                warmup=False,
+                show_progress=False,
+                tiers="L1+L2+L3",
+                page_size=16,
+                device_tokens=2048,
+                max_batch_tokens=64,
+                max_batch_size=4,
+                max_context_tokens=512,
+                prefetch_policy="wait_complete",
+                prefetch_min_tokens=0,
+                storage_backend="redis",
+                storage_url=server.url,
+            )
+        )
 
     prompt = np.random.default_rng(3).integers(0, 256, size=200).tolist()
     first = engine()
@@ -111,11 +123,23 @@ def test_two_engines_share_l3_and_give_identical_tokens(server, tmp_path):
 def test_server_going_away_is_served_as_misses(server, tmp_path, caplog):
     from strata_jax.engine import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(
-        model="tiny", warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16, device_tokens=2048,
-        max_batch_tokens=64, max_batch_size=4, max_context_tokens=512, prefetch_policy="wait_complete",
-        prefetch_min_tokens=0, storage_backend="redis", storage_url=server.url,
-    ))  # fmt: skip
+    engine = Engine(
+        EngineConfig(
+            model="tiny",
+            warmup=False,
+            show_progress=False,
+            tiers="L1+L2+L3",
+            page_size=16,
+            device_tokens=2048,
+            max_batch_tokens=64,
+            max_batch_size=4,
+            max_context_tokens=512,
+            prefetch_policy="wait_complete",
+            prefetch_min_tokens=0,
+            storage_backend="redis",
+            storage_url=server.url,
+        )
+    )
     try:
         prompt = np.random.default_rng(4).integers(0, 256, size=120).tolist()
         cold = engine.generate([prompt], GREEDY)[0]

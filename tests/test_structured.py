@@ -66,10 +66,17 @@ def engines():
 
     made = {}
     for pipeline in (False, True):
-        made[pipeline] = Engine(EngineConfig(
-            model="tiny", warmup=False, show_progress=False, max_batch_size=8, device_tokens=8192, max_context_tokens=512,
-            pipeline=pipeline,
-        ))  # fmt: skip
+        made[pipeline] = Engine(
+            EngineConfig(
+                model="tiny",
+                warmup=False,
+                show_progress=False,
+                max_batch_size=8,
+                device_tokens=8192,
+                max_context_tokens=512,
+                pipeline=pipeline,
+            )
+        )
     yield made
     for e in made.values():
         e.shutdown()
@@ -79,13 +86,24 @@ def test_every_kind_of_constraint_holds_and_both_loops_agree(engines):
     cases = [
         (StructuredOutput.json_schema(SCHEMA), lambda t: jsonschema.validate(json.loads(t), SCHEMA)),
         (StructuredOutput("json_object"), lambda t: isinstance(json.loads(t), dict) or pytest.fail(t)),
-        (StructuredOutput("regex", r"[0-9]{2,4}-[a-f]{1,6}"), lambda t: re.fullmatch(r"[0-9]{2,4}-[a-f]{1,6}", t) or pytest.fail(t)),
-        (StructuredOutput("choice", ("north", "south", "east")), lambda t: t in ("north", "south", "east") or pytest.fail(t)),
-        (StructuredOutput("grammar", 'start: "(" num ("," num)? ("," num)? ")"\nnum: /[0-9]/'), lambda t: re.fullmatch(r"\([0-9](,[0-9]){0,2}\)", t) or pytest.fail(t)),
+        (
+            StructuredOutput("regex", r"[0-9]{2,4}-[a-f]{1,6}"),
+            lambda t: re.fullmatch(r"[0-9]{2,4}-[a-f]{1,6}", t) or pytest.fail(t),
+        ),
+        (
+            StructuredOutput("choice", ("north", "south", "east")),
+            lambda t: t in ("north", "south", "east") or pytest.fail(t),
+        ),
+        (
+            StructuredOutput("grammar", 'start: "(" num ("," num)? ("," num)? ")"\nnum: /[0-9]/'),
+            lambda t: re.fullmatch(r"\([0-9](,[0-9]){0,2}\)", t) or pytest.fail(t),
+        ),
     ]
     # (a random model would fill an unbounded repetition until max_tokens: the constraints are bounded)
     prompts = [f"question {i}: " for i in range(len(cases))]
-    sampled = [SamplingParams(max_tokens=200, temperature=1.0, seed=i, structured=spec) for i, (spec, _) in enumerate(cases)]
+    sampled = [
+        SamplingParams(max_tokens=200, temperature=1.0, seed=i, structured=spec) for i, (spec, _) in enumerate(cases)
+    ]
     greedy = [SamplingParams(max_tokens=200, structured=spec) for spec, _ in cases]
     results = {}
     for pipeline, engine in engines.items():
@@ -102,7 +120,10 @@ def test_constrained_and_free_requests_share_batches(engines):
     engine = engines[True]
     free = SamplingParams(max_tokens=24, ignore_eos=True)
     alone = engine.generate(["free text"], free)[0].token_ids
-    outs = engine.generate(["free text", "digits: ", "free text"], [free, SamplingParams(max_tokens=30, structured=StructuredOutput("regex", "[0-9]{5}")), free])
+    outs = engine.generate(
+        ["free text", "digits: ", "free text"],
+        [free, SamplingParams(max_tokens=30, structured=StructuredOutput("regex", "[0-9]{5}")), free],
+    )
     assert outs[0].token_ids == outs[2].token_ids == alone  # a neighbour's mask never touches a free row
     assert re.fullmatch("[0-9]{5}", outs[1].text)
 
@@ -110,7 +131,9 @@ def test_constrained_and_free_requests_share_batches(engines):
 def test_n_choices_and_an_abort_keep_their_own_grammar(engines):
     engine = engines[True]
     spec = StructuredOutput("regex", "(yes|no|maybe) [a-z]{3}")
-    outs = engine.generate_choices("answer: ", SamplingParams(max_tokens=20, temperature=1.0, seed=3, structured=spec), 3)
+    outs = engine.generate_choices(
+        "answer: ", SamplingParams(max_tokens=20, temperature=1.0, seed=3, structured=spec), 3
+    )
     assert all(re.fullmatch("(yes|no|maybe) [a-z]{3}", o.text) for o in outs), [o.text for o in outs]
     rid = engine.submit("long: ", SamplingParams(max_tokens=300, structured=StructuredOutput("regex", "[a-z]{200}")))
     assert engine.abort(rid).result(timeout=60) is True  # queued behind its admission: it was live
@@ -124,11 +147,19 @@ def test_json_closes_within_its_budget(engines):
     from strata_jax.structured.matcher import CLOSING_WINDOW, json_scan
 
     engine = engines[True]
-    schema = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "object", "properties": {"t": {"type": "string"}}}}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "notes": {"type": "array", "items": {"type": "object", "properties": {"t": {"type": "string"}}}}
+        },
+    }
     loop = {ord("a"): 100.0, ord('"'): 50.0}  # opens a string, then writes "aaa..." for ever: never closes by itself
     for spec in (StructuredOutput("json_object"), StructuredOutput.json_schema(schema)):
         for max_tokens in (CLOSING_WINDOW + 5, 3 * CLOSING_WINDOW):
-            params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, logit_bias=loop, structured=spec) for i in range(4)]
+            params = [
+                SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, logit_bias=loop, structured=spec)
+                for i in range(4)
+            ]
             outs = engine.generate([f"w{i}: " for i in range(4)], params)
             for out in outs:
                 assert out.finish_reason == "stop" and len(out.token_ids) <= max_tokens, (out.finish_reason, out.text)

@@ -15,15 +15,42 @@ from serving import tool_calls as tc
 from strata_jax.api import InvalidRequestError
 from strata_jax.chat_template import load_chat_templates
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now.", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"], "additionalProperties": False}}}  # fmt: skip
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"], "additionalProperties": False}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"enum": ["UTC", "CET"]}},
+            "required": ["tz"],
+            "additionalProperties": False,
+        },
+    },
+}
 HISTORY = [
     {"role": "user", "content": "Weather in Oslo?"},
-    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "c1", "content": "snow, -3"},
-]  # fmt: skip
+]
 
 
 def _req(**fields) -> oai.ChatCompletionRequest:
@@ -36,7 +63,11 @@ def _req(**fields) -> oai.ChatCompletionRequest:
     [
         ([{"type": "function", "function": {"description": "no name"}}], None, r"tools\[0\].function.name"),
         ([{"type": "function", "function": {"name": "bad name!"}}], None, r"tools\[0\].function.name"),
-        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "objectt"}}}], None, r"tools\[0\].function.parameters"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectt"}}}],
+            None,
+            r"tools\[0\].function.parameters",
+        ),
         ([WEATHER, WEATHER], None, "declared twice"),
         ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "not among the tools"),
         ([WEATHER], "sometimes", "tool_choice must be"),
@@ -48,7 +79,10 @@ def test_bad_tools_are_clear_errors(tools, choice, message):
         def handles_tools(self, name=None):
             return False
 
-    req = oai.ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": choice}, strict=True)
+    req = oai.ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": choice},
+        strict=True,
+    )
     with pytest.raises(InvalidRequestError, match=message):
         tc.plan(req, Tok())
 
@@ -72,7 +106,9 @@ AWARE = (  # renders tools, calls and results itself (the Qwen/Hermes convention
     "{% for m in messages %}[{{ m.role }}]{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}"
     "{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
 )
-PLAIN = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"  # knows no tools (SmolLM2's kind)
+PLAIN = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"  # knows no tools (SmolLM2's kind)
+)
 STRICT = "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('roles must be user or assistant') }}{% endif %}{{ m.content }}{% endfor %}"
 
 
@@ -80,7 +116,11 @@ def test_a_template_that_renders_tools_gets_them_and_the_history(tmp_path):
     tok = _Tokenizer(AWARE, tmp_path)
     plan = tc.plan(_req(tool_choice="auto"), tok)
     text = tok.render(plan)
-    assert text.startswith("TOOLS:get_weather;get_time;") and 'CALL get_weather {"city": "Oslo"}' in text and "[tool]snow, -3" in text
+    assert (
+        text.startswith("TOOLS:get_weather;get_time;")
+        and 'CALL get_weather {"city": "Oslo"}' in text
+        and "[tool]snow, -3" in text
+    )
     assert plan.constraint is None and plan.fmt is tc.FORMATS["hermes"]
 
 
@@ -89,7 +129,10 @@ def test_a_template_that_does_not_gets_them_in_the_parsers_format(tmp_path):
     plan = tc.plan(_req(tool_choice="required"), tok)
     text = tok.render(plan)
     assert text.startswith("<system>") and '"name": "get_weather"' in text.split("</system>")[0]
-    assert '<assistant><tool_call>\n{"name": "get_weather", "arguments": {"city":"Oslo"}}\n</tool_call></assistant>' in text
+    assert (
+        '<assistant><tool_call>\n{"name": "get_weather", "arguments": {"city":"Oslo"}}\n</tool_call></assistant>'
+        in text
+    )
     assert "<tool><tool_response>\nsnow, -3\n</tool_response></tool>" in text
     assert plan.constraint is not None and plan.constraint.closes_json
     none = tc.plan(_req(tool_choice="none"), tok)
@@ -139,7 +182,13 @@ class _Bytes:
 @pytest.mark.parametrize("step", [1, 2, 5, 1000])
 def test_streaming_splits_text_and_calls_wherever_the_chunks_break(step):
     fmt = tc.FORMATS["hermes"]
-    text = "Let me check.<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}) + "\n</tool_call>\n" + fmt.render_call("get_time", {"tz": "UTC"}) + " Done <tool"
+    text = (
+        "Let me check.<tool_call>\n"
+        + json.dumps({"name": "get_weather", "arguments": {"city": "a</tool_call>b"}})
+        + "\n</tool_call>\n"
+        + fmt.render_call("get_time", {"tz": "UTC"})
+        + " Done <tool"
+    )
     stream = tc.CallStream(fmt)
     content, calls = "", []
     for k in range(0, len(text), step):
@@ -156,22 +205,42 @@ def test_tools_over_http_on_the_tiny_model():
     from serving.server import ThreadedServer
     from strata_jax.engine import Engine, EngineConfig
 
-    config = EngineConfig(model="tiny", warmup=False, show_progress=False, max_batch_size=4, device_tokens=8192, max_context_tokens=2048)
-    srv = ThreadedServer(ServerConfig(port=0, grpc_port=0, enable_grpc=False, grace_s=2.0), lambda: Engine(config)).start()
+    config = EngineConfig(
+        model="tiny", warmup=False, show_progress=False, max_batch_size=4, device_tokens=8192, max_context_tokens=2048
+    )
+    srv = ThreadedServer(
+        ServerConfig(port=0, grpc_port=0, enable_grpc=False, grace_s=2.0), lambda: Engine(config)
+    ).start()
     try:
         url = f"http://127.0.0.1:{srv.server.http_port}/v1/chat/completions"
         base = {"model": "tiny", "max_tokens": 160, "temperature": 0, "tools": [WEATHER, TIME], "messages": HISTORY[:1]}
-        r = httpx.post(url, json={**base, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, timeout=120).json()
+        r = httpx.post(
+            url, json={**base, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, timeout=120
+        ).json()
         (call,) = r["choices"][0]["message"]["tool_calls"]
-        assert r["choices"][0]["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_time" and call["id"].startswith("call_")
+        assert (
+            r["choices"][0]["finish_reason"] == "tool_calls"
+            and call["function"]["name"] == "get_time"
+            and call["id"].startswith("call_")
+        )
         jsonschema.validate(json.loads(call["function"]["arguments"]), TIME["function"]["parameters"])
         # the next turn resends the history with the call and its result: its prefix comes from the cache
-        follow = [*HISTORY[:1], {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": call["id"], "content": "10:42"}]
-        again = httpx.post(url, json={**base, "messages": follow, "tool_choice": "auto", "max_tokens": 4}, timeout=120).json()
+        follow = [
+            *HISTORY[:1],
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "10:42"},
+        ]
+        again = httpx.post(
+            url, json={**base, "messages": follow, "tool_choice": "auto", "max_tokens": 4}, timeout=120
+        ).json()
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        bad = httpx.post(url, json={**base, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, timeout=60)
+        bad = httpx.post(
+            url, json={**base, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, timeout=60
+        )
         assert bad.status_code == 400 and "nope" in bad.json()["error"]["message"]
-        both = httpx.post(url, json={**base, "tool_choice": "required", "response_format": {"type": "json_object"}}, timeout=60)
+        both = httpx.post(
+            url, json={**base, "tool_choice": "required", "response_format": {"type": "json_object"}}, timeout=60
+        )
         assert both.status_code == 400 and "cannot be combined" in both.json()["error"]["message"]
     finally:
         srv.stop(30.0)

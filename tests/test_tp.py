@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from strata_jax.api import InvalidRequestError, SamplingParams
 from strata_jax.engine import Engine, EngineConfig
-from strata_jax.models.config import ModelConfig
 from strata_jax.models.checkpoint import save_checkpoint
+from strata_jax.models.config import ModelConfig
 from strata_jax.models.weights import random_model
 from strata_jax.runtime import sharding
 
@@ -21,10 +21,18 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # 8 heads / 4 KV heads: tp 1, 2 and 4 all divide it.  qkv bias and an untied head
 # exercise every rule (the tiny default has 2 KV heads and tied embeddings).
 TP_CONFIG = ModelConfig(
-    model_type="qwen2", vocab_size=258, hidden_size=128, intermediate_size=256, num_layers=2,
-    num_heads=8, num_kv_heads=4, head_dim=16, attention_bias=True, tie_word_embeddings=False,
+    model_type="qwen2",
+    vocab_size=258,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=16,
+    attention_bias=True,
+    tie_word_embeddings=False,
     max_position_embeddings=2048,
-)  # fmt: skip
+)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (XLA_FLAGS host device count)")
 
@@ -57,7 +65,14 @@ def test_bad_tp_values_are_clear_errors():
     with pytest.raises(InvalidRequestError, match="EngineConfig.tp must be a positive integer"):
         EngineConfig(tp=0)
     tiny_like = ModelConfig(
-        model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=16
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=1,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=16,
     )
     with pytest.raises(InvalidRequestError, match="tp=2 does not divide the model's 9 attention heads"):
         sharding.check_model(tiny_like, 2)
@@ -76,11 +91,20 @@ def tp_model_dir(tmp_path_factory):
 def _tokens_from_every_tier(model: str, tp: int, storage_dir: str, prompt: list[int]) -> dict[str, list[int]]:
     engine = Engine(
         EngineConfig(
-            model=model, tp=tp, warmup=False, show_progress=False, tiers="L1+L2+L3", page_size=16, device_tokens=1024,
-            max_batch_tokens=128, max_batch_size=2, prefetch_policy="wait_complete", prefetch_min_tokens=0,
+            model=model,
+            tp=tp,
+            warmup=False,
+            show_progress=False,
+            tiers="L1+L2+L3",
+            page_size=16,
+            device_tokens=1024,
+            max_batch_tokens=128,
+            max_batch_size=2,
+            prefetch_policy="wait_complete",
+            prefetch_min_tokens=0,
             storage_dir=storage_dir,
         )
-    )  # fmt: skip
+    )
     try:
         if tp > 1:
             assert engine.runner.pool.kv.sharding.spec[4] == "tp"
@@ -140,11 +164,25 @@ def test_sharded_step_lowers_for_gpu(platform, monkeypatch):
 
     monkeypatch.setenv("STRATA_KERNEL_BACKEND", "pallas")
     config = ModelConfig(
-        model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
     )
     runner = ModelRunner(
         random_model(config),
-        RunnerConfig(page_size=16, num_device_pages=97, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128, kv_dtype="bfloat16"),
+        RunnerConfig(
+            page_size=16,
+            num_device_pages=97,
+            max_batch_tokens=32,
+            max_batch_size=2,
+            max_context_tokens=128,
+            kv_dtype="bfloat16",
+        ),
         mesh=sharding.make_mesh(2),
     )
     args = runner.program_arguments(5, 1, decode=False)

@@ -113,8 +113,13 @@ class WindowTreeMachine(base.TreeMachine):
         return device * self.ps, extra * self.ps, trans, owners
 
     # -------------------------------------------------------------- rules
-    @rule(ns=st.sampled_from(base.NAMESPACES), pick=PICKS, tail=st.lists(st.integers(0, 2), max_size=6),
-          requester=st.sampled_from([None, *base.OWNERS]), touch=st.booleans())  # fmt: skip
+    @rule(
+        ns=st.sampled_from(base.NAMESPACES),
+        pick=PICKS,
+        tail=st.lists(st.integers(0, 2), max_size=6),
+        requester=st.sampled_from([None, *base.OWNERS]),
+        touch=st.booleans(),
+    )
     def match(self, ns: str, pick: tuple[str, int, int], tail: list[int], requester, touch: bool) -> None:  # type: ignore[override]
         ns, seq = self._pick(ns, pick, tail)
         want = self._expected_window_match(ns, seq, requester)
@@ -129,7 +134,9 @@ class WindowTreeMachine(base.TreeMachine):
         path_ids = [export_ids(self.tree)[ns][pre] for pre in self._prefixes(seq)[:end_pages]]
         window = range(end_pages - min(w, end_pages), end_pages)
         d = m.device_tokens // self.ps
-        assert all((path_ids[i][0] in self.local.device) if i < d else (path_ids[i][1] in self.local.host) for i in window)
+        assert all(
+            (path_ids[i][0] in self.local.device) if i < d else (path_ids[i][1] in self.local.host) for i in window
+        )
         # the match's handle ends exactly at its data
         node, tokens = m.last_node, 0
         while node.parent is not None:
@@ -163,8 +170,7 @@ class WindowTreeMachine(base.TreeMachine):
                 if page is not None:
                     (tier.add if kept else tier.discard)(page)
 
-    @rule(ns=st.sampled_from(base.NAMESPACES), pick=PICKS, index=st.integers(0, 30),
-          on_host=st.booleans())  # fmt: skip
+    @rule(ns=st.sampled_from(base.NAMESPACES), pick=PICKS, index=st.integers(0, 30), on_host=st.booleans())
     def toggle_one_page(self, ns: str, pick: tuple[str, int, int], index: int, on_host: bool) -> None:
         ns, seq = self._pick(ns, pick, [])
         ids = export_ids(self.tree).get(ns, {})

@@ -52,9 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soft-cap", type=float, default=None, help="logit soft-cap (default: none)")
     parser.add_argument("--repeats", type=int, default=10, help="timed repeats (median kept; default: 10)")
     parser.add_argument(
-        "--kernel", choices=["pallas", "interpret"], default=None,
+        "--kernel",
+        choices=["pallas", "interpret"],
+        default=None,
         help="kernel implementation (default: pallas on CUDA/ROCm, interpret elsewhere)",
-    )  # fmt: skip
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
 
@@ -91,7 +93,9 @@ def _make_batch(rng, shape: dict, page_size: int, q_lens, ctx_lens):
     k = jnp.asarray(rng.standard_normal(kv_shape, dtype=np.float32), dtype)
     v = jnp.asarray(rng.standard_normal(kv_shape, dtype=np.float32), dtype)
     query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = jnp.asarray(rng.standard_normal((int(query_start[-1]), shape["q_heads"], shape["head_dim"]), dtype=np.float32), dtype)
+    q = jnp.asarray(
+        rng.standard_normal((int(query_start[-1]), shape["q_heads"], shape["head_dim"]), dtype=np.float32), dtype
+    )
     return (q, k, v, jnp.asarray(table), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(query_start))
 
 
@@ -115,7 +119,11 @@ def _scenario(batch_args, shape, args, kernel_name, max_q_len) -> dict:
     scale = shape["head_dim"] ** -0.5
     kernel = jax.jit(
         functools.partial(
-            dispatch.ragged_paged_attention, sm_scale=scale, soft_cap=args.soft_cap, max_q_len=max_q_len, backend=kernel_name
+            dispatch.ragged_paged_attention,
+            sm_scale=scale,
+            soft_cap=args.soft_cap,
+            max_q_len=max_q_len,
+            backend=kernel_name,
         )
     )
     reference = jax.jit(

@@ -39,9 +39,12 @@ def run(args: argparse.Namespace) -> int:
     tmp = tempfile.mkdtemp(prefix="strata-events-bench-")
     endpoint = f"ipc://{tmp}/events"
     common = dict(
-        model=args.model, show_progress=False, max_batch_size=args.batch, tiers="L1+L2",
+        model=args.model,
+        show_progress=False,
+        max_batch_size=args.batch,
+        tiers="L1+L2",
         device_tokens=max(4096, 2 * args.batch * (args.prompt_tokens + args.tokens)),
-    )  # fmt: skip
+    )
     engines = {"off": Engine(EngineConfig(**common)), "on": Engine(EngineConfig(**common, kv_events_endpoint=endpoint))}
     received = [0]
     stop = threading.Event()
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
                 return fn(*a, **k)
             finally:
                 spent[0] += time.perf_counter() - t0
+
         return wrapper
 
     engines["on"].ctl.tree.tier_observer = timed(recorder.observe)
@@ -81,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
 
     def prompts(round_: int) -> list[list[int]]:
         r = np.random.default_rng(round_ + 1)  # (-1: the warm-up round)
-        return [shared + r.integers(3, vocab, size=args.prompt_tokens - len(shared)).tolist() for _ in range(args.batch)]
+        return [
+            shared + r.integers(3, vocab, size=args.prompt_tokens - len(shared)).tolist() for _ in range(args.batch)
+        ]
 
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     for engine in engines.values():
@@ -91,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     spent[0] = 0.0
     for i in range(args.repeats):
         row = {}
-        for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
+        for name in ("off", "on") if i % 2 == 0 else ("on", "off"):
             t0 = time.perf_counter()
             outs = engines[name].generate(prompts(i), params)
             wall = time.perf_counter() - t0
@@ -106,15 +112,23 @@ def run(args: argparse.Namespace) -> int:
         engine.shutdown()
     off = statistics.median(r["off"] for r in rows)
     on = statistics.median(r["on"] for r in rows)
-    print(f"{args.model}, batch {args.batch}, {args.prompt_tokens} prompt + {args.tokens} output tokens, {args.repeats} alternations")
+    print(
+        f"{args.model}, batch {args.batch}, {args.prompt_tokens} prompt + {args.tokens} output tokens, {args.repeats} alternations"
+    )
     for r in rows:
         print(f"  events off {r['off']:8.1f} tok/s   on {r['on']:8.1f} tok/s   ({r['on'] / r['off']:.3f}x)")
-    print(f"events on / off: {on / off:.3f}x (medians {on:.1f} / {off:.1f} tok/s); "
-          f"{stats['batches_total']} batches, {stats['events_total']} events published, {stats['dropped_events_total']} dropped, "
-          f"{received[0]} batches received")  # fmt: skip
+    print(
+        f"events on / off: {on / off:.3f}x (medians {on:.1f} / {off:.1f} tok/s); "
+        f"{stats['batches_total']} batches, {stats['events_total']} events published, {stats['dropped_events_total']} dropped, "
+        f"{received[0]} batches received"
+    )
     share = spent[0] / on_wall
-    print(f"engine thread in the events recorder: {1e3 * spent[0]:.1f} ms of {on_wall:.2f} s ({100 * share:.3f}% of the wall time); "
-          "off: no observer on the tree")  # fmt: skip
+    print(
+        f"engine thread in the events recorder: {1e3 * spent[0]:.1f} ms of {on_wall:.2f} s ({100 * share:.3f}% of the wall time); "
+        "off: no observer on the tree"
+    )
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "ratio": on / off, "kv_events": stats, "recorder_share": share}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps({"rows": rows, "ratio": on / off, "kv_events": stats, "recorder_share": share}, indent=2) + "\n"
+        )
     return 0

@@ -75,7 +75,9 @@ def transfer_lines(out: Path) -> list[str]:
     for size, row in report.get("page_sizes", {}).items():
         nbytes = row["bytes"]
         link = nbytes / (row["split_ms"]["transfer"] * 1e-3) / 1e9 if row["split_ms"]["transfer"] > 0 else float("inf")
-        parts = [f"staging {row['coalesced_gbps']:.2f}{_pct(row['coalesced_gbps'], peak)} [its device_put {link:.1f}{_pct(link, peak)}]"]
+        parts = [
+            f"staging {row['coalesced_gbps']:.2f}{_pct(row['coalesced_gbps'], peak)} [its device_put {link:.1f}{_pct(link, peak)}]"
+        ]
         if "pinned_pages_gbps" in row:
             t = row["pinned_split_ms"]["transfer"]
             plink = nbytes / (t * 1e-3) / 1e9 if t > 0 else float("inf")

@@ -40,26 +40,43 @@ WORKER = Path(__file__).resolve().parent / "host_worker.py"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--part", choices=("sim", "real", "both"), default="both", help="which measurement (default both)")
-    parser.add_argument("--batches", default="64,128,256", help="decode batch sizes, comma-separated (default 64,128,256)")
-    parser.add_argument("--sim-prompt-tokens", type=int, default=512, help="sim: prompt length per request (default 512)")
+    parser.add_argument(
+        "--part", choices=("sim", "real", "both"), default="both", help="which measurement (default both)"
+    )
+    parser.add_argument(
+        "--batches", default="64,128,256", help="decode batch sizes, comma-separated (default 64,128,256)"
+    )
+    parser.add_argument(
+        "--sim-prompt-tokens", type=int, default=512, help="sim: prompt length per request (default 512)"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=64, help="real: prompt length per request (default 64)")
     parser.add_argument("--output-tokens", type=int, default=64, help="output tokens per request (default 64)")
     parser.add_argument("--layers", type=int, default=1, help="real: layers of the random model (default 1)")
     parser.add_argument("--width", type=int, default=64, help="real: hidden size of the random model (default 64)")
-    parser.add_argument("--real-model", default=None, help="real: this model (HF folder or GGUF) instead of the random one")
     parser.add_argument(
-        "--pipeline", choices=("default", "on", "off"), default="default",
+        "--real-model", default=None, help="real: this model (HF folder or GGUF) instead of the random one"
+    )
+    parser.add_argument(
+        "--pipeline",
+        choices=("default", "on", "off"),
+        default="default",
         help="real: EngineConfig.pipeline for this checkout (default: the engine's default)",
-    )  # fmt: skip
-    parser.add_argument("--checkout", type=Path, default=None, help="also measure this checkout (PYTHONPATH), side by side")
-    parser.add_argument("--fit", type=Path, default=None, help="fit the simulator's host model to a mixed real run; write it here")
+    )
     parser.add_argument(
-        "--decode-model", default=None,
+        "--checkout", type=Path, default=None, help="also measure this checkout (PYTHONPATH), side by side"
+    )
+    parser.add_argument(
+        "--fit", type=Path, default=None, help="fit the simulator's host model to a mixed real run; write it here"
+    )
+    parser.add_argument(
+        "--decode-model",
+        default=None,
         help="also measure decode throughput of this model (a HF folder or GGUF, e.g. SmolLM2) at --decode-batch "
         "concurrent requests, as served (threaded engine), per tree",
-    )  # fmt: skip
-    parser.add_argument("--decode-batch", type=int, default=32, help="concurrent requests of the decode measurement (default 32)")
+    )
+    parser.add_argument(
+        "--decode-batch", type=int, default=32, help="concurrent requests of the decode measurement (default 32)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of the decode measurement per tree (default 3)")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
 
@@ -77,14 +94,36 @@ def _run_worker(checkout: Path, argv: list[str]) -> dict:
 
 
 def _sim(checkout: Path, args: argparse.Namespace) -> dict:
-    argv = ["--part", "sim", "--batches", args.batches, "--prompt-tokens", str(args.sim_prompt_tokens),
-            "--output-tokens", str(args.output_tokens)]  # fmt: skip
+    argv = [
+        "--part",
+        "sim",
+        "--batches",
+        args.batches,
+        "--prompt-tokens",
+        str(args.sim_prompt_tokens),
+        "--output-tokens",
+        str(args.output_tokens),
+    ]
     return _run_worker(checkout, argv)
 
 
-def _real(checkout: Path, args: argparse.Namespace, *, pipeline: str | None, mixed: bool = False, batches: str | None = None) -> dict:
-    argv = ["--part", "real", "--batches", batches or args.batches, "--prompt-tokens", str(args.prompt_tokens),
-            "--output-tokens", str(args.output_tokens), "--layers", str(args.layers), "--width", str(args.width)]  # fmt: skip
+def _real(
+    checkout: Path, args: argparse.Namespace, *, pipeline: str | None, mixed: bool = False, batches: str | None = None
+) -> dict:
+    argv = [
+        "--part",
+        "real",
+        "--batches",
+        batches or args.batches,
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--output-tokens",
+        str(args.output_tokens),
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+    ]
     if pipeline is not None:
         argv += ["--pipeline", pipeline]
     if mixed:
@@ -95,8 +134,20 @@ def _real(checkout: Path, args: argparse.Namespace, *, pipeline: str | None, mix
 
 
 def _decode(checkout: Path, args: argparse.Namespace, *, pipeline: str | None) -> dict:
-    argv = ["--part", "decode", "--batches", str(args.decode_batch), "--prompt-tokens", str(args.prompt_tokens),
-            "--output-tokens", str(args.output_tokens), "--model", str(args.decode_model), "--repeats", str(args.repeats)]  # fmt: skip
+    argv = [
+        "--part",
+        "decode",
+        "--batches",
+        str(args.decode_batch),
+        "--prompt-tokens",
+        str(args.prompt_tokens),
+        "--output-tokens",
+        str(args.output_tokens),
+        "--model",
+        str(args.decode_model),
+        "--repeats",
+        str(args.repeats),
+    ]
     if pipeline is not None:
         argv += ["--pipeline", pipeline]
     return _run_worker(checkout, argv)
@@ -129,7 +180,9 @@ def _print_sim(label: str, sim: dict) -> None:
 
 def _print_real(label: str, real: dict, model: str) -> None:
     print(f"\n(b) {label}: the real engine, {model} (host = step wall - time blocked on the device)")
-    print(f"{'batch':>6}{'steps':>7}{'host ms':>10}{'us/req':>8}{'wait ms':>9}{'idle dispatches (ms/step)':>27}  phases ms")
+    print(
+        f"{'batch':>6}{'steps':>7}{'host ms':>10}{'us/req':>8}{'wait ms':>9}{'idle dispatches (ms/step)':>27}  phases ms"
+    )
     for b, r in real.items():
         if b == "samples" or r["host_ms"] is None:
             continue
@@ -138,12 +191,16 @@ def _print_real(label: str, real: dict, model: str) -> None:
         else:
             idle = f"serial: all ({r['host_ms']:.2f})"
         phases = " ".join(f"{k} {v:.2f}" for k, v in sorted(r["phases_ms"].items()))
-        print(f"{b:>6}{r['steps']:>7}{r['host_ms']:>10.2f}{r['host_us_per_request']:>8.1f}{r['device_wait_ms']:>9.2f}{idle:>27}  {phases}")
+        print(
+            f"{b:>6}{r['steps']:>7}{r['host_ms']:>10.2f}{r['host_us_per_request']:>8.1f}{r['device_wait_ms']:>9.2f}{idle:>27}  {phases}"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     here = Path(__file__).resolve().parents[2]
-    trees = [("this tree", here)] + ([("checkout " + str(args.checkout), args.checkout.resolve())] if args.checkout else [])
+    trees = [("this tree", here)] + (
+        [("checkout " + str(args.checkout), args.checkout.resolve())] if args.checkout else []
+    )
     pipeline = None if args.pipeline == "default" else args.pipeline
     results: dict = {}
     for label, tree in trees:
@@ -156,12 +213,18 @@ def run(args: argparse.Namespace) -> int:
             _print_real(label, entry["real"], args.real_model or f"{args.layers}-layer {args.width}-wide random model")
         results[label] = entry
     if args.decode_model:  # alternating trees, repeats inside each: the machine's drift hits both
-        print(f"\n(c) decode throughput, {args.decode_model}, {args.decode_batch} requests at once, "
-              f"{args.prompt_tokens} prompt + {args.output_tokens} output tokens")  # fmt: skip
+        print(
+            f"\n(c) decode throughput, {args.decode_model}, {args.decode_batch} requests at once, "
+            f"{args.prompt_tokens} prompt + {args.output_tokens} output tokens"
+        )
         for label, tree in trees:
             d = _decode(tree, args, pipeline=pipeline if tree == here else None)
             results[label]["decode"] = d
-            idle = f", {d['device_idle_dispatches']}/{d['device_dispatches']} dispatches found the device idle" if "device_dispatches" in d else ""
+            idle = (
+                f", {d['device_idle_dispatches']}/{d['device_dispatches']} dispatches found the device idle"
+                if "device_dispatches" in d
+                else ""
+            )
             runs = ", ".join(f"{r['tok_per_s']:.1f}" for r in d["runs"])
             print(f"  {label}: {d['tok_per_s']:.1f} tok/s median of [{runs}]{idle}")
     mine = results["this tree"]
@@ -169,8 +232,10 @@ def run(args: argparse.Namespace) -> int:
         top = str(max(int(k) for k in mine["real"] if k != "samples"))
         sim_top = mine["sim"].get(top) or mine["sim"][str(max(int(k) for k in mine["sim"]))]
         host, device = mine["real"][top]["host_ms"], sim_top["device_ms"]
-        print(f"\nhost path of this engine at batch {top}: {host:.2f} ms = {host / device:.2f}x the simulated H200 "
-              f"device step of Llama-3.1-8B at that batch ({device:.2f} ms)")  # fmt: skip
+        print(
+            f"\nhost path of this engine at batch {top}: {host:.2f} ms = {host / device:.2f}x the simulated H200 "
+            f"device step of Llama-3.1-8B at that batch ({device:.2f} ms)"
+        )
         results["verdict"] = {"batch": top, "host_ms": host, "h200_device_ms": device, "ratio": host / device}
     if args.fit:
         mixed = _real(here, args, pipeline=pipeline, mixed=True, batches="1,4,16,64,256")

@@ -61,15 +61,21 @@ def run_sim(batches: list[int], prompt_tokens: int, output_tokens: int, profile:
     out: dict = {}
     for batch in batches:
         setup = SimSetup(model=load_model_spec(model), profile=load_profile(profile))
-        core, executor, _ = build_core(SYSTEMS["strata"], setup, token_for=lambda rid, i: 1 << 40 | i, next_arrival=lambda: None)
+        core, executor, _ = build_core(
+            SYSTEMS["strata"], setup, token_for=lambda rid, i: 1 << 40 | i, next_arrival=lambda: None
+        )
         core.plan_log = []
         for i in range(batch):
             prompt = [i * prompt_tokens + j + 1 for j in range(prompt_tokens)]  # no two prompts share a page
             tracked = TrackedRequest(
-                request_id=f"r{i}", prompt_ids=prompt, namespace="",
-                params=SamplingParams(max_tokens=output_tokens, ignore_eos=True), sink=_NullSink(),
-                detok=None, submitted_at=0.0,
-            )  # fmt: skip
+                request_id=f"r{i}",
+                prompt_ids=prompt,
+                namespace="",
+                params=SamplingParams(max_tokens=output_tokens, ignore_eos=True),
+                sink=_NullSink(),
+                detok=None,
+                submitted_at=0.0,
+            )
             _admit(core, tracked)
         host: list[float] = []
         device: list[float] = []
@@ -126,8 +132,14 @@ def _timed_phases(core, totals: dict[str, float]):
 
 
 def run_real(
-    batches: list[int], layers: int, width: int, prompt_tokens: int, output_tokens: int, pipeline: str | None,
-    mixed: bool = False, model: str | None = None,
+    batches: list[int],
+    layers: int,
+    width: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    pipeline: str | None,
+    mixed: bool = False,
+    model: str | None = None,
 ) -> dict:
     """(b) the real engine (JaxExecutor) on a small random model (or ``model``), one step at a time.
 
@@ -155,19 +167,29 @@ def run_real(
     model_runner._host_copy = timed_copy
     heads = max(1, width // 64)
     shape = {
-        "vocab_size": 512, "hidden_size": width, "intermediate_size": 2 * width,
-        "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": width // heads,
-    }  # fmt: skip
+        "vocab_size": 512,
+        "hidden_size": width,
+        "intermediate_size": 2 * width,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": width // heads,
+    }
     out: dict = {}
     samples: list[tuple[int, int, int, float]] = []  # (decode rows, prefill rows, prefill tokens, host s) of every step
     with tempfile.TemporaryDirectory() as tmp:
         folder = model or str(write_random_model(Path(tmp) / "m", layers, width=shape))
         top = max(batches)
         kwargs = dict(
-            model=folder, warmup=True, show_progress=False, max_batch_size=top, max_batch_tokens=4 * top * 8,
-            device_tokens=top * (prompt_tokens + output_tokens + 32) * 2, max_context_tokens=prompt_tokens + output_tokens + 16,
-            page_size=16, compilation_cache_dir=None,
-        )  # fmt: skip
+            model=folder,
+            warmup=True,
+            show_progress=False,
+            max_batch_size=top,
+            max_batch_tokens=4 * top * 8,
+            device_tokens=top * (prompt_tokens + output_tokens + 32) * 2,
+            max_context_tokens=prompt_tokens + output_tokens + 16,
+            page_size=16,
+            compilation_cache_dir=None,
+        )
         if pipeline is not None:
             kwargs["pipeline"] = pipeline == "on"
         import inspect
@@ -186,7 +208,7 @@ def run_real(
             if hasattr(engine, "core"):  # this tree: a public step drains the inbox itself
                 step, drain = engine.step, lambda: None
             else:  # the commit before: the engine was its core
-                step, drain = core.step, getattr(engine, "_drain_inbox")
+                step, drain = core.step, engine._drain_inbox
             drain()
             phases_per_step: list[dict[str, float]] = []
             host: list[float] = []
@@ -209,7 +231,14 @@ def run_real(
                 record = core.plan_log[-1] if core.plan_log else None
                 rows = _decode_rows(record) if record is not None else 0
                 if record is not None and (record.prefill or record.decode):
-                    samples.append((len(record.decode), len(record.prefill), sum(e - s for _, s, e in record.prefill), wall - waits[0]))
+                    samples.append(
+                        (
+                            len(record.decode),
+                            len(record.prefill),
+                            sum(e - s for _, s, e in record.prefill),
+                            wall - waits[0],
+                        )
+                    )
                 if rows == batch:
                     host.append(wall - waits[0])
                     wait.append(waits[0])
@@ -233,7 +262,9 @@ def run_real(
     return out
 
 
-def run_decode(model: str, batch: int, prompt_tokens: int, output_tokens: int, pipeline: str | None, repeats: int) -> dict:
+def run_decode(
+    model: str, batch: int, prompt_tokens: int, output_tokens: int, pipeline: str | None, repeats: int
+) -> dict:
     """Decode throughput of a real model at ``batch`` concurrent requests (the threaded engine, as served)."""
     import numpy as np
 
@@ -241,10 +272,14 @@ def run_decode(model: str, batch: int, prompt_tokens: int, output_tokens: int, p
     from strata_jax.engine import Engine, EngineConfig
 
     kwargs = dict(
-        model=model, show_progress=False, max_batch_size=batch, max_batch_tokens=max(512, 2 * batch),
-        device_tokens=max(8192, batch * (prompt_tokens + output_tokens) * 2), max_context_tokens=prompt_tokens + output_tokens + 16,
+        model=model,
+        show_progress=False,
+        max_batch_size=batch,
+        max_batch_tokens=max(512, 2 * batch),
+        device_tokens=max(8192, batch * (prompt_tokens + output_tokens) * 2),
+        max_context_tokens=prompt_tokens + output_tokens + 16,
         tiers="L1",
-    )  # fmt: skip
+    )
     if pipeline is not None:
         kwargs["pipeline"] = pipeline == "on"
     engine = Engine(EngineConfig(**kwargs))
@@ -287,12 +322,21 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     if args.part == "decode":
-        result = run_decode(args.model, int(args.batches), args.prompt_tokens, args.output_tokens, args.pipeline, args.repeats)
+        result = run_decode(
+            args.model, int(args.batches), args.prompt_tokens, args.output_tokens, args.pipeline, args.repeats
+        )
     elif args.part == "sim":
         result = run_sim(batches, args.prompt_tokens, args.output_tokens, args.profile, args.model)
     else:
         result = run_real(
-            batches, args.layers, args.width, args.prompt_tokens, args.output_tokens, args.pipeline, args.mixed, args.real_model
+            batches,
+            args.layers,
+            args.width,
+            args.prompt_tokens,
+            args.output_tokens,
+            args.pipeline,
+            args.mixed,
+            args.real_model,
         )
     print(json.dumps(result))
     return 0

@@ -26,10 +26,14 @@ DESCRIPTION = "match_prefix speed: long prompt against a tree of ~10M tokens"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tree-tokens", type=int, default=10_000_000, help="tokens held by the tree (default 10M)")
     parser.add_argument("--prompt-tokens", type=int, default=128 * 1024, help="prompt length (default 131072)")
-    parser.add_argument("--turn-tokens", type=int, default=4096, help="tokens added per insert when building (default 4096)")
+    parser.add_argument(
+        "--turn-tokens", type=int, default=4096, help="tokens added per insert when building (default 4096)"
+    )
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     parser.add_argument("--queries", type=int, default=30, help="prompts to match (default 30)")
-    parser.add_argument("--target-ms", type=float, default=20.0, help="pass/fail threshold for the median (default 20 ms)")
+    parser.add_argument(
+        "--target-ms", type=float, default=20.0, help="pass/fail threshold for the median (default 20 ms)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--json", default=None, help="write the results as JSON to this path")
 
@@ -71,11 +75,24 @@ def run(args: argparse.Namespace) -> int:
     p90 = sorted(times)[int(0.9 * (len(times) - 1))] * 1e3
     ok = med <= args.target_ms
     print(f"tree: {tree.device_pages * ps} tokens in {nodes} nodes (built in {build_s:.1f} s)")
-    print(f"match_prefix of {args.prompt_tokens} tokens: median {med:.2f} ms, p90 {p90:.2f} ms, "
-          f"mean matched {statistics.mean(matched):.0f} tokens; target {args.target_ms} ms: {'PASS' if ok else 'FAIL'}")
+    print(
+        f"match_prefix of {args.prompt_tokens} tokens: median {med:.2f} ms, p90 {p90:.2f} ms, "
+        f"mean matched {statistics.mean(matched):.0f} tokens; target {args.target_ms} ms: {'PASS' if ok else 'FAIL'}"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tree_tokens": tree.device_pages * ps, "nodes": nodes, "median_ms": med, "p90_ms": p90,
-                       "mean_matched_tokens": statistics.mean(matched), "target_ms": args.target_ms, "pass": ok,
-                       "config": {k: v for k, v in vars(args).items() if k != "json"}}, f, indent=1)
+            json.dump(
+                {
+                    "tree_tokens": tree.device_pages * ps,
+                    "nodes": nodes,
+                    "median_ms": med,
+                    "p90_ms": p90,
+                    "mean_matched_tokens": statistics.mean(matched),
+                    "target_ms": args.target_ms,
+                    "pass": ok,
+                    "config": {k: v for k, v in vars(args).items() if k != "json"},
+                },
+                f,
+                indent=1,
+            )
     return 0 if ok else 1

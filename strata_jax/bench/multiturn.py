@@ -32,17 +32,41 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-tokens", type=int, default=None, help="L1 capacity in tokens")
     parser.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 pages per L1 page (default 2.0)")
     parser.add_argument("--tiers", choices=TIERS, default="L1+L2", help="cache tiers in use (default L1+L2)")
-    parser.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through", help="when L1 pages are backed up to L2")
-    parser.add_argument("--write-through-threshold", type=int, default=2, help="hits before a backup under write_through_selective")
-    parser.add_argument("--prefetch-policy", choices=PREFETCH_POLICIES, default="wait_complete", help="L3 prefetch stop policy (default wait_complete: hit rates independent of timing)")
-    parser.add_argument("--storage", choices=["memory", "file", "redis"], default=None, help="L3 backend (default: memory with --no-model, file otherwise)")
-    parser.add_argument("--storage-dir", default=None, help="directory of the file backend (default: a fresh temporary directory)")
-    parser.add_argument("--storage-capacity-bytes", type=int, default=1 << 62, help="L3 capacity in bytes (default: unlimited)")
-    parser.add_argument("--no-model", action="store_true", help="bookkeeping only: no KV arrays, transfers cost nothing")
-    parser.add_argument("--layers", type=int, default=2, help="synthetic KV layout without --no-model: layers (default 2)")
+    parser.add_argument(
+        "--write-policy", choices=WRITE_POLICIES, default="write_through", help="when L1 pages are backed up to L2"
+    )
+    parser.add_argument(
+        "--write-through-threshold", type=int, default=2, help="hits before a backup under write_through_selective"
+    )
+    parser.add_argument(
+        "--prefetch-policy",
+        choices=PREFETCH_POLICIES,
+        default="wait_complete",
+        help="L3 prefetch stop policy (default wait_complete: hit rates independent of timing)",
+    )
+    parser.add_argument(
+        "--storage",
+        choices=["memory", "file", "redis"],
+        default=None,
+        help="L3 backend (default: memory with --no-model, file otherwise)",
+    )
+    parser.add_argument(
+        "--storage-dir", default=None, help="directory of the file backend (default: a fresh temporary directory)"
+    )
+    parser.add_argument(
+        "--storage-capacity-bytes", type=int, default=1 << 62, help="L3 capacity in bytes (default: unlimited)"
+    )
+    parser.add_argument(
+        "--no-model", action="store_true", help="bookkeeping only: no KV arrays, transfers cost nothing"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=2, help="synthetic KV layout without --no-model: layers (default 2)"
+    )
     parser.add_argument("--kv-heads", type=int, default=2, help="synthetic KV layout: KV heads (default 2)")
     parser.add_argument("--head-dim", type=int, default=16, help="synthetic KV layout: head dim (default 16)")
-    parser.add_argument("--verify", action="store_true", help="without --no-model: check every cached prefix bit-exactly")
+    parser.add_argument(
+        "--verify", action="store_true", help="without --no-model: check every cached prefix bit-exactly"
+    )
     parser.add_argument("--json", default=None, help="write the results as JSON to this path")
 
 
@@ -82,11 +106,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=20, help="turns per conversation (default 20)")
     parser.add_argument("--request-length", type=int, default=1024, help="new prompt tokens per turn, T (default 1024)")
     parser.add_argument("--output-length", type=int, default=16, help="generated tokens per turn, O (default 16)")
-    parser.add_argument("--device-rounds", type=float, default=4.0, help="when --device-tokens is not given: L1 = this many rounds of all clients' history, k*clients*(T+O) (default 4)")
+    parser.add_argument(
+        "--device-rounds",
+        type=float,
+        default=4.0,
+        help="when --device-tokens is not given: L1 = this many rounds of all clients' history, k*clients*(T+O) (default 4)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random token ids seed (default 0)")
-    parser.add_argument("--vocab", type=int, default=32000, help="token ids are drawn from [0, vocab) (default 32000; capped at the model's vocabulary with --model)")
-    parser.add_argument("--model", default=None, help="run through the Engine with this model ('tiny' or a local HF folder): real prefill/decode, all clients of a round submitted at once")
-    parser.add_argument("--max-batch-tokens", type=int, default=512, help="with --model: new tokens per prefill step (default 512)")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=32000,
+        help="token ids are drawn from [0, vocab) (default 32000; capped at the model's vocabulary with --model)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="run through the Engine with this model ('tiny' or a local HF folder): real prefill/decode, all clients of a round submitted at once",
+    )
+    parser.add_argument(
+        "--max-batch-tokens", type=int, default=512, help="with --model: new tokens per prefill step (default 512)"
+    )
     add_cache_arguments(parser)
 
 
@@ -94,7 +134,9 @@ def ceiling(r: int, t: int, o: int) -> float:
     return r * (t + o) / ((r + 1) * t + r * o)
 
 
-def cache_config(args: argparse.Namespace, device_tokens: int, storage_backend: str, storage_dir: str | None) -> CacheConfig:
+def cache_config(
+    args: argparse.Namespace, device_tokens: int, storage_backend: str, storage_dir: str | None
+) -> CacheConfig:
     """The cache shaped by the shared flags (L1 size, backend and directory resolved by the caller)."""
     return CacheConfig(
         page_size=args.page_size,
@@ -125,13 +167,15 @@ def run_with_engine(args: argparse.Namespace, device_tokens: int) -> dict:
         storage_dir = tempfile.mkdtemp(prefix="strata-kv-bench-")
         _TEMP_DIRS.append(storage_dir)
     context = args.rounds * (t + o) + args.page_size
-    engine = Engine(EngineConfig(
-        model=args.model,
-        cache=cache_config(args, device_tokens, args.storage or "file", storage_dir),
-        max_context_tokens=context,
-        max_batch_tokens=args.max_batch_tokens,
-        show_progress=False,
-    ))
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            cache=cache_config(args, device_tokens, args.storage or "file", storage_dir),
+            max_context_tokens=context,
+            max_batch_tokens=args.max_batch_tokens,
+            show_progress=False,
+        )
+    )
     vocab = min(args.vocab, engine.vocab_size)
     rng = np.random.default_rng(args.seed)
     histories: list[list[int]] = [[] for _ in range(args.clients)]
@@ -145,12 +189,21 @@ def run_with_engine(args: argparse.Namespace, device_tokens: int) -> dict:
             n = sum(len(p) for p in prompts)
             tiers = {k: sum(out.cached_tokens.get(k, 0) for out in outs) for k in ("device", "host", "storage")}
             hit = sum(tiers.values()) / n
-            rounds.append({"round": r, "hit_rate": hit, **{k: v / n for k, v in tiers.items()},
-                           "ceiling": ceiling(r, t, o), "unfit_requests": 0})
+            rounds.append(
+                {
+                    "round": r,
+                    "hit_rate": hit,
+                    **{k: v / n for k, v in tiers.items()},
+                    "ceiling": ceiling(r, t, o),
+                    "unfit_requests": 0,
+                }
+            )
             total_prompt += n
             total_cached += sum(tiers.values())
             histories = [p + list(out.token_ids) for p, out in zip(prompts, outs)]
-            print(f"{r:>5} {hit:7.3f} {tiers['device'] / n:7.3f} {tiers['host'] / n:7.3f} {tiers['storage'] / n:7.3f} {ceiling(r, t, o):7.3f}")
+            print(
+                f"{r:>5} {hit:7.3f} {tiers['device'] / n:7.3f} {tiers['host'] / n:7.3f} {tiers['storage'] / n:7.3f} {ceiling(r, t, o):7.3f}"
+            )
         stats = engine.cache_stats()
     finally:
         engine.shutdown()
@@ -185,8 +238,10 @@ def run(args: argparse.Namespace) -> int:
     rounds = []
     total_prompt = total_cached = 0
     start = time.perf_counter()
-    print(f"L1 {device_tokens} tokens ({device_tokens / (args.clients * (t + o)):.2f} rounds of all histories), "
-          f"L2 {ctl.host_alloc.num_pages * args.page_size} tokens, tiers {args.tiers}, {args.write_policy}")
+    print(
+        f"L1 {device_tokens} tokens ({device_tokens / (args.clients * (t + o)):.2f} rounds of all histories), "
+        f"L2 {ctl.host_alloc.num_pages * args.page_size} tokens, tiers {args.tiers}, {args.write_policy}"
+    )
     print(f"{'round':>5} {'hit':>7} {'device':>7} {'host':>7} {'storage':>7} {'ceiling':>7} {'unfit':>5}")
     for r in range(args.rounds):
         prompt_tok = dev = host = sto = unfit = 0
@@ -202,18 +257,22 @@ def run(args: argparse.Namespace) -> int:
             unfit += not res.fit
             histories[c] = prompt + out
         hit = (dev + host + sto) / prompt_tok
-        rounds.append({
-            "round": r,
-            "hit_rate": hit,
-            "device": dev / prompt_tok,
-            "host": host / prompt_tok,
-            "storage": sto / prompt_tok,
-            "ceiling": ceiling(r, t, o),
-            "unfit_requests": unfit,
-        })
+        rounds.append(
+            {
+                "round": r,
+                "hit_rate": hit,
+                "device": dev / prompt_tok,
+                "host": host / prompt_tok,
+                "storage": sto / prompt_tok,
+                "ceiling": ceiling(r, t, o),
+                "unfit_requests": unfit,
+            }
+        )
         total_prompt += prompt_tok
         total_cached += dev + host + sto
-        print(f"{r:>5} {hit:7.3f} {dev / prompt_tok:7.3f} {host / prompt_tok:7.3f} {sto / prompt_tok:7.3f} {ceiling(r, t, o):7.3f} {unfit:>5}")
+        print(
+            f"{r:>5} {hit:7.3f} {dev / prompt_tok:7.3f} {host / prompt_tok:7.3f} {sto / prompt_tok:7.3f} {ceiling(r, t, o):7.3f} {unfit:>5}"
+        )
     elapsed = time.perf_counter() - start
     result = {
         "rounds": rounds,

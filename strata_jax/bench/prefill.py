@@ -77,16 +77,31 @@ DRIFT_WARNING = 1.2  # the machine's matmul rate at the start and the end of a b
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="model (tiny, a HF folder or a GGUF; default tiny)")
     parser.add_argument("--tokens", type=int, default=2048, help="prompt tokens prefilled cold (default 2048)")
-    parser.add_argument("--chunk", type=int, default=512,
-                        help="prefill chunk: the engine's max_batch_tokens (default 512, the engine's default)")  # fmt: skip
-    parser.add_argument("--chunks", default="",
-                        help="comma-separated chunk sizes to break down one after the other, e.g. 512,2048 "
-                             "(default: --chunk alone); adds a per-chunk time-per-token comparison")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of the engine and of each piece (median; default 3)")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="the engine's max_batch_size (default 16, the engine's)")
-    parser.add_argument("--device-tokens", type=int, default=None,
-                        help="L1 pool of the engine in tokens (default: max(8192, 4 x (tokens + chunk)); "
-                             "step time does not depend on it)")  # fmt: skip
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=512,
+        help="prefill chunk: the engine's max_batch_tokens (default 512, the engine's default)",
+    )
+    parser.add_argument(
+        "--chunks",
+        default="",
+        help="comma-separated chunk sizes to break down one after the other, e.g. 512,2048 "
+        "(default: --chunk alone); adds a per-chunk time-per-token comparison",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of the engine and of each piece (median; default 3)"
+    )
+    parser.add_argument(
+        "--max-batch-size", type=int, default=16, help="the engine's max_batch_size (default 16, the engine's)"
+    )
+    parser.add_argument(
+        "--device-tokens",
+        type=int,
+        default=None,
+        help="L1 pool of the engine in tokens (default: max(8192, 4 x (tokens + chunk)); "
+        "step time does not depend on it)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts and inputs")
     parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
 
@@ -154,10 +169,16 @@ def _measure_engine(args: argparse.Namespace, chunk: int) -> tuple[dict, object]
     from strata_jax.engine import Engine, EngineConfig
 
     device_tokens = args.device_tokens or max(8192, 4 * (args.tokens + chunk))
-    engine = Engine(EngineConfig(
-        model=args.model, show_progress=False, tiers="L1", max_batch_tokens=chunk,
-        max_batch_size=args.max_batch_size, device_tokens=device_tokens,
-    ))  # fmt: skip
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            show_progress=False,
+            tiers="L1",
+            max_batch_tokens=chunk,
+            max_batch_size=args.max_batch_size,
+            device_tokens=device_tokens,
+        )
+    )
     if args.tokens + 1 > engine.max_context_tokens:
         engine.shutdown()
         raise SystemExit(f"--tokens {args.tokens} exceeds the engine's context ({engine.max_context_tokens})")
@@ -183,7 +204,9 @@ def _measure_engine(args: argparse.Namespace, chunk: int) -> tuple[dict, object]
         out = engine.generate([prompt], params)[0]
         wall = time.perf_counter() - t0
         if i:
-            runs.append({"ttft_s": out.ttft_s, "wall_s": wall, "device_s": sum(s for _, s in steps), "steps": list(steps)})
+            runs.append(
+                {"ttft_s": out.ttft_s, "wall_s": wall, "device_s": sum(s for _, s in steps), "steps": list(steps)}
+            )
     executor.collect = collect
     median = sorted(runs, key=lambda r: r["ttft_s"])[(len(runs) - 1) // 2]
     return {"runs": runs, "median": median, "device_tokens": device_tokens}, engine
@@ -213,8 +236,15 @@ class _Pieces:
         self.kernel_backend = runner.kernel_backend
         layers = model.model.layers
         attn, mlp = layers.self_attn, layers.mlp
-        linears = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj,
-                   "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}  # fmt: skip
+        linears = {
+            "q": attn.q_proj,
+            "k": attn.k_proj,
+            "v": attn.v_proj,
+            "o": attn.o_proj,
+            "gate": mlp.gate_proj,
+            "up": mlp.up_proj,
+            "down": mlp.down_proj,
+        }
         self.weights = {name: lin.kernel[...] for name, lin in linears.items()}
         self.biases = {name: lin.bias[...] for name, lin in linears.items() if lin.bias is not None}
         self.norms = {"in": layers.input_layernorm.weight[...], "post": layers.post_attention_layernorm.weight[...]}
@@ -229,9 +259,12 @@ class _Pieces:
         self.num_kv_slots = self.num_pages * self.page_size
         self.sampling_state = SamplingState(runner.config.max_batch_size, c.vocab_size)
         self.seqs = SeqSlots(
-            2, runner.config.max_pages_per_seq, no_sampling_slot=self.sampling_state.no_slot,
-            max_rows=runner.config.max_batch_size, mask_words=-(-c.vocab_size // 32),
-        )  # fmt: skip
+            2,
+            runner.config.max_pages_per_seq,
+            no_sampling_slot=self.sampling_state.no_slot,
+            max_rows=runner.config.max_batch_size,
+            mask_words=-(-c.vocab_size // 32),
+        )
         self.slot = self.seqs.acquire()
         self.prompt = np.random.default_rng(seed).integers(3, max(4, min(c.vocab_size, 32000) - 2), size=total_tokens)
         self._inputs: dict[int, dict] = {}
@@ -324,9 +357,15 @@ class _Pieces:
             def body(carry, layer):
                 acc, pool = carry
                 out, pool = pallas_kernels.ragged_paged_attention_pool(
-                    q, pool, layer, page_table, seq_lens, query_start,
-                    sm_scale=c.head_dim**-0.5, max_q_len=1 if decode_only else None,
-                )  # fmt: skip
+                    q,
+                    pool,
+                    layer,
+                    page_table,
+                    seq_lens,
+                    query_start,
+                    sm_scale=c.head_dim**-0.5,
+                    max_q_len=1 if decode_only else None,
+                )
                 return (acc + out, pool), None
 
             return jax.lax.scan(body, (jnp.zeros_like(q), pool), layer_ids)[0]
@@ -391,7 +430,9 @@ class _Pieces:
                 shape_cache[key] = {
                     "matmuls": _median_time(lambda: self._matmuls(self.weights, self.biases, hidden), repeats),
                     "elementwise": _median_time(
-                        lambda: self._elementwise(self.norms, hidden, act["q"], act["k"], act["gate"], act["ones"], positions),
+                        lambda: self._elementwise(
+                            self.norms, hidden, act["q"], act["k"], act["gate"], act["ones"], positions
+                        ),
                         repeats,
                     ),
                     "inputs": _median_time(lambda: self._inputs_fn(self.state, tables, x, hidden), repeats),
@@ -403,7 +444,13 @@ class _Pieces:
 
                 def sample():
                     tokens, _, _, holder["flags"] = self._sample(
-                        self.state, logits, hidden, sampling, holder["flags"], self.sampling_state.bias, tables.token_mask
+                        self.state,
+                        logits,
+                        hidden,
+                        sampling,
+                        holder["flags"],
+                        self.sampling_state.bias,
+                        tables.token_mask,
                     )
                     return tokens
 
@@ -412,7 +459,9 @@ class _Pieces:
             out.update(shape_cache[key])
 
             def attention():
-                attn_out, self.pool = self._attention(self.pool, act["q"], meta.page_table, meta.seq_lens, meta.query_start)
+                attn_out, self.pool = self._attention(
+                    self.pool, act["q"], meta.page_table, meta.seq_lens, meta.query_start
+                )
                 return attn_out
 
             def kv_write():
@@ -473,10 +522,14 @@ def _breakdown(args: argparse.Namespace, chunk: int) -> dict:
     from strata_jax.runtime.compute_prior import matmul_flops_per_s
 
     engine_numbers, engine = _measure_engine(args, chunk)
-    rate_at_start = engine.matmul_flops_per_s  # timed (1024^3) when the first engine of the process starts: this one, run from the CLI
+    rate_at_start = (
+        engine.matmul_flops_per_s
+    )  # timed (1024^3) when the first engine of the process starts: this one, run from the CLI
     engine.shutdown()
     r = engine.runner
-    runner = SimpleNamespace(graphdef=r.graphdef, state=r.stacked_state(), config=r.config, kernel_backend=r.kernel_backend)
+    runner = SimpleNamespace(
+        graphdef=r.graphdef, state=r.stacked_state(), config=r.config, kernel_backend=r.kernel_backend
+    )
     plans = plan_chunks(args.tokens, chunk, r.extend_shapes)
     del engine, r  # the engine's pool and tables go; the weights stay (the pieces use them)
     gc.collect()
@@ -486,7 +539,9 @@ def _breakdown(args: argparse.Namespace, chunk: int) -> dict:
     per_chunk = []
     for plan in plans:
         measured = pieces.measure(plan, args.repeats, shape_cache)
-        per_chunk.append({"plan": asdict(plan), "pieces": measured, "parts": _split_padding(plan, measured, runner.kernel_backend)})
+        per_chunk.append(
+            {"plan": asdict(plan), "pieces": measured, "parts": _split_padding(plan, measured, runner.kernel_backend)}
+        )
     parts = {name: sum(c["parts"][name] for c in per_chunk) for name in PARTS}
     median = engine_numbers["median"]
     seconds, shares = split_shares(parts, median["device_s"], median["ttft_s"])
@@ -501,7 +556,9 @@ def _breakdown(args: argparse.Namespace, chunk: int) -> dict:
     square = max(64, round((chunk * config.hidden_size * config.intermediate_size) ** (1 / 3) / 64) * 64)
     machine = matmul_flops_per_s(jnp.dtype(dtype), square)
     achieved = flops / parts["matmuls"]
-    one_projection = _projection_rate(plans[0].bucket, config.hidden_size, config.intermediate_size, dtype, args.repeats)
+    one_projection = _projection_rate(
+        plans[0].bucket, config.hidden_size, config.intermediate_size, dtype, args.repeats
+    )
     causal = sum(attention_flops(config, p.start, p.tokens) for p in plans)
     rate_at_end = matmul_flops_per_s(jnp.dtype(dtype), 1024)
     del pieces
@@ -533,8 +590,11 @@ def _breakdown(args: argparse.Namespace, chunk: int) -> dict:
         # The same 1024^3 matmul when the engine started and after the pieces: the parts and
         # the whole are measured minutes apart, so a machine whose speed changed meanwhile
         # (other load, a shared host) shows here rather than as a silent remainder.
-        "drift": {"flops_per_s_at_start": rate_at_start, "flops_per_s_at_end": rate_at_end,
-                  "ratio": max(rate_at_start, rate_at_end) / min(rate_at_start, rate_at_end)},  # fmt: skip
+        "drift": {
+            "flops_per_s_at_start": rate_at_start,
+            "flops_per_s_at_end": rate_at_end,
+            "ratio": max(rate_at_start, rate_at_end) / min(rate_at_start, rate_at_end),
+        },
     }
 
 
@@ -542,9 +602,13 @@ def _print_breakdown(model: str, tokens: int, r: dict) -> None:
     plans = [ChunkPlan(**p) for p in r["plans"]]
     buckets = ", ".join(f"{p.tokens}->{p.bucket}x{p.rows}" for p in plans)
     runs = ", ".join(f"{x['ttft_s']:.2f}" for x in r["engine"]["runs"])
-    print(f"\n{model}: cold prefill of {tokens} tokens in chunks of {r['chunk']} ({len(plans)} steps: tokens->bucket tokens x rows "
-          f"{buckets}); {r['dtype']}, attention backend {r['kernel_backend']}")  # fmt: skip
-    print(f"engine TTFT median {r['ttft_s']:.3f} s (runs: {runs} s); device (executor step spans) {r['device_s']:.3f} s")
+    print(
+        f"\n{model}: cold prefill of {tokens} tokens in chunks of {r['chunk']} ({len(plans)} steps: tokens->bucket tokens x rows "
+        f"{buckets}); {r['dtype']}, attention backend {r['kernel_backend']}"
+    )
+    print(
+        f"engine TTFT median {r['ttft_s']:.3f} s (runs: {runs} s); device (executor step spans) {r['device_s']:.3f} s"
+    )
     print("| part | seconds | share of TTFT |")
     print("|---|---:|---:|")
     labels = dict(PART_LABELS) | {"host": "host (TTFT - device time)", "other": "other / overlap (device - parts)"}
@@ -552,45 +616,65 @@ def _print_breakdown(model: str, tokens: int, r: dict) -> None:
         print(f"| {labels[key]} | {r['seconds'][key]:.3f} | {100 * r['shares'][key]:.1f}% |")
     print(f"| **TTFT** | **{r['ttft_s']:.3f}** | **{100 * sum(r['shares'].values()):.1f}%** |")
     m = r["matmul"]
-    print(f"matmuls: {m['projection_flops'] / 1e9:.1f} GFLOP in {r['parts']['matmuls']:.3f} s = "
-          f"{m['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s; machine ({m['machine_square_n']}^3 {r['dtype']} matmul, jax): "
-          f"{m['machine_flops_per_s'] / 1e9:.1f} GFLOP/s ({100 * m['efficiency']:.0f}%); at the machine rate the projections "
-          f"take {m['seconds_at_machine_rate']:.3f} s, {100 * m['seconds_at_machine_rate'] / r['ttft_s']:.0f}% of TTFT; "
-          f"one {'x'.join(map(str, m['one_projection_shape']))} projection alone: "
-          f"{m['one_projection_flops_per_s'] / 1e9:.1f} GFLOP/s")  # fmt: skip
+    print(
+        f"matmuls: {m['projection_flops'] / 1e9:.1f} GFLOP in {r['parts']['matmuls']:.3f} s = "
+        f"{m['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s; machine ({m['machine_square_n']}^3 {r['dtype']} matmul, jax): "
+        f"{m['machine_flops_per_s'] / 1e9:.1f} GFLOP/s ({100 * m['efficiency']:.0f}%); at the machine rate the projections "
+        f"take {m['seconds_at_machine_rate']:.3f} s, {100 * m['seconds_at_machine_rate'] / r['ttft_s']:.0f}% of TTFT; "
+        f"one {'x'.join(map(str, m['one_projection_shape']))} projection alone: "
+        f"{m['one_projection_flops_per_s'] / 1e9:.1f} GFLOP/s"
+    )
     a = r["attention"]
-    print(f"attention: {a['causal_flops'] / 1e9:.1f} GFLOP of causal work (QK^T and PV of the keys each token sees) in "
-          f"{r['parts']['attention']:.3f} s = {a['causal_flops_per_s'] / 1e9:.1f} GFLOP/s "
-          f"({100 * a['causal_flops_per_s'] / m['machine_flops_per_s']:.0f}% of the machine's matmul rate)")  # fmt: skip
+    print(
+        f"attention: {a['causal_flops'] / 1e9:.1f} GFLOP of causal work (QK^T and PV of the keys each token sees) in "
+        f"{r['parts']['attention']:.3f} s = {a['causal_flops_per_s'] / 1e9:.1f} GFLOP/s "
+        f"({100 * a['causal_flops_per_s'] / m['machine_flops_per_s']:.0f}% of the machine's matmul rate)"
+    )
     d = r["drift"]
-    print(f"machine check: 1024^3 matmul {d['flops_per_s_at_start'] / 1e9:.1f} GFLOP/s when the engine started, "
-          f"{d['flops_per_s_at_end'] / 1e9:.1f} after the pieces"
-          + (f"; WARNING: the machine's speed changed {d['ratio']:.2f}x during the run, the split is unreliable "
-             "(rerun on an idle machine)" if d["ratio"] > DRIFT_WARNING else ""))  # fmt: skip
-    print("per step: | step | start | tokens | bucket | engine device s | ms/token | pieces s (matmuls / attention / rest) |")
+    print(
+        f"machine check: 1024^3 matmul {d['flops_per_s_at_start'] / 1e9:.1f} GFLOP/s when the engine started, "
+        f"{d['flops_per_s_at_end'] / 1e9:.1f} after the pieces"
+        + (
+            f"; WARNING: the machine's speed changed {d['ratio']:.2f}x during the run, the split is unreliable "
+            "(rerun on an idle machine)"
+            if d["ratio"] > DRIFT_WARNING
+            else ""
+        )
+    )
+    print(
+        "per step: | step | start | tokens | bucket | engine device s | ms/token | pieces s (matmuls / attention / rest) |"
+    )
     for i, c in enumerate(r["chunks"]):
         p, parts = c["plan"], c["parts"]
         dev = c["engine_device_s"]
         rest = sum(parts.values()) - parts["matmuls"] - parts["attention"]
         dev_s = "-" if dev is None else f"{dev:.3f}"
         per_token = "-" if dev is None else f"{1e3 * dev / p['tokens']:.2f}"
-        print(f"  | {i} | {p['start']} | {p['tokens']} | {p['bucket']}x{p['rows']} | {dev_s} | {per_token} | "
-              f"{parts['matmuls']:.3f} / {parts['attention']:.3f} / {rest:.3f} |")  # fmt: skip
+        print(
+            f"  | {i} | {p['start']} | {p['tokens']} | {p['bucket']}x{p['rows']} | {dev_s} | {per_token} | "
+            f"{parts['matmuls']:.3f} / {parts['attention']:.3f} / {rest:.3f} |"
+        )
 
 
 def _print_comparison(tokens: int, results: list[dict]) -> None:
     print(f"\nchunk sizes, one {tokens}-token prompt (ms per prompt token; device = the engine's step spans):")
-    print("| chunk | steps | TTFT s | device s | device ms/token | matmuls ms/token | attention ms/token | attention s |")
+    print(
+        "| chunk | steps | TTFT s | device s | device ms/token | matmuls ms/token | attention ms/token | attention s |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         n = tokens
-        print(f"| {r['chunk']} | {len(r['plans'])} | {r['ttft_s']:.2f} | {r['device_s']:.2f} | {1e3 * r['device_s'] / n:.2f} | "
-              f"{1e3 * r['parts']['matmuls'] / n:.2f} | {1e3 * r['parts']['attention'] / n:.2f} | {r['parts']['attention']:.2f} |")  # fmt: skip
+        print(
+            f"| {r['chunk']} | {len(r['plans'])} | {r['ttft_s']:.2f} | {r['device_s']:.2f} | {1e3 * r['device_s'] / n:.2f} | "
+            f"{1e3 * r['parts']['matmuls'] / n:.2f} | {1e3 * r['parts']['attention'] / n:.2f} | {r['parts']['attention']:.2f} |"
+        )
     base = results[0]
     for r in results[1:]:
-        print(f"chunk {r['chunk']} vs {base['chunk']}: TTFT {r['ttft_s'] / base['ttft_s']:.2f}x, "
-              f"attention {r['parts']['attention'] / base['parts']['attention']:.2f}x, "
-              f"matmuls {r['parts']['matmuls'] / base['parts']['matmuls']:.2f}x")  # fmt: skip
+        print(
+            f"chunk {r['chunk']} vs {base['chunk']}: TTFT {r['ttft_s'] / base['ttft_s']:.2f}x, "
+            f"attention {r['parts']['attention'] / base['parts']['attention']:.2f}x, "
+            f"matmuls {r['parts']['matmuls'] / base['parts']['matmuls']:.2f}x"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -607,7 +691,12 @@ def run(args: argparse.Namespace) -> int:
     if len(results) > 1:
         _print_comparison(args.tokens, results)
     if args.json:
-        report = {"model": args.model, "tokens": args.tokens, "platform": jax.default_backend(),
-                  "devices": len(jax.devices()), "results": results}  # fmt: skip
+        report = {
+            "model": args.model,
+            "tokens": args.tokens,
+            "platform": jax.default_backend(),
+            "devices": len(jax.devices()),
+            "results": results,
+        }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

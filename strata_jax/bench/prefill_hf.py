@@ -90,10 +90,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--tokens, --chunk, --repeats and --threads must be positive")
     torch.set_num_threads(args.threads)
     hf = load_hf_model(args.model)
-    engine = Engine(EngineConfig(
-        model=args.model, show_progress=False, tiers="L1", max_batch_tokens=args.chunk,
-        device_tokens=max(8192, 4 * (args.tokens + args.chunk)),
-    ))  # fmt: skip
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            show_progress=False,
+            tiers="L1",
+            max_batch_tokens=args.chunk,
+            device_tokens=max(8192, 4 * (args.tokens + args.chunk)),
+        )
+    )
     try:
         if args.tokens + 1 > engine.max_context_tokens:
             raise SystemExit(f"--tokens {args.tokens} exceeds the engine's context ({engine.max_context_tokens})")
@@ -125,11 +130,20 @@ def run(args: argparse.Namespace) -> int:
     print("| round | strata-jax TTFT s | transformers s | ratio | first token (both) |")
     print("|---:|---:|---:|---:|---:|")
     for n, r in enumerate(rounds, 1):
-        print(f"| {n} | {r['engine_s']:.3f} | {r['hf_s']:.3f} | {r['engine_s'] / r['hf_s']:.2f} | {r['engine_token']} |")
+        print(
+            f"| {n} | {r['engine_s']:.3f} | {r['hf_s']:.3f} | {r['engine_s'] / r['hf_s']:.2f} | {r['engine_token']} |"
+        )
     print(f"| median | {engine_s:.3f} | {hf_s:.3f} | {engine_s / hf_s:.2f} | |")
     print(f"strata-jax / transformers: {engine_s / hf_s:.2f}x the time (below 1 is faster)")
     if args.json:
-        report = {"model": args.model, "tokens": args.tokens, "chunk": args.chunk, "threads": args.threads,
-                  "rounds": rounds, "engine_median_s": engine_s, "hf_median_s": hf_s}  # fmt: skip
+        report = {
+            "model": args.model,
+            "tokens": args.tokens,
+            "chunk": args.chunk,
+            "threads": args.threads,
+            "rounds": rounds,
+            "engine_median_s": engine_s,
+            "hf_median_s": hf_s,
+        }
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -61,9 +61,14 @@ def run(args: argparse.Namespace) -> int:
         result: dict = {"storage": args.storage, "waiting": args.waiting, "prompt_tokens": args.prompt_tokens}
         for label, ttl in (("memo_off", 0.0), ("memo_on", args.ttl)):
             config = CacheConfig(
-                page_size=args.page_size, device_pages=64, tiers="L1+L2+L3", storage_backend=args.storage,
-                storage_dir=workdir, storage_url=url or CacheConfig.storage_url, storage_probe_ttl_s=ttl,
-            )  # fmt: skip
+                page_size=args.page_size,
+                device_pages=64,
+                tiers="L1+L2+L3",
+                storage_backend=args.storage,
+                storage_dir=workdir,
+                storage_url=url or CacheConfig.storage_url,
+                storage_probe_ttl_s=ttl,
+            )
             ctl = CacheController(config)
             for p in prompts:  # first round: hashes the prompts (memoized for both settings)
                 ctl.match_prefix(p, "", touch=False)

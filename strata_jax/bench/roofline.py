@@ -55,34 +55,59 @@ WIDTHS = {
     **STARTUP_WIDTHS,
     # For --dry-run style checks on a CPU: a few seconds per program.
     "tiny": {
-        "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "vocab_size": 1024,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
     },
-}  # fmt: skip
+}
 DEFAULT_LAYERS = {"llama-3.1-8b": 32, "smollm2-135m": 30, "tiny": 2}
 TIED = {"llama-3.1-8b": False, "smollm2-135m": True, "tiny": True}  # Llama-3.1-8B has its own LM head
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--width", choices=sorted(WIDTHS), default="llama-3.1-8b", help="model width (default llama-3.1-8b)")
-    parser.add_argument("--layers", type=int, default=None, help="layers (default: the width's model: 32 for llama-3.1-8b)")
+    parser.add_argument(
+        "--width", choices=sorted(WIDTHS), default="llama-3.1-8b", help="model width (default llama-3.1-8b)"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="layers (default: the width's model: 32 for llama-3.1-8b)"
+    )
     parser.add_argument("--doc-tokens", type=int, default=16384, help="document length in tokens (default 16384)")
     parser.add_argument(
-        "--prefill-chunk", type=int, default=8192, help="engine max_batch_tokens: tokens per prefill step (default 8192)"
+        "--prefill-chunk",
+        type=int,
+        default=8192,
+        help="engine max_batch_tokens: tokens per prefill step (default 8192)",
     )
     parser.add_argument("--batches", default="1,64,256", help="decode batch sizes, comma-separated (default 1,64,256)")
-    parser.add_argument("--decode-context", type=int, default=1024, help="context tokens of each decoding sequence (default 1024)")
-    parser.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
-    parser.add_argument("--ttft-repeats", type=int, default=1, help="documents timed cold/L1/L2 (median kept; default 1)")
-    parser.add_argument("--step-reps", type=int, default=10, help="timed steps per decode batch and prefill chunk (default 10)")
     parser.add_argument(
-        "--hbm-mb", type=float, default=None, help="array size of the bandwidth pass in MiB (default: 2048 on a GPU, 64 on a CPU)"
+        "--decode-context", type=int, default=1024, help="context tokens of each decoding sequence (default 1024)"
+    )
+    parser.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
+    parser.add_argument(
+        "--ttft-repeats", type=int, default=1, help="documents timed cold/L1/L2 (median kept; default 1)"
     )
     parser.add_argument(
-        "--matmul-n", type=int, default=None, help="size of the square matmul of the peak (default: 8192 on a GPU, 1024 on a CPU)"
+        "--step-reps", type=int, default=10, help="timed steps per decode batch and prefill chunk (default 10)"
+    )
+    parser.add_argument(
+        "--hbm-mb",
+        type=float,
+        default=None,
+        help="array size of the bandwidth pass in MiB (default: 2048 on a GPU, 64 on a CPU)",
+    )
+    parser.add_argument(
+        "--matmul-n",
+        type=int,
+        default=None,
+        help="size of the square matmul of the peak (default: 8192 on a GPU, 1024 on a CPU)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed for weights and documents")
-    parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path (after every phase)")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="write the results as JSON to this path (after every phase)"
+    )
 
 
 # ------------------------------------------------------------------------------ peaks
@@ -116,9 +141,12 @@ def measure_peaks(dtype, hbm_mb: float, matmul_n: int) -> dict:  # noqa: ANN001
     mm(a, a).block_until_ready()
     t_mm = _best_per_call(lambda: mm(a, a), 5)
     return {
-        "hbm_bytes_per_s": nbytes / t_pass, "hbm_pass_mb": hbm_mb,
-        "matmul_flops_per_s": 2.0 * matmul_n**3 / t_mm, "matmul_n": matmul_n, "matmul_dtype": str(jnp.dtype(dtype)),
-    }  # fmt: skip
+        "hbm_bytes_per_s": nbytes / t_pass,
+        "hbm_pass_mb": hbm_mb,
+        "matmul_flops_per_s": 2.0 * matmul_n**3 / t_mm,
+        "matmul_n": matmul_n,
+        "matmul_dtype": str(jnp.dtype(dtype)),
+    }
 
 
 # ------------------------------------------------------------------------------ model
@@ -127,11 +155,21 @@ def model_config(width: str, layers: int, max_positions: int):  # noqa: ANN201
 
     w = WIDTHS[width]
     return ModelConfig(
-        model_type="llama", vocab_size=w["vocab_size"], hidden_size=w["hidden_size"],
-        intermediate_size=w["intermediate_size"], num_layers=layers, num_heads=w["num_attention_heads"],
-        num_kv_heads=w["num_key_value_heads"], head_dim=w["head_dim"], rms_norm_eps=1e-5, rope_theta=500000.0,
-        max_position_embeddings=max_positions, tie_word_embeddings=TIED[width], bos_token_id=1, eos_token_ids=(2,),
-    )  # fmt: skip
+        model_type="llama",
+        vocab_size=w["vocab_size"],
+        hidden_size=w["hidden_size"],
+        intermediate_size=w["intermediate_size"],
+        num_layers=layers,
+        num_heads=w["num_attention_heads"],
+        num_kv_heads=w["num_key_value_heads"],
+        head_dim=w["head_dim"],
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=TIED[width],
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    )
 
 
 @contextlib.contextmanager
@@ -264,7 +302,9 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
     if args.prefill_chunk <= max(batches):
-        raise SystemExit("--prefill-chunk must exceed the largest batch (the engine's max_batch_tokens > max_batch_size)")
+        raise SystemExit(
+            "--prefill-chunk must exceed the largest batch (the engine's max_batch_tokens > max_batch_size)"
+        )
     device = jax.devices()[0]
     on_cpu = device.platform == "cpu"
     layers = args.layers or DEFAULT_LAYERS[args.width]
@@ -279,14 +319,25 @@ def run(args: argparse.Namespace) -> int:
     report = _Report(args.json)
     r = report.data
     r["device"] = {
-        "platform": device.platform, "device_kind": device.device_kind, "jax": jax.__version__,
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "jax": jax.__version__,
         "devices": len(jax.devices()),
-    }  # fmt: skip
+    }
     r["config"] = {
-        "width": args.width, "layers": layers, "doc_tokens": args.doc_tokens, "prefill_chunk": chunk, "batches": batches,
-        "decode_context": args.decode_context, "page_size": ps, "ttft_repeats": args.ttft_repeats, "step_reps": args.step_reps,
-        "device_tokens": device_tokens, "host_tokens": host_tokens, "max_context_tokens": ctx_limit,
-    }  # fmt: skip
+        "width": args.width,
+        "layers": layers,
+        "doc_tokens": args.doc_tokens,
+        "prefill_chunk": chunk,
+        "batches": batches,
+        "decode_context": args.decode_context,
+        "page_size": ps,
+        "ttft_repeats": args.ttft_repeats,
+        "step_reps": args.step_reps,
+        "device_tokens": device_tokens,
+        "host_tokens": host_tokens,
+        "max_context_tokens": ctx_limit,
+    }
     rng = np.random.default_rng(args.seed)
     high = max(4, min(config.vocab_size, 32000) - 1)
 
@@ -295,7 +346,9 @@ def run(args: argparse.Namespace) -> int:
 
     dtype = jnp.float32 if on_cpu else jnp.bfloat16
     with report.phase("peaks"):
-        r["peaks"] = measure_peaks(dtype, args.hbm_mb or (64.0 if on_cpu else 2048.0), args.matmul_n or (1024 if on_cpu else 8192))
+        r["peaks"] = measure_peaks(
+            dtype, args.hbm_mb or (64.0 if on_cpu else 2048.0), args.matmul_n or (1024 if on_cpu else 8192)
+        )
     peaks = r.get("peaks", {})
 
     engine = None
@@ -304,22 +357,36 @@ def run(args: argparse.Namespace) -> int:
         with engine_on_random_weights(config, args.seed):
             engine = Engine(
                 EngineConfig(
-                    model=args.width, page_size=ps, device_tokens=device_tokens, tiers="L1+L2",
-                    hicache_ratio=min(2.0, host_tokens / device_tokens), max_batch_tokens=chunk,
-                    max_batch_size=max(batches), max_context_tokens=ctx_limit, warmup=False,
-                    compilation_cache_dir="none", show_progress=False, freeze_gc=False,
-                )  # fmt: skip
+                    model=args.width,
+                    page_size=ps,
+                    device_tokens=device_tokens,
+                    tiers="L1+L2",
+                    hicache_ratio=min(2.0, host_tokens / device_tokens),
+                    max_batch_tokens=chunk,
+                    max_batch_size=max(batches),
+                    max_context_tokens=ctx_limit,
+                    warmup=False,
+                    compilation_cache_dir="none",
+                    show_progress=False,
+                    freeze_gc=False,
+                )
             )
         runner = engine.runner
         weight_bytes = _tree_bytes(runner.state)
         itemsize = jnp.dtype(engine.platform.dtype).itemsize
         embed_bytes = config.vocab_size * config.hidden_size * itemsize
         r["model"] = {
-            "width": args.width, "layers": layers, "parameters": config.num_parameters, "weight_bytes": weight_bytes,
-            "dtype": str(engine.platform.dtype), "kv_dtype": str(engine.platform.kv_dtype),
-            "kernel_backend": engine.platform.kernel_backend, "kv_bytes_per_token": engine.ctl.page_bytes // ps,
-            "tied_embeddings": config.tie_word_embeddings, "build_s": time.perf_counter() - start,
-        }  # fmt: skip
+            "width": args.width,
+            "layers": layers,
+            "parameters": config.num_parameters,
+            "weight_bytes": weight_bytes,
+            "dtype": str(engine.platform.dtype),
+            "kv_dtype": str(engine.platform.kv_dtype),
+            "kernel_backend": engine.platform.kernel_backend,
+            "kv_bytes_per_token": engine.ctl.page_bytes // ps,
+            "tied_embeddings": config.tie_word_embeddings,
+            "build_s": time.perf_counter() - start,
+        }
 
     if "engine" in r["phases"]:
         with report.phase("precompile"):  # the engine is idle: nothing submitted yet
@@ -330,7 +397,12 @@ def run(args: argparse.Namespace) -> int:
         with report.phase("ttft"):
             start = time.perf_counter()
             warm = _doc_cycle(engine, document())  # compiles every program the timed requests run
-            r["ttft"] = {"doc_tokens": args.doc_tokens, "warmup_s": time.perf_counter() - start, "warmup": warm, "runs": []}
+            r["ttft"] = {
+                "doc_tokens": args.doc_tokens,
+                "warmup_s": time.perf_counter() - start,
+                "warmup": warm,
+                "runs": [],
+            }
             for _ in range(args.ttft_repeats):
                 r["ttft"]["runs"].append(_doc_cycle(engine, document()))
             for key in ("cold_s", "l1_s", "l2_s"):
@@ -419,7 +491,8 @@ def format_report(r: dict) -> str:
         lines.append(
             f"decode batch {batch:>4} (context {r['decode']['context']}): step {row['step_s'] * 1e3:.2f} ms, "
             f"pipelined {row['pipelined_step_s'] * 1e3:.2f} ms, {row['bytes_per_step'] / 1e9:.2f} GB/step, "
-            f"{row['hbm_bytes_per_s'] / 1e9:.0f} GB/s" + ("" if util is None else f" = {100 * util:.0f}% of measured HBM")
+            f"{row['hbm_bytes_per_s'] / 1e9:.0f} GB/s"
+            + ("" if util is None else f" = {100 * util:.0f}% of measured HBM")
         )
     for name, err in r.get("errors", {}).items():
         lines.append(f"ERROR in {name}: {err}")

@@ -14,38 +14,68 @@ from pathlib import Path
 
 from strata_jax.api import SamplingParams, StreamChunk
 from strata_jax.bench import workloads
-from strata_jax.workload_data import poisson
 from strata_jax.bench.workloads import BenchRequest
+from strata_jax.workload_data import poisson
 
 DESCRIPTION = "serving benchmark: the engine under a workload, per policy / tiers / arrival rate"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", choices=("loogle", "multiturn", "trace", "sharegpt"), default="loogle", help="request stream (default loogle)")
+    parser.add_argument(
+        "--workload",
+        choices=("loogle", "multiturn", "trace", "sharegpt"),
+        default="loogle",
+        help="request stream (default loogle)",
+    )
     parser.add_argument("--model", default="tiny", help="'tiny' or a local HF folder (default tiny)")
-    parser.add_argument("--policy", default="strata", help="scheduler policies, comma-separated: strata,fifo (default strata)")
-    parser.add_argument("--tiers", default="L1+L2", help="cache tiers, comma-separated among L1, L1+L2, L1+L2+L3 (default L1+L2)")
+    parser.add_argument(
+        "--policy", default="strata", help="scheduler policies, comma-separated: strata,fifo (default strata)"
+    )
+    parser.add_argument(
+        "--tiers", default="L1+L2", help="cache tiers, comma-separated among L1, L1+L2, L1+L2+L3 (default L1+L2)"
+    )
     parser.add_argument("--device-tokens", type=int, default=8192, help="L1 capacity in tokens (default 8192)")
     parser.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 size as a multiple of L1 (default 2)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-    parser.add_argument("--doc-tokens", type=int, default=2048, help="LooGLE: truncate each document to N tokens (default 2048)")
-    parser.add_argument("--questions-per-doc", type=int, default=4, help="LooGLE: questions per document arriving together (default 4)")
+    parser.add_argument(
+        "--doc-tokens", type=int, default=2048, help="LooGLE: truncate each document to N tokens (default 2048)"
+    )
+    parser.add_argument(
+        "--questions-per-doc", type=int, default=4, help="LooGLE: questions per document arriving together (default 4)"
+    )
     parser.add_argument("--output-len", type=int, default=16, help="tokens generated per request (default 16)")
     parser.add_argument("--num-requests", type=int, default=40, help="requests per run (default 40)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default 0)")
     rates = parser.add_mutually_exclusive_group()
-    rates.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrival rate, req/s; inf = all at once (default)")
+    rates.add_argument(
+        "--rate", type=float, default=float("inf"), help="Poisson arrival rate, req/s; inf = all at once (default)"
+    )
     rates.add_argument("--rates", default=None, help="sweep of rates, comma-separated, e.g. 0.5,1,2")
     parser.add_argument("--clients", type=int, default=4, help="multiturn: concurrent clients (default 4)")
     parser.add_argument("--rounds", type=int, default=5, help="multiturn: turns per client (default 5)")
     parser.add_argument("--request-length", type=int, default=256, help="multiturn: new tokens per turn (default 256)")
-    parser.add_argument("--trace", type=Path, default=None, help="trace: Mooncake JSONL file (default: shared conversation trace)")
-    parser.add_argument("--max-input-tokens", type=int, default=4096, help="trace: truncate inputs to this many tokens (default 4096)")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply timestamps by this (default 1.0)")
-    parser.add_argument("--max-batch-tokens", type=int, default=512, help="engine prefill token budget per step (default 512)")
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="trace: Mooncake JSONL file (default: shared conversation trace)"
+    )
+    parser.add_argument(
+        "--max-input-tokens", type=int, default=4096, help="trace: truncate inputs to this many tokens (default 4096)"
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=1.0, help="trace: multiply timestamps by this (default 1.0)"
+    )
+    parser.add_argument(
+        "--max-batch-tokens", type=int, default=512, help="engine prefill token budget per step (default 512)"
+    )
     parser.add_argument("--max-batch-size", type=int, default=8, help="engine sequences per step (default 8)")
-    parser.add_argument("--data-dir", type=Path, default=workloads.DEFAULT_DATA_DIR, help="folder with loogle/ and mooncake/ (default ../shared/data)")
-    parser.add_argument("--pool-scaling", action="store_true", help="also time a decode step with a 4x larger device pool")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=workloads.DEFAULT_DATA_DIR,
+        help="folder with loogle/ and mooncake/ (default ../shared/data)",
+    )
+    parser.add_argument(
+        "--pool-scaling", action="store_true", help="also time a decode step with a 4x larger device pool"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
 
 
@@ -63,14 +93,33 @@ def build_requests(args: argparse.Namespace, engine) -> list[BenchRequest]:
         if engine.tokenizer is None:
             raise SystemExit("the loogle workload needs a model with a tokenizer")
         return workloads.loogle(
-            engine.tokenizer.encode, data_dir=args.data_dir, doc_tokens=args.doc_tokens, num_requests=args.num_requests,
-            output_len=args.output_len, seed=args.seed, questions_per_doc=args.questions_per_doc,
+            engine.tokenizer.encode,
+            data_dir=args.data_dir,
+            doc_tokens=args.doc_tokens,
+            num_requests=args.num_requests,
+            output_len=args.output_len,
+            seed=args.seed,
+            questions_per_doc=args.questions_per_doc,
         )
     if args.workload == "multiturn":
-        return workloads.multiturn(vocab, clients=args.clients, rounds=args.rounds, request_length=args.request_length, output_len=args.output_len, seed=args.seed)
+        return workloads.multiturn(
+            vocab,
+            clients=args.clients,
+            rounds=args.rounds,
+            request_length=args.request_length,
+            output_len=args.output_len,
+            seed=args.seed,
+        )
     if args.workload == "trace":
         path = args.trace or args.data_dir / "mooncake" / "conversation_trace.jsonl"
-        return workloads.mooncake_trace(vocab, path=path, num_requests=args.num_requests, max_input_tokens=args.max_input_tokens, output_len=args.output_len, time_scale=args.time_scale)
+        return workloads.mooncake_trace(
+            vocab,
+            path=path,
+            num_requests=args.num_requests,
+            max_input_tokens=args.max_input_tokens,
+            output_len=args.output_len,
+            time_scale=args.time_scale,
+        )
     return workloads.short_prompts(vocab, num_requests=args.num_requests, output_len=args.output_len, seed=args.seed)
 
 
@@ -129,14 +178,18 @@ class _Run:
 
     def execute(self, timeout_s: float) -> float:
         start = time.perf_counter()
-        roots = sorted((i for i, r in enumerate(self.requests) if r.depends_on is None), key=lambda i: self.requests[i].arrival_s)
+        roots = sorted(
+            (i for i, r in enumerate(self.requests) if r.depends_on is None), key=lambda i: self.requests[i].arrival_s
+        )
         for i in roots:
             delay = start + self.requests[i].arrival_s - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
             self._submit(i)
         if not self.all_done.wait(timeout_s):
-            raise SystemExit(f"run did not finish within {timeout_s:.0f} s ({len(self.done)}/{len(self.requests)} done)")
+            raise SystemExit(
+                f"run did not finish within {timeout_s:.0f} s ({len(self.done)}/{len(self.requests)} done)"
+            )
         return max(self.done.values()) - start
 
 
@@ -144,9 +197,17 @@ def run_one(args: argparse.Namespace, policy: str, tiers: str, rate: float, cach
     from strata_jax.engine import Engine, EngineConfig
 
     config = EngineConfig(
-        model=args.model, policy=policy, tiers=tiers, device_tokens=args.device_tokens, hicache_ratio=args.hicache_ratio,
-        page_size=args.page_size, max_batch_tokens=args.max_batch_tokens, max_batch_size=args.max_batch_size,
-        compilation_cache_dir=cache_dir, show_progress=False, storage_dir=tempfile.mkdtemp(prefix="strata-bench-kv-"),
+        model=args.model,
+        policy=policy,
+        tiers=tiers,
+        device_tokens=args.device_tokens,
+        hicache_ratio=args.hicache_ratio,
+        page_size=args.page_size,
+        max_batch_tokens=args.max_batch_tokens,
+        max_batch_size=args.max_batch_size,
+        compilation_cache_dir=cache_dir,
+        show_progress=False,
+        storage_dir=tempfile.mkdtemp(prefix="strata-bench-kv-"),
         prefetch_min_tokens=0,
     )
     engine = Engine(config)
@@ -191,7 +252,16 @@ def decode_pool_scaling(args: argparse.Namespace) -> dict:
     pages = args.device_tokens // args.page_size
     times = []
     for num_pages in (pages, 4 * pages):
-        runner = ModelRunner(loaded.model, RunnerConfig(page_size=args.page_size, num_device_pages=num_pages, max_batch_tokens=args.max_batch_tokens, max_batch_size=args.max_batch_size, max_context_tokens=4096))
+        runner = ModelRunner(
+            loaded.model,
+            RunnerConfig(
+                page_size=args.page_size,
+                num_device_pages=num_pages,
+                max_batch_tokens=args.max_batch_tokens,
+                max_batch_size=args.max_batch_size,
+                max_context_tokens=4096,
+            ),
+        )
         context = 1024
         seqs = [SeqInput([5], context, list(range(b * 80, b * 80 + context // args.page_size + 1))) for b in range(4)]
         runner.step(seqs)

@@ -35,42 +35,83 @@ DESCRIPTION = "start-up benchmark: time to ready and programs compiled, cold and
 # Model widths (Llama architecture); the default is SmolLM2-135M's, the issue's real model.
 WIDTHS = {
     "smollm2-135m": {
-        "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
     },
     "llama-3.1-8b": {
-        "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
     },
-}  # fmt: skip
+}
 WIDTH = WIDTHS["smollm2-135m"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", default="2,8,16,32", help="depths of the random models, comma-separated; '' for none (default 2,8,16,32)")
+    parser.add_argument(
+        "--layers",
+        default="2,8,16,32",
+        help="depths of the random models, comma-separated; '' for none (default 2,8,16,32)",
+    )
     parser.add_argument("--model", action="append", default=[], help="also measure this HF folder (repeatable)")
     parser.add_argument("--modes", default="cold,warm", help="cold, warm or both (default cold,warm)")
-    parser.add_argument("--max-batch-tokens", type=int, default=None, help="engine max_batch_tokens (default: serve's default)")
-    parser.add_argument("--max-batch-size", type=int, default=None, help="engine max_batch_size (default: serve's default)")
     parser.add_argument(
-        "--device-tokens", type=int, default=None,
+        "--max-batch-tokens", type=int, default=None, help="engine max_batch_tokens (default: serve's default)"
+    )
+    parser.add_argument(
+        "--max-batch-size", type=int, default=None, help="engine max_batch_size (default: serve's default)"
+    )
+    parser.add_argument(
+        "--device-tokens",
+        type=int,
+        default=None,
         help="L1 capacity in tokens (default: serve's default, which on CPU is 65536 tokens: GBs at 32 layers)",
-    )  # fmt: skip
-    parser.add_argument("--scan-layers", choices=("default", "true", "false"), default="default", help="EngineConfig.scan_layers (default: the engine's)")
-    parser.add_argument("--checkout", type=Path, default=None, help="run the starts against this checkout (PYTHONPATH) instead of this one")
-    parser.add_argument("--workdir", type=Path, default=None, help="where random models and caches go (default: a temp dir, removed)")
+    )
     parser.add_argument(
-        "--repeats", type=int, default=1,
+        "--scan-layers",
+        choices=("default", "true", "false"),
+        default="default",
+        help="EngineConfig.scan_layers (default: the engine's)",
+    )
+    parser.add_argument(
+        "--checkout",
+        type=Path,
+        default=None,
+        help="run the starts against this checkout (PYTHONPATH) instead of this one",
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where random models and caches go (default: a temp dir, removed)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
         help="starts per model and mode (each cold start with a fresh cache); ratios use the medians (default 1)",
-    )  # fmt: skip
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one start may take (default 1800)")
     parser.add_argument(
-        "--step-times", default=None, metavar="LAYERS",
+        "--step-times",
+        default=None,
+        metavar="LAYERS",
         help="instead: time decode and extend steps with layers under scan vs the unrolled loop, "
         "side by side in one process, for these depths (comma-separated, e.g. 8,32)",
-    )  # fmt: skip
-    parser.add_argument("--width", choices=sorted(WIDTHS), default="smollm2-135m", help="--step-times: model width (default smollm2-135m)")
-    parser.add_argument("--step-reps", type=int, default=20, help="--step-times: timed repetitions per step kind (default 20)")
+    )
+    parser.add_argument(
+        "--width",
+        choices=sorted(WIDTHS),
+        default="smollm2-135m",
+        help="--step-times: model width (default smollm2-135m)",
+    )
+    parser.add_argument(
+        "--step-reps", type=int, default=20, help="--step-times: timed repetitions per step kind (default 20)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
 
 
@@ -82,10 +123,19 @@ def write_random_model(folder: Path, num_layers: int, *, seed: int = 0, width: d
     h, i, d = width["hidden_size"], width["intermediate_size"], width["head_dim"]
     q, kv = width["num_attention_heads"] * d, width["num_key_value_heads"] * d
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", **width, "num_hidden_layers": num_layers,
-        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": True,
-        "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **width,
+        "num_hidden_layers": num_layers,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     rng = np.random.default_rng(seed)
 
@@ -95,12 +145,19 @@ def write_random_model(folder: Path, num_layers: int, *, seed: int = 0, width: d
     tensors = {"model.embed_tokens.weight": normal(width["vocab_size"], h), "model.norm.weight": np.ones(h, np.float32)}
     for layer in range(num_layers):
         p = f"model.layers.{layer}."
-        tensors.update({
-            p + "input_layernorm.weight": np.ones(h, np.float32), p + "post_attention_layernorm.weight": np.ones(h, np.float32),
-            p + "self_attn.q_proj.weight": normal(q, h), p + "self_attn.k_proj.weight": normal(kv, h),
-            p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, q),
-            p + "mlp.gate_proj.weight": normal(i, h), p + "mlp.up_proj.weight": normal(i, h), p + "mlp.down_proj.weight": normal(h, i),
-        })  # fmt: skip
+        tensors.update(
+            {
+                p + "input_layernorm.weight": np.ones(h, np.float32),
+                p + "post_attention_layernorm.weight": np.ones(h, np.float32),
+                p + "self_attn.q_proj.weight": normal(q, h),
+                p + "self_attn.k_proj.weight": normal(kv, h),
+                p + "self_attn.v_proj.weight": normal(kv, h),
+                p + "self_attn.o_proj.weight": normal(h, q),
+                p + "mlp.gate_proj.weight": normal(i, h),
+                p + "mlp.up_proj.weight": normal(i, h),
+                p + "mlp.down_proj.weight": normal(h, i),
+            }
+        )
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
 
@@ -196,7 +253,13 @@ def start_once(args: argparse.Namespace, model: str, xdg_cache: Path) -> dict:
     env["STRATA_BENCH_ENGINE"] = json.dumps(engine_kwargs(args, model))
     env["STRATA_BENCH_SPAWN"] = repr(time.time())
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD], env=env, cwd=str(xdg_cache.parent), capture_output=True, text=True, timeout=args.timeout, check=False
+        [sys.executable, "-c", CHILD],
+        env=env,
+        cwd=str(xdg_cache.parent),
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+        check=False,
     )
     for line in proc.stdout.splitlines():
         if line.startswith("STRATA_BENCH_RESULT "):
@@ -258,19 +321,30 @@ def step_times(num_layers: int, reps: int, width: dict = WIDTH) -> dict:
     from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
 
     config = ModelConfig(
-        model_type="llama", vocab_size=width["vocab_size"], hidden_size=width["hidden_size"],
-        intermediate_size=width["intermediate_size"], num_layers=num_layers, num_heads=width["num_attention_heads"],
-        num_kv_heads=width["num_key_value_heads"], head_dim=width["head_dim"], tie_word_embeddings=True,
-    )  # fmt: skip
+        model_type="llama",
+        vocab_size=width["vocab_size"],
+        hidden_size=width["hidden_size"],
+        intermediate_size=width["intermediate_size"],
+        num_layers=num_layers,
+        num_heads=width["num_attention_heads"],
+        num_kv_heads=width["num_key_value_heads"],
+        head_dim=width["head_dim"],
+        tie_word_embeddings=True,
+    )
     on_cpu = jax.default_backend() == "cpu"
     model = random_model(config, dtype=jnp.float32 if on_cpu else jnp.bfloat16)
     pages_per_seq = 512 // 16
     runners = {}
     for scan in (True, False):
         rc = RunnerConfig(
-            page_size=16, num_device_pages=8 * pages_per_seq + 1, max_batch_tokens=512, max_batch_size=8,
-            max_context_tokens=512, scan_layers=scan, kv_dtype="float32" if on_cpu else "bfloat16",
-        )  # fmt: skip
+            page_size=16,
+            num_device_pages=8 * pages_per_seq + 1,
+            max_batch_tokens=512,
+            max_batch_size=8,
+            max_context_tokens=512,
+            scan_layers=scan,
+            kv_dtype="float32" if on_cpu else "bfloat16",
+        )
         runners["scan" if scan else "unrolled"] = ModelRunner(model, rc)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, config.vocab_size, size=256)]
@@ -307,12 +381,16 @@ def run_step_times(args: argparse.Namespace) -> int:
     rows = [step_times(int(n), args.step_reps, WIDTHS[args.width]) for n in args.step_times.split(",") if n.strip()]
     for row in rows:
         c = row["compile_s"]
-        print(f"{row['layers']} layers ({args.width}): decode+extend programs compiled in {c['scan']:.1f} s with scan, {c['unrolled']:.1f} s unrolled")
+        print(
+            f"{row['layers']} layers ({args.width}): decode+extend programs compiled in {c['scan']:.1f} s with scan, {c['unrolled']:.1f} s unrolled"
+        )
     print(f"{'layers':>6} {'kind':<7}{'scan ms':>10}{'unrolled ms':>13}{'scan/unrolled':>15}")
     for row in rows:
         for kind in ("decode", "extend"):
             r = row[kind]
-            print(f"{row['layers']:>6} {kind:<7}{r['scan_ms']:>10.2f}{r['unrolled_ms']:>13.2f}{r['scan/unrolled']:>15.3f}")
+            print(
+                f"{row['layers']:>6} {kind:<7}{r['scan_ms']:>10.2f}{r['unrolled_ms']:>13.2f}{r['scan/unrolled']:>15.3f}"
+            )
     if args.json:
         args.json.write_text(json.dumps({"step_times": rows}, indent=2))
     return 0
@@ -341,13 +419,21 @@ def run(args: argparse.Namespace) -> int:
             for mode in modes:
                 result = start_once(args, model, xdg)
                 rows.append({"name": name, "model": model, "mode": mode, "repeat": repeat, **result})
-                print(f"{name} {mode}: ready in {result['ready_s']:.1f} s, {result['xla_compiled']} programs compiled", flush=True)
+                print(
+                    f"{name} {mode}: ready in {result['ready_s']:.1f} s, {result['xla_compiled']} programs compiled",
+                    flush=True,
+                )
     print()
     print_table(rows)
     summary = ratios(rows)
     for key, value in summary.items():
         print(f"{key}: {value:.2f}x")
     if args.json:
-        payload = {"checkout": str(args.checkout or "."), "engine": engine_kwargs(args, "<model>"), "rows": rows, "ratios": summary}
+        payload = {
+            "checkout": str(args.checkout or "."),
+            "engine": engine_kwargs(args, "<model>"),
+            "rows": rows,
+            "ratios": summary,
+        }
         args.json.write_text(json.dumps(payload, indent=2))
     return 0

@@ -19,7 +19,13 @@ from pathlib import Path
 
 DESCRIPTION = "decode time per token with every row JSON-schema constrained vs free, same engine, one run"
 
-SCHEMA = {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 400}}, "required": ["values"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "values": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 400}
+    },
+    "required": ["values"],
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,16 +45,25 @@ def run(args: argparse.Namespace) -> int:
     from strata_jax.engine import Engine, EngineConfig
     from strata_jax.structured import StructuredOutput
 
-    engine = Engine(EngineConfig(
-        model=args.model, show_progress=False, max_batch_size=max(8, args.batch), device_tokens=16384,
-        max_context_tokens=max(512, 4 * args.tokens), tiers="L1",
-    ))  # fmt: skip
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            show_progress=False,
+            max_batch_size=max(8, args.batch),
+            device_tokens=16384,
+            max_context_tokens=max(512, 4 * args.tokens),
+            tiers="L1",
+        )
+    )
     constraint = StructuredOutput.json_schema(SCHEMA)
     prompts = [f"Write numbers, list {i}: " for i in range(args.batch)]
     if engine.tokenizer is None:
         raise SystemExit("this benchmark needs a model with a tokenizer")
     free = [SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=1.0, seed=i) for i in range(args.batch)]
-    held = [SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=i, structured=constraint) for i in range(args.batch)]
+    held = [
+        SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=i, structured=constraint)
+        for i in range(args.batch)
+    ]
     engine.generate(prompts, free)  # warm: every program and the grammar tokenizer
     engine.generate(prompts, held)
     rows = []
@@ -58,19 +73,25 @@ def run(args: argparse.Namespace) -> int:
         t1 = time.perf_counter()
         b = engine.generate(prompts, held)
         t2 = time.perf_counter()
-        rows.append({
-            "free_ms_per_token": 1e3 * _per_token(a), "constrained_ms_per_token": 1e3 * _per_token(b),
-            "free_wall_s": t1 - t0, "constrained_wall_s": t2 - t1,
-            "constrained_tokens": statistics.median(len(o.token_ids) for o in b),
-        })  # fmt: skip
+        rows.append(
+            {
+                "free_ms_per_token": 1e3 * _per_token(a),
+                "constrained_ms_per_token": 1e3 * _per_token(b),
+                "free_wall_s": t1 - t0,
+                "constrained_wall_s": t2 - t1,
+                "constrained_tokens": statistics.median(len(o.token_ids) for o in b),
+            }
+        )
         assert all(json.loads(o.text) for o in b if o.finish_reason == "stop")
     engine.shutdown()
     free_ms = statistics.median(r["free_ms_per_token"] for r in rows)
     held_ms = statistics.median(r["constrained_ms_per_token"] for r in rows)
     print(f"{args.model}, batch {args.batch}, {args.tokens} tokens per request, {args.repeats} alternations")
     for r in rows:
-        print(f"  free {r['free_ms_per_token']:.2f} ms/token   constrained {r['constrained_ms_per_token']:.2f} ms/token "
-              f"({r['constrained_tokens']:.0f} tokens; wall {r['free_wall_s']:.2f} s / {r['constrained_wall_s']:.2f} s)")  # fmt: skip
+        print(
+            f"  free {r['free_ms_per_token']:.2f} ms/token   constrained {r['constrained_ms_per_token']:.2f} ms/token "
+            f"({r['constrained_tokens']:.0f} tokens; wall {r['free_wall_s']:.2f} s / {r['constrained_wall_s']:.2f} s)"
+        )
     print(f"constrained / free: {held_ms / free_ms:.2f}x (medians {held_ms:.2f} / {free_ms:.2f} ms per token)")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "ratio": held_ms / free_ms}, indent=2) + "\n")

@@ -23,7 +23,9 @@ DESCRIPTION = "tensor parallel step time: tp 1 vs tp N (and vocab-parallel vs re
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tp sizes to compare (default: 1 2)")
-    parser.add_argument("--vocab-parallel", action="store_true", help="also time each tp > 1 with a vocab-parallel embedding/LM head")
+    parser.add_argument(
+        "--vocab-parallel", action="store_true", help="also time each tp > 1 with a vocab-parallel embedding/LM head"
+    )
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     parser.add_argument("--intermediate", type=int, default=2816, help="MLP size (default 2816)")
     parser.add_argument("--layers", type=int, default=4, help="layers (default 4)")
@@ -61,10 +63,16 @@ def run(args: argparse.Namespace) -> int:
             "(CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
         )
     config = ModelConfig(
-        model_type="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+        model_type="llama",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
         max_position_embeddings=4 * (args.context + args.extend),
-    )  # fmt: skip
+    )
     page = 16
     pages_per_seq = -(-(args.context + 1) // page)
     rconf = RunnerConfig(
@@ -77,14 +85,20 @@ def run(args: argparse.Namespace) -> int:
     runners = {}
     for tp, vocab_parallel in _variants(args):
         mesh = make_mesh(tp) if tp > 1 else None
-        runners[(tp, vocab_parallel)] = ModelRunner(random_model(config, seed=0), rconf, mesh=mesh, vocab_parallel=vocab_parallel)
+        runners[(tp, vocab_parallel)] = ModelRunner(
+            random_model(config, seed=0), rconf, mesh=mesh, vocab_parallel=vocab_parallel
+        )
     rng = np.random.default_rng(0)
     decode = [
         SeqInput([int(rng.integers(args.vocab))], args.context, list(range(i * pages_per_seq, (i + 1) * pages_per_seq)))
         for i in range(args.batch)
     ]
     base = args.batch * pages_per_seq
-    extend = [SeqInput(rng.integers(args.vocab, size=args.extend).tolist(), 0, list(range(base, base + -(-args.extend // page))))]
+    extend = [
+        SeqInput(
+            rng.integers(args.vocab, size=args.extend).tolist(), 0, list(range(base, base + -(-args.extend // page)))
+        )
+    ]
     times: dict[tuple, dict[str, list[float]]] = {k: {"decode": [], "extend": []} for k in runners}
     tokens: dict[tuple, list[int]] = {}
     for key, runner in runners.items():  # compile and check agreement
@@ -109,8 +123,10 @@ def run(args: argparse.Namespace) -> int:
             }
         )
     first = rows[0]
-    print(f"platform={jax.devices()[0].platform} devices={jax.device_count()} model: {args.layers}L hidden {args.hidden} "
-          f"{args.heads}/{args.kv_heads} heads vocab {args.vocab}; decode batch {args.batch} @ {args.context} ctx; extend {args.extend}")  # fmt: skip
+    print(
+        f"platform={jax.devices()[0].platform} devices={jax.device_count()} model: {args.layers}L hidden {args.hidden} "
+        f"{args.heads}/{args.kv_heads} heads vocab {args.vocab}; decode batch {args.batch} @ {args.context} ctx; extend {args.extend}"
+    )
     for r in rows:
         print(
             f"tp={r['tp']} {'vocab-parallel' if r['vocab_parallel'] else 'replicated   '} "

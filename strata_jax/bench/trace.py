@@ -28,9 +28,17 @@ BLOCK = 512
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL file (e.g. ../shared/data/mooncake/conversation_trace.jsonl)")
+    parser.add_argument(
+        "--trace",
+        required=True,
+        help="Mooncake-format JSONL file (e.g. ../shared/data/mooncake/conversation_trace.jsonl)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests (default: all)")
-    parser.add_argument("--sweep", default=None, help="comma-separated L1 sizes as fractions of the trace's unique tokens, e.g. 0.05,0.1,0.25,1 (replaces --device-tokens)")
+    parser.add_argument(
+        "--sweep",
+        default=None,
+        help="comma-separated L1 sizes as fractions of the trace's unique tokens, e.g. 0.05,0.1,0.25,1 (replaces --device-tokens)",
+    )
     add_cache_arguments(parser)
 
 
@@ -102,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = [prompt_tokens(r) for r in reqs]
     ideal, unique_tokens = ideal_hit_rate(prompts, args.page_size)
     longest = max((len(p) for p in prompts), default=0)
-    print(f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {unique_tokens} unique cached tokens, ideal hit rate {ideal:.4f}")
+    print(
+        f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {unique_tokens} unique cached tokens, ideal hit rate {ideal:.4f}"
+    )
     if args.sweep:
         sizes = [max(int(float(x) * unique_tokens), longest + args.page_size) for x in args.sweep.split(",")]
     else:
@@ -111,8 +121,10 @@ def run(args: argparse.Namespace) -> int:
     for size in sizes:
         res = replay(args, prompts, size)
         results.append(res)
-        print(f"L1 {size:>10} tokens ({size / max(unique_tokens, 1):6.3f} of unique): hit {res['hit_rate']:.4f} "
-              f"(device {res['device']:.4f} host {res['host']:.4f} storage {res['storage']:.4f})")
+        print(
+            f"L1 {size:>10} tokens ({size / max(unique_tokens, 1):6.3f} of unique): hit {res['hit_rate']:.4f} "
+            f"(device {res['device']:.4f} host {res['host']:.4f} storage {res['storage']:.4f})"
+        )
     out = {
         "requests": len(prompts),
         "hit_rate": results[-1]["hit_rate"],

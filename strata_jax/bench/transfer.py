@@ -68,32 +68,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-pool-factor", type=int, default=3, help="host pool holds this many times the pages moved (default: 3)"
     )
     parser.add_argument(
-        "--device-pool-factor", type=int, default=2, help="device pool holds this many times the pages moved (default: 2)"
+        "--device-pool-factor",
+        type=int,
+        default=2,
+        help="device pool holds this many times the pages moved (default: 2)",
     )
     parser.add_argument("--repeats", type=int, default=11, help="timed repeats per method (median kept; default: 11)")
     parser.add_argument(
-        "--backend", default="auto", choices=["auto", "reference", "pallas", "interpret"],
+        "--backend",
+        default="auto",
+        choices=["auto", "reference", "pallas", "interpret"],
         help="scatter implementation for the coalesced path (default: auto = per platform)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--pool-growth", type=int, default=4, help="pool growth factor of the in-place check (default: 4; 0 skips it)"
     )
     parser.add_argument(
-        "--chunk-mb", type=float, default=None,
+        "--chunk-mb",
+        type=float,
+        default=None,
         help="chunk size of the pipelined path in MiB (default: CacheConfig.transfer_chunk_bytes, 4 MiB)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--tier-formats", default="fp8,int8",
+        "--tier-formats",
+        default="fp8,int8",
         help="quantized L2 formats loaded beside full width (comma-separated from fp8,int8; 'none' skips; default fp8,int8)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--pinned", action="store_true",
+        "--pinned",
+        action="store_true",
         help="also load from pinned_host jax arrays (per-page arrays; pinned staging; pinned contiguous) where offered",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--peak-mb", type=float, default=0.0,
+        "--peak-mb",
+        type=float,
+        default=0.0,
         help="also measure the link's peak: one contiguous host->device copy of this many MiB, pageable and pinned (default 0: off)",
-    )  # fmt: skip
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed for page placement")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
@@ -257,12 +268,18 @@ class _PageSizeCase:
             for fmt, (_h, tier_device, tier_want, _b) in tiers.items():  # the dequantized host pages, exactly
                 got = np.transpose(np.asarray(tier_device.kv[:, :, dst]), (2, 0, 1, 3, 4, 5))
                 if not np.array_equal(got.astype(np.float32), tier_want.astype(np.float32)):
-                    raise RuntimeError(f"page size {page_size}, tier {fmt}: loaded pages are not the dequantized host pages")
+                    raise RuntimeError(
+                        f"page size {page_size}, tier {fmt}: loaded pages are not the dequantized host pages"
+                    )
 
         self.methods = {
-            "naive": naive, "coalesced": coalesced, "pipelined": pipelined, "contiguous": contiguous_put, "memcpy": memcpy,
+            "naive": naive,
+            "coalesced": coalesced,
+            "pipelined": pipelined,
+            "contiguous": contiguous_put,
+            "memcpy": memcpy,
             **{f"tier_{fmt}": tier_load(fmt) for fmt in tiers},
-        }  # fmt: skip
+        }
         self.pinned_split: dict[str, list[float]] = {}
         if getattr(args, "pinned_sharding", None) is not None:  # (f) from pinned_host jax arrays
             pinned, to_device = args.pinned_sharding, device_sharding(device)
@@ -339,7 +356,10 @@ class _PageSizeCase:
         if "pinned_pages" not in med:
             return {}
         return {
-            **{f"{name}_gbps": _gbps(self.nbytes, med[name]) for name in ("pinned_pages", "pinned_staging", "pinned_contiguous")},
+            **{
+                f"{name}_gbps": _gbps(self.nbytes, med[name])
+                for name in ("pinned_pages", "pinned_staging", "pinned_contiguous")
+            },
             "pinned_split_ms": {key: 1e3 * statistics.median(values) for key, values in self.pinned_split.items()},
         }
 
@@ -416,7 +436,10 @@ def _measure_link_peak(args) -> dict:
         sources["pinned"] = jax.device_put(host, args.pinned_sharding)
     for name, src in sources.items():
         jax.device_put(src, device).block_until_ready()  # warm-up
-        best = min(_median_time(lambda s=src: jax.device_put(s, device).block_until_ready(), 1) for _ in range(max(3, args.repeats)))
+        best = min(
+            _median_time(lambda s=src: jax.device_put(s, device).block_until_ready(), 1)
+            for _ in range(max(3, args.repeats))
+        )
         out[f"{name}_gbps"] = _gbps(host.nbytes, best)
     del sources
     out["gbps"] = max(v for k, v in out.items() if k.endswith("_gbps"))
@@ -479,13 +502,15 @@ def _table(report: dict) -> str:
     if tier_rows:
         formats = [f for f in next(iter(tier_rows.values()))["tier_tokens_per_s"] if f != "full"]
         lines.append(
-            f"{'page':>5} {'full tok/s':>12} " + " ".join(f"{f + ' tok/s':>12} {f + '/full':>9}" for f in formats)
+            f"{'page':>5} {'full tok/s':>12} "
+            + " ".join(f"{f + ' tok/s':>12} {f + '/full':>9}" for f in formats)
             + "   (tokens loaded per second, engine load path, conversion included)"
         )
         for size, row in tier_rows.items():
             t = row["tier_tokens_per_s"]
             lines.append(
-                f"{size:>5} {t['full']:>12.0f} " + " ".join(f"{t[f]:>12.0f} {row['tier_over_full'][f]:>9.2f}" for f in formats)
+                f"{size:>5} {t['full']:>12.0f} "
+                + " ".join(f"{t[f]:>12.0f} {row['tier_over_full'][f]:>9.2f}" for f in formats)
             )
     if "pool_growth" in report:
         g = report["pool_growth"]
@@ -496,7 +521,9 @@ def _table(report: dict) -> str:
         )
     pinned_rows = {size: row for size, row in report["page_sizes"].items() if "pinned_pages_gbps" in row}
     if pinned_rows:
-        lines.append(f"{'page':>5} {'pinned pages':>13} {'pinned staging':>15} {'pinned contig':>14}   pinned staging split ms gather/pin/transfer/scatter")
+        lines.append(
+            f"{'page':>5} {'pinned pages':>13} {'pinned staging':>15} {'pinned contig':>14}   pinned staging split ms gather/pin/transfer/scatter"
+        )
         for size, row in pinned_rows.items():
             split = row["pinned_split_ms"]
             lines.append(
@@ -530,7 +557,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--total-mb and --repeats must be positive")
     if args.chunk_mb is not None and args.chunk_mb <= 0:
         raise SystemExit("--chunk-mb must be positive")
-    fmts = [] if args.tier_formats.strip().lower() in ("", "none") else [f.strip() for f in args.tier_formats.split(",") if f.strip()]
+    fmts = (
+        []
+        if args.tier_formats.strip().lower() in ("", "none")
+        else [f.strip() for f in args.tier_formats.split(",") if f.strip()]
+    )
     if any(f not in ("fp8", "int8") for f in fmts):
         raise SystemExit(f"--tier-formats takes fp8 and/or int8 (or none), got {args.tier_formats!r}")
     args.tier_formats_list = fmts
@@ -546,10 +577,18 @@ def run(args: argparse.Namespace) -> int:
     report: dict = {
         "platform": platform_name(),
         "config": {
-            "layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype,
-            "total_mb": args.total_mb, "repeats": args.repeats, "backend": args.backend, "chunk_mb": args.chunk_mb,
-            "tier_formats": fmts, "pinned": args.pinned, "peak_mb": args.peak_mb,
-        },  # fmt: skip
+            "layers": args.layers,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "dtype": args.dtype,
+            "total_mb": args.total_mb,
+            "repeats": args.repeats,
+            "backend": args.backend,
+            "chunk_mb": args.chunk_mb,
+            "tier_formats": fmts,
+            "pinned": args.pinned,
+            "peak_mb": args.peak_mb,
+        },
         "page_sizes": {},
     }
     if pinned_info is not None:

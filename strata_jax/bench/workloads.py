@@ -89,7 +89,11 @@ def mooncake_trace(
         return [block_rng.randrange(3, vocab) for _ in range(MOONCAKE_BLOCK)]
 
     for ids, row in mooncake_rows(path, block_ids, max_input_tokens):
-        out.append(BenchRequest(ids, output_len or max(1, min(row["output_length"], 64)), arrival_s=row["timestamp"] / 1000 * time_scale))
+        out.append(
+            BenchRequest(
+                ids, output_len or max(1, min(row["output_length"], 64)), arrival_s=row["timestamp"] / 1000 * time_scale
+            )
+        )
         if len(out) >= num_requests:
             break
     return out
@@ -99,5 +103,6 @@ def short_prompts(vocab: int, *, num_requests: int, output_len: int, seed: int) 
     """ShareGPT-shaped short chats (no shared prefix beyond chance): 16-256 token prompts."""
     rng = random.Random(seed)
     return [
-        BenchRequest([rng.randrange(3, vocab) for _ in range(rng.randint(16, 256))], output_len) for _ in range(num_requests)
+        BenchRequest([rng.randrange(3, vocab) for _ in range(rng.randint(16, 256))], output_len)
+        for _ in range(num_requests)
     ]

@@ -124,7 +124,9 @@ class CacheController(Transfers, StorageIO, Eviction):
         windowed = self.move_data and grouped is not None and any(grouped.local_layers)
         host_page_bytes = self.page_bytes or None
         if windowed and host_page_bytes:  # L2 with layer groups: a page holds a share of the local layers' KV
-            host_page_bytes = max(1, int(grouped_host_page_bytes(self.page_bytes, grouped.local_share, host_local_ratio)))  # type: ignore[union-attr]
+            host_page_bytes = max(
+                1, int(grouped_host_page_bytes(self.page_bytes, grouped.local_share, host_local_ratio))
+            )  # type: ignore[union-attr]
         self.host_alloc = PageAllocator(config.num_host_pages(host_page_bytes, self.device_page_bytes or None), "host")
         self.device_pool = None
         self.host_pool = None
@@ -133,8 +135,12 @@ class CacheController(Transfers, StorageIO, Eviction):
             from strata_jax.cache.pools import DevicePool, HostPool
 
             self.device_pool = DevicePool(
-                layout, self.device_alloc.num_pages, device, kernel_backend=config.kernel_backend,  # type: ignore[arg-type]
-                tier_format=self.tier_format, grouped=grouped,
+                layout,
+                self.device_alloc.num_pages,
+                device,
+                kernel_backend=config.kernel_backend,  # type: ignore[arg-type]
+                tier_format=self.tier_format,
+                grouped=grouped,
             )
             if self.device_pool.local is not None:  # local-layer pages go back with their device pages
                 self.device_alloc.listener = self.device_pool.local
@@ -144,7 +150,11 @@ class CacheController(Transfers, StorageIO, Eviction):
                 host_local = DeviceLocalPages(0, 0)  # no L2: no host page has local KV
                 if self.host_alloc.num_pages:
                     self.host_pool = GroupedHostPool(
-                        layout, self.host_alloc.num_pages, self.tier_format, grouped.local_layers, host_local_ratio,  # type: ignore[arg-type]
+                        layout,
+                        self.host_alloc.num_pages,
+                        self.tier_format,
+                        grouped.local_layers,
+                        host_local_ratio,  # type: ignore[arg-type]
                     )
                     self.host_alloc.listener = self.host_pool
                     host_local = self.host_pool.local
@@ -189,10 +199,14 @@ class CacheController(Transfers, StorageIO, Eviction):
         }
         self._last_error_log = float("-inf")
 
-
     # ------------------------------------------------------------------ queries
     def match_prefix(
-        self, tokens: Sequence[int], namespace: str = "", *, requester: Hashable | None = None, touch: bool = True,
+        self,
+        tokens: Sequence[int],
+        namespace: str = "",
+        *,
+        requester: Hashable | None = None,
+        touch: bool = True,
         hint: PrefixMatch | None = None,
     ) -> PrefixMatch:
         """Tree match plus the L3 pages the backend holds right after the tree's data prefix.
@@ -208,7 +222,11 @@ class CacheController(Transfers, StorageIO, Eviction):
             node = m.last_node
             path = []
             while node.parent is not None:
-                if node.device is not None and node.host is None and node.hit_count >= self.config.write_through_threshold:
+                if (
+                    node.device is not None
+                    and node.host is None
+                    and node.hit_count >= self.config.write_through_threshold
+                ):
                     path.append(node)
                 node = node.parent
             for node in reversed(path):
@@ -270,7 +288,11 @@ class CacheController(Transfers, StorageIO, Eviction):
         return self.tree.remove_transient(owner)
 
     def cache_unfinished(
-        self, tokens: Sequence[int], namespace: str, device_pages: Sequence[int], locked: TreeNode,
+        self,
+        tokens: Sequence[int],
+        namespace: str,
+        device_pages: Sequence[int],
+        locked: TreeNode,
         hint: PrefixMatch | InsertResult | None = None,
     ) -> tuple[TreeNode, list[int]]:
         """Insert a still-running request's computed KV and move its lock down.
@@ -333,7 +355,9 @@ class CacheController(Transfers, StorageIO, Eviction):
             return pages * self.device_page_bytes
         layer_page = self.device_page_bytes // len(grouped.local_layers)
         local = sum(grouped.local_layers)
-        return layer_page * (pages * (len(grouped.local_layers) - local) + self.local_pages.device.pinned(owner) * local)
+        return layer_page * (
+            pages * (len(grouped.local_layers) - local) + self.local_pages.device.pinned(owner) * local
+        )
 
     def complete_window_end(self, pages: Sequence[int], end: int) -> int:
         """The largest ``e <= end`` whose window (the ``window_pages`` before it) has its local
@@ -355,7 +379,10 @@ class CacheController(Transfers, StorageIO, Eviction):
         return self.tree.remove_transient(owner)
 
     def insert(
-        self, tokens: Sequence[int], namespace: str, device_pages: Sequence[int],
+        self,
+        tokens: Sequence[int],
+        namespace: str,
+        device_pages: Sequence[int],
         hint: PrefixMatch | InsertResult | None = None,
     ) -> InsertResult:
         """Computed KV of ``tokens`` (full pages) sits in ``device_pages``: hand it to the tree.
@@ -448,7 +475,9 @@ class CacheController(Transfers, StorageIO, Eviction):
             "device_bytes_per_token": self.device_page_bytes / ps,
             "host_bytes_per_token": host,
             "load_bytes_per_token": c["loaded_bytes"] / (c["loaded_pages"] * ps) if c["loaded_pages"] else None,
-            "backup_bytes_per_token": c["backed_up_bytes"] / (c["backed_up_pages"] * ps) if c["backed_up_pages"] else None,
+            "backup_bytes_per_token": c["backed_up_bytes"] / (c["backed_up_pages"] * ps)
+            if c["backed_up_pages"]
+            else None,
         }
 
     def close(self) -> None:

@@ -104,4 +104,3 @@ def land_at(handle: TransferHandle, when: float, clock: Callable[[], float], tim
     handle.landed_at = when
     handle._is_finished = lambda: clock() >= when
     handle._block = lambda: timer.wait_until(when)
-

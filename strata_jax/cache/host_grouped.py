@@ -43,7 +43,12 @@ class GroupedHostPool:
     """Page-first L2 pool with layer groups; ``local`` maps host page -> local host page."""
 
     def __init__(
-        self, layout: KVLayout, num_pages: int, tier_format: TierFormat, local_layers: Sequence[bool], local_ratio: float
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        tier_format: TierFormat,
+        local_layers: Sequence[bool],
+        local_ratio: float,
     ) -> None:
         from strata_jax.cache.pools import numpy_dtype
 
@@ -126,7 +131,9 @@ class GroupedHostPool:
             group_scales = None if scales is None else scales[:n][:, layers]
             self.write_layers(pages, layers, values[:n][:, layers], group_scales)
 
-    def write_layers(self, pages: Sequence[int], layers: np.ndarray, values: np.ndarray, scales: np.ndarray | None = None) -> None:
+    def write_layers(
+        self, pages: Sequence[int], layers: np.ndarray, values: np.ndarray, scales: np.ndarray | None = None
+    ) -> None:
         """One group's rows (a backup gathers each group apart): ``values[:n]`` of the
         ``layers`` group into ``pages``; the local group only into those pages that still
         have a local page (one evicted since its backup was issued is skipped)."""

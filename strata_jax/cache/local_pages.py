@@ -256,7 +256,9 @@ class DeviceLocalPages:
         assert set(attached) <= used, "a free global page holds a local page"
         assert self.map.local_ids(attached) == self.array[attached].tolist(), "map array out of step"
         assert self.map.used_pages == len(attached), "map and array disagree on what is attached"
-        assert set(self._pinned_by) | set(self._evictable) == set(attached), "an attached page neither pinned nor evictable"
+        assert set(self._pinned_by) | set(self._evictable) == set(attached), (
+            "an attached page neither pinned nor evictable"
+        )
         assert not set(self._pinned_by) & set(self._evictable), "a pinned page is evictable"
         for owner, pages in self._pins.items():
             assert all(owner in self._pinned_by[g] for g in pages), "pins out of step"

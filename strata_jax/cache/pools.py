@@ -52,8 +52,10 @@ def chunk_pages_for(page_bytes: int, chunk_bytes: int) -> int:
 
 
 def _is_run(pages: Sequence[int]) -> bool:
-    return len(pages) > 0 and pages[-1] - pages[0] == len(pages) - 1 and all(
-        pages[i + 1] == pages[i] + 1 for i in range(len(pages) - 1)
+    return (
+        len(pages) > 0
+        and pages[-1] - pages[0] == len(pages) - 1
+        and all(pages[i + 1] == pages[i] + 1 for i in range(len(pages) - 1))
     )
 
 
@@ -78,11 +80,15 @@ class HostPool:
         self.format = tier_format or TierFormat.resolve("full", layout.dtype)
         self.data = np.zeros(layout.page_first_shape(num_pages), dtype=numpy_dtype(self.format.element_dtype))
         self.scales = (
-            np.ones((num_pages, layout.num_layers, 2, layout.num_kv_heads), np.float32) if self.format.quantized else None
+            np.ones((num_pages, layout.num_layers, 2, layout.num_kv_heads), np.float32)
+            if self.format.quantized
+            else None
         )
 
     @classmethod
-    def from_array(cls, layout: KVLayout, data: np.ndarray, scales: np.ndarray | None = None, tier_format: TierFormat | None = None) -> HostPool:
+    def from_array(
+        cls, layout: KVLayout, data: np.ndarray, scales: np.ndarray | None = None, tier_format: TierFormat | None = None
+    ) -> HostPool:
         """A pool over an existing page-first array (no copy), e.g. a benchmark's host pages
         (with ``scales`` and a quantized ``tier_format`` for quantized pages)."""
         if data.ndim != 6 or tuple(data.shape[1:]) != tuple(layout.page_first_shape(1)[1:]):
@@ -91,7 +97,9 @@ class HostPool:
         pool.layout, pool.num_pages, pool.data = layout, data.shape[0], data
         pool.format = tier_format or TierFormat.resolve("full", layout.dtype)
         if pool.format.quantized != (scales is not None):
-            raise ValueError(f"tier format {pool.format.name} {'needs' if pool.format.quantized else 'takes no'} scales")
+            raise ValueError(
+                f"tier format {pool.format.name} {'needs' if pool.format.quantized else 'takes no'} scales"
+            )
         pool.scales = scales
         return pool
 
@@ -244,7 +252,12 @@ def _jitted_transfers(backend: str, sharding=None, tier_format: str = "full", gr
             else:
                 scales = scale_sharding(sharding)
                 _JITTED[key] = (
-                    jax.jit(_scatter, donate_argnums=0, in_shardings=(sharding, sharding, scales, ids), out_shardings=sharding),
+                    jax.jit(
+                        _scatter,
+                        donate_argnums=0,
+                        in_shardings=(sharding, sharding, scales, ids),
+                        out_shardings=sharding,
+                    ),
                     jax.jit(_gather, in_shardings=(sharding, ids), out_shardings=(sharding, scales)),
                 )
     return _JITTED[key]
@@ -271,8 +284,14 @@ class DevicePool:
     """
 
     def __init__(
-        self, layout: KVLayout, num_pages: int, device=None, *, kernel_backend: str = "auto",  # noqa: ANN001
-        tier_format: TierFormat | None = None, grouped: GroupedPoolLayout | None = None,
+        self,
+        layout: KVLayout,
+        num_pages: int,
+        device=None,
+        *,
+        kernel_backend: str = "auto",  # noqa: ANN001
+        tier_format: TierFormat | None = None,
+        grouped: GroupedPoolLayout | None = None,
     ) -> None:
         import jax
         import jax.numpy as jnp
@@ -317,7 +336,9 @@ class DevicePool:
         """Store the pool returned by a step that donated ``self.kv``."""
         self.kv = kv
 
-    def _ids(self, page_ids: Sequence[int], size: int, padding: int | None = None, layers: np.ndarray | None = None) -> np.ndarray:
+    def _ids(
+        self, page_ids: Sequence[int], size: int, padding: int | None = None, layers: np.ndarray | None = None
+    ) -> np.ndarray:
         """The scatter's / gather's targets of ``page_ids`` padded to ``size`` (default padding:
         out of range, dropped by a scatter): page ids, or with layer groups rows ``[size, L]``
         (local layers at the pages' local ids; ``layers``: those columns only)."""
@@ -397,7 +418,12 @@ class DevicePool:
         return self.compile_count - before
 
     def load_from_host(
-        self, host: HostPool | GroupedHostPool, host_pages: Sequence[int], page_ids: Sequence[int], *, chunk_pages: int,
+        self,
+        host: HostPool | GroupedHostPool,
+        host_pages: Sequence[int],
+        page_ids: Sequence[int],
+        *,
+        chunk_pages: int,
         with_local: Sequence[bool] | None = None,
     ) -> list:
         """Pipelined coalesced load of host pages ``host_pages`` into device pages ``page_ids``.
@@ -418,7 +444,9 @@ class DevicePool:
         if chunk_pages < 1 or chunk_pages & (chunk_pages - 1):
             raise ValueError(f"chunk_pages must be a power of two, got {chunk_pages}")
         if host.format != self.tier_format:
-            raise ValueError(f"host pool format {host.format.describe()} != device pool tier format {self.tier_format.describe()}")
+            raise ValueError(
+                f"host pool format {host.format.describe()} != device pool tier format {self.tier_format.describe()}"
+            )
         if self.grouped is None:
             if with_local is not None:
                 raise ValueError("with_local is for a pool with layer groups")
@@ -433,14 +461,24 @@ class DevicePool:
         picked = [i for i, keep in enumerate(with_local) if keep]
         if len(local_layers) and picked:
             arrays += self._load_layers(
-                host, [host_pages[i] for i in picked], [page_ids[i] for i in picked], local_layers, chunk_pages,
+                host,
+                [host_pages[i] for i in picked],
+                [page_ids[i] for i in picked],
+                local_layers,
+                chunk_pages,
                 count_pages=False,
             )
         return arrays
 
     def _load_layers(
-        self, host: HostPool | GroupedHostPool, host_pages: list[int], page_ids: list[int], layers: np.ndarray | None, chunk_pages: int,
-        *, count_pages: bool = True,
+        self,
+        host: HostPool | GroupedHostPool,
+        host_pages: list[int],
+        page_ids: list[int],
+        layers: np.ndarray | None,
+        chunk_pages: int,
+        *,
+        count_pages: bool = True,
     ) -> list:
         """``load_from_host``'s chunks, of every layer or (a pool with layer groups) of ``layers`` only."""
         quantized = self.tier_format.quantized
@@ -482,7 +520,9 @@ class DevicePool:
             pass
         return out
 
-    def gather_tier(self, page_ids: Sequence[int], layers: np.ndarray | None = None, *, count_pages: bool = True) -> tuple:
+    def gather_tier(
+        self, page_ids: Sequence[int], layers: np.ndarray | None = None, *, count_pages: bool = True
+    ) -> tuple:
         """A backup's gather in the tier format: ``(values,)`` for full width, ``(q, scales)``
         quantized on the device right after the gather, so the device->host copy (started
         here, asynchronously) moves the small format.  Bucketed rows; extra rows junk.

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Sequence
 
+from strata_jax.cache.tree_keys import StorageKeys
 from strata_jax.cache.tree_node import (
     IN_FLIGHT,
     IN_QUEUE,
@@ -54,14 +55,20 @@ from strata_jax.cache.tree_node import (
     TreeError,
     TreeNode,
 )
-from strata_jax.cache.tree_keys import StorageKeys
 from strata_jax.cache.tree_tiers import TierBookkeeping, TierObserver
 from strata_jax.cache.tree_window import LOCAL_MISSING, LOCAL_ON_DEVICE, LOCAL_ON_HOST, LocalPages, window_match
 
 __all__ = [
-    "IN_FLIGHT", "IN_QUEUE", "READY", "TRANSIENT_STATES",
-    "HiRadixTree", "InsertResult", "PrefixMatch", "TreeError", "TreeNode",
-]  # fmt: skip
+    "IN_FLIGHT",
+    "IN_QUEUE",
+    "READY",
+    "TRANSIENT_STATES",
+    "HiRadixTree",
+    "InsertResult",
+    "PrefixMatch",
+    "TreeError",
+    "TreeNode",
+]
 
 
 class HiRadixTree(TierBookkeeping, StorageKeys):
@@ -329,7 +336,9 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
                     if local.on_device(page):
                         codes.append(LOCAL_ON_DEVICE)
                     else:
-                        codes.append(LOCAL_ON_HOST if host_ids is not None and local.on_host(host_ids[j]) else LOCAL_MISSING)
+                        codes.append(
+                            LOCAL_ON_HOST if host_ids is not None and local.on_host(host_ids[j]) else LOCAL_MISSING
+                        )
                 device_pages = len(codes)
             else:
                 codes.extend(LOCAL_ON_HOST if local.on_host(page) else LOCAL_MISSING for page in node.host)  # type: ignore[union-attr]
@@ -485,9 +494,15 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
             path.append(leaf)
             node = leaf
         return InsertResult(
-            existing_tokens=existing, unused_pages=tuple(unused), new_nodes=tuple(new_nodes), last_node=node,
-            namespace=namespace, walk_tokens=key, walk_path=tuple(path), walk_lens=tuple(len(x.key) for x in path),
-        )  # fmt: skip
+            existing_tokens=existing,
+            unused_pages=tuple(unused),
+            new_nodes=tuple(new_nodes),
+            last_node=node,
+            namespace=namespace,
+            walk_tokens=key,
+            walk_path=tuple(path),
+            walk_lens=tuple(len(x.key) for x in path),
+        )
 
     @staticmethod
     def _hinted_positions(
@@ -588,4 +603,3 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
             if node.parent is not None:
                 yield node
             stack.extend(node.children.values())
-

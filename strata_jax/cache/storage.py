@@ -344,9 +344,13 @@ class MemoryStorage(StorageBackend):
     def stats(self) -> StorageStats:
         with self._lock:
             return StorageStats(
-                self.name, len(self._objects), self._bytes, self.capacity_bytes, **self._counts,
+                self.name,
+                len(self._objects),
+                self._bytes,
+                self.capacity_bytes,
+                **self._counts,
                 authenticated=self._codec.secret is not None,
-            )  # fmt: skip
+            )
 
     def _corrupt_for_test(self, key: bytes, blob: bytes) -> None:
         with self._lock:

@@ -224,6 +224,10 @@ class FileStorage(StorageBackend):
     def stats(self) -> StorageStats:
         with self._lock:
             return StorageStats(
-                self.name, len(self._index), self._bytes, self.capacity_bytes, **self._counts,
+                self.name,
+                len(self._index),
+                self._bytes,
+                self.capacity_bytes,
+                **self._counts,
                 authenticated=self._codec.secret is not None,
-            )  # fmt: skip
+            )

@@ -78,7 +78,11 @@ class StorageIO:
         ttl = self.config.storage_probe_ttl_s
         name = (keys[0], keys[-1])
         seen = self._probe_memo.get(name)
-        if seen is not None and now - seen[1] < ttl and (seen[0] == len(keys) or keys[seen[0]] not in self._recent_writes):
+        if (
+            seen is not None
+            and now - seen[1] < ttl
+            and (seen[0] == len(keys) or keys[seen[0]] not in self._recent_writes)
+        ):
             return seen[0]
         try:
             hits = self.storage.batch_exists(self._object_keys(keys))  # type: ignore[union-attr]
@@ -220,7 +224,7 @@ class StorageIO:
             # the objects' local-layer KV lands in local host pages pinned for the read; those of
             # objects flagged global-only go back when it settles
             self._attach_host_local(host_pages, tail=host_pages[-(self.local_pages.window_pages + 1) :])  # type: ignore[attr-defined, union-attr]
-            self.host_pool.local.pin(('prefetch', id(handle)), host_pages)
+            self.host_pool.local.pin(("prefetch", id(handle)), host_pages)
             handle.local_slots = self.host_pool.local.local_ids(np.asarray(host_pages)).tolist()
         if self.move_data:
             handle.future = self._executor.submit(self._prefetch_worker, handle)  # type: ignore[union-attr]
@@ -236,7 +240,12 @@ class StorageIO:
     def prefetch_progress(self, request_id: Hashable) -> tuple[int, int, float] | None:
         """``request_id``'s prefetch still in flight: (tokens landed, tokens in all, seconds since issue)."""
         for h in self._pending:
-            if isinstance(h, PrefetchHandle) and h.request_id == request_id and not h.finished and not self._finished(h):
+            if (
+                isinstance(h, PrefetchHandle)
+                and h.request_id == request_id
+                and not h.finished
+                and not self._finished(h)
+            ):
                 landed = self._simulated_pages_landed(h) if self._timer is not None else h.landed
                 return landed * self.page_size, h.num_pages * self.page_size, self._clock() - h.issued_at
         return None
@@ -370,7 +379,7 @@ class StorageIO:
         self._prefetch_reserved.difference_update(handle.host_pages)
         if isinstance(self.host_pool, GroupedHostPool):  # the worker is done with the local host pages
             local = self.host_pool.local
-            local.unpin(('prefetch', id(handle)))
+            local.unpin(("prefetch", id(handle)))
             local.detach(handle.global_only)
         to_free = list(handle.host_pages[landed:])
         if landed:

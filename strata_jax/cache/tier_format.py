@@ -126,9 +126,16 @@ class TierFormat:
     # -- L3 objects ---------------------------------------------------------------------
     def header(self, layout, flags: int = 0) -> bytes:  # noqa: ANN001
         return PAGE_HEADER.pack(
-            PAGE_MAGIC, _FORMAT_CODES[self.name], _DTYPE_CODES[self.element_dtype], _SCALE_CODES[self.scale_layout], flags,
-            layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim,
-        )  # fmt: skip
+            PAGE_MAGIC,
+            _FORMAT_CODES[self.name],
+            _DTYPE_CODES[self.element_dtype],
+            _SCALE_CODES[self.scale_layout],
+            flags,
+            layout.num_layers,
+            layout.page_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        )
 
     def check_object(self, layout, payload: bytes | memoryview) -> memoryview | None:  # noqa: ANN001
         """The page bytes (values then scales) of an L3 payload in exactly this format, else ``None``.
@@ -160,7 +167,9 @@ class TierFormat:
         a hash of the format and the key for a quantized format (another format: another key)."""
         if not self.quantized:
             return key
-        return hashlib.sha256(_KEY_TAG + f"{self.name}|{self.element_dtype}|{self.scale_layout}".encode() + b"\x00" + key).digest()
+        return hashlib.sha256(
+            _KEY_TAG + f"{self.name}|{self.element_dtype}|{self.scale_layout}".encode() + b"\x00" + key
+        ).digest()
 
     def describe(self) -> str:
         return f"{self.name} ({self.element_dtype}{', scales ' + self.scale_layout if self.quantized else ''})"

@@ -76,7 +76,9 @@ class Transfers:
             handle._block = block
             self._track_backup(handle, host_pages)
         elif self._timer is not None:  # simulated: lands in virtual time, same bookkeeping as above
-            land_at(handle, self._timer.land_time("backup", n, handle.nbytes, handle.issued_at), self._clock, self._timer)
+            land_at(
+                handle, self._timer.land_time("backup", n, handle.nbytes, handle.issued_at), self._clock, self._timer
+            )
             handle._on_done = lambda: self._backup_landed(node, host_pages, keys)
             self._track_backup(handle, host_pages)
         else:
@@ -148,7 +150,9 @@ class Transfers:
                 for s in range(0, len(picked), chunk):
                     part = picked[s : s + chunk]
                     arrays = device_pool.gather_tier(  # type: ignore[union-attr]
-                        [dev_pages[i] for i in part], layers, count_pages=layers is groups[0],
+                        [dev_pages[i] for i in part],
+                        layers,
+                        count_pages=layers is groups[0],
                     )
                     moves.append((layers, [host_pages[i] for i in part], arrays))
 
@@ -181,7 +185,9 @@ class Transfers:
             if h is not None:
                 self.wait(h)
 
-    def load(self, match: PrefixMatch, request_id: Hashable | None = None, use_tokens: int | None = None) -> TransferHandle | None:
+    def load(
+        self, match: PrefixMatch, request_id: Hashable | None = None, use_tokens: int | None = None
+    ) -> TransferHandle | None:
         """Bring the host-only nodes on the path to ``match.last_node`` into L1.
 
         ``use_tokens``: where the caller's prefix will end if before the match's end (a
@@ -223,7 +229,11 @@ class Transfers:
         if self.move_data:
             self._wait_host(host_pages)
             arrays = self.device_pool.load_from_host(  # type: ignore[union-attr]
-                self.host_pool, host_pages, dev_pages, chunk_pages=self._transfer_chunk_pages(), with_local=with_local  # type: ignore[arg-type]
+                self.host_pool,
+                host_pages,
+                dev_pages,
+                chunk_pages=self._transfer_chunk_pages(),
+                with_local=with_local,  # type: ignore[arg-type]
             )
             await_arrays(handle, arrays)
 

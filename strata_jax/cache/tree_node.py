@@ -147,4 +147,3 @@ class InsertResult:
 
 class TreeError(ValueError):
     """Bad input to a tree operation (wrong lengths, unknown node, unbalanced unlock)."""
-

@@ -224,8 +224,11 @@ class TierBookkeeping:
         ``before_drop(node)`` (e.g. a write-back to storage) has been called.
         """
         self.version += 1  # what a match returns may change
+
         def candidate(n: TreeNode) -> bool:
-            return n.host is not None and n.device is None and n.lock_ref == 0 and not n.children and n.parent is not None
+            return (
+                n.host is not None and n.device is None and n.lock_ref == 0 and not n.children and n.parent is not None
+            )
 
         heap = [(n.last_access, n.node_id, n) for n in self._host_nodes if candidate(n)]
         heapq.heapify(heap)
@@ -318,7 +321,9 @@ class TierBookkeeping:
         locked = sum(len(n.device) for n in self.iter_nodes() if n.device is not None and n.lock_ref > 0)
         assert locked == self.locked_device_pages, "locked device page counter drifted"
         assert len(host_seen) == self.host_pages, "host page counter drifted"
-        assert self._device_nodes == {n for n in self.iter_nodes() if n.device is not None}, "device node index out of sync"
+        assert self._device_nodes == {n for n in self.iter_nodes() if n.device is not None}, (
+            "device node index out of sync"
+        )
         assert self._host_nodes == {n for n in self.iter_nodes() if n.host is not None}, "host node index out of sync"
         assert owned_seen == {k: v for k, v in self._owned.items() if v}, "owner index out of sync"
         for seen, free, total, reserved in (
@@ -332,4 +337,3 @@ class TierBookkeeping:
             assert len(free_set) == len(free), "page freed twice"
             assert not (free_set & seen) and not (res & seen) and not (free_set & res), "page both owned and free"
             assert len(free_set) + len(seen) + len(res) == total, "pages leaked"
-

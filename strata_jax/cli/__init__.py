@@ -32,20 +32,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(demo)
 
-    info = sub.add_parser("info", help="devices, memory kinds, versions, and the defaults and kernels chosen (here, on CUDA, on ROCm)")
+    info = sub.add_parser(
+        "info", help="devices, memory kinds, versions, and the defaults and kernels chosen (here, on CUDA, on ROCm)"
+    )
     from strata_jax.cli.info import add_info_arguments
 
     add_info_arguments(info)
 
-    convert = sub.add_parser("convert", help="write the Hugging Face folder equivalent to a GGUF file (needs the gguf extra)")
+    convert = sub.add_parser(
+        "convert", help="write the Hugging Face folder equivalent to a GGUF file (needs the gguf extra)"
+    )
     convert.add_argument("gguf_file", help="the .gguf file (llama, mistral, qwen2 or qwen3 architecture)")
     convert.add_argument("out_dir", help="output folder (created; must be empty if it exists)")
     convert.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
         help="dtype of the dequantized weights in model.safetensors (default float32)",
     )
 
-    simulate = sub.add_parser("simulate", help="TTFT vs throughput of several systems on a simulated machine (H200, GH200, ...)")
+    simulate = sub.add_parser(
+        "simulate", help="TTFT vs throughput of several systems on a simulated machine (H200, GH200, ...)"
+    )
     from strata_jax.cli.simulate import add_simulate_arguments
 
     add_simulate_arguments(simulate)

@@ -49,19 +49,34 @@ class Question:
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny' (embedded default), a local Hugging Face folder or a .gguf file")
-    parser.add_argument("--doc-tokens", type=int, default=2048, help="cut the document to this many tokens (default 2048)")
     parser.add_argument(
-        "--document", type=Path, default=None,
+        "--model", default="tiny", help="'tiny' (embedded default), a local Hugging Face folder or a .gguf file"
+    )
+    parser.add_argument(
+        "--doc-tokens", type=int, default=2048, help="cut the document to this many tokens (default 2048)"
+    )
+    parser.add_argument(
+        "--document",
+        type=Path,
+        default=None,
         help="text file to use as the document (default: a LooGLE excerpt with its questions for chat models, "
         "synthetic text for the tiny model)",
     )
-    parser.add_argument("--question", action="append", default=None, help="a question to ask (repeatable; default: the document's or generic ones)")
     parser.add_argument(
-        "--max-tokens", type=int, default=None,
+        "--question",
+        action="append",
+        default=None,
+        help="a question to ask (repeatable; default: the document's or generic ones)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
         help=f"answer length limit per question (default {TINY_MAX_TOKENS} for the tiny model, {CHAT_MAX_TOKENS} for chat models)",
     )
-    parser.add_argument("--json", type=Path, default=None, help="also write the measurements and answers to this JSON file")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write the measurements and answers to this JSON file"
+    )
     from strata_jax.cli.generate import add_tp_argument
 
     add_tp_argument(parser)
@@ -73,8 +88,14 @@ def run_demo(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="strata-demo-kv-") as storage_dir:
         engine = Engine(
             EngineConfig(
-                model=args.model, tp=args.tp, tiers="L1+L2+L3", storage_dir=storage_dir, max_batch_size=1, max_batch_tokens=512,
-                prefetch_policy="wait_complete", prefetch_min_tokens=0,
+                model=args.model,
+                tp=args.tp,
+                tiers="L1+L2+L3",
+                storage_dir=storage_dir,
+                max_batch_size=1,
+                max_batch_tokens=512,
+                prefetch_policy="wait_complete",
+                prefetch_min_tokens=0,
             )
         )
         try:
@@ -113,7 +134,10 @@ def _ask(engine, args: argparse.Namespace) -> list[dict]:
         # the rendered template carries its own special tokens (a BOS, if the model has one): encode
         # it without adding more, as transformers' apply_chat_template(tokenize=True) does
         prompts = [
-            tok.encode(tok.apply_chat_template([{"role": "user", "content": f"{doc_text}\n\nQuestion: {q.text}"}]), add_special_tokens=False)
+            tok.encode(
+                tok.apply_chat_template([{"role": "user", "content": f"{doc_text}\n\nQuestion: {q.text}"}]),
+                add_special_tokens=False,
+            )
             for q in questions
         ]
         max_tokens = args.max_tokens or CHAT_MAX_TOKENS
@@ -155,13 +179,21 @@ def _print_answers(rows: list[dict]) -> None:
     print()
     for r in rows:
         print(f"Q{r['question']} ({r['expected_source']}): {r['text']}")
-        print(textwrap.fill(r["answer"].strip() or "(empty)", 100, initial_indent="    A: ", subsequent_indent="       "))
+        print(
+            textwrap.fill(r["answer"].strip() or "(empty)", 100, initial_indent="    A: ", subsequent_indent="       ")
+        )
         if r["reference_answer"]:
-            print(textwrap.fill(r["reference_answer"], 100, initial_indent="    reference: ", subsequent_indent="               "))
+            print(
+                textwrap.fill(
+                    r["reference_answer"], 100, initial_indent="    reference: ", subsequent_indent="               "
+                )
+            )
 
 
 def _print_table(rows: list[dict], engine) -> None:
-    print(f"\nmodel {engine.model_name}: one document, {len(rows)} questions ({rows[0]['prompt_tokens']}-token first prompt)\n")
+    print(
+        f"\nmodel {engine.model_name}: one document, {len(rows)} questions ({rows[0]['prompt_tokens']}-token first prompt)\n"
+    )
     print(f"{'#':>2}  {'KV from':<8} {'L1 hit':>7} {'L2 hit':>7} {'L3 hit':>7} {'TTFT ms':>9} {'decode tok/s':>13}")
     for r in rows:
         c = r["cached"]
@@ -173,6 +205,8 @@ def _print_table(rows: list[dict], engine) -> None:
     for label in ("L1", "L2", "L3"):
         hits = [r["ttft_ms"] for r in rows if r["expected_source"] == label]
         if hits:
-            print(f"TTFT with the document from {label}: {min(hits):.1f} ms vs {cold:.1f} ms cold ({cold / min(hits):.1f}x faster)")
+            print(
+                f"TTFT with the document from {label}: {min(hits):.1f} ms vs {cold:.1f} ms cold ({cold / min(hits):.1f}x faster)"
+            )
     if engine.model_name == "tiny":
         print("(the tiny model has random weights: its answers are noise; the timings are the point)")

@@ -10,7 +10,9 @@ from strata_jax.api import InvalidRequestError, SamplingParams
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="'tiny' (embedded random default), a local Hugging Face folder or a .gguf file")
+    parser.add_argument(
+        "--model", default="tiny", help="'tiny' (embedded random default), a local Hugging Face folder or a .gguf file"
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
     source.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
@@ -20,7 +22,12 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed for reproducible output")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="weights/KV dtype (default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="weights/KV dtype (default: float32 on CPU, bfloat16 on GPU)",
+    )
     add_tp_argument(parser)
     parser.add_argument("--json", action="store_true", help='print only {"token_ids": [...], "text": "..."} on stdout')
 
@@ -62,7 +69,9 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, tp=args.tp, warmup=False, show_progress=not args.json))
+        engine = Engine(
+            EngineConfig(model=args.model, dtype=args.dtype, tp=args.tp, warmup=False, show_progress=not args.json)
+        )
     except InvalidRequestError as exc:  # e.g. --tp above the device count or not dividing the heads
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -185,7 +185,9 @@ def format_text(info: dict[str, Any]) -> str:
     for d in info["devices"]:
         mem = f", {d['memory_bytes'] / 2**30:.1f} GiB" if "memory_bytes" in d else ""
         kinds = ", ".join(k + ("*" if k == d["default_memory_kind"] else "") for k in d["memory_kinds"])
-        lines.append(f"  {d['id']}: {d['platform']} {d['device_kind']} (process {d['process_index']}{mem}); memory kinds: {kinds}")
+        lines.append(
+            f"  {d['id']}: {d['platform']} {d['device_kind']} (process {d['process_index']}{mem}); memory kinds: {kinds}"
+        )
     lines.append("  (* = default memory kind)")
 
     def defaults_lines(title: str, defaults: dict, backend: str, kernels: dict[str, str]) -> None:
@@ -207,7 +209,12 @@ def format_text(info: dict[str, Any]) -> str:
     lines.append(f"  native decode and extend attention: {c['native_kernels']}")
     for name, col in info["would_choose"].items():
         d = col["defaults"]
-        defaults_lines(f"would choose on {name} (lowering target {col['device_kind_target']}):", d, d["kernel_backend"], col["kernels"])
+        defaults_lines(
+            f"would choose on {name} (lowering target {col['device_kind_target']}):",
+            d,
+            d["kernel_backend"],
+            col["kernels"],
+        )
         for op, status in col.get("lowering", {}).items():
             lines.append(f"  lowers {op} for {name}: {status}")
     return "\n".join(lines)

@@ -18,82 +18,144 @@ import time
 from pathlib import Path
 
 from strata_jax.sim import workloads as W
+from strata_jax.sim.host_model import load_host_model
 from strata_jax.sim.model_spec import BUILTIN_MODELS, load_model_spec
 from strata_jax.sim.profile import available_profiles, load_profile
-from strata_jax.sim.host_model import load_host_model
 from strata_jax.sim.runner import RunResult, SimSetup, simulate
 from strata_jax.sim.systems import SYSTEMS, get_system
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=W.WORKLOADS, default="loogle", help="request stream (default loogle)")
-    p.add_argument("--model", default="llama-3.1-8b", help=f"{' | '.join(BUILTIN_MODELS)} or a config.json path (default llama-3.1-8b)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree for a config.json model (built-ins carry theirs)")
-    p.add_argument("--profile", default="h200", help=f"hardware profile: {' | '.join(available_profiles())} or a JSON path (default h200)")
-    p.add_argument("--systems", default="hicache,strata", help=f"comma-separated, from: {', '.join(SYSTEMS)} (default hicache,strata)")
-    p.add_argument("--rates", default="1,2,4,8", help="comma-separated request rates in req/s (mooncake: speed-up factors); inf = all at t=0")
+    p.add_argument(
+        "--model",
+        default="llama-3.1-8b",
+        help=f"{' | '.join(BUILTIN_MODELS)} or a config.json path (default llama-3.1-8b)",
+    )
+    p.add_argument(
+        "--tp", type=int, default=None, help="tensor-parallel degree for a config.json model (built-ins carry theirs)"
+    )
+    p.add_argument(
+        "--profile",
+        default="h200",
+        help=f"hardware profile: {' | '.join(available_profiles())} or a JSON path (default h200)",
+    )
+    p.add_argument(
+        "--systems",
+        default="hicache,strata",
+        help=f"comma-separated, from: {', '.join(SYSTEMS)} (default hicache,strata)",
+    )
+    p.add_argument(
+        "--rates",
+        default="1,2,4,8",
+        help="comma-separated request rates in req/s (mooncake: speed-up factors); inf = all at t=0",
+    )
     p.add_argument("--num-requests", type=int, default=1000, help="requests per run (default 1000)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-distance", choices=W.CACHE_DISTANCES, default="max", help="loogle: order of a document's questions (default max)")
     p.add_argument(
-        "--warmup", action="store_true",
+        "--cache-distance",
+        choices=W.CACHE_DISTANCES,
+        default="max",
+        help="loogle: order of a document's questions (default max)",
+    )
+    p.add_argument(
+        "--warmup",
+        action="store_true",
         help="loogle: first compute every document once (unmeasured, all at t=0), so the measured stream meets "
         "the cache of a long-running server instead of a cold one",
-    )  # fmt: skip
-    p.add_argument("--docs", type=int, default=100, help="loogle: number of documents (default 100: more than L1 holds, less than L2)")
-    p.add_argument("--output-len", type=int, default=None, help="output tokens per request (default: 32 loogle, 64 multiturn)")
-    p.add_argument("--data-dir", default=None, help="where loogle/ and mooncake/ live (default ../shared/data next to the repo)")
-    p.add_argument("--trace", default=None, help="mooncake trace JSONL (default <data-dir>/mooncake/conversation_trace.jsonl)")
+    )
+    p.add_argument(
+        "--docs",
+        type=int,
+        default=100,
+        help="loogle: number of documents (default 100: more than L1 holds, less than L2)",
+    )
+    p.add_argument(
+        "--output-len", type=int, default=None, help="output tokens per request (default: 32 loogle, 64 multiturn)"
+    )
+    p.add_argument(
+        "--data-dir", default=None, help="where loogle/ and mooncake/ live (default ../shared/data next to the repo)"
+    )
+    p.add_argument(
+        "--trace", default=None, help="mooncake trace JSONL (default <data-dir>/mooncake/conversation_trace.jsonl)"
+    )
     p.add_argument("--page-size", type=int, default=32, help="KV page size in tokens (default 32, as in Strata)")
     p.add_argument(
-        "--device-kv-tokens", type=int, default=None,
+        "--device-kv-tokens",
+        type=int,
+        default=None,
         help="L1 size in tokens (default: HBM left after weights; taken as given with --loads window)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--host-kv-tokens", type=int, default=None,
+        "--host-kv-tokens",
+        type=int,
+        default=None,
         help="L2 size in tokens (default: the profile's host_kv_bytes; taken as given with --loads window)",
-    )  # fmt: skip
-    p.add_argument("--write-policy", choices=("write_through", "write_through_selective", "write_back"), default="write_through")
+    )
     p.add_argument(
-        "--kv-tier-format", default="full",
+        "--write-policy", choices=("write_through", "write_through_selective", "write_back"), default="write_through"
+    )
+    p.add_argument(
+        "--kv-tier-format",
+        default="full",
         help="format of L2/L3 pages: full (bf16, default), fp8 or int8 (8-bit values + a float32 scale per page, layer, "
         "K/V and KV head); loads and storage reads move, and L2 holds, the smaller pages; comma-separated to compare "
         "several side by side (e.g. full,fp8)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--loads", default="full",
+        "--loads",
+        default="full",
         help="a model with sliding-window layers: full (default: every layer's pages in every tier and on every load) "
         "or window (a window-aware hierarchy: loads and storage reads move the full-attention layers' pages and of each "
         "windowed layer only the pages its window reaches, and L1/L2 hold, per cached sequence, only the window before "
         "its end of the windowed layers, so they fit more tokens); comma-separated to compare side by side (full,window)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--host-model", default="measured",
+        "--host-model",
+        default="measured",
         help="the engine's host time per step: 'measured' (default: the model bench host fitted on this engine, "
         "sim/host_model.json), 'none' (free) or a JSON path",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--serial", action="store_true",
+        "--serial",
+        action="store_true",
         help="simulate the serial engine loop (the host path between steps, not overlapped with the device)",
-    )  # fmt: skip
-    p.add_argument("--ttft-target", type=float, default=2.0, help="mean TTFT for the sustained-rate table, seconds (default 2)")
+    )
+    p.add_argument(
+        "--ttft-target", type=float, default=2.0, help="mean TTFT for the sustained-rate table, seconds (default 2)"
+    )
     p.add_argument("--json", default=None, help="write the runs as JSON here")
     p.add_argument("--plot", default=None, help="write a TTFT-vs-throughput PNG here (needs the sim extra: matplotlib)")
-    p.add_argument("--calibrate", default=None, metavar="PATH", help="measure this machine and write a profile JSON to PATH (needs jax)")
+    p.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="PATH",
+        help="measure this machine and write a profile JSON to PATH (needs jax)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _requests(args: argparse.Namespace, rate: float) -> list[W.SimRequest]:
     n = args.num_requests
     if args.workload == "loogle":
-        return W.loogle(num_requests=n, rate=rate, seed=args.seed, data_dir=W.find_data_dir(args.data_dir), docs=args.docs,
-                        distance=args.cache_distance, output_len=args.output_len or 32, warmup=args.warmup)  # fmt: skip
+        return W.loogle(
+            num_requests=n,
+            rate=rate,
+            seed=args.seed,
+            data_dir=W.find_data_dir(args.data_dir),
+            docs=args.docs,
+            distance=args.cache_distance,
+            output_len=args.output_len or 32,
+            warmup=args.warmup,
+        )
     if args.warmup:
         raise ValueError(f"--warmup applies to the loogle workload, not {args.workload}")
     if args.workload == "multiturn":
         return W.multiturn(num_requests=n, rate=rate, seed=args.seed, output_len=args.output_len or 64)
     if args.workload == "mooncake":
-        trace = Path(args.trace) if args.trace else W.find_data_dir(args.data_dir) / "mooncake" / "conversation_trace.jsonl"
+        trace = (
+            Path(args.trace) if args.trace else W.find_data_dir(args.data_dir) / "mooncake" / "conversation_trace.jsonl"
+        )
         return W.mooncake(num_requests=n, path=trace, speedup=rate, max_output=args.output_len)
     return W.sharegpt(num_requests=n, rate=rate, seed=args.seed)
 
@@ -138,7 +200,9 @@ def _run(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise SystemExit("strata-jax simulate: --plot needs the sim extra (matplotlib): pip install 'strata-jax[sim]'") from None
+            raise SystemExit(
+                "strata-jax simulate: --plot needs the sim extra (matplotlib): pip install 'strata-jax[sim]'"
+            ) from None
     systems = [get_system(s.strip()) for s in args.systems.split(",") if s.strip()]
     rates = _parse_rates(args.rates)
     formats = [f.strip() for f in args.kv_tier_format.split(",") if f.strip()]
@@ -148,12 +212,19 @@ def _run(args: argparse.Namespace) -> int:
     if not loads or any(x not in ("full", "window") for x in loads):
         raise ValueError(f"--loads takes full and/or window (comma-separated), got {args.loads!r}")
     if len(formats) > 1 and len(loads) > 1:
-        raise ValueError("compare either several --kv-tier-format values or several --loads values in one run, not both")
+        raise ValueError(
+            "compare either several --kv-tier-format values or several --loads values in one run, not both"
+        )
     setup = SimSetup(
-        model=load_model_spec(args.model, args.tp), profile=load_profile(args.profile), page_size=args.page_size,
-        device_tokens=args.device_kv_tokens, host_tokens=args.host_kv_tokens, write_policy=args.write_policy,
-        host=load_host_model(args.host_model), pipeline=not args.serial,
-    )  # fmt: skip
+        model=load_model_spec(args.model, args.tp),
+        profile=load_profile(args.profile),
+        page_size=args.page_size,
+        device_tokens=args.device_kv_tokens,
+        host_tokens=args.host_kv_tokens,
+        write_policy=args.write_policy,
+        host=load_host_model(args.host_model),
+        pipeline=not args.serial,
+    )
     variants = formats if len(formats) > 1 else loads
     if len(variants) > 1:  # each system once per format (or loads), named system[format]
         systems = [dataclasses.replace(s, name=f"{s.name}[{v}]") for v in variants for s in systems]
@@ -177,7 +248,9 @@ def _run(args: argparse.Namespace) -> int:
             requests = _requests(args, math.inf if rate == math.inf else rate)
             if bar is not None:
                 bar.set_postfix_str(f"{system.name} @ {rate:g}")
-            runs.append(simulate(requests, system, setups[system.name], rate, progress=bar.update if bar is not None else None))
+            runs.append(
+                simulate(requests, system, setups[system.name], rate, progress=bar.update if bar is not None else None)
+            )
     if bar is not None:
         bar.close()
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
@@ -189,22 +262,32 @@ def _run(args: argparse.Namespace) -> int:
     warm = ", after a warm-up pass over the documents" if args.warmup else ""
     fmt = f", L2/L3 format {'/'.join(formats)}" if formats != ["full"] else ""
     fmt += f", loads {'/'.join(loads)}" if loads != ["full"] else ""
-    print(f"{args.workload} on {setup.profile.name}, {setup.model.name} (tp={setup.model.tp}), {args.num_requests} requests per run{warm}{fmt}")
+    print(
+        f"{args.workload} on {setup.profile.name}, {setup.model.name} (tp={setup.model.tp}), {args.num_requests} requests per run{warm}{fmt}"
+    )
     print(table(runs))
     shown: set[bool] = set()
-    for r in runs if "window" in loads else ():  # the capacity of each kind of hierarchy (the workload's, not the rate's)
+    for r in (
+        runs if "window" in loads else ()
+    ):  # the capacity of each kind of hierarchy (the workload's, not the rate's)
         window = setups[r.system].window_loads
         if window not in shown:
             shown.add(window)
             print(
                 f"{'window' if window else 'full'} loads: a cached page holds {r.extra['cached_share']:.3f} of a full "
                 f"page's bytes; L1 {r.extra['l1_tokens']:,} tokens, L2 {r.extra['l2_tokens']:,} tokens"
-            )  # fmt: skip
+            )
     print()
     print(ablation_table(by_system, args.ttft_target, baseline=systems[0].name))
     print(f"\nwall {wall:.1f} s (CPU {cpu:.1f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": [r.row() for r in runs], "wall_s": wall, "cpu_s": cpu}, indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"runs": [r.row() for r in runs], "wall_s": wall, "cpu_s": cpu}, indent=2) + "\n"
+        )
     if args.plot:
-        plot(by_system, Path(args.plot), f"{args.workload}{' (after warm-up)' if args.warmup else ''}, {setup.model.name}, {setup.profile.name}")
+        plot(
+            by_system,
+            Path(args.plot),
+            f"{args.workload}{' (after warm-up)' if args.warmup else ''}, {setup.model.name}, {setup.profile.name}",
+        )
     return 0

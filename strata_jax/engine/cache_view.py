@@ -37,7 +37,9 @@ class EngineCacheView:
     def _match(self, request: ScheduledRequest):
         tree = self.ctl.tree
         if self.ctl.storage is not None:
-            return self.ctl.match_prefix(request.prefill_tokens, request.namespace, requester=request.request_id, touch=False)
+            return self.ctl.match_prefix(
+                request.prefill_tokens, request.namespace, requester=request.request_id, touch=False
+            )
         if tree.version != self._memo_version:
             self._memo.clear()
             self._memo_version = tree.version
@@ -45,9 +47,12 @@ class EngineCacheView:
         if seen is not None and seen[1] is request.prefill_tokens:
             return seen[2]
         m = self.ctl.match_prefix(
-            request.prefill_tokens, request.namespace, requester=request.request_id, touch=False,
+            request.prefill_tokens,
+            request.namespace,
+            requester=request.request_id,
+            touch=False,
             hint=self._hints.get(request.request_id),  # ignored by the tree unless it matched these tokens
-        )  # fmt: skip
+        )
         self._hints[request.request_id] = m
         self._memo[request.request_id] = (tree.version, request.prefill_tokens, m)
         return m

@@ -186,16 +186,32 @@ class EngineConfig:
     scheduler: SchedulerConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_batch_tokens", "max_batch_size", "max_waiting", "tp", "kv_events_queue", "kv_events_buffer"):
+        for name in (
+            "page_size",
+            "max_batch_tokens",
+            "max_batch_size",
+            "max_waiting",
+            "tp",
+            "kv_events_queue",
+            "kv_events_buffer",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidRequestError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-        if isinstance(self.data_parallel_rank, bool) or not isinstance(self.data_parallel_rank, int) or self.data_parallel_rank < 0:
-            raise InvalidRequestError(f"EngineConfig.data_parallel_rank must be a non-negative integer, got {self.data_parallel_rank!r}")
+        if (
+            isinstance(self.data_parallel_rank, bool)
+            or not isinstance(self.data_parallel_rank, int)
+            or self.data_parallel_rank < 0
+        ):
+            raise InvalidRequestError(
+                f"EngineConfig.data_parallel_rank must be a non-negative integer, got {self.data_parallel_rank!r}"
+            )
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, name)
             if value is not None and not str(value).startswith(("tcp://", "ipc://", "inproc://")):
-                raise InvalidRequestError(f"EngineConfig.{name} must be a ZMQ endpoint (tcp://, ipc:// or inproc://), got {value!r}")
+                raise InvalidRequestError(
+                    f"EngineConfig.{name} must be a ZMQ endpoint (tcp://, ipc:// or inproc://), got {value!r}"
+                )
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise InvalidRequestError("EngineConfig.kv_events_replay_endpoint needs kv_events_endpoint")
         if self.max_running_requests is not None:
@@ -220,7 +236,9 @@ class EngineConfig:
             raise InvalidRequestError("EngineConfig.max_batch_tokens must exceed max_batch_size")
         chunk = str(self.prefill_chunk)
         if chunk == "auto" and not self.warmup:
-            raise InvalidRequestError('EngineConfig.prefill_chunk "auto" measures steps at warm-up: it needs warmup=True')
+            raise InvalidRequestError(
+                'EngineConfig.prefill_chunk "auto" measures steps at warm-up: it needs warmup=True'
+            )
         if chunk not in ("max", "auto") and not (
             chunk.isdigit() and self.max_batch_size < int(chunk) <= self.max_batch_tokens
         ):
@@ -294,5 +312,6 @@ class EngineConfig:
             max_decode_batch_size=self.max_batch_size,
             max_waiting=self.max_waiting,
             max_running_requests=self.resolved_max_running_requests,
-            wait_for_prefetch=(self.cache.prefetch_policy if self.cache is not None else self.prefetch_policy) == "cost",
+            wait_for_prefetch=(self.cache.prefetch_policy if self.cache is not None else self.prefetch_policy)
+            == "cost",
         )

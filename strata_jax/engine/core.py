@@ -109,9 +109,16 @@ class EngineCore:
         self._unsent: list[Event] = []  # a step's token events, sent when the loop next waits for the device
         self._stopping = False
         self.counters = {
-            "steps": 0, "prefill_steps": 0, "decode_steps": 0, "finished": 0, "aborted": 0, "failed": 0,
-            "pipeline_drains": 0, "held_row_drains": 0, "overlapped_steps": 0,
-        }  # fmt: skip
+            "steps": 0,
+            "prefill_steps": 0,
+            "decode_steps": 0,
+            "finished": 0,
+            "aborted": 0,
+            "failed": 0,
+            "pipeline_drains": 0,
+            "held_row_drains": 0,
+            "overlapped_steps": 0,
+        }
         self.plan_log: list[PlanRecord] | None = None  # set to [] to record every step's decisions
         self.kv_event_recorder: KVEventRecorder | None = None  # set by the engine when KV events are published
 
@@ -127,7 +134,9 @@ class EngineCore:
                 leader.followers.append(t)  # admitted when the leader's prompt pages are in the tree
                 return
         if t.params.needs_sampling_state and not t.has_sampling_state:
-            if self._parked or not self.executor.open_sampling_state(t.request_id, t.prompt_ids, t.output_ids, t.params):
+            if self._parked or not self.executor.open_sampling_state(
+                t.request_id, t.prompt_ids, t.output_ids, t.params
+            ):
                 self._parked.append(t)  # admitted when a slot frees (FIFO)
                 return
             t.has_sampling_state = True
@@ -414,7 +423,9 @@ class EngineCore:
             if step.extend_landed and out.seconds is not None:
                 # A step that waited for its loads timed the link as much as the compute: fitting
                 # it would teach the extend model that compute is dear and tokens are cheap.
-                self.scheduler.cost.observe_extend([(it.new_tokens, it.start) for it, _ in step.extend_items], out.seconds)
+                self.scheduler.cost.observe_extend(
+                    [(it.new_tokens, it.start) for it, _ in step.extend_items], out.seconds
+                )
             now = self.executor.now()
             for i, (item, t) in enumerate(step.extend_items):
                 if self._tracked.get(t.request_id) is not t:
@@ -438,7 +449,9 @@ class EngineCore:
         if self._inflight is None:
             self._send()
 
-    def _accept(self, t: TrackedRequest, token: int, logprob: TokenLogprob | None, now: float, events: list[Event]) -> None:
+    def _accept(
+        self, t: TrackedRequest, token: int, logprob: TokenLogprob | None, now: float, events: list[Event]
+    ) -> None:
         p = t.params
         if not t.output_ids:
             t.stream.cached = dict(t.cached)
@@ -576,7 +589,12 @@ class EngineCore:
             self.ctl.clear_storage()
         if events is not None:
             tree = self.ctl.tree
-            if tier == "all" and tree.device_pages == 0 and tree.host_pages == 0 and not any(n.storage_backed for n in tree.iter_nodes()):
+            if (
+                tier == "all"
+                and tree.device_pages == 0
+                and tree.host_pages == 0
+                and not any(n.storage_backed for n in tree.iter_nodes())
+            ):
                 events.cleared_since(mark)
             events.end_step()
 
@@ -586,7 +604,11 @@ class EngineCore:
 
 def _plan_requests(plan: StepPlan) -> set[str]:
     """Every request a plan computes, decodes or retracts."""
-    return {it.request_id for it in plan.prefill} | {r.request_id for r in plan.decode} | {r.request_id for r in plan.retract}
+    return (
+        {it.request_id for it in plan.prefill}
+        | {r.request_id for r in plan.decode}
+        | {r.request_id for r in plan.retract}
+    )
 
 
 def _step_requests(step: InflightStep | None) -> set[str]:

@@ -85,7 +85,10 @@ class Engine:
         engine's threads, ``start``); False delivers them in the thread that runs the step."""
         self.config = config = config or EngineConfig()
         self.platform = resolve_platform(
-            dtype=config.dtype, kv_dtype=config.kv_dtype, kernel_backend=config.kernel_backend, layer_weights=config.layer_weights
+            dtype=config.dtype,
+            kv_dtype=config.kv_dtype,
+            kernel_backend=config.kernel_backend,
+            layer_weights=config.layer_weights,
         )
         dtype, kv_dtype = self.platform.dtype, self.platform.kv_dtype
         progress = on_progress or WarmupProgress()
@@ -111,11 +114,15 @@ class Engine:
 
         cache_config = config.cache_config(self.max_context_tokens)
         self.page_size = cache_config.page_size
-        layout = KVLayout(loaded.config.num_layers, loaded.config.num_kv_heads, loaded.config.head_dim, self.page_size, kv_dtype)
+        layout = KVLayout(
+            loaded.config.num_layers, loaded.config.num_kv_heads, loaded.config.head_dim, self.page_size, kv_dtype
+        )
         if not cache_config.kv_identity:  # L3 keys are this model's, dtype's and layout's only
             from strata_jax.models.fingerprint import kv_identity
 
-            cache_config = dataclasses.replace(cache_config, kv_identity=kv_identity(loaded.model, loaded.config, str(dtype), layout))
+            cache_config = dataclasses.replace(
+                cache_config, kv_identity=kv_identity(loaded.model, loaded.config, str(dtype), layout)
+            )
         # tp: the L1 pool is split on its KV heads; host pages and L3 objects stay whole pages.
         pool_device = tp_sharding.pool_sharding(self.mesh) if self.mesh is not None else None
         grouped = None
@@ -125,7 +132,12 @@ class Engine:
         local_window = max(loaded.config.layer_windows, default=0)
         host_local_ratio = config.kv_local_ratio if config.kv_host_local_ratio is None else config.kv_host_local_ratio
         self.ctl = CacheController(
-            cache_config, layout, device=pool_device, grouped=grouped, local_window=local_window, host_local_ratio=host_local_ratio
+            cache_config,
+            layout,
+            device=pool_device,
+            grouped=grouped,
+            local_window=local_window,
+            host_local_ratio=host_local_ratio,
         )
         self.runner = ModelRunner(
             loaded.model,
@@ -148,22 +160,28 @@ class Engine:
         )
         from strata_jax.runtime.compute_prior import device_matmul_rate, extend_prior
 
-        self.matmul_flops_per_s = device_matmul_rate(str(jnp.dtype(dtype)))  # the first device (tp: each does its share)
+        self.matmul_flops_per_s = device_matmul_rate(
+            str(jnp.dtype(dtype))
+        )  # the first device (tp: each does its share)
         window_loads = {}
         if self.ctl.local_pages is not None:  # loads move the windowed layers' KV of the window only
             window_loads = {
                 "local_share": self.ctl.device_pool.grouped.local_share,
                 "local_window_tokens": self.ctl.local_pages.window_pages * self.page_size,
             }
-        cost = CostModel(CostPrior(
-            bytes_per_token=self.ctl.page_bytes / self.page_size,  # what a load moves: the tier format's bytes
-            link_bytes_per_s=self.ctl.link_bandwidth,
-            extend_coeffs=extend_prior(loaded.config, self.matmul_flops_per_s, config.tp),
-            **window_loads,
-        ))  # fmt: skip
+        cost = CostModel(
+            CostPrior(
+                bytes_per_token=self.ctl.page_bytes / self.page_size,  # what a load moves: the tier format's bytes
+                link_bytes_per_s=self.ctl.link_bandwidth,
+                extend_coeffs=extend_prior(loaded.config, self.matmul_flops_per_s, config.tp),
+                **window_loads,
+            )
+        )
         self.executor = JaxExecutor(self.runner, eos_token_ids=self.eos_token_ids)
         threaded_output = start if output_thread is None else output_thread
-        self.output = ThreadedOutput(self._stopped_by_output) if threaded_output else InlineOutput(self._stopped_by_output)
+        self.output = (
+            ThreadedOutput(self._stopped_by_output) if threaded_output else InlineOutput(self._stopped_by_output)
+        )
         self.core = EngineCore(
             Scheduler(config.scheduler_config(), cost),
             self.ctl,
@@ -344,7 +362,9 @@ class Engine:
         ``follows`` (n > 1): admit this request only after the prefill of request
         ``follows`` (same prompt) has put the prompt's pages in the tree."""
         if self.fatal_error is not None:
-            raise EngineFailedError(f"the engine stopped after an unrecoverable error ({type(self.fatal_error).__name__})")
+            raise EngineFailedError(
+                f"the engine stopped after an unrecoverable error ({type(self.fatal_error).__name__})"
+            )
         if self._stopping or not self.is_ready:
             raise EngineUnavailableError("the engine is not accepting requests (warming up or shutting down)")
         params = params or SamplingParams()
@@ -376,6 +396,7 @@ class Engine:
             follows=follows,
             grammar=grammar,
         )
+
         def admit() -> None:
             with self._inbox_lock:
                 self._inbox_admits -= 1
@@ -471,10 +492,14 @@ class Engine:
         from strata_jax.kv_events.recorder import KVEventRecorder
 
         publisher = ZmqKVEventPublisher(
-            config.kv_events_endpoint, block_size=self.page_size, replay_endpoint=config.kv_events_replay_endpoint,
-            topic=config.kv_events_topic, data_parallel_rank=config.data_parallel_rank,
-            max_queue_batches=config.kv_events_queue, buffer_batches=config.kv_events_buffer,
-        )  # fmt: skip
+            config.kv_events_endpoint,
+            block_size=self.page_size,
+            replay_endpoint=config.kv_events_replay_endpoint,
+            topic=config.kv_events_topic,
+            data_parallel_rank=config.data_parallel_rank,
+            max_queue_batches=config.kv_events_queue,
+            buffer_batches=config.kv_events_buffer,
+        )
         recorder = KVEventRecorder(self.ctl.tree, publisher.publish)
         self.ctl.tree.tier_observer = recorder.observe
         self.core.kv_event_recorder = recorder
@@ -598,7 +623,9 @@ class Engine:
             failed = self.core.fail_step(exc)
             accounting(self.core)
         except Exception as broken:  # noqa: BLE001 - the state cannot be trusted: stop rather than serve wrong tokens
-            log.error("engine state is broken after a failed step: %s: %s", type(broken).__name__, broken, exc_info=broken)
+            log.error(
+                "engine state is broken after a failed step: %s: %s", type(broken).__name__, broken, exc_info=broken
+            )
             self._die(broken)
             return
         log.warning("failed %d request(s) of the failed step; the engine state checks clean, serving on", len(failed))
@@ -608,7 +635,9 @@ class Engine:
     def _die(self, exc: BaseException) -> None:
         """Stop for good (engine thread): fail every request, refuse new ones, tell ``on_fatal``."""
         self.fatal_error = exc
-        self.core.abandon(EngineFailedError(f"the engine stopped after an unrecoverable error ({type(exc).__name__}: {exc})"))
+        self.core.abandon(
+            EngineFailedError(f"the engine stopped after an unrecoverable error ({type(exc).__name__}: {exc})")
+        )
         log.critical("engine stopped: %s: %s", type(exc).__name__, exc)
         callback = self.on_fatal
         if callback is not None:

@@ -92,9 +92,14 @@ class TrackedRequest:
 
     def __post_init__(self) -> None:
         self.stream = OutputStream(
-            self.request_id, self.sink, self.params, len(self.prompt_ids), self.submitted_at, detok=self.detok,
+            self.request_id,
+            self.sink,
+            self.params,
+            len(self.prompt_ids),
+            self.submitted_at,
+            detok=self.detok,
             final_only=getattr(self.sink, "final_only", False),
-        )  # fmt: skip
+        )
 
     @property
     def bypasses_cache(self) -> bool:
@@ -243,6 +248,13 @@ class RequestPages:
 def without_cache(match: PrefixMatch, root: TreeNode) -> PrefixMatch:
     """The match of a request that must not read the cache: nothing hit, nothing to wait for."""
     return dataclasses.replace(
-        match, device_tokens=0, host_tokens=0, storage_tokens=0, transient_tokens=0,
-        transient_owners=(), device_page_ids=(), last_node=root, storage_keys=(),
-    )  # fmt: skip
+        match,
+        device_tokens=0,
+        host_tokens=0,
+        storage_tokens=0,
+        transient_tokens=0,
+        transient_owners=(),
+        device_page_ids=(),
+        last_node=root,
+        storage_keys=(),
+    )

@@ -34,7 +34,11 @@ def cache_stats(engine: Engine) -> dict[str, Any]:
     held = {str(t.request_id): ctl.device_kv_bytes(t.request_id, t.page_table) for t in core.live_requests.values()}
     transfer_compiles = ctl.device_pool.compile_count if ctl.device_pool is not None else 0
     return {
-        "device_pool": {"used_pages": c["device_pages"] - c["device_free_pages"], "total_pages": c["device_pages"], "page_size": engine.page_size},
+        "device_pool": {
+            "used_pages": c["device_pages"] - c["device_free_pages"],
+            "total_pages": c["device_pages"],
+            "page_size": engine.page_size,
+        },
         "host_pool": {"used_pages": c["host_pages"] - c["host_free_pages"], "total_pages": c["host_pages"]},
         "locked_nodes": core.locked_nodes(),
         # L1 KV bytes the running requests hold (with layer groups: only their windows' local layers);
@@ -63,7 +67,11 @@ def cache_stats(engine: Engine) -> dict[str, Any]:
         "waiting": core.scheduler.num_waiting,
         "running": core.scheduler.num_running,
         "deferrals": s.deferrals,
-        "prefetch": {"waits": s.prefetch_waits, "wait_rounds": s.prefetch_wait_rounds, "not_waited": s.prefetch_not_waited},
+        "prefetch": {
+            "waits": s.prefetch_waits,
+            "wait_rounds": s.prefetch_wait_rounds,
+            "not_waited": s.prefetch_not_waited,
+        },
         "retractions": s.retractions,
         "device_dispatches": device.dispatches,
         "device_idle_dispatches": device.idle_dispatches,

@@ -75,9 +75,12 @@ class ZmqKVEventPublisher:
         self._lock = threading.Lock()  # the counters (engine thread and publisher thread)
         # queued: accepted from the engine; batches / events: sent; dropped: queue full or unencodable
         self.counters = {
-            "queued_batches_total": 0, "batches_total": 0, "events_total": 0,
-            "dropped_batches_total": 0, "dropped_events_total": 0,
-        }  # fmt: skip
+            "queued_batches_total": 0,
+            "batches_total": 0,
+            "events_total": 0,
+            "dropped_batches_total": 0,
+            "dropped_events_total": 0,
+        }
         self._encoder = msgspec.msgpack.Encoder()
         self._zmq = zmq
         self._ctx = zmq.Context.instance()

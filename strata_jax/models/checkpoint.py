@@ -71,7 +71,10 @@ def restore_checkpoint(directory: str | Path, *, dtype: jnp.dtype = jnp.float32)
     graphdef, abstract_state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(abstract_state))
     first_stacked = next(path for path, _ in flat if path[:2] == ("model", "layers"))
-    per_layer = _open_array(state_dir, first_stacked) is None and _open_array(state_dir, _row_path(first_stacked, 0)) is not None
+    per_layer = (
+        _open_array(state_dir, first_stacked) is None
+        and _open_array(state_dir, _row_path(first_stacked, 0)) is not None
+    )
     if per_layer:
         log.warning(
             "%s was saved with one subtree per layer (strata-jax before layers were stacked); "
@@ -113,7 +116,9 @@ def _open_array(state_dir: Path, path: tuple) -> Any:
     kvstore = {"driver": "ocdbt", "base": f"file://{state_dir}/", "path": ".".join(map(str, path)) + ".value"}
     for driver in ("zarr", "zarr3"):  # orbax writes zarr v2 unless told to use zarr3
         try:
-            return ts.open({"driver": driver, "kvstore": kvstore}, open=True, read=True, context=_read_context()).result()
+            return ts.open(
+                {"driver": driver, "kvstore": kvstore}, open=True, read=True, context=_read_context()
+            ).result()
         except ValueError as exc:
             if "NOT_FOUND" not in str(exc):
                 raise WeightLoadError(f"checkpoint {state_dir.parent}: cannot read {kvstore['path']}: {exc}") from exc
@@ -129,7 +134,9 @@ def _read_array(state_dir: Path, path: tuple, target: np.ndarray) -> None:
     if store is None:
         raise WeightLoadError(f"checkpoint {state_dir.parent} lacks {name}")
     if tuple(store.shape) != target.shape:
-        raise WeightLoadError(f"checkpoint {state_dir.parent}: {name} has shape {tuple(store.shape)}, the config implies {target.shape}")
+        raise WeightLoadError(
+            f"checkpoint {state_dir.parent}: {name} has shape {tuple(store.shape)}, the config implies {target.shape}"
+        )
     source = ts.cast(store, target.dtype)
     if target.ndim == 0:
         ts.array(target, copy=False, write=True).write(source).result()

@@ -35,11 +35,24 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers' defaults for fields a Gemma config.json may leave out
 _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gemma2": {"max_position_embeddings": 8192, "rope_theta": 10000.0, "sliding_window": 4096, "pattern": 2,
-               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
-    "gemma3_text": {"max_position_embeddings": 131072, "rope_theta": 1_000_000.0, "sliding_window": 4096, "pattern": 6,
-                    "attn_logit_softcapping": None, "final_logit_softcapping": None, "rope_local_base_freq": 10000.0},
-}  # fmt: skip
+    "gemma2": {
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+        "pattern": 2,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "gemma3_text": {
+        "max_position_embeddings": 131072,
+        "rope_theta": 1_000_000.0,
+        "sliding_window": 4096,
+        "pattern": 6,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "rope_local_base_freq": 10000.0,
+    },
+}
 
 
 class ModelConfigError(ValueError):
@@ -115,7 +128,9 @@ class ModelConfig:
         if any(w < 0 for w in self.layer_windows):
             raise ModelConfigError(f"layer windows must be >= 0 (0 = full attention), got {self.layer_windows}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise ModelConfigError(f"hidden_act={self.hidden_act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+            raise ModelConfigError(
+                f"hidden_act={self.hidden_act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
+            )
         scaling = self.rope_scaling
         if scaling.rope_type == "longrope":
             for name in ("short_factor", "long_factor"):
@@ -188,9 +203,13 @@ class ModelConfig:
         else:
             act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
             if act not in SUPPORTED_ACTIVATIONS:
-                raise ModelConfigError(f"hidden_activation={act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})")
+                raise ModelConfigError(
+                    f"hidden_activation={act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
+                )
             if raw.get("use_bidirectional_attention"):
-                raise ModelConfigError("use_bidirectional_attention=True is not supported (this runtime serves causal decoders)")
+                raise ModelConfigError(
+                    "use_bidirectional_attention=True is not supported (this runtime serves causal decoders)"
+                )
         if raw.get("mlp_bias"):
             raise ModelConfigError("mlp_bias=True is not supported")
         hidden = _required_int(raw, "hidden_size")
@@ -212,7 +231,9 @@ class ModelConfig:
                 hidden_act="gelu_pytorch_tanh" if act == "gelu_new" else act,
                 query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
                 # transformers' Gemma 3 attention never applies attn_logit_softcapping (Gemma 2's does)
-                attn_logit_softcapping=None if model_type == "gemma3_text" else _cap(raw, "attn_logit_softcapping", gemma),
+                attn_logit_softcapping=None
+                if model_type == "gemma3_text"
+                else _cap(raw, "attn_logit_softcapping", gemma),
                 final_logit_softcapping=_cap(raw, "final_logit_softcapping", gemma),
             )
         return cls(
@@ -354,8 +375,12 @@ def _longrope_fields(scaling_raw: dict[str, Any], factor: float, original: int) 
     lists = {}
     for name in ("short_factor", "long_factor"):
         values = scaling_raw.get(name)
-        if not isinstance(values, list) or not values or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values
+        if (
+            not isinstance(values, list)
+            or not values
+            or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values
+            )
         ):
             raise ModelConfigError(f"rope_scaling.{name}={values!r} must be a list of positive numbers")
         lists[name] = tuple(float(v) for v in values)

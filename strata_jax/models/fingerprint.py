@@ -22,7 +22,9 @@ def kv_identity(model: object, config: object, weights_dtype: str, layout: objec
 
     h = hashlib.sha256()
     h.update(f"{config!r}\n{weights_dtype}\n{layout!r}\n".encode())
-    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(nnx.state(model)), key=lambda kv: jax.tree_util.keystr(kv[0])):
+    for path, leaf in sorted(
+        jax.tree_util.tree_leaves_with_path(nnx.state(model)), key=lambda kv: jax.tree_util.keystr(kv[0])
+    ):
         if not hasattr(leaf, "shape"):
             continue
         h.update(jax.tree_util.keystr(path).encode())

@@ -45,11 +45,16 @@ class GenerationDefaults:
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """``{SamplingParams field: value}`` for the sampling fields this file recommends."""
-        fields = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "repetition_penalty": self.repetition_penalty}
+        fields = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "repetition_penalty": self.repetition_penalty,
+        }
         return {k: v for k, v in fields.items() if v is not None}
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "GenerationDefaults":
+    def from_folder(cls, folder: str | Path) -> GenerationDefaults:
         """Read ``folder/generation_config.json``; no file: no defaults.  A bad file raises
         ``ModelConfigError`` naming it and the field."""
         path = Path(folder) / GENERATION_CONFIG_FILE
@@ -64,9 +69,13 @@ class GenerationDefaults:
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, source: str = GENERATION_CONFIG_FILE) -> "GenerationDefaults":
+    def from_dict(cls, raw: dict[str, Any], *, source: str = GENERATION_CONFIG_FILE) -> GenerationDefaults:
         values: dict[str, Any] = {"eos_token_ids": _eos_ids(raw.get("eos_token_id"), source), "source": source}
-        for name, low, high, open_low in (("temperature", 0.0, 100.0, False), ("top_p", 0.0, 1.0, True), ("repetition_penalty", 0.0, 100.0, True)):
+        for name, low, high, open_low in (
+            ("temperature", 0.0, 100.0, False),
+            ("top_p", 0.0, 1.0, True),
+            ("repetition_penalty", 0.0, 100.0, True),
+        ):
             value = raw.get(name)
             if value is None:
                 continue

@@ -24,14 +24,33 @@ from strata_jax.models.weights import NamedTensor
 
 GGUF_MAGIC = b"GGUF"
 # Tensor types this loader dequantizes (all through ``gguf.quants``); the common llama.cpp formats.
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 # Architectures whose attention llama.cpp's converter permutes for its interleaved rope (``permute`` in
 # convert_hf_to_gguf.py); HF applies rope to halves, so q/k rows are put back in HF order here.
 PERMUTED_QK_ARCHS = ("llama", "mistral")
 # general.architecture values this loader reads -> the HF model_type they become.
 GGUF_ARCHITECTURES = {
-    "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
-}  # fmt: skip
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+}
 # llama.cpp's converter stores Gemma's RMSNorm weights plus one (its norm multiplies by w, Gemma's by 1 + w);
 # the loader subtracts it again so the tensors are the Hugging Face checkpoint's.
 NORM_SHIFTED_ARCHS = ("gemma2", "gemma3")
@@ -134,7 +153,9 @@ class _Cursor:
 
     def take(self, size: int) -> memoryview:
         if size < 0 or self.pos + size > len(self.data):
-            raise GGUFError(f"{self.path} is truncated or corrupt: its header runs past the end of the file (offset {self.pos:,})")
+            raise GGUFError(
+                f"{self.path} is truncated or corrupt: its header runs past the end of the file (offset {self.pos:,})"
+            )
         chunk = self.data[self.pos : self.pos + size]
         self.pos += size
         return chunk
@@ -188,7 +209,9 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: GGUF version {version} is not supported (supported: 2, 3)")
         tensor_count, kv_count = cursor.scalar("<Q"), cursor.scalar("<Q")
         if tensor_count > len(self._map) or kv_count > len(self._map):
-            raise GGUFError(f"{self.path} is corrupt: it claims {tensor_count:,} tensors and {kv_count:,} metadata fields")
+            raise GGUFError(
+                f"{self.path} is corrupt: it claims {tensor_count:,} tensors and {kv_count:,} metadata fields"
+            )
         self.metadata: dict[str, Any] = {}
         for _ in range(kv_count):
             key = cursor.string()
@@ -209,10 +232,14 @@ class GGUFFile:
         try:
             qtype = gguf.GGMLQuantizationType(type_id)
         except ValueError:
-            raise GGUFError(f"{self.path}: tensor {name!r} has unknown tensor type id {type_id} (corrupt file?)") from None
+            raise GGUFError(
+                f"{self.path}: tensor {name!r} has unknown tensor type id {type_id} (corrupt file?)"
+            ) from None
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         if not dims or dims[0] % block:
-            raise GGUFError(f"{self.path} is corrupt: tensor {name!r} has shape {dims} for {qtype.name} blocks of {block}")
+            raise GGUFError(
+                f"{self.path} is corrupt: tensor {name!r} has shape {dims} for {qtype.name} blocks of {block}"
+            )
         nbytes = math.prod(dims) // block * type_size
         end = offset + nbytes
         if end > len(self._map):
@@ -258,7 +285,11 @@ class GGUFFile:
         tokens = self.field("tokenizer.ggml.tokens")
         # the embedding's rows are the model's vocabulary (Gemma 3 4B+ pads it past the token list)
         embedding = self.tensors.get("token_embd.weight")
-        vocab = self.field(key("vocab_size")) or (embedding.hf_shape[0] if embedding else None) or (len(tokens) if tokens else None)
+        vocab = (
+            self.field(key("vocab_size"))
+            or (embedding.hf_shape[0] if embedding else None)
+            or (len(tokens) if tokens else None)
+        )
         config: dict[str, Any] = {
             "architectures": [_HF_ARCHITECTURES[arch]],
             "model_type": GGUF_ARCHITECTURES[arch],
@@ -278,7 +309,9 @@ class GGUFFile:
         }
         rope_dims = self.field(key("rope.dimension_count"))
         if rope_dims is not None and int(rope_dims) != head_dim:
-            raise GGUFError(f"{self.path}: partial rotary embeddings (rope.dimension_count={rope_dims}, head_dim={head_dim}) are not supported")
+            raise GGUFError(
+                f"{self.path}: partial rotary embeddings (rope.dimension_count={rope_dims}, head_dim={head_dim}) are not supported"
+            )
         scaling = self._rope_scaling(config)
         if scaling is not None:
             config["rope_scaling"] = scaling
@@ -286,7 +319,11 @@ class GGUFFile:
             config["use_sliding_window"] = False
         if arch in NORM_SHIFTED_ARCHS:
             config.update(self._gemma_config(config))
-        for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
+        for hf_key, gguf_key in (
+            ("bos_token_id", "bos_token_id"),
+            ("eos_token_id", "eos_token_id"),
+            ("pad_token_id", "padding_token_id"),
+        ):
             value = self.field(f"tokenizer.ggml.{gguf_key}")
             if value is not None:
                 config[hf_key] = int(value)
@@ -305,14 +342,18 @@ class GGUFFile:
             "sliding_window": int(self.required(f"{arch}.attention.sliding_window")),
         }
         # soft-caps: absent keys keep transformers' (and llama.cpp's) defaults for the architecture
-        caps = ("final_logit_softcapping", "attn_logit_softcapping") if arch == "gemma2" else ("final_logit_softcapping",)
+        caps = (
+            ("final_logit_softcapping", "attn_logit_softcapping") if arch == "gemma2" else ("final_logit_softcapping",)
+        )
         out.update({cap: float(self.field(f"{arch}.{cap}")) for cap in caps if self.field(f"{arch}.{cap}") is not None})
         if arch == "gemma3":
             out["rope_local_base_freq"] = float(self.field(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE))
         pattern = self.field(f"{arch}.attention.sliding_window_pattern", _GEMMA_PATTERN[arch])
         if isinstance(pattern, list):  # one flag per layer (true: sliding window), as newer converters write it
             if len(pattern) != layers:
-                raise GGUFError(f"{self.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers")
+                raise GGUFError(
+                    f"{self.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers"
+                )
             out["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
         else:
             out["sliding_window_pattern"] = int(pattern)
@@ -340,8 +381,13 @@ class GGUFFile:
             return None  # all ones: no scaling
         factor = float(stored.max())
         for original in (2**k for k in range(4, 21)):
-            candidate = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+            candidate = {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": original,
+            }
             divisors = _llama3_divisors(inv_freq, candidate)
             if divisors.shape == stored.shape and np.allclose(divisors, stored, rtol=1e-3):
                 return candidate

@@ -82,7 +82,11 @@ def _write_safetensors(file: Path, tensors, dtype: np.dtype, gguf: GGUFFile) -> 
     offset = 0
     for tensor in tensors:
         shape = shapes[tensor.name]
-        header[tensor.name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + tensor.nbytes]}
+        header[tensor.name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
         offset += tensor.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
@@ -92,5 +96,7 @@ def _write_safetensors(file: Path, tensors, dtype: np.dtype, gguf: GGUFFile) -> 
         for tensor in tensors:
             array = np.ascontiguousarray(tensor.get(), dtype=dtype)
             if array.nbytes != tensor.nbytes:
-                raise GGUFError(f"{gguf.path}: tensor {tensor.name!r} dequantized to {array.nbytes} bytes, expected {tensor.nbytes}")
+                raise GGUFError(
+                    f"{gguf.path}: tensor {tensor.name!r} dequantized to {array.nbytes} bytes, expected {tensor.nbytes}"
+                )
             fh.write(array.tobytes())

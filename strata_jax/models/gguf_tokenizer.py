@@ -56,7 +56,9 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what byte-level BPE vocabularies spell)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = list(printable)
     extra = 0
     for byte in range(256):
@@ -109,7 +111,9 @@ def _sentencepiece_tokenizer(gguf: GGUFFile, tokens: list[str], types: list[int]
     unk = tokens[int(unk_id)] if unk_id is not None else None
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))
     prefix = bool(gguf.field("tokenizer.ggml.add_space_prefix", True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False
+    )
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence([*steps, decoders.Strip(content=" ", left=1, right=0)] if prefix else steps)
     return tokenizer
@@ -149,8 +153,12 @@ def build_tokenizer(gguf: GGUFFile) -> tuple[Tokenizer, dict[str, Any]]:
         default_bos = True  # llama.cpp adds BOS to SentencePiece vocabularies that do not say otherwise
     else:
         raise GGUFError(f"{gguf.path}: tokenizer model {model!r} is not supported (supported: gpt2, llama)")
-    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL])
-    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED])
+    tokenizer.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+    )
 
     def token(key: str) -> str | None:
         index = gguf.field(f"tokenizer.ggml.{key}")

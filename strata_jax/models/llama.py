@@ -144,9 +144,15 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.sm_scale, self.soft_cap = c.attention_scale, c.attn_logit_softcapping
         self.rope = rope_application(c)  # static: the cos/sin factor, dynamic NTK's parameters
-        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std)
-        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std)
-        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std)
+        self.q_proj = Linear(
+            c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std
+        )
+        self.k_proj = Linear(
+            c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std
+        )
+        self.v_proj = Linear(
+            c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std
+        )
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype, rngs=rngs, std=std)
         self.q_norm = norm_cls(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.k_norm = norm_cls(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
@@ -398,7 +404,10 @@ def split_layer_weights(state: nnx.State, shardings: nnx.State | None = None) ->
             target = NamedSharding(sh.mesh, PartitionSpec(*sh.spec[1:]))
             return jax.jit(lambda x: x[i], out_shardings=target)(a)
 
-        per_layer = [jax.tree.map(lambda a, sh, i=i: one(a, sh, i), layers, shardings["model"]["layers"]) for i in range(num_layers)]
+        per_layer = [
+            jax.tree.map(lambda a, sh, i=i: one(a, sh, i), layers, shardings["model"]["layers"])
+            for i in range(num_layers)
+        ]
     state["model"]["layers"] = jax.tree.map(lambda a: jnp.zeros((), a.dtype), layers)
     return state, per_layer
 

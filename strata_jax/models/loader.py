@@ -7,9 +7,9 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from strata_jax.models.checkpoint import CONFIG_FILE, restore_checkpoint
 from strata_jax.models.config import ModelConfig, ModelConfigError
 from strata_jax.models.generation_config import GenerationDefaults
-from strata_jax.models.checkpoint import CONFIG_FILE, restore_checkpoint
 from strata_jax.models.weights import CausalLM, load_hf_weights, random_model
 from strata_jax.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 

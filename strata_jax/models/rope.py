@@ -141,7 +141,9 @@ def _scaled(inv_freq: np.ndarray, config: ModelConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def dynamic_inverse_frequencies(positions: jax.Array, inv_freq: jax.Array, dynamic: tuple[float, float, int, int]) -> jax.Array:
+def dynamic_inverse_frequencies(
+    positions: jax.Array, inv_freq: jax.Array, dynamic: tuple[float, float, int, int]
+) -> jax.Array:
     """``[T, head_dim // 2]`` frequencies of dynamic NTK scaling, one row per token: the
     unscaled ``inv_freq`` up to the original length, beyond it transformers' NTK base for a
     sequence ending at the token (``seq_len = position + 1``), in float32 as transformers
@@ -155,7 +157,9 @@ def dynamic_inverse_frequencies(positions: jax.Array, inv_freq: jax.Array, dynam
     return jnp.where(beyond, scaled, inv_freq[None, :])
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, rope: RopeApplication = RopeApplication()) -> jax.Array:
+def apply_rope(
+    x: jax.Array, positions: jax.Array, inv_freq: jax.Array, rope: RopeApplication = RopeApplication()
+) -> jax.Array:
     """Rotate ``x[T, heads, head_dim]`` by its token positions (HF rotate-half convention);
     cos and sin carry ``rope.attention_factor`` as transformers' do."""
     if rope.dynamic is not None:

@@ -63,7 +63,10 @@ class SafetensorsFile:
                 raise SafetensorsError(f"{self.path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
             start, end = info["data_offsets"]
             shape = tuple(info["shape"])
-            if end - start != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize or self._data_start + end > size:
+            if (
+                end - start != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                or self._data_start + end > size
+            ):
                 raise SafetensorsError(f"{self.path}: tensor {name} has inconsistent offsets (file truncated?)")
             self._entries[name] = (np.dtype(dtype), shape, start, end)
 

@@ -20,7 +20,6 @@ from strata_jax.models.gemma import GemmaForCausalLM
 from strata_jax.models.llama import LlamaForCausalLM
 from strata_jax.models.safetensors_io import checkpoint_files, iter_tensors
 
-
 # The model families; each has LlamaForCausalLM's interface (__call__(ids, positions, kv_pool, meta), logits()).
 CausalLM = LlamaForCausalLM | GemmaForCausalLM
 
@@ -99,7 +98,9 @@ class HostStaging:
         self.num_layers, self.dtype = num_layers, np.dtype(dtype)
         self.arrays: dict[tuple, np.ndarray] = {}
 
-    def put(self, path: tuple, layer: int | None, array: np.ndarray, *, shape: tuple[int, ...], transpose: bool) -> None:
+    def put(
+        self, path: tuple, layer: int | None, array: np.ndarray, *, shape: tuple[int, ...], transpose: bool
+    ) -> None:
         if layer is None:
             target = self.arrays[path] = aligned_empty(shape, self.dtype)
         else:
@@ -122,7 +123,9 @@ class _DeviceStaging:
         self.num_layers, self.dtype = num_layers, dtype
         self.arrays: dict[tuple, jax.Array] = {}
 
-    def put(self, path: tuple, layer: int | None, array: np.ndarray, *, shape: tuple[int, ...], transpose: bool) -> None:
+    def put(
+        self, path: tuple, layer: int | None, array: np.ndarray, *, shape: tuple[int, ...], transpose: bool
+    ) -> None:
         if layer is None:
             self.arrays[path] = jnp.asarray(np.ascontiguousarray(array.T if transpose else array), dtype=self.dtype)
             return
@@ -165,8 +168,12 @@ def load_hf_weights(
     """Load HF safetensors (single or sharded) into a model, casting to ``dtype``
     (``staging``: see ``load_named_tensors``)."""
     files = checkpoint_files(folder)
-    tensors = [NamedTensor(name, st.nbytes(name), partial(st.get, name), st.path.name) for name, st in iter_tensors(files)]
-    return load_named_tensors(tensors, config, dtype=dtype, show_progress=show_progress, source=str(folder), staging=staging)
+    tensors = [
+        NamedTensor(name, st.nbytes(name), partial(st.get, name), st.path.name) for name, st in iter_tensors(files)
+    ]
+    return load_named_tensors(
+        tensors, config, dtype=dtype, show_progress=show_progress, source=str(folder), staging=staging
+    )
 
 
 def load_named_tensors(
@@ -213,7 +220,11 @@ def load_named_tensors(
             if _IGNORED.match(name):
                 continue
             path, layer, transpose = hf_name_to_param(name)
-            if path not in expected or (layer is None) != (path not in stacked) or (layer is not None and layer >= num_layers):
+            if (
+                path not in expected
+                or (layer is None) != (path not in stacked)
+                or (layer is not None and layer >= num_layers)
+            ):
                 if config.tie_word_embeddings and name == "lm_head.weight":
                     continue  # a tied checkpoint may still store the (shared) head
                 raise WeightLoadError(f"unexpected tensor {name!r} in {tensor.origin} for a {config.model_type} model")
@@ -235,10 +246,16 @@ def load_named_tensors(
                 filled[path].add(layer)
     missing = [".".join(map(str, p)) for p in expected if p not in stacked and p not in loaded]
     missing += [
-        f"model.layers.{i}.{'.'.join(p[2:])}" for p in expected if p in stacked for i in range(num_layers) if i not in filled[p]
+        f"model.layers.{i}.{'.'.join(p[2:])}"
+        for p in expected
+        if p in stacked
+        for i in range(num_layers)
+        if i not in filled[p]
     ]
     if missing:
-        raise WeightLoadError(f"checkpoint {source} lacks tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise WeightLoadError(
+            f"checkpoint {source} lacks tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+        )
     values = stage.finish()
     flat = [(path, var.replace(values[path])) for path, var in expected.items()]
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -54,6 +54,7 @@ def describe(step_seconds: Mapping[int, float], chosen: int) -> str:
     """One log line: every bucket's ms per token, the chosen one marked."""
     per_token = per_token_seconds(step_seconds)
     parts = [
-        f"{tokens}: {1e3 * cost:.3f}{' (chosen)' if tokens == chosen else ''}" for tokens, cost in sorted(per_token.items())
+        f"{tokens}: {1e3 * cost:.3f}{' (chosen)' if tokens == chosen else ''}"
+        for tokens, cost in sorted(per_token.items())
     ]
     return "prefill chunk from measured steps, ms per token by bucket: " + ", ".join(parts)

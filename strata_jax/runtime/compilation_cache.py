@@ -104,11 +104,18 @@ class CompileCounts:
 
     def minus(self, earlier: CompileCounts) -> CompileCounts:
         return CompileCounts(
-            self.requests - earlier.requests, self.cache_hits - earlier.cache_hits, self.compile_seconds - earlier.compile_seconds
+            self.requests - earlier.requests,
+            self.cache_hits - earlier.cache_hits,
+            self.compile_seconds - earlier.compile_seconds,
         )
 
     def as_dict(self) -> dict:
-        return {"programs": self.requests, "compiled": self.compiled, "cache_hits": self.cache_hits, "compile_s": round(self.compile_seconds, 3)}
+        return {
+            "programs": self.requests,
+            "compiled": self.compiled,
+            "cache_hits": self.cache_hits,
+            "compile_s": round(self.compile_seconds, 3),
+        }
 
 
 class _Counter:

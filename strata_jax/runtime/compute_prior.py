@@ -43,7 +43,7 @@ def matmul_flops_per_s(dtype: jnp.dtype, n: int | None = None, device: jax.Devic
     return 2.0 * n**3 / max(statistics.median(times), 1e-9)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_matmul_rate(dtype_name: str) -> float:
     """``matmul_flops_per_s`` on the first device, measured once per process and dtype (a
     property of the machine: every engine of a process starts from the same figure)."""

@@ -162,9 +162,13 @@ def environment_fingerprint() -> str | None:
         return None
     backend = jax.devices()[0].client
     config = sorted(
-        (name, repr(value)) for name, value in jax.config.values.items() if not name.startswith(_IGNORED_CONFIG_PREFIXES)
+        (name, repr(value))
+        for name, value in jax.config.values.items()
+        if not name.startswith(_IGNORED_CONFIG_PREFIXES)
     )
-    flax_config = sorted((name, repr(getattr(flax.config, name))) for name in dir(flax.config) if name.startswith(("flax_", "nnx_")))
+    flax_config = sorted(
+        (name, repr(getattr(flax.config, name))) for name in dir(flax.config) if name.startswith(("flax_", "nnx_"))
+    )
     parts = [
         f"format {FORMAT}",
         f"code {_loaded_code}",
@@ -250,11 +254,18 @@ class ExecutableCache:
             return None
         by_id = {d.id: d for d in jax.devices()}
         if not all(i in by_id for i in entry["devices"]):
-            log.warning("executable cache entry %s runs on devices %s, not all here; compiling it again", path.name, entry["devices"])
+            log.warning(
+                "executable cache entry %s runs on devices %s, not all here; compiling it again",
+                path.name,
+                entry["devices"],
+            )
             return None
         try:
             compiled = serialize_executable.deserialize_and_load(
-                entry["executable"], entry["in_tree"], entry["out_tree"], execution_devices=[by_id[i] for i in entry["devices"]]
+                entry["executable"],
+                entry["in_tree"],
+                entry["out_tree"],
+                execution_devices=[by_id[i] for i in entry["devices"]],
             )
         except Exception as exc:
             log.warning("executable cache entry %s does not load (%s); compiling the program again", path.name, exc)
@@ -279,7 +290,14 @@ class ExecutableCache:
             # of the process's devices would make a one-device program expect a shard on each).
             devices = [d.id for d in compiled._executable.xla_executable.local_devices()]  # noqa: SLF001
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
-            entry = {"format": FORMAT, "key": key, "executable": blob, "in_tree": in_tree, "out_tree": out_tree, "devices": devices}
+            entry = {
+                "format": FORMAT,
+                "key": key,
+                "executable": blob,
+                "in_tree": in_tree,
+                "out_tree": out_tree,
+                "devices": devices,
+            }
             payload = pickle.dumps(entry)
         except Exception as exc:  # e.g. a backend without executable serialization
             log.info("step executable not stored for reuse (%s: %s)", type(exc).__name__, exc)

@@ -118,12 +118,18 @@ class JaxExecutor:
     def _row_params(self, row: SeqRow) -> RowParams:
         p = row.params
         return RowParams(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, repetition_penalty=p.repetition_penalty,
-            frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
-            sampling_slot=self._slots.get(row.request_id), min_tokens=p.min_tokens,
-            want_logprobs=p.logprobs is not None, rng_base=rng_base_for(p.seed, row.request_id),
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            repetition_penalty=p.repetition_penalty,
+            frequency_penalty=p.frequency_penalty,
+            presence_penalty=p.presence_penalty,
+            sampling_slot=self._slots.get(row.request_id),
+            min_tokens=p.min_tokens,
+            want_logprobs=p.logprobs is not None,
+            rng_base=rng_base_for(p.seed, row.request_id),
             constrained=getattr(row, "grammar", None) is not None,
-        )  # fmt: skip
+        )
 
     def _sync_rows(self, rows: Sequence[SeqRow], capacity: int) -> np.ndarray | None:
         """Write new rows whole; return the page-table entries changed since (``[k, 3]``), at
@@ -143,10 +149,12 @@ class JaxExecutor:
                 else:
                     rewrite.append((row, False))
         if rewrite:
-            self.runner.seqs.write_rows([
-                (row.slot, row.page_table, row.computed, 0, row.generated, self._row_params(row) if whole else None)
-                for row, whole in rewrite
-            ])  # fmt: skip
+            self.runner.seqs.write_rows(
+                [
+                    (row.slot, row.page_table, row.computed, 0, row.generated, self._row_params(row) if whole else None)
+                    for row, whole in rewrite
+                ]
+            )
             for row, _ in rewrite:
                 row.row_dirty = False
                 row.pt_synced = len(row.page_table)
@@ -196,7 +204,9 @@ class JaxExecutor:
                     first = start - w.start
                     targets = list(w.prompt_logprob_targets[first : first + len(piece)])
                 pieces.append(ExtendRow(w.row.slot, piece, start, w.keep_sample and last_piece, targets))
-            want_lp = any(w.row.params.logprobs is not None and p.count_sample for (_, w, _, _, _), p in zip(batch, pieces))
+            want_lp = any(
+                w.row.params.logprobs is not None and p.count_sample for (_, w, _, _, _), p in zip(batch, pieces)
+            )
             step = runner.dispatch_extend(pieces, updates=updates, logprobs=want_lp)
             parts.append(_Part(step, rows, pieces, [i for i, *_ in batch], [b[4] for b in batch]))
             pending = rest
@@ -212,7 +222,9 @@ class JaxExecutor:
 
     def _dispatched(self, parts: list[_Part], size: int, *, extend: bool) -> _Dispatched:
         arrays = [part.step.next_tokens for part in parts]
-        d = _Dispatched(parts, size, extend, time.perf_counter(), self._watcher.submit(_finished_at, arrays), self._last)
+        d = _Dispatched(
+            parts, size, extend, time.perf_counter(), self._watcher.submit(_finished_at, arrays), self._last
+        )
         self._last = d.finished
         return d
 

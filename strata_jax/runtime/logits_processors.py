@@ -40,7 +40,9 @@ def apply_repetition_penalty(logits: jax.Array, flags: jax.Array, penalty: jax.A
     return jnp.where(seen, penalised, logits)
 
 
-def apply_frequency_presence(logits: jax.Array, flags: jax.Array, frequency: jax.Array, presence: jax.Array) -> jax.Array:
+def apply_frequency_presence(
+    logits: jax.Array, flags: jax.Array, frequency: jax.Array, presence: jax.Array
+) -> jax.Array:
     """OpenAI's definition over generated tokens: mu[j] - c[j] * a_f - (c[j] > 0) * a_p."""
     counts = generated_counts(flags).astype(logits.dtype)
     return logits - counts * frequency[:, None] - (counts > 0).astype(logits.dtype) * presence[:, None]

@@ -35,7 +35,9 @@ def empty_logprobs(n: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(jnp.zeros(n, jnp.float32), jnp.zeros((n, k), jnp.int32), jnp.zeros((n, k), jnp.float32))
 
 
-def token_logprobs_if(wanted: jax.Array, logits: jax.Array, tokens: jax.Array, k: int = MAX_TOP_LOGPROBS) -> TokenLogprobs:
+def token_logprobs_if(
+    wanted: jax.Array, logits: jax.Array, tokens: jax.Array, k: int = MAX_TOP_LOGPROBS
+) -> TokenLogprobs:
     """``token_logprobs`` when any of ``wanted[N]`` is set, zeros (at the cost of the
     predicate) otherwise.  Rows that did not ask get values too; callers ignore them."""
     k = min(k, logits.shape[-1])

@@ -52,7 +52,14 @@ from strata_jax.runtime.executable_cache import ExecutableCache
 from strata_jax.runtime.platform import LAYER_WEIGHTS, resolve_layer_weights
 from strata_jax.runtime.sampling_state import SamplingState
 from strata_jax.runtime.seq_state import COUNT_SAMPLE, HOST_TOKEN, RowParams, SeqSlots, after_step
-from strata_jax.runtime.step_inputs import ExtendRow, empty_inputs, model_inputs, pack_extend, pack_updates, update_capacity
+from strata_jax.runtime.step_inputs import (
+    ExtendRow,
+    empty_inputs,
+    model_inputs,
+    pack_extend,
+    pack_updates,
+    update_capacity,
+)
 
 
 @dataclass(frozen=True)
@@ -79,11 +86,15 @@ class RunnerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"RunnerConfig.{name} must be positive, got {getattr(self, name)}")
         if self.kernel_backend not in pallas_kernels.BACKENDS:
-            raise ValueError(f"RunnerConfig.kernel_backend must be one of {pallas_kernels.BACKENDS}, got {self.kernel_backend!r}")
+            raise ValueError(
+                f"RunnerConfig.kernel_backend must be one of {pallas_kernels.BACKENDS}, got {self.kernel_backend!r}"
+            )
         if self.layer_weights not in LAYER_WEIGHTS:
             raise ValueError(f"RunnerConfig.layer_weights must be one of {LAYER_WEIGHTS}, got {self.layer_weights!r}")
         if self.max_running and self.max_running < self.max_batch_size:
-            raise ValueError(f"RunnerConfig.max_running ({self.max_running}) must be at least max_batch_size ({self.max_batch_size})")
+            raise ValueError(
+                f"RunnerConfig.max_running ({self.max_running}) must be at least max_batch_size ({self.max_batch_size})"
+            )
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -224,9 +235,12 @@ class ModelRunner:
         self.mesh = mesh if mesh is not None and mesh.shape[tp_sharding.TP_AXIS] > 1 else None
         self.grouped = (
             grouped_pool_layout(model.config, self.layout, config.num_device_pages, config.kv_local_ratio)
-            if config.kv_layer_groups else None
-        )  # fmt: skip
-        pool_shape = self.grouped.pool_shape() if self.grouped else self.layout.device_pool_shape(config.num_device_pages)
+            if config.kv_layer_groups
+            else None
+        )
+        pool_shape = (
+            self.grouped.pool_shape() if self.grouped else self.layout.device_pool_shape(config.num_device_pages)
+        )
         rep = None
         if self.mesh is not None:
             tp_sharding.check_model(model.config, self.mesh.shape[tp_sharding.TP_AXIS], vocab_parallel=vocab_parallel)
@@ -244,9 +258,13 @@ class ModelRunner:
         elif tuple(pool.kv.shape) != pool_shape:
             raise ValueError(f"pool shape {tuple(pool.kv.shape)} does not match the runner's layout")
         elif getattr(pool, "grouped", None) != self.grouped:  # same shape, other layer groups: rows would disagree
-            raise ValueError(f"the pool's layer groups {getattr(pool, 'grouped', None)} are not the runner's {self.grouped}")
+            raise ValueError(
+                f"the pool's layer groups {getattr(pool, 'grouped', None)} are not the runner's {self.grouped}"
+            )
         elif self.mesh is not None and not pool.kv.sharding.is_equivalent_to(pool_sh, len(pool_shape)):
-            raise ValueError(f"tensor parallel runner needs a pool split on its KV heads ({pool_sh}), got {pool.kv.sharding}")
+            raise ValueError(
+                f"tensor parallel runner needs a pool split on its KV heads ({pool_sh}), got {pool.kv.sharding}"
+            )
         self.pool = pool
         self._replicated = rep
         self._local_map_version: int | None = None
@@ -262,24 +280,43 @@ class ModelRunner:
         )
         # the padding slot of the step's slot mapping: out of the pool (grouped: after any layer's shift)
         self.num_slots = self.grouped.num_slots if self.grouped else config.num_device_pages * config.page_size
-        self.sampling = SamplingState(config.sampling_slots or config.max_batch_size, model.config.vocab_size, sharding=rep)
+        self.sampling = SamplingState(
+            config.sampling_slots or config.max_batch_size, model.config.vocab_size, sharding=rep
+        )
         self.seqs = SeqSlots(
-            config.running_slots, config.max_pages_per_seq, no_sampling_slot=self.sampling.no_slot,
-            max_rows=config.max_batch_size, mask_words=-(-model.config.vocab_size // 32), sharding=rep,
-        )  # fmt: skip
+            config.running_slots,
+            config.max_pages_per_seq,
+            no_sampling_slot=self.sampling.no_slot,
+            max_rows=config.max_batch_size,
+            mask_words=-(-model.config.vocab_size // 32),
+            sharding=rep,
+        )
         shardings = {}
         if self.mesh is not None:  # explicit: params by the rules, pool by heads, the rest replicated
             shardings = {
                 "in_shardings": (state_sh, pool_sh, rep, rep, rep, rep),  # state, pool, bias, flags, seq tables, inputs
-                "out_shardings": (rep, rep, rep, rep, pool_sh, rep, rep),  # tokens, logits, logprobs x2, pool, flags, tables
+                "out_shardings": (
+                    rep,
+                    rep,
+                    rep,
+                    rep,
+                    pool_sh,
+                    rep,
+                    rep,
+                ),  # tokens, logits, logprobs x2, pool, flags, tables
             }
         self._step = jax.jit(
             # all_logits positional-static: jit takes no keyword arguments once in_shardings are set
             partial(
-                _forward_step, self.graphdef, self.mesh, scan_layers=config.scan_layers, page_size=config.page_size,
-                num_kv_slots=self.num_slots, no_sampling_slot=self.sampling.no_slot,
+                _forward_step,
+                self.graphdef,
+                self.mesh,
+                scan_layers=config.scan_layers,
+                page_size=config.page_size,
+                num_kv_slots=self.num_slots,
+                no_sampling_slot=self.sampling.no_slot,
                 layer_pages=self.grouped.layer_rows() if self.grouped else None,
-            ),  # fmt: skip
+            ),
             donate_argnums=(1, 3, 4),  # the KV pool, the sampling flags and the sequence tables, updated in place
             static_argnums=(6,),
             **shardings,
@@ -462,7 +499,12 @@ class ModelRunner:
         return self._launch(x, n, n, logprobs=logprobs)
 
     def dispatch_extend(
-        self, rows: Sequence[ExtendRow], *, updates: np.ndarray | None = None, logprobs: bool = False, all_logits: bool = False
+        self,
+        rows: Sequence[ExtendRow],
+        *,
+        updates: np.ndarray | None = None,
+        logprobs: bool = False,
+        all_logits: bool = False,
     ) -> PendingStep:
         """Start an extend step of prompt chunks (rows already written) without waiting for it."""
         if not rows:
@@ -480,9 +522,15 @@ class ModelRunner:
         return self._launch(x, len(rows), total, logprobs=logprobs, prompt_logprobs=prompt_lp, all_logits=all_logits)
 
     def _launch(
-        self, x: dict, num_seqs: int, num_tokens: int, *, logprobs: bool = False, prompt_logprobs: bool = False,
+        self,
+        x: dict,
+        num_seqs: int,
+        num_tokens: int,
+        *,
+        logprobs: bool = False,
+        prompt_logprobs: bool = False,
         all_logits: bool = False,
-    ) -> PendingStep:  # fmt: skip
+    ) -> PendingStep:
         # A program read back from the executable cache that fails on the device leaves the
         # cache, so the next start compiles it (the failure itself is not hidden).
         discard = None if all_logits else self._reused.get(_program_shape(x))
@@ -521,7 +569,9 @@ class ModelRunner:
             if not s.token_ids:
                 raise ValueError("a sequence in the batch has no new tokens")
             if end_pos > self.config.max_context_tokens:
-                raise ValueError(f"sequence reaches {end_pos} tokens, beyond max_context_tokens={self.config.max_context_tokens}")
+                raise ValueError(
+                    f"sequence reaches {end_pos} tokens, beyond max_context_tokens={self.config.max_context_tokens}"
+                )
             if len(s.page_ids) * page_size < end_pos:
                 raise ValueError(f"sequence {i} has {len(s.page_ids)} pages for {end_pos} tokens")
         slots = []
@@ -531,11 +581,17 @@ class ModelRunner:
                 if slot is None:
                     raise RuntimeError("every sequence slot is held by a running sequence")
                 slots.append(slot)
-            self.seqs.write_rows([
-                (slot, s.page_ids, s.start_pos, 0, 0 if s.min_tokens_active else 1, _row_params(s))
-                for slot, s in zip(slots, seqs)
-            ])  # fmt: skip
-            if all(len(s.token_ids) == 1 for s in seqs) and not all_logits and not any(s.prompt_logprob_targets for s in seqs):
+            self.seqs.write_rows(
+                [
+                    (slot, s.page_ids, s.start_pos, 0, 0 if s.min_tokens_active else 1, _row_params(s))
+                    for slot, s in zip(slots, seqs)
+                ]
+            )
+            if (
+                all(len(s.token_ids) == 1 for s in seqs)
+                and not all_logits
+                and not any(s.prompt_logprob_targets for s in seqs)
+            ):
                 x = self._decode_inputs_for(seqs, slots)
                 return self._launch(x, len(seqs), len(seqs), logprobs=any(s.logprobs for s in seqs))
             rows = [
@@ -604,7 +660,9 @@ class ModelRunner:
         raise ValueError(f"no extend program holds {total_tokens} tokens of {num_seqs} sequences")
 
 
-def grouped_pool_layout(config: ModelConfig, layout: KVLayout, num_pages: int, local_ratio: float = 1.0) -> GroupedPoolLayout:
+def grouped_pool_layout(
+    config: ModelConfig, layout: KVLayout, num_pages: int, local_ratio: float = 1.0
+) -> GroupedPoolLayout:
     """The pool with layer groups for ``config``: its sliding-window layers local, the rest
     global; ``num_pages`` global pages and ``local_ratio`` of them (at least one) local."""
     return GroupedPoolLayout(layout, config.local_layers, num_pages, max(1, round(num_pages * local_ratio)))
@@ -612,21 +670,44 @@ def grouped_pool_layout(config: ModelConfig, layout: KVLayout, num_pages: int, l
 
 def _row_params(s: SeqInput) -> RowParams:
     return RowParams(
-        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, repetition_penalty=s.repetition_penalty,
-        frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty, sampling_slot=s.sampling_slot,
-        min_tokens=1, want_logprobs=s.logprobs, rng_base=s.rng_key,
-    )  # fmt: skip
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        repetition_penalty=s.repetition_penalty,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        sampling_slot=s.sampling_slot,
+        min_tokens=1,
+        want_logprobs=s.logprobs,
+        rng_base=s.rng_key,
+    )
 
 
 def _forward_step(
-    graphdef, mesh, state, kv_pool, bias_table, flags_table, tables, inputs: dict, all_logits: bool, *,
-    scan_layers: bool, page_size: int, num_kv_slots: int, no_sampling_slot: int,
+    graphdef,
+    mesh,
+    state,
+    kv_pool,
+    bias_table,
+    flags_table,
+    tables,
+    inputs: dict,
+    all_logits: bool,
+    *,
+    scan_layers: bool,
+    page_size: int,
+    num_kv_slots: int,
+    no_sampling_slot: int,
     layer_pages: tuple[tuple[int, int], ...] | None,
-):  # fmt: skip
+):
     state, layer_states = state if isinstance(state, tuple) else (state, None)
     model = nnx.merge(graphdef, state)
     input_ids, positions, meta, sampling, new_lens, tables = model_inputs(
-        tables, inputs, page_size=page_size, num_kv_slots=num_kv_slots, no_sampling_slot=no_sampling_slot,
+        tables,
+        inputs,
+        page_size=page_size,
+        num_kv_slots=num_kv_slots,
+        no_sampling_slot=no_sampling_slot,
         layer_pages=layer_pages,
     )
     with use_head_sharding(mesh):  # attention and the KV write per shard of the heads (tp)

@@ -148,4 +148,3 @@ def resolve(
         kernel_backend=dispatch.resolve_backend(kernel_backend, platform=defaults.platform),
         layer_weights=resolve_layer_weights(layer_weights, defaults.platform),
     )
-

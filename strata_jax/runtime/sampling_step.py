@@ -56,13 +56,18 @@ def sample_with_extras(
     def processed() -> jax.Array:
         flags = gather_rows(flags_table, slot)
         bias = gather_rows(bias_table, slot)
-        return process_logits(last_logits, flags, bias, pen[:, 0], pen[:, 1], pen[:, 2], (bits & MIN_TOKENS_ACTIVE) != 0)
+        return process_logits(
+            last_logits, flags, bias, pen[:, 0], pen[:, 1], pen[:, 2], (bits & MIN_TOKENS_ACTIVE) != 0
+        )
 
     logits = jax.lax.cond(jnp.any(held), processed, lambda: last_logits)
     if token_mask is not None:
         constrained = inputs["constrained"]
         logits = jax.lax.cond(
-            jnp.any(constrained), lambda x: apply_token_mask(x, token_mask[inputs["mask_slot"]], constrained), lambda x: x, logits
+            jnp.any(constrained),
+            lambda x: apply_token_mask(x, token_mask[inputs["mask_slot"]], constrained),
+            lambda x: x,
+            logits,
         )
     next_tokens = sample_tokens(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["rng_keys"])
     sampled_lp = token_logprobs_if((bits & WANT_LOGPROBS) != 0, last_logits, next_tokens, MAX_TOP_LOGPROBS)
@@ -86,7 +91,9 @@ def fetch_logprobs(
     return host_copy(lp.chosen)[:rows], host_copy(lp.top_ids)[:rows], host_copy(lp.top_logprobs)[:rows]
 
 
-def to_token_logprob(arrays: tuple[np.ndarray, np.ndarray, np.ndarray], row: int, token_id: int, k: int) -> TokenLogprob:
+def to_token_logprob(
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray], row: int, token_id: int, k: int
+) -> TokenLogprob:
     chosen, ids, lps = arrays
     top = tuple((int(t), float(v)) for t, v in zip(ids[row, :k], lps[row, :k]))
     return TokenLogprob(token_id=int(token_id), logprob=float(chosen[row]), top=top)

@@ -82,9 +82,20 @@ class SeqTables:
 
 
 ROW_FIELDS = (
-    "page_table", "seq_lens", "last_token", "sampled", "temperature", "top_k", "top_p", "penalties",
-    "sampling_slot", "min_tokens", "want_logprobs", "rng_base", "constrained",
-)  # fmt: skip  # what ``write_rows`` writes (the token mask has ``write_masks``)
+    "page_table",
+    "seq_lens",
+    "last_token",
+    "sampled",
+    "temperature",
+    "top_k",
+    "top_p",
+    "penalties",
+    "sampling_slot",
+    "min_tokens",
+    "want_logprobs",
+    "rng_base",
+    "constrained",
+)  # what ``write_rows`` writes (the token mask has ``write_masks``)
 
 
 @dataclass(frozen=True)
@@ -157,9 +168,15 @@ class SeqSlots:
     """
 
     def __init__(
-        self, num_slots: int, width: int, *, no_sampling_slot: int, max_rows: int, mask_words: int = 1,
+        self,
+        num_slots: int,
+        width: int,
+        *,
+        no_sampling_slot: int,
+        max_rows: int,
+        mask_words: int = 1,
         sharding: jax.sharding.Sharding | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if num_slots <= 0 or width <= 0:
             raise ValueError(f"sequence state needs slots and pages, got {num_slots} x {width}")
         self.num_slots = num_slots

@@ -100,7 +100,12 @@ def pack_extend(x: dict[str, np.ndarray], rows: Sequence[ExtendRow]) -> int:
 
 
 def model_inputs(
-    tables: SeqTables, x: dict, *, page_size: int, num_kv_slots: int, no_sampling_slot: int,
+    tables: SeqTables,
+    x: dict,
+    *,
+    page_size: int,
+    num_kv_slots: int,
+    no_sampling_slot: int,
     layer_pages: tuple[tuple[int, int], ...] | None = None,
 ) -> tuple[jax.Array, jax.Array, AttentionMetadata, dict, jax.Array, SeqTables]:
     """Inside the jitted step: (input_ids, positions, attention metadata, sampling inputs,
@@ -151,9 +156,15 @@ def model_inputs(
         local_page = local_map[jnp.clip(page, 0, local_map.shape[0] - 1)]
         local_slots = jnp.where(token_valid, local_page * page_size + positions % page_size, num_kv_slots)
     meta = AttentionMetadata(
-        slot_mapping=slot_mapping, page_table=rows["page_table"], seq_lens=new_lens, query_start=query_start,
-        layer_page_base=base, layer_page_count=count, local_page_table=local_table, local_slot_mapping=local_slots,
-    )  # fmt: skip
+        slot_mapping=slot_mapping,
+        page_table=rows["page_table"],
+        seq_lens=new_lens,
+        query_start=query_start,
+        layer_page_base=base,
+        layer_page_count=count,
+        local_page_table=local_table,
+        local_slot_mapping=local_slots,
+    )
     kept = valid & ((bits & COUNT_SAMPLE) != 0)
     row_bits = (
         jnp.where(rows["sampled"] < rows["min_tokens"], sampling_step.MIN_TOKENS_ACTIVE, 0)

@@ -87,7 +87,13 @@ class SchedulerConfig:
             raise SchedulerConfigError(
                 f"unknown scheduler policy {self.policy!r}; choose one of {', '.join(available_policies())}"
             )
-        for name in ("max_batch_tokens", "max_prefill_batch_size", "max_decode_batch_size", "max_waiting", "max_lookahead"):
+        for name in (
+            "max_batch_tokens",
+            "max_prefill_batch_size",
+            "max_decode_batch_size",
+            "max_waiting",
+            "max_lookahead",
+        ):
             _positive_int(name, getattr(self, name))
         _non_negative_int("delay_hit_threshold", self.delay_hit_threshold)
         _non_negative_int("short_prefill_tokens", self.short_prefill_tokens)
@@ -97,7 +103,13 @@ class SchedulerConfig:
             r = self.loading_bound_ratio
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not r > 0 or r != r or r == float("inf"):
                 raise SchedulerConfigError(f"loading_bound_ratio must be a positive finite number or None, got {r!r}")
-        for name in ("enable_delay_hit", "enable_balanced_batch", "enable_bubble_filling", "enable_load_or_recompute", "wait_for_prefetch"):
+        for name in (
+            "enable_delay_hit",
+            "enable_balanced_batch",
+            "enable_bubble_filling",
+            "enable_load_or_recompute",
+            "wait_for_prefetch",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise SchedulerConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

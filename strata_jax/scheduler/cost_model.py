@@ -80,7 +80,11 @@ class CostPrior:
             raise ValueError("transfer_overhead_s must be non-negative")
         if self.window < 1 or self.prior_weight <= 0 or not 0 < self.bandwidth_ema <= 1:
             raise ValueError("window >= 1, prior_weight > 0 and 0 < bandwidth_ema <= 1 are required")
-        if not 0 <= self.local_share <= 1 or self.local_window_tokens < 0 or (self.local_share > 0) != (self.local_window_tokens > 0):
+        if (
+            not 0 <= self.local_share <= 1
+            or self.local_window_tokens < 0
+            or (self.local_share > 0) != (self.local_window_tokens > 0)
+        ):
             raise ValueError("local_share in [0, 1] and local_window_tokens >= 0 are required, both set or neither")
 
 
@@ -234,7 +238,9 @@ class CostModel:
         p = self.prior
         if not p.local_window_tokens:
             return tokens * self.bytes_per_token
-        return self.bytes_per_token * (tokens * (1 - p.local_share) + min(tokens, p.local_window_tokens) * p.local_share)
+        return self.bytes_per_token * (
+            tokens * (1 - p.local_share) + min(tokens, p.local_window_tokens) * p.local_share
+        )
 
     def load_seconds(self, host_tokens: int, storage_tokens: int = 0) -> float:
         """Time to bring ``host_tokens`` L2->L1 plus ``storage_tokens`` L3->L2->L1."""

@@ -50,9 +50,12 @@ class Stages:
 
 def _strata(config: SchedulerConfig) -> Stages:
     return Stages(
-        config.enable_delay_hit, config.enable_balanced_batch, config.enable_bubble_filling,
-        config.enable_load_or_recompute, short_first=config.short_prefill_tokens > 0,
-    )  # fmt: skip
+        config.enable_delay_hit,
+        config.enable_balanced_batch,
+        config.enable_bubble_filling,
+        config.enable_load_or_recompute,
+        short_first=config.short_prefill_tokens > 0,
+    )
 
 
 def _fifo(config: SchedulerConfig) -> Stages:

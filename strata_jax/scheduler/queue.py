@@ -22,7 +22,9 @@ class RoundQueue:
     one round costs; the rest keep their order for later rounds).
     """
 
-    def __init__(self, order: list[str], classify: Callable[[str], Candidate | None], lookahead: int | None = None) -> None:
+    def __init__(
+        self, order: list[str], classify: Callable[[str], Candidate | None], lookahead: int | None = None
+    ) -> None:
         # Only the first ``lookahead`` queued requests are examined this round.
         limit = len(order) if lookahead is None else lookahead
         self._order = order[:limit]

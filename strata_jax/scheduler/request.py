@@ -100,4 +100,3 @@ class ScheduledRequest:
             keys.append(h)
         self._page_keys = (page_size, n, keys)
         return keys
-

@@ -66,11 +66,21 @@ class Scheduler:
         self._arrivals = 0
         self._round = 0
         self._c = dict(
-            finished=0, aborted=0, deferrals=0, deferred_rounds=0, set_asides=0, bundle_hits=0,
-            retractions=0, decode_first_rounds=0, recomputed_prompt_tokens=0,
-            load_or_recompute_recomputed=0, load_or_recompute_tokens=0,
-            prefetch_waits=0, prefetch_wait_rounds=0, prefetch_not_waited=0,
-        )  # fmt: skip
+            finished=0,
+            aborted=0,
+            deferrals=0,
+            deferred_rounds=0,
+            set_asides=0,
+            bundle_hits=0,
+            retractions=0,
+            decode_first_rounds=0,
+            recomputed_prompt_tokens=0,
+            load_or_recompute_recomputed=0,
+            load_or_recompute_tokens=0,
+            prefetch_waits=0,
+            prefetch_wait_rounds=0,
+            prefetch_not_waited=0,
+        )
         self._prefetch_holds: set[str] = set()  # this round's requests held for their prefetch
         self._hits = {"device": 0, "host": 0, "storage": 0}
         self._decoding = 0  # requests in DECODING (kept as they change)
@@ -116,7 +126,9 @@ class Scheduler:
 
         # 1. decode batch; retract the newest decodes if their next tokens cannot fit.
         ready = [r for r in self._requests.values() if r.status is _S.DECODING and not r.decode_inflight and not r.held]
-        if len(ready) > cfg.max_decode_batch_size:  # take turns: the longest-waiting first (else all run, in arrival order)
+        if (
+            len(ready) > cfg.max_decode_batch_size
+        ):  # take turns: the longest-waiting first (else all run, in arrival order)
             ready.sort(key=lambda r: (r.last_decode_round, r.arrival))
         decodes = ready[: cfg.max_decode_batch_size]
         decode_need = sum(_decode_page(r, ps) for r in decodes)
@@ -139,9 +151,10 @@ class Scheduler:
             new_room=self._new_room(cache),
         )
         continuing = [
-            r for r in self._requests.values()
+            r
+            for r in self._requests.values()
             if r.status is _S.PREFILLING and r.inflight_end is None and r.remaining_prefill > 0
-        ]  # fmt: skip
+        ]
         skip = {r.request_id for r in retracted}  # their KV is still on the device this step
         queue = RoundQueue(
             [rid for rid in self._queue if rid not in skip], lambda rid: self._classify(rid, cache), cfg.max_lookahead
@@ -186,7 +199,9 @@ class Scheduler:
         est_load = self.cost.load_seconds(batch.load_host, batch.load_storage)
         est_prefill = self.cost.batch_extend_seconds(batch.extend_items()) if batch.items else 0.0
         est_decode = self.cost.decode_seconds(len(decodes), sum(r.seq_len for r in decodes))
-        unlanded = batch.load_host + batch.load_storage > 0 or any(cache.load_pending(i.request_id) for i in batch.items)
+        unlanded = batch.load_host + batch.load_storage > 0 or any(
+            cache.load_pending(i.request_id) for i in batch.items
+        )
         decode_first = bool(
             self.stages.bubble_filling and decodes and batch.items and unlanded and est_load > est_decode
         )
@@ -303,7 +318,11 @@ class Scheduler:
             req.prefill_done = item.start
             if req.first_scheduled_round is None:
                 req.first_scheduled_round = self._round
-                hit = {"device": item.device_hit_tokens, "host": item.load_host_tokens, "storage": item.load_storage_tokens}
+                hit = {
+                    "device": item.device_hit_tokens,
+                    "host": item.load_host_tokens,
+                    "storage": item.load_storage_tokens,
+                }
                 req.cached_tokens = hit
                 for tier, n in hit.items():
                     self._hits[tier] += n

@@ -36,7 +36,14 @@ class FakeCache:
         reach = {}
         for i, tier in enumerate(TIERS):  # prefix length reachable using tiers up to this one
             reach[tier] = self._align(
-                max((common_prefix_len(toks, t, len(toks)) for n, t, tr in self.ready if n == ns and TIERS.index(tr) <= i), default=0)
+                max(
+                    (
+                        common_prefix_len(toks, t, len(toks))
+                        for n, t, tr in self.ready
+                        if n == ns and TIERS.index(tr) <= i
+                    ),
+                    default=0,
+                )
             )
         d = reach["device"]
         h = max(d, reach["host"])
@@ -119,7 +126,9 @@ def execute(plan, scheduler, cache: FakeCache, max_new_tokens: dict[str, int] | 
                 scheduler.finish(req.request_id)
                 finished.append(req.request_id)
     for req in plan.decode:
-        if scheduler.on_decode_done(req.request_id, token).value == "decoding" and req.num_output_tokens >= limit(req.request_id):
+        if scheduler.on_decode_done(req.request_id, token).value == "decoding" and req.num_output_tokens >= limit(
+            req.request_id
+        ):
             scheduler.finish(req.request_id)
             finished.append(req.request_id)
     return finished

@@ -41,7 +41,12 @@ IO_PATHS = ("naive", "coalesced")
 
 class SimCostModel:
     def __init__(
-        self, profile: HardwareProfile, model: ModelSpec, page_size: int, tier_format: str = "full", window_loads: bool = False,
+        self,
+        profile: HardwareProfile,
+        model: ModelSpec,
+        page_size: int,
+        tier_format: str = "full",
+        window_loads: bool = False,
         cached_share: float = 1.0,
     ) -> None:
         if not 0.0 < cached_share <= 1.0:
@@ -61,7 +66,9 @@ class SimCostModel:
         self._mm_rate = profile.matmul_flops_per_s * profile.matmul_efficiency
         self._attn_rate = profile.matmul_flops_per_s * profile.attention_efficiency
         self._hbm_rate = profile.hbm_bytes_per_s * profile.hbm_efficiency
-        self._fixed = profile.step_overhead_s + (profile.tp_allreduce_s_per_layer * 2 * c.num_layers if model.tp > 1 else 0.0)
+        self._fixed = profile.step_overhead_s + (
+            profile.tp_allreduce_s_per_layer * 2 * c.num_layers if model.tp > 1 else 0.0
+        )
 
     # -- compute -------------------------------------------------------------
     def extend_seconds(self, items: Iterable[tuple[int, int]]) -> float:

@@ -224,7 +224,9 @@ class SimExecutor:
         else:
             seconds = self.cost.decode_seconds(len(rows), sum(r.computed + 1 for r in rows))
             if self._slowdown:
-                seconds *= 1 + self._slowdown * min(1.0, self.timer.overlap(start, start + seconds) / max(seconds, 1e-12))
+                seconds *= 1 + self._slowdown * min(
+                    1.0, self.timer.overlap(start, start + seconds) / max(seconds, 1e-12)
+                )
         end = start + seconds
         self.gpu_free_at = end
         self.stats.decode_s += seconds

@@ -27,13 +27,29 @@ KV_DTYPE_BYTES = 2
 
 BUILTIN_MODELS: dict[str, tuple[ModelConfig, int]] = {
     "llama-3.1-8b": (ModelConfig("llama", 128256, 4096, 14336, 32, 32, 8, 128, max_position_embeddings=131072), 1),
-    "qwen2.5-14b": (ModelConfig("qwen2", 152064, 5120, 13824, 48, 40, 8, 128, max_position_embeddings=131072, attention_bias=True), 1),
+    "qwen2.5-14b": (
+        ModelConfig("qwen2", 152064, 5120, 13824, 48, 40, 8, 128, max_position_embeddings=131072, attention_bias=True),
+        1,
+    ),
     "llama-3.1-70b-tp4": (ModelConfig("llama", 128256, 8192, 28672, 80, 64, 8, 128, max_position_embeddings=131072), 4),
     "gemma-3-27b": (
         ModelConfig(
-            "gemma3_text", 262208, 5376, 21504, 62, 32, 16, 128, max_position_embeddings=131072, tie_word_embeddings=True,
-            qk_norm=True, layer_windows=tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(62)), rope_theta=1e6,
-            rope_local_theta=1e4, hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=168.0,
+            "gemma3_text",
+            262208,
+            5376,
+            21504,
+            62,
+            32,
+            16,
+            128,
+            max_position_embeddings=131072,
+            tie_word_embeddings=True,
+            qk_norm=True,
+            layer_windows=tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(62)),
+            rope_theta=1e6,
+            rope_local_theta=1e4,
+            hidden_act="gelu_pytorch_tanh",
+            query_pre_attn_scalar=168.0,
         ),
         1,
     ),
@@ -133,7 +149,9 @@ def load_model_spec(name_or_path: str, tp: int | None = None) -> ModelSpec:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ValueError(f"--model {name_or_path!r}: not a built-in ({', '.join(BUILTIN_MODELS)}) nor a config.json path")
+        raise ValueError(
+            f"--model {name_or_path!r}: not a built-in ({', '.join(BUILTIN_MODELS)}) nor a config.json path"
+        )
     try:
         config = ModelConfig.from_hf_dict(json.loads(path.read_text()))
     except json.JSONDecodeError as exc:

@@ -68,10 +68,22 @@ class HardwareProfile:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or v == float("inf"):
                 raise ProfileError(f"profile {self.name!r}: {f.name} must be a finite non-negative number, got {v!r}")
-        for name in ("hbm_efficiency", "matmul_efficiency", "attention_efficiency", "kv_memory_fraction", "coalesced_efficiency"):
+        for name in (
+            "hbm_efficiency",
+            "matmul_efficiency",
+            "attention_efficiency",
+            "kv_memory_fraction",
+            "coalesced_efficiency",
+        ):
             if not 0 < getattr(self, name) <= 1:
                 raise ProfileError(f"profile {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)!r}")
-        for name in ("hbm_bytes", "hbm_bytes_per_s", "matmul_flops_per_s", "link_peak_bytes_per_s", "storage_read_bytes_per_s"):
+        for name in (
+            "hbm_bytes",
+            "hbm_bytes_per_s",
+            "matmul_flops_per_s",
+            "link_peak_bytes_per_s",
+            "storage_read_bytes_per_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ProfileError(f"profile {self.name!r}: {name} must be > 0")
 
@@ -89,7 +101,9 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     if not path.suffix and not path.exists():
         path = PROFILE_DIR / f"{name_or_path}.json"
         if not path.is_file():
-            raise ProfileError(f"unknown hardware profile {name_or_path!r}; shipped: {', '.join(available_profiles())}, or give a JSON path")
+            raise ProfileError(
+                f"unknown hardware profile {name_or_path!r}; shipped: {', '.join(available_profiles())}, or give a JSON path"
+            )
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:

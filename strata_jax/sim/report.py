@@ -27,7 +27,9 @@ def sustained_rate(runs: Sequence[RunResult], ttft_target: float) -> float | Non
 
 
 def table(runs: Sequence[RunResult]) -> str:
-    head = f"{'system':<17}{'rate':>7}{'TTFT mean':>11}{'TTFT p99':>10}{'req/s':>8}{'out tok/s':>11}{'stall':>7}{'hit':>6}"
+    head = (
+        f"{'system':<17}{'rate':>7}{'TTFT mean':>11}{'TTFT p99':>10}{'req/s':>8}{'out tok/s':>11}{'stall':>7}{'hit':>6}"
+    )
     lines = [head, "-" * len(head)]
     for r in runs:
         lines.append(
@@ -39,7 +41,10 @@ def table(runs: Sequence[RunResult]) -> str:
 
 def ablation_table(by_system: dict[str, list[RunResult]], ttft_target: float, baseline: str = "hicache") -> str:
     base = sustained_rate(by_system.get(baseline, []), ttft_target)
-    lines = [f"sustained rate at mean TTFT <= {ttft_target:g} s (x {baseline})", f"{'system':<17}{'req/s':>8}{'x':>7}{'stall':>8}"]
+    lines = [
+        f"sustained rate at mean TTFT <= {ttft_target:g} s (x {baseline})",
+        f"{'system':<17}{'req/s':>8}{'x':>7}{'stall':>8}",
+    ]
     for name, runs in by_system.items():
         rate = sustained_rate(runs, ttft_target)
         stall = max((r.load_stall_fraction for r in runs), default=0.0)

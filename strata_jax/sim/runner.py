@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from strata_jax.api import SamplingParams, StreamChunk
 from strata_jax.cache.config import CacheConfig
 from strata_jax.cache.controller import CacheController
-from strata_jax.engine.sinks import OutputSink
-from strata_jax.engine.requests import TrackedRequest
 from strata_jax.engine.core import EngineCore
+from strata_jax.engine.requests import TrackedRequest
+from strata_jax.engine.sinks import OutputSink
 from strata_jax.scheduler.config import SchedulerConfig
 from strata_jax.scheduler.cost_model import CostModel, CostPrior
 from strata_jax.scheduler.scheduler import Scheduler
@@ -75,8 +75,21 @@ class RunResult:
     extra: dict = field(default_factory=dict)
 
     def row(self) -> dict:
-        keys = ("system", "rate", "ttft_mean", "ttft_p99", "throughput_rps", "output_tps", "load_stall_fraction", "hit_rate")
-        return {k: getattr(self, k) for k in keys} | {"finished": self.finished, "simulated_s": self.simulated_s, **self.extra}
+        keys = (
+            "system",
+            "rate",
+            "ttft_mean",
+            "ttft_p99",
+            "throughput_rps",
+            "output_tps",
+            "load_stall_fraction",
+            "hit_rate",
+        )
+        return {k: getattr(self, k) for k in keys} | {
+            "finished": self.finished,
+            "simulated_s": self.simulated_s,
+            **self.extra,
+        }
 
 
 class _Sink(OutputSink):
@@ -94,8 +107,14 @@ class _Sink(OutputSink):
 
 
 def build_core(
-    system: SystemSpec, setup: SimSetup, *, token_for: Callable[[str, int], int], next_arrival: Callable[[], float | None],
-    replay: StepTimes | None = None, cost_prior: CostPrior | None = None, scheduler_overrides: dict | None = None,
+    system: SystemSpec,
+    setup: SimSetup,
+    *,
+    token_for: Callable[[str, int], int],
+    next_arrival: Callable[[], float | None],
+    replay: StepTimes | None = None,
+    cost_prior: CostPrior | None = None,
+    scheduler_overrides: dict | None = None,
 ) -> tuple[EngineCore, SimExecutor, SimTimer]:
     clock = SimClock()
     share = 1.0 if setup.cached_share is None else setup.cached_share
@@ -119,7 +138,14 @@ def build_core(
         storage_bytes_per_s=setup.profile.storage_read_bytes_per_s,
         transfer_overhead_s=setup.profile.transfer_overhead_s,
     )
-    sched_cfg = SchedulerConfig(**{"max_batch_tokens": setup.max_batch_tokens, "max_waiting": 1 << 30, **system.scheduler_kwargs(), **(scheduler_overrides or {})})
+    sched_cfg = SchedulerConfig(
+        **{
+            "max_batch_tokens": setup.max_batch_tokens,
+            "max_waiting": 1 << 30,
+            **system.scheduler_kwargs(),
+            **(scheduler_overrides or {}),
+        }
+    )
     scheduler = Scheduler(sched_cfg, CostModel(prior))
 
     def next_event() -> float | None:
@@ -127,18 +153,33 @@ def build_core(
         return min(times) if times else None
 
     executor = SimExecutor(
-        clock, cost, timer, layerwise=system.layerwise, token_for=token_for, next_event=next_event, replay=replay,
+        clock,
+        cost,
+        timer,
+        layerwise=system.layerwise,
+        token_for=token_for,
+        next_event=next_event,
+        replay=replay,
         host=setup.host,
-    )  # fmt: skip
+    )
     core = EngineCore(
-        scheduler, ctl, executor, eos_token_ids=(), max_context_tokens=setup.model.config.max_context_tokens,
+        scheduler,
+        ctl,
+        executor,
+        eos_token_ids=(),
+        max_context_tokens=setup.model.config.max_context_tokens,
         pipeline=setup.pipeline,
-    )  # fmt: skip
+    )
     return core, executor, timer
 
 
 def simulate(
-    requests: list[SimRequest], system: SystemSpec, setup: SimSetup, rate: float, *, progress: Callable[[int], None] | None = None,
+    requests: list[SimRequest],
+    system: SystemSpec,
+    setup: SimSetup,
+    rate: float,
+    *,
+    progress: Callable[[int], None] | None = None,
 ) -> RunResult:
     """Run ``requests`` (arrival times already set) through ``system``; returns the run's metrics.
 
@@ -167,7 +208,9 @@ def simulate(
     def token_for(rid: str, index: int) -> int:
         return _OUTPUT_BASE + int(rid[1:]) * (1 << 20) + index
 
-    core, executor, _ = build_core(system, setup, token_for=token_for, next_arrival=lambda: heap[0][0] if heap else None)
+    core, executor, _ = build_core(
+        system, setup, token_for=token_for, next_arrival=lambda: heap[0][0] if heap else None
+    )
     clock = executor.clock
 
     def on_finish(i: int, chunk: StreamChunk) -> None:
@@ -195,10 +238,14 @@ def simulate(
                 if not requests[i].warmup:
                     prompt_tokens += len(prompt)
                 t = TrackedRequest(
-                    request_id=f"r{i}", prompt_ids=prompt, namespace="",
+                    request_id=f"r{i}",
+                    prompt_ids=prompt,
+                    namespace="",
                     params=SamplingParams(max_tokens=requests[i].output_len, ignore_eos=True),
-                    sink=_Sink(lambda chunk, i=i: on_finish(i, chunk)), detok=None, submitted_at=arrival,
-                )  # fmt: skip
+                    sink=_Sink(lambda chunk, i=i: on_finish(i, chunk)),
+                    detok=None,
+                    submitted_at=arrival,
+                )
                 core.admit(t)
                 if i not in dependents:
                     prompts.pop(i)
@@ -277,12 +324,20 @@ class _Counters:
     def read(cls, core: EngineCore, executor: SimExecutor) -> _Counters:
         s, st = core.scheduler.stats(), executor.stats
         return cls(
-            hit_tokens=dict(s.hit_tokens), deferrals=s.deferrals, set_asides=s.set_asides, bundle_hits=s.bundle_hits,
-            decode_first_rounds=s.decode_first_rounds, load_or_recompute_requests=s.load_or_recompute_recomputed,
-            load_or_recompute_tokens=s.load_or_recompute_tokens, prefill_s=st.prefill_s, stall_s=st.stall_s,
-            decode_s=st.decode_s, h2d_busy_s=executor.timer.h2d.busy_s,
-            loaded_pages=core.ctl.counters["loaded_pages"], backed_up_pages=core.ctl.counters["backed_up_pages"],
-        )  # fmt: skip
+            hit_tokens=dict(s.hit_tokens),
+            deferrals=s.deferrals,
+            set_asides=s.set_asides,
+            bundle_hits=s.bundle_hits,
+            decode_first_rounds=s.decode_first_rounds,
+            load_or_recompute_requests=s.load_or_recompute_recomputed,
+            load_or_recompute_tokens=s.load_or_recompute_tokens,
+            prefill_s=st.prefill_s,
+            stall_s=st.stall_s,
+            decode_s=st.decode_s,
+            h2d_busy_s=executor.timer.h2d.busy_s,
+            loaded_pages=core.ctl.counters["loaded_pages"],
+            backed_up_pages=core.ctl.counters["backed_up_pages"],
+        )
 
     def minus(self, earlier: _Counters) -> _Counters:
         values = {}

@@ -82,8 +82,16 @@ def loogle_shape(data_dir: Path) -> list[tuple[int, int, int]]:
 
 
 def loogle(
-    *, num_requests: int, rate: float, seed: int, data_dir: Path, docs: int = 100, distance: str = "max",
-    output_len: int = 32, max_doc_tokens: int = 120_000, warmup: bool = False,
+    *,
+    num_requests: int,
+    rate: float,
+    seed: int,
+    data_dir: Path,
+    docs: int = 100,
+    distance: str = "max",
+    output_len: int = 32,
+    max_doc_tokens: int = 120_000,
+    warmup: bool = False,
 ) -> list[SimRequest]:
     if distance not in CACHE_DISTANCES:
         raise ValueError(f"cache distance must be one of {CACHE_DISTANCES}, got {distance!r}")
@@ -102,7 +110,9 @@ def loogle(
         for name, doc, questions, q_tokens in documents:
             qs = []
             for _ in range(questions):
-                qs.append(SimRequest(doc + ids.run(max(4, int(q_tokens * rng.uniform(0.5, 1.5)))), output_len, group=name))
+                qs.append(
+                    SimRequest(doc + ids.run(max(4, int(q_tokens * rng.uniform(0.5, 1.5)))), output_len, group=name)
+                )
                 total += 1
             this.append(qs)
         passes.append(this)
@@ -144,13 +154,21 @@ def cached_sequence_tokens(requests: list[SimRequest]) -> list[int]:
         else:
             first, common = rs[0].prompt, len(rs[0].prompt)
             for r in rs[1:]:
-                common = next((i for i, (a, b) in enumerate(zip(first[:common], r.prompt)) if a != b), min(common, len(r.prompt)))
+                common = next(
+                    (i for i, (a, b) in enumerate(zip(first[:common], r.prompt)) if a != b), min(common, len(r.prompt))
+                )
             out.append(common)
     return out
 
 
 def multiturn(
-    *, num_requests: int, rate: float, seed: int, rounds: int = 5, request_length: int = 512, output_len: int = 64,
+    *,
+    num_requests: int,
+    rate: float,
+    seed: int,
+    rounds: int = 5,
+    request_length: int = 512,
+    output_len: int = 64,
 ) -> list[SimRequest]:
     clients = max(1, num_requests // rounds)
     ids = _Ids()
@@ -170,13 +188,22 @@ def multiturn(
     return out
 
 
-def mooncake(*, num_requests: int, path: Path, speedup: float = 1.0, max_input_tokens: int = 131_072, max_output: int | None = None) -> list[SimRequest]:
+def mooncake(
+    *,
+    num_requests: int,
+    path: Path,
+    speedup: float = 1.0,
+    max_input_tokens: int = 131_072,
+    max_output: int | None = None,
+) -> list[SimRequest]:
     if not speedup > 0:
         raise ValueError("--speedup must be > 0")
     if not path.is_file():
         raise FileNotFoundError(f"Mooncake trace {path} does not exist (pass --trace)")
     out: list[SimRequest] = []
-    for ids, row in mooncake_rows(path, lambda h: range(1 + h * MOONCAKE_BLOCK, 1 + (h + 1) * MOONCAKE_BLOCK), max_input_tokens):
+    for ids, row in mooncake_rows(
+        path, lambda h: range(1 + h * MOONCAKE_BLOCK, 1 + (h + 1) * MOONCAKE_BLOCK), max_input_tokens
+    ):
         out_len = max(1, int(row["output_length"]))
         if max_output is not None:
             out_len = min(out_len, max_output)
@@ -190,7 +217,10 @@ def sharegpt(*, num_requests: int, rate: float, seed: int) -> list[SimRequest]:
     rng = random.Random(seed)
     ids = _Ids()
     out = [
-        SimRequest(ids.run(int(min(1024, max(16, rng.lognormvariate(5.3, 0.8))))), int(min(512, max(16, rng.lognormvariate(5.0, 0.7)))))
+        SimRequest(
+            ids.run(int(min(1024, max(16, rng.lognormvariate(5.3, 0.8))))),
+            int(min(512, max(16, rng.lognormvariate(5.0, 0.7)))),
+        )
         for _ in range(num_requests)
     ]
     poisson(out, rate, seed + 1)

@@ -48,7 +48,9 @@ class GrammarTokenizer:
         if raw is not None:  # HFTokenizer: the tokenizers library's own JSON
             self.ll = llguidance.LLTokenizer(raw.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
         elif hasattr(tokenizer, "byte_tokens"):
-            self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary(tokenizer)), n_vocab=vocab_size)
+            self.ll = llguidance.LLTokenizer(
+                llguidance.TokenizerWrapper(_ByteVocabulary(tokenizer)), n_vocab=vocab_size
+            )
         else:
             raise InvalidRequestError("structured outputs need a tokenizer this server can hand to its grammar engine")
 

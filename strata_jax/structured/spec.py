@@ -51,7 +51,11 @@ class StructuredOutput:
         if self.kind not in KINDS:
             raise InvalidRequestError(f"{self.field}: unknown constraint {self.kind!r}; use one of {', '.join(KINDS)}")
         if self.kind == "choice":
-            if not isinstance(self.value, tuple) or not self.value or not all(isinstance(c, str) and c for c in self.value):
+            if (
+                not isinstance(self.value, tuple)
+                or not self.value
+                or not all(isinstance(c, str) and c for c in self.value)
+            ):
                 raise InvalidRequestError(f"{self.field}.choice must be a non-empty list of non-empty strings")
         elif self.kind != "json_object" and (not isinstance(self.value, str) or not self.value.strip()):
             raise InvalidRequestError(f"{self.field}.{self.kind} must be a non-empty string")
