@@ -199,6 +199,43 @@ class CacheController(Transfers, StorageIO, Eviction):
         }
         self._last_error_log = float("-inf")
 
+    @classmethod
+    def on_device(
+        cls,
+        config: CacheConfig,
+        layout: KVLayout,
+        *,
+        storage: StorageBackend | None = None,
+        device: Any = None,
+        grouped: GroupedPoolLayout | None = None,
+        local_window: int = 0,
+        host_local_ratio: float = 1.0,
+    ) -> CacheController:
+        """A controller that moves KV: an L1 pool on ``device``, an L2 pool in host memory."""
+        return cls(
+            config,
+            layout,
+            storage=storage,
+            device=device,
+            grouped=grouped,
+            local_window=local_window,
+            host_local_ratio=host_local_ratio,
+        )
+
+    @classmethod
+    def simulated(
+        cls,
+        config: CacheConfig,
+        *,
+        page_bytes: int = 0,
+        storage: StorageBackend | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        timer: TransferTimer | None = None,
+    ) -> CacheController:
+        """A controller that keeps the books and moves no bytes: transfers land at once, or in
+        the virtual time of ``timer`` (the simulator); ``page_bytes`` is one page's size."""
+        return cls(config, None, storage=storage, clock=clock, timer=timer, page_bytes=page_bytes)
+
     # ------------------------------------------------------------------ queries
     def match_prefix(
         self,
