@@ -437,3 +437,26 @@ def test_device_pages_of_stops_at_the_device_prefix() -> None:
     tree.set_host(leaf, [9, 8])
     tree.evict_device(2)
     assert tree.device_pages_of(leaf) == [0, 1]
+
+
+def test_host_insert_splits_at_start_page_and_reports_each_tier_change() -> None:
+    tree = HiRadixTree(1)
+    events: list[tuple[bool, str, tuple[int, ...]]] = []
+    tree.tier_observer = lambda stored, tier, node: events.append((stored, tier, node.key))
+    tree.insert([1, 2, 3], device_pages=[0, 1, 2])
+    res = tree.insert([1, 2, 3, 4, 5], host_pages=[7, 8, 9], start_page=2)  # splits [1 2 3] after 2 tokens
+    assert res.existing_tokens == 3 and res.unused_pages == () and [n.key for n in res.new_nodes] == [(4, 5)]
+    assert [n.key for n in res.walk_path] == [(1, 2), (3,), (4, 5)]
+    m = tree.match_prefix([1, 2, 3, 4, 5], touch=False)
+    assert (m.device_tokens, m.host_tokens) == (3, 2) and m.device_page_ids == (0, 1, 2)
+    assert tree.evict_device(1, drop_host=lambda pages: None) == [2]  # [3] is backed up: stays host-only
+    assert events == [
+        (True, "device", (1, 2, 3)),
+        (True, "host", (3,)),
+        (True, "host", (4, 5)),
+        (False, "device", (3,)),
+    ]
+    assert (tree.device_pages, tree.host_pages, tree.evictable_device_pages()) == (2, 3, 2)
+    with pytest.raises(TreeError):  # the prefix before start_page must have data
+        tree.insert([9, 9, 9], host_pages=[6], start_page=2)
+    tree.check(device_free=[2], device_total=3, host_free=[], host_total=3)

@@ -1,4 +1,4 @@
-"""Matches on sliding-window models never end where a local-layer window is incomplete (issue 22).
+"""Matches on sliding-window models never end where a local-layer window is incomplete.
 
 The tree's state machine (``test_cache_radix_tree.TreeMachine``: random inserts in every
 tier, transient nodes, locks, backups, evictions, checked against a page-prefix model)

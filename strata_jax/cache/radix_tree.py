@@ -6,11 +6,20 @@ every page.  The cache controller owns the allocators and moves the data.
 
 Five modules: ``tree_node.py`` (``TreeNode``, node states, ``PrefixMatch``,
 ``InsertResult``, ``TreeError``; re-exported here), this one (the structure:
-match, insert, split, transient life cycle, locks), ``tree_keys.py`` (the
-``StorageKeys`` mixin: each page's L3 key along the hash chain),
-``tree_tiers.py`` (the ``TierBookkeeping`` mixin: what each tier holds, per-tier
-LRU eviction, ``check``) and ``tree_window.py`` (where a match may end on a
-sliding-window model: ``local_pages`` says which pages kept their local-layer KV).
+match, insert, split, transient life cycle, locks), ``tree_keys.py``
+(``StorageKeys``: each page's L3 key along the hash chain), ``tree_tiers.py``
+(``TierIndex``: what each tier holds; per-tier LRU eviction; ``check_tree``) and
+``tree_window.py`` (where a match may end on a sliding-window model:
+``local_pages`` says which pages kept their local-layer KV).  The tree holds one
+``StorageKeys`` and one ``TierIndex`` and calls the functions of the other
+modules with explicit arguments.
+
+Match and insert share one walk (``_walk``): it follows the tokens down from the
+namespace's root and yields each node of the path, splitting a node where the
+path ends inside it.  A match classifies the nodes it yields (device, host,
+transient); an insert applies its mode's operation to each of them (device
+pages: ``_adopt_device``; host pages: ``_adopt_host``; an owner: nothing) and
+hangs a leaf for the rest (``_InsertMode.fill_leaf``).
 
 Invariants (asserted by :meth:`HiRadixTree.check`):
 
@@ -42,8 +51,10 @@ Contract for callers (who must lock what before using returned page ids):
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import NamedTuple
 
+from strata_jax.cache import tree_tiers
 from strata_jax.cache.tree_keys import StorageKeys
 from strata_jax.cache.tree_node import (
     IN_FLIGHT,
@@ -55,8 +66,8 @@ from strata_jax.cache.tree_node import (
     TreeError,
     TreeNode,
 )
-from strata_jax.cache.tree_tiers import TierBookkeeping, TierObserver
-from strata_jax.cache.tree_window import LOCAL_MISSING, LOCAL_ON_DEVICE, LOCAL_ON_HOST, LocalPages, window_match
+from strata_jax.cache.tree_tiers import TierIndex, TierObserver
+from strata_jax.cache.tree_window import LocalPages, local_codes, window_match
 
 __all__ = [
     "IN_FLIGHT",
@@ -70,8 +81,28 @@ __all__ = [
     "TreeNode",
 ]
 
+# What a match found at each node of its path, in path order (device, then host, then transient).
+_ON_DEVICE = 0
+_HOST_ONLY = 1
+_TRANSIENT = 2
 
-class HiRadixTree(TierBookkeeping, StorageKeys):
+
+class _InsertMode(NamedTuple):
+    """One mode of ``insert``: the pages it brings and what it does to the walk's nodes."""
+
+    pages: Sequence[int]  # one id per page from the start page (none for transient nodes)
+    # At an existing node from the start page on, with its share of ``pages``: adopts them
+    # or not; returns the ids not adopted.  None: the mode brings no data.
+    adopt: Callable[[TreeNode, list[int]], list[int]] | None
+    # At the new leaf, already hanging in the tree, with its share of ``pages``.
+    fill_leaf: Callable[[TreeNode, list[int]], None]
+
+    @property
+    def brings_data(self) -> bool:
+        return self.adopt is not None
+
+
+class HiRadixTree:
     """Radix tree of cached prefixes across the device and host tiers.
 
     Not thread-safe: one owner (the engine thread / the controller) calls it.
@@ -81,23 +112,46 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
         if not isinstance(page_size, int) or page_size <= 0:
             raise TreeError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
-        self.kv_identity = kv_identity  # seeds every chain key (hashing.namespace_seed)
-        self._roots: dict[str, TreeNode] = {}
-        self._owned: dict[Hashable, set[TreeNode]] = {}
-        self._next_id = 1
-        self._clock = 0
-        self.device_pages = 0  # pages of L1 owned by the tree
         self.version = 0  # bumped by every mutation that can change a match (planning memos key on it)
-        self.locked_device_pages = 0  # of which in locked nodes (kept as locks move: evictable is O(1))
-        self.host_pages = 0  # pages of L2 owned by the tree
-        # Nodes holding pages of each tier (eviction scans these, not the whole tree:
-        # L1 holds a few dozen nodes while L2 holds thousands).
-        self._device_nodes: set[TreeNode] = set()
-        self._host_nodes: set[TreeNode] = set()
-        self.tier_observer: TierObserver | None = None  # tree_tiers.TierObserver (KV events)
         # Sliding-window models: where each page's local-layer KV is; a match ends only
         # where that window is complete (tree_window).  None: every layer is global.
         self.local_pages: LocalPages | None = None
+        self._keys = StorageKeys(page_size, kv_identity)
+        self._tiers = TierIndex()
+        self._roots: dict[str, TreeNode] = {}
+        self._transient_by_owner: dict[Hashable, set[TreeNode]] = {}
+        self._next_id = 1
+        self._clock = 0
+
+    # ------------------------------------------------------------------ tier counters
+    @property
+    def kv_identity(self) -> str:
+        """What the KV depends on besides the tokens; seeds every chain key (``hashing.namespace_seed``)."""
+        return self._keys.kv_identity
+
+    @property
+    def device_pages(self) -> int:
+        """Pages of L1 owned by the tree."""
+        return self._tiers.device_pages
+
+    @property
+    def locked_device_pages(self) -> int:
+        """Of ``device_pages``, those in locked nodes (kept as locks move: ``evictable_device_pages`` is O(1))."""
+        return self._tiers.locked_device_pages
+
+    @property
+    def host_pages(self) -> int:
+        """Pages of L2 owned by the tree."""
+        return self._tiers.host_pages
+
+    @property
+    def tier_observer(self) -> TierObserver | None:
+        """Told of every change of what a tier holds (``tree_tiers.TierObserver``: KV events)."""
+        return self._tiers.observer
+
+    @tier_observer.setter
+    def tier_observer(self, observer: TierObserver | None) -> None:
+        self._tiers.observer = observer
 
     # ------------------------------------------------------------------ helpers
     def _tick(self) -> int:
@@ -128,8 +182,8 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
         key = tokens if isinstance(tokens, tuple) else tuple(tokens)
         return key, len(key) - len(key) % self.page_size
 
-    def _common_pages(self, node_key: tuple[int, ...], key: tuple[int, ...], pos: int, n: int) -> int:
-        """Tokens (page-aligned) that ``node_key`` shares with ``key[pos:n]``; first page known equal.
+    def _shared_tokens(self, node_key: tuple[int, ...], key: tuple[int, ...], pos: int, n: int) -> int:
+        """Tokens (whole pages) that ``node_key`` shares with ``key[pos:n]``; first page known equal.
 
         Binary search over whole pages with C-speed slice compares (a long prompt
         leaving a long node costs log(pages) compares, not one per page).
@@ -168,14 +222,13 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
         upper.storage_backed = node.storage_backed
         if node.device is not None:
             upper.device, node.device = node.device[:pages], node.device[pages:]
-            self._device_nodes.add(upper)
         if node.host is not None:
             upper.host, node.host = node.host[:pages], node.host[pages:]
-            self._host_nodes.add(upper)
         if node.hashes is not None:
             upper.hashes, node.hashes = node.hashes[:pages], node.hashes[pages:]
-        if node.owner is not None and node.is_transient:
-            self._owned[node.owner].add(upper)
+        self._tiers.track(upper)
+        if node.is_transient:
+            self._transient_by_owner[node.owner].add(upper)
         parent.children[node.key[:ps]] = upper
         node.key = node.key[tokens:]
         node.parent = upper
@@ -184,24 +237,74 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
 
     def _make_ready(self, node: TreeNode) -> None:
         if node.is_transient:
-            owned = self._owned.get(node.owner)
+            owned = self._transient_by_owner.get(node.owner)
             if owned is not None:
                 owned.discard(node)
                 if not owned:
-                    del self._owned[node.owner]
+                    del self._transient_by_owner[node.owner]
             node.state = READY
             node.owner = None
 
     def _delete(self, node: TreeNode) -> None:
+        """Take a node without children out of the tree (its pages were detached first)."""
         assert node.parent is not None and not node.children
-        if node.storage_backed:  # the tree forgets it: it no longer vouches for L3's copy
-            self.set_storage_backed(node, False)
-        if node.is_transient:
-            self._make_ready(node)
+        self._tiers.set_storage_backed(node, False)  # the tree forgets it: it no longer vouches for L3's copy
+        self._make_ready(node)
         del node.parent.children[node.key[: self.page_size]]
         node.parent = None
-        self._device_nodes.discard(node)  # (callers clear its pages first; a detached node is indexed nowhere)
-        self._host_nodes.discard(node)
+        self._tiers.forget(node)
+
+    # ------------------------------------------------------------------ the walk
+    def _walk(
+        self, root: TreeNode, key: tuple[int, ...], n: int, hinted: dict[int, int], split_at: int = 0
+    ) -> Iterator[tuple[TreeNode, int]]:
+        """Each node of the path from ``root`` along the longest prefix of ``key[:n]`` in the
+        tree, with the position where its key starts.
+
+        A node that prefix ends inside is split there, and so is a node ``split_at`` (a
+        token position) falls inside: every node yielded lies entirely in the prefix,
+        on one side of ``split_at``.  ``hinted`` (``_hinted_positions``): nodes known
+        to match ``key`` from a position on, taken without comparing tokens.  The
+        caller may change a node's pages and state before asking for the next one.
+        """
+        ps = self.page_size
+        node, pos = root, 0
+        while pos < n:
+            child = node.children.get(key[pos : pos + ps])
+            if child is None:
+                return
+            if hinted and hinted.get(id(child)) == pos:
+                tokens = len(child.key)  # the hint's walk compared these tokens; unchanged since
+            else:
+                tokens = self._shared_tokens(child.key, key, pos, n)
+                if tokens < len(child.key):
+                    child = self._split(child, tokens)
+            if pos < split_at < pos + tokens:
+                child = self._split(child, split_at - pos)
+            yield child, pos
+            node, pos = child, pos + len(child.key)
+
+    @staticmethod
+    def _hinted_positions(
+        hint: PrefixMatch | InsertResult | None, key: tuple[int, ...], namespace: str, root: TreeNode
+    ) -> dict[int, int]:
+        """Start position of each node of ``hint``'s walk that still hangs where the walk found it.
+
+        A node still below the previous one with the same key length has the same
+        tokens: keys change only by splits, which also re-parent.  Node ids are safe
+        keys: the hint holds the nodes, so no id is reused meanwhile.
+        """
+        if hint is None or hint.walk_tokens is not key or hint.namespace != namespace:
+            return {}
+        out: dict[int, int] = {}
+        node, pos = root, 0
+        for child, klen in zip(hint.walk_path, hint.walk_lens, strict=True):
+            if child.parent is not node or len(child.key) != klen:
+                break
+            out[id(child)] = pos
+            pos += klen
+            node = child
+        return out
 
     # ------------------------------------------------------------------ match
     def match_prefix(
@@ -235,70 +338,89 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
         """
         root = self.root(namespace)
         key, n = self._key(tokens)
-        ps = self.page_size
-        path: list[TreeNode] = []
-        lens: list[int] = []
-        node = root
-        pos = 0
-        if hint is not None and hint.walk_tokens is key and hint.namespace == namespace:
-            for child, klen in zip(hint.walk_path, hint.walk_lens):
-                if child.parent is not node or len(child.key) != klen:
-                    break
-                path.append(child)
-                lens.append(klen)
-                pos += klen
-                node = child
-        children = node.children
-        while pos < n:
-            child = children.get(key[pos : pos + ps])
-            if child is None:
-                break
-            klen = len(child.key)
-            if pos + klen <= n and key[pos : pos + klen] == child.key:
-                pos += klen
-            else:
-                klen = self._common_pages(child.key, key, pos, n)
-                child = self._split(child, klen)
-                pos += klen
-            path.append(child)
-            lens.append(klen)
-            children = child.children
-        kinds: list[int] = []  # per path node: 0 device, 1 host, 2 transient (the walk's tiers, in order)
-        phase = 0
+        hinted = self._hinted_positions(hint, key, namespace, root)
+        path = [node for node, _ in self._walk(root, key, n, hinted)]
+        found = self._classify(path, requester)
+        if self.local_pages is not None and self.local_pages.window_pages > 0:
+            self._stop_at_complete_window(path, found, self.local_pages)
+        return self._tally(namespace, root, key, path, found, touch)
+
+    @staticmethod
+    def _classify(path: list[TreeNode], requester: Hashable | None) -> list[int]:
+        """What a match finds at each node of ``path``: ``_ON_DEVICE`` nodes, then
+        ``_HOST_ONLY`` ones, then ``_TRANSIENT`` ones, up to the first node owned by
+        ``requester`` (excluded, and so is the rest of the path)."""
+        found: list[int] = []
+        phase = _ON_DEVICE
         for node in path:
-            if phase == 0 and node.device is not None:
-                kind = 0
-            elif phase <= 1 and node.host is not None and node.device is None:
-                kind = 1
+            if phase == _ON_DEVICE and node.device is not None:
+                kind = _ON_DEVICE
+            elif phase <= _HOST_ONLY and node.host is not None and node.device is None:
+                kind = _HOST_ONLY
             elif node.is_transient:
                 if requester is not None and node.owner == requester:
                     break
-                kind = 2
+                kind = _TRANSIENT
             else:  # pragma: no cover - excluded by the invariants
                 raise AssertionError(f"tree invariant broken on the match path at {node!r}")
-            kinds.append(kind)
+            found.append(kind)
             phase = kind
-        if self.local_pages is not None and self.local_pages.window_pages > 0:
-            self._stop_at_complete_window(path, lens, kinds)
+        return found
+
+    def _stop_at_complete_window(self, path: list[TreeNode], found: list[int], local: LocalPages) -> None:
+        """Cut the match (``path`` and ``found``, in place) at the longest prefix whose
+        local-layer window is complete (``tree_window``), splitting the node it ends in.
+        A cut data prefix is not followed by transient tokens: the gap is this request's
+        to compute."""
+        data = path[: len(found) - found.count(_TRANSIENT)]
+        codes, device_pages = local_codes(data, local)
+        device, host = window_match(codes, device_pages, local.window_pages)
+        keep = device + host
+        if keep == len(codes):
+            return
+        ps = self.page_size
+        pages = 0
+        for i, node in enumerate(data):
+            npages = len(node.key) // ps
+            if pages + npages > keep:
+                end = i
+                if keep > pages:
+                    path[i] = self._split(node, (keep - pages) * ps)
+                    end = i + 1
+                del path[end:], found[end:]
+                return
+            pages += npages
+        raise AssertionError("window cut beyond the data prefix")  # pragma: no cover
+
+    def _tally(
+        self,
+        namespace: str,
+        root: TreeNode,
+        key: tuple[int, ...],
+        path: list[TreeNode],
+        found: list[int],
+        touch: bool,
+    ) -> PrefixMatch:
+        """The ``PrefixMatch`` of a walk (``path``) and what it found (``found``, maybe shorter)."""
         now = self._tick() if touch else 0
         device = host = transient = 0
         owners: list[Hashable] = []
         device_pages: list[int] = []
         last = root
-        for node, kind in zip(path, kinds):
+        for node, kind in zip(path, found, strict=False):  # the path may go on past the requester's nodes
             if touch:
                 node.last_access = now
-            ntok = len(node.key)
-            if kind == 0:
-                device += ntok
-                device_pages.extend(node.device)  # type: ignore[arg-type]
-            elif kind == 1:
-                host += ntok
-            else:
-                transient += ntok
+            if kind == _TRANSIENT:
+                transient += len(node.key)
                 if node.owner not in owners:
                     owners.append(node.owner)
                 continue
+            if kind == _ON_DEVICE:
+                device += len(node.key)
+                assert node.device is not None
+                device_pages.extend(node.device)
+            else:
+                host += len(node.key)
             if touch:
                 node.hit_count += 1
             last = node
@@ -313,53 +435,8 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
             last_node=last,
             walk_tokens=key,
             walk_path=tuple(path),
-            walk_lens=tuple(lens),
+            walk_lens=tuple(len(node.key) for node in path),
         )
-
-    def _stop_at_complete_window(self, path: list[TreeNode], lens: list[int], kinds: list[int]) -> None:
-        """Cut the walk (``path``, ``lens``, ``kinds``, in place) at the longest prefix whose
-        local-layer window is complete (``tree_window``), splitting the node it ends in.
-        A cut data prefix is not followed by transient tokens: the gap is this request's
-        to compute."""
-        local = self.local_pages
-        assert local is not None
-        codes: list[int] = []
-        device_pages = 0
-        data_nodes = 0
-        for node, kind in zip(path, kinds):
-            if kind == 2:
-                break
-            data_nodes += 1
-            if kind == 0:
-                host_ids = node.host
-                for j, page in enumerate(node.device):  # type: ignore[arg-type]
-                    if local.on_device(page):
-                        codes.append(LOCAL_ON_DEVICE)
-                    else:
-                        codes.append(
-                            LOCAL_ON_HOST if host_ids is not None and local.on_host(host_ids[j]) else LOCAL_MISSING
-                        )
-                device_pages = len(codes)
-            else:
-                codes.extend(LOCAL_ON_HOST if local.on_host(page) else LOCAL_MISSING for page in node.host)  # type: ignore[union-attr]
-        dev, host = window_match(codes, device_pages, local.window_pages)
-        keep = dev + host
-        if keep == len(codes):
-            return
-        ps = self.page_size
-        pages = 0
-        for i in range(data_nodes):
-            npages = lens[i] // ps
-            if pages + npages > keep:
-                cut = keep - pages
-                if cut > 0:
-                    path[i] = self._split(path[i], cut * ps)
-                    lens[i] = cut * ps
-                    i += 1
-                del path[i:], lens[i:], kinds[i:]
-                return
-            pages += npages
-        raise AssertionError("window cut beyond the data prefix")  # pragma: no cover
 
     # ------------------------------------------------------------------ insert
     def insert(
@@ -391,152 +468,136 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
         so it is a hint for the next match of the same tokens.
         """
         self.version += 1  # what a match returns may change
-        modes = (device_pages is not None) + (host_pages is not None) + (owner is not None)
-        if modes != 1:
+        if (device_pages is not None) + (host_pages is not None) + (owner is not None) != 1:
             raise TreeError("insert needs exactly one of device_pages, host_pages, owner")
+        if device_pages is not None:
+            if start_page != 0:
+                raise TreeError("device inserts cover the whole prefix (start_page must be 0)")
+            mode = _InsertMode(device_pages, self._adopt_device, self._fill_device_leaf)
+        elif host_pages is not None:
+            mode = _InsertMode(host_pages, self._adopt_host, self._fill_host_leaf)
+        else:
+            mode = _InsertMode((), None, lambda leaf, _pages: self._queue(leaf, owner))
+        return self._insert(tokens, namespace, start_page, mode, hint)
+
+    def _insert(
+        self,
+        tokens: Sequence[int],
+        namespace: str,
+        start_page: int,
+        mode: _InsertMode,
+        hint: PrefixMatch | InsertResult | None,
+    ) -> InsertResult:
+        """One walk along ``tokens`` applying ``mode`` from page ``start_page`` on; a new leaf
+        for the pages below the walk's end."""
         key, n = self._key(tokens)
         ps = self.page_size
         npages = n // ps
-        given = device_pages if device_pages is not None else host_pages
-        if device_pages is not None and start_page != 0:
-            raise TreeError("device inserts cover the whole prefix (start_page must be 0)")
         if not 0 <= start_page <= npages:
             raise TreeError(f"start_page {start_page} outside 0..{npages}")
-        if given is not None and len(given) != npages - start_page:
-            raise TreeError(f"insert of {npages} pages from page {start_page} got {len(given)} page ids")
-        start_tok = start_page * ps
+        if mode.brings_data and len(mode.pages) != npages - start_page:
+            raise TreeError(f"insert of {npages} pages from page {start_page} got {len(mode.pages)} page ids")
+        start = start_page * ps
         root = self.root(namespace)
         now = self._tick()
-        node = root
-        pos = 0
-        unused: list[int] = []
-        new_nodes: list[TreeNode] = []
         path: list[TreeNode] = []
-        existing = 0
-        trusted = self._hinted_positions(hint, key, namespace, root)  # id(node) -> where its key starts
-        while pos < n:
-            child = node.children.get(key[pos : pos + ps])
-            if child is None:
-                break
-            if trusted and trusted.get(id(child)) == pos:
-                m = len(child.key)  # the hint's walk compared these tokens; unchanged since
-            else:
-                m = self._common_pages(child.key, key, pos, n)
-            if m < len(child.key):
-                child = self._split(child, m)
-            if pos < start_tok < pos + m:
-                child = self._split(child, start_tok - pos)
-                m = start_tok - pos
-            child.last_access = now
-            if pos < start_tok:
-                if given is not None and not child.has_data:
+        unused: list[int] = []
+        end = 0  # where the walk's last node ends
+        hinted = self._hinted_positions(hint, key, namespace, root)
+        for node, pos in self._walk(root, key, n, hinted, split_at=start):
+            node.last_access = now
+            path.append(node)
+            end = pos + len(node.key)
+            if pos < start:
+                if mode.brings_data and not node.has_data:
                     raise TreeError("insert with start_page: the prefix before start_page is not cached")
-            elif given is not None:
-                seg = list(given[(pos - start_tok) // ps : (pos + m - start_tok) // ps])
-                if device_pages is not None:
-                    if child.device is None:
-                        child.device = seg
-                        self._device_nodes.add(child)
-                        self.device_pages += len(seg)
-                        if child.lock_ref:
-                            self.locked_device_pages += len(seg)
-                        self._make_ready(child)
-                        if self.tier_observer is not None:
-                            self.tier_observer(True, "device", child)
-                    else:
-                        if seg != child.device:  # (usually equal: a page table starts with the tree's pages)
-                            unused.extend(p for p, q in zip(seg, child.device) if p != q)
-                else:
-                    if child.host is None and (child.device is not None or child.is_transient):
-                        child.host = seg
-                        self._host_nodes.add(child)
-                        self.host_pages += len(seg)
-                        self._make_ready(child)
-                        if self.tier_observer is not None:
-                            self.tier_observer(True, "host", child)
-                    elif child.host is None:  # pragma: no cover - a ready node has data
-                        raise AssertionError("ready node without data")
-                    else:
-                        if seg != child.host:  # (usually equal: a page table starts with the tree's pages)
-                            unused.extend(p for p, q in zip(seg, child.host) if p != q)
-            existing = pos + m
-            node = child
-            path.append(child)
-            pos += m
-        if pos < n:
-            if pos < start_tok:
-                raise TreeError("insert with start_page: the prefix before start_page is not cached")
-            if given is not None and node.is_transient:
-                raise TreeError("cannot insert data below a transient node; insert its prefix first")
-            leaf = self._new_node(key[pos:n], node, namespace)
-            leaf.last_access = now
-            seg = list(given[(pos - start_tok) // ps :]) if given is not None else None
-            if device_pages is not None:
-                if node is not root and node.device is None:
-                    raise TreeError("device insert below a node without device pages")
-                leaf.device = seg
-                self._device_nodes.add(leaf)
-                self.device_pages += len(seg)
-                if leaf.lock_ref:
-                    self.locked_device_pages += len(seg)
-            elif host_pages is not None:
-                leaf.host = seg
-                self._host_nodes.add(leaf)
-                self.host_pages += len(seg)
-            else:
-                leaf.state = IN_QUEUE
-                leaf.owner = owner
-                self._owned.setdefault(owner, set()).add(leaf)
-            node.children[leaf.key[:ps]] = leaf
-            if self.tier_observer is not None and given is not None:
-                self.tier_observer(True, "device" if device_pages is not None else "host", leaf)
-            new_nodes.append(leaf)
-            path.append(leaf)
-            node = leaf
+            elif mode.adopt is not None:
+                unused.extend(mode.adopt(node, list(mode.pages[(pos - start) // ps : (end - start) // ps])))
+        parent = path[-1] if path else root
+        if end == n:
+            return self._insert_result(namespace, key, end, unused, (), parent, path)
+        if end < start:
+            raise TreeError("insert with start_page: the prefix before start_page is not cached")
+        assert not (mode.brings_data and parent.is_transient), "a data insert leaves no transient node on its path"
+        leaf = self._new_node(key[end:n], parent, namespace)
+        leaf.last_access = now
+        parent.children[leaf.key[:ps]] = leaf
+        mode.fill_leaf(leaf, list(mode.pages[(end - start) // ps :]))
+        path.append(leaf)
+        return self._insert_result(namespace, key, end, unused, (leaf,), leaf, path)
+
+    @staticmethod
+    def _insert_result(
+        namespace: str,
+        key: tuple[int, ...],
+        existing: int,
+        unused: list[int],
+        new_nodes: tuple[TreeNode, ...],
+        last: TreeNode,
+        path: list[TreeNode],
+    ) -> InsertResult:
         return InsertResult(
             existing_tokens=existing,
             unused_pages=tuple(unused),
-            new_nodes=tuple(new_nodes),
-            last_node=node,
+            new_nodes=new_nodes,
+            last_node=last,
             namespace=namespace,
             walk_tokens=key,
             walk_path=tuple(path),
-            walk_lens=tuple(len(x.key) for x in path),
+            walk_lens=tuple(len(node.key) for node in path),
         )
 
-    @staticmethod
-    def _hinted_positions(
-        hint: PrefixMatch | InsertResult | None, key: tuple[int, ...], namespace: str, root: TreeNode
-    ) -> dict[int, int]:
-        """Start position of each node of ``hint``'s walk that still hangs where the walk found it.
+    def _adopt_device(self, node: TreeNode, pages: list[int]) -> list[int]:
+        """A device insert at an existing node: without a device copy it adopts ``pages`` and
+        is ready; returns the ids it did not adopt (those differing from its own)."""
+        if node.device is None:
+            self._make_ready(node)
+            self._tiers.attach_device(node, pages)
+            return []
+        if pages == node.device:  # the usual case: a page table starts with the tree's pages
+            return []
+        return [p for p, q in zip(pages, node.device, strict=True) if p != q]
 
-        Node ids are safe keys: the hint holds the nodes, so no id is reused meanwhile.
-        """
-        if hint is None or hint.walk_tokens is not key or hint.namespace != namespace:
-            return {}
-        out: dict[int, int] = {}
-        node, pos = root, 0
-        for child, klen in zip(hint.walk_path, hint.walk_lens):
-            if child.parent is not node or len(child.key) != klen:
-                break
-            out[id(child)] = pos
-            pos += klen
-            node = child
-        return out
+    def _adopt_host(self, node: TreeNode, pages: list[int]) -> list[int]:
+        """A host insert at an existing node: without a host copy it adopts ``pages`` and is
+        ready; returns the ids it did not adopt (those differing from its own)."""
+        if node.host is None:
+            assert node.device is not None or node.is_transient, "ready node without data"
+            self._make_ready(node)
+            self._tiers.attach_host(node, pages)
+            return []
+        if pages == node.host:  # the usual case: a page table starts with the tree's pages
+            return []
+        return [p for p, q in zip(pages, node.host, strict=True) if p != q]
+
+    def _fill_device_leaf(self, leaf: TreeNode, pages: list[int]) -> None:
+        assert leaf.parent is not None and (leaf.parent.parent is None or leaf.parent.device is not None), (
+            "device insert below a node without device pages"
+        )
+        self._tiers.attach_device(leaf, pages)
+
+    def _fill_host_leaf(self, leaf: TreeNode, pages: list[int]) -> None:
+        self._tiers.attach_host(leaf, pages)
+
+    def _queue(self, leaf: TreeNode, owner: Hashable) -> None:
+        """Make a new leaf an ``in_queue`` node of ``owner``."""
+        leaf.state = IN_QUEUE
+        leaf.owner = owner
+        self._transient_by_owner.setdefault(owner, set()).add(leaf)
 
     # ------------------------------------------------------------------ transient life cycle
     def mark_in_flight(self, owner: Hashable) -> int:
         """Owner's prefill was dispatched: its ``in_queue`` nodes become ``in_flight``; returns tokens."""
         self.version += 1  # what a match returns may change
         total = 0
-        for node in self._owned.get(owner, ()):
+        for node in self._transient_by_owner.get(owner, ()):
             node.state = IN_FLIGHT
             total += len(node.key)
         return total
 
     def owned_tokens(self, owner: Hashable) -> int:
         """Tokens of transient nodes still owned by ``owner``."""
-        return sum(len(n.key) for n in self._owned.get(owner, ()))
+        return sum(len(n.key) for n in self._transient_by_owner.get(owner, ()))
 
     def remove_transient(self, owner: Hashable) -> int:
         """Abort: drop ``owner``'s transient nodes; returns tokens removed.
@@ -547,20 +608,20 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
         """
         self.version += 1  # what a match returns may change
         removed = 0
-        nodes = sorted(self._owned.get(owner, ()), key=self._depth, reverse=True)
+        nodes = sorted(self._transient_by_owner.get(owner, ()), key=self._depth, reverse=True)
         for node in nodes:
             if node.parent is None or node.owner != owner:
                 continue
             if node.children:
                 heir = next(iter(node.children.values()))
-                self._owned[owner].discard(node)
+                self._transient_by_owner[owner].discard(node)
                 node.owner = heir.owner
                 node.state = heir.state
-                self._owned.setdefault(heir.owner, set()).add(node)
+                self._transient_by_owner.setdefault(heir.owner, set()).add(node)
             else:
                 removed += len(node.key)
                 self._delete(node)
-        self._owned.pop(owner, None)
+        self._transient_by_owner.pop(owner, None)
         return removed
 
     @staticmethod
@@ -578,8 +639,8 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
             raise TreeError("lock the deepest ready node (PrefixMatch.last_node), not a transient node")
         while node.parent is not None:
             node.lock_ref += 1
-            if node.lock_ref == 1 and node.device is not None:
-                self.locked_device_pages += len(node.device)
+            if node.lock_ref == 1:
+                self._tiers.lock_changed(node, True)
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
@@ -591,8 +652,8 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
             x = x.parent
         while node.parent is not None:
             node.lock_ref -= 1
-            if node.lock_ref == 0 and node.device is not None:
-                self.locked_device_pages -= len(node.device)
+            if node.lock_ref == 0:
+                self._tiers.lock_changed(node, False)
             node = node.parent
 
     def iter_nodes(self) -> Iterator[TreeNode]:
@@ -603,3 +664,120 @@ class HiRadixTree(TierBookkeeping, StorageKeys):
             if node.parent is not None:
                 yield node
             stack.extend(node.children.values())
+
+    # ------------------------------------------------------------------ tiers (tree_tiers)
+    def device_pages_of(self, node: TreeNode) -> list[int]:
+        """Device page ids of the path root -> ``node``, up to its first node without a device copy.
+
+        Device copies are closed upward, so this is the device prefix of the path
+        (all of it after a successful ``load``).
+        """
+        return tree_tiers.device_pages_of(node)
+
+    def host_only_path(self, node: TreeNode) -> list[TreeNode]:
+        """Nodes on root -> ``node`` that have a host copy but no device copy, root-first."""
+        return tree_tiers.host_only_path(node)
+
+    def set_device(self, node: TreeNode, pages: Sequence[int]) -> None:
+        """Attach device pages to a host-only node whose parent is on the device (a load)."""
+        self.version += 1  # what a match returns may change
+        if node.device is not None or node.host is None:
+            raise TreeError("set_device needs a host-only node")
+        if node.parent is not None and node.parent.parent is not None and node.parent.device is None:
+            raise TreeError("load parents first (device copies are closed upward)")
+        if len(pages) != len(node.key) // self.page_size:
+            raise TreeError("wrong number of device pages")
+        self._tiers.attach_device(node, list(pages))
+
+    def set_host(self, node: TreeNode, pages: Sequence[int]) -> None:
+        """Attach host pages to a node with a device copy and no host copy (a backup)."""
+        self.version += 1  # what a match returns may change
+        if node.host is not None or node.device is None:
+            raise TreeError("set_host needs a device-only node")
+        if len(pages) != len(node.key) // self.page_size:
+            raise TreeError("wrong number of host pages")
+        self._tiers.attach_host(node, list(pages))
+
+    def set_storage_backed(self, node: TreeNode, backed: bool) -> None:
+        """Record that L3 holds (or no longer holds) ``node``'s pages, as far as this tree knows."""
+        self._tiers.set_storage_backed(node, backed)
+
+    def drop_host_copy(self, node: TreeNode) -> list[int]:
+        """Forget the host copy of a node that also has a device copy; returns its host pages."""
+        self.version += 1  # what a match returns may change
+        if node.host is None or node.device is None:
+            raise TreeError("drop_host_copy needs a node with both copies")
+        return self._tiers.detach_host(node)
+
+    def evict_device(
+        self,
+        num_pages: int,
+        backup: Callable[[TreeNode], Sequence[int] | None] | None = None,
+        drop_host: Callable[[list[int]], None] | None = None,
+    ) -> list[int]:
+        """Free at least ``num_pages`` L1 pages if possible; returns the freed page ids.
+
+        LRU over device leaves (nodes with device pages and no child with device
+        pages), skipping locked nodes.  A leaf with a host copy stays as
+        host-only.  Without one, ``backup(node)`` may return host page ids holding
+        (or about to hold) its data; otherwise the node is removed together with
+        any transient (queued, not computed) descendants.  When host-only nodes
+        hang below it too, they are removed with it and their host pages handed to
+        ``drop_host`` (without ``drop_host`` such a node is kept).  With
+        ``drop_host`` every unlocked device node can be freed, which is what
+        ``evictable_device_pages`` counts and the scheduler plans with.
+        """
+        self.version += 1  # what a match returns may change
+        return tree_tiers.evict_device(
+            self._tiers, num_pages, backup, drop_host, set_host=self.set_host, remove=self._delete
+        )
+
+    def evictable_device_pages(self) -> int:
+        """Pages ``evict_device(..., drop_host=...)`` can free now: every unlocked device node."""
+        return self._tiers.device_pages - self._tiers.locked_device_pages
+
+    def evict_host(self, num_pages: int, before_drop: Callable[[TreeNode], None] | None = None) -> list[int]:
+        """Free at least ``num_pages`` L2 pages if possible; returns the freed page ids.
+
+        LRU over host-only leaves (host copy, no device copy, no children),
+        skipping locked nodes; each is removed from the tree after
+        ``before_drop(node)`` (e.g. a write-back to storage) has been called.
+        """
+        self.version += 1  # what a match returns may change
+        return tree_tiers.evict_host(self._tiers, num_pages, before_drop, remove=self._delete)
+
+    def check(
+        self,
+        device_free: Sequence[int] | None = None,
+        device_total: int | None = None,
+        host_free: Sequence[int] | None = None,
+        host_total: int | None = None,
+        device_reserved: Sequence[int] = (),
+        host_reserved: Sequence[int] = (),
+    ) -> None:
+        """Assert every invariant; with allocator views also owned + free + reserved == total."""
+        tree_tiers.check_tree(
+            self.page_size,
+            self._roots,
+            self._transient_by_owner,
+            self._tiers,
+            ((device_free, device_total, device_reserved), (host_free, host_total, host_reserved)),
+        )
+
+    # ------------------------------------------------------------------ storage keys (tree_keys)
+    def page_hashes(self, node: TreeNode) -> list[bytes]:
+        """Storage keys of ``node``'s pages (computed lazily along the chain)."""
+        return self._keys.page_hashes(node)
+
+    def adopt_hashes(self, node: TreeNode, keys: Sequence[bytes], first_page: int) -> None:
+        """Record known storage keys for pages ``first_page ..`` of the path ending at ``node``
+        (``tree_keys.StorageKeys.adopt_hashes``)."""
+        self._keys.adopt_hashes(node, keys, first_page)
+
+    def last_hash(self, node: TreeNode) -> bytes:
+        """Key of the last page on the path to ``node`` (the namespace seed at the root)."""
+        return self._keys.last_hash(node)
+
+    def seed(self, namespace: str) -> bytes:
+        """The chain key before the first page of ``namespace``."""
+        return self._keys.seed(namespace)

@@ -2,7 +2,7 @@
 
 Key of page i = H(key of page i - 1 | token ids of page i), the chain seeded by the
 namespace and the model's KV identity (``hashing``); computed lazily per node and
-kept in ``TreeNode.hashes``.  A mixin of ``HiRadixTree``.
+kept in ``TreeNode.hashes``.  ``HiRadixTree`` holds one and exposes its methods.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from strata_jax.cache.tree_node import TreeNode
 
 
 class StorageKeys:
-    page_size: int
-    kv_identity: str
+    """Storage keys of the pages of a tree with pages of ``page_size`` tokens."""
+
+    def __init__(self, page_size: int, kv_identity: str) -> None:
+        self.page_size = page_size
+        self.kv_identity = kv_identity  # seeds every chain key (hashing.namespace_seed)
 
     def page_hashes(self, node: TreeNode) -> list[bytes]:
         """Storage keys of ``node``'s pages (computed lazily along the chain)."""
@@ -23,12 +26,14 @@ class StorageKeys:
         x = node
         while x.hashes is None:
             chain.append(x)
-            x = x.parent  # type: ignore[assignment]
+            assert x.parent is not None, "a root's hashes are set when it is created"
+            x = x.parent
         prev = x.hashes[-1] if x.hashes else self._seed_of(x)
         for y in reversed(chain):
             y.hashes = chain_hashes(prev, y.key, self.page_size)
             prev = y.hashes[-1]
-        return node.hashes  # type: ignore[return-value]
+        assert node.hashes is not None
+        return node.hashes
 
     def adopt_hashes(self, node: TreeNode, keys: Sequence[bytes], first_page: int) -> None:
         """Record known storage keys for pages ``first_page ..`` of the path ending at ``node``.

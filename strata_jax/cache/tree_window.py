@@ -1,4 +1,4 @@
-"""Where a match may end on a sliding-window model (issue 22, item 4; pure Python, no jax).
+"""Where a match may end on a sliding-window model (pure Python, no jax).
 
 A model with sliding-window ("local") layers keeps two kinds of KV per token page:
 the full-attention ("global") layers' KV, which every later token reads, and the
@@ -29,8 +29,10 @@ the ends of cached sequences and of their shared prefixes (what the controller k
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Sized
 from typing import Protocol
+
+from strata_jax.cache.tree_node import TreeNode
 
 # Where a page's local-layer KV is, per page along a match path.
 LOCAL_MISSING = 0
@@ -95,6 +97,33 @@ def window_match(local: Sequence[int], device_pages: int, window_pages: int) -> 
     return device, host - device_pages
 
 
+def local_codes(nodes: Sequence[TreeNode], local: LocalPages) -> tuple[list[int], int]:
+    """Where each page of a match's data prefix has its local KV (``LOCAL_*``) and how many
+    of them have their global KV in L1: ``window_match``'s ``local`` and ``device_pages``.
+
+    ``nodes``: the data part of a match path, root-first (nodes with a device copy, then
+    host-only ones).  A device page counts as having its local KV on the host when the
+    node's host copy of that page has it.
+    """
+    codes: list[int] = []
+    device_pages = 0
+    for node in nodes:
+        if node.device is not None:
+            host_ids = node.host
+            for j, page in enumerate(node.device):
+                if local.on_device(page):
+                    codes.append(LOCAL_ON_DEVICE)
+                elif host_ids is not None and local.on_host(host_ids[j]):
+                    codes.append(LOCAL_ON_HOST)
+                else:
+                    codes.append(LOCAL_MISSING)
+            device_pages = len(codes)
+        else:
+            assert node.host is not None, "a data node without data"
+            codes.extend(LOCAL_ON_HOST if local.on_host(page) else LOCAL_MISSING for page in node.host)
+    return codes, device_pages
+
+
 def host_window_pages(nodes: Iterable[TreeNodeLike], pages: int) -> set[int]:
     """Host pages inside the last ``pages`` pages before a point where a match can end: a
     leaf or a branch point (a node with no child or with several).  L2 keeps their local
@@ -104,15 +133,26 @@ def host_window_pages(nodes: Iterable[TreeNodeLike], pages: int) -> set[int]:
     for node in nodes:
         if node.host is None or len(node.children) == 1:
             continue
-        need, x = pages, node
-        while x is not None and x.host is not None and need > 0:
-            keep.update(x.host[-need:])
-            need -= len(x.host)
+        need = pages
+        x: TreeNodeLike | None = node
+        while x is not None and need > 0:
+            host = x.host
+            if host is None:
+                break
+            keep.update(host[-need:])
+            need -= len(host)
             x = x.parent
     return keep
 
 
 class TreeNodeLike(Protocol):
-    host: list[int] | None
-    children: dict
-    parent: TreeNodeLike | None
+    """What ``host_window_pages`` reads of a node (``TreeNode`` has it)."""
+
+    @property
+    def host(self) -> list[int] | None: ...
+
+    @property
+    def children(self) -> Sized: ...
+
+    @property
+    def parent(self) -> TreeNodeLike | None: ...
