@@ -136,7 +136,7 @@ def run(
     }
     peaks = {name: PeakHeld(engine) for name, engine in engines.items()}
     # L2 in the same bytes (hicache_ratio x L1 at full width): how many pages each holds
-    l2 = {name: {"pages": e.ctl.host_alloc.num_pages, "bytes": e.ctl.host_pool.nbytes} for name, e in engines.items()}
+    l2 = {name: {"pages": e.ctl.host_alloc.num_pages, "bytes": e.ctl.transfers.host_pool.nbytes} for name, e in engines.items()}
     keys = ("ttft_s", "decode_tok_s", "l2_ttft_s")
     samples: dict[str, dict[str, list[float]]] = {name: {k: [] for k in keys} for name in engines}
     held: dict[str, dict] = {}

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.layout import KVLayout
@@ -33,7 +33,7 @@ def _controller(ps: int, tmp_path, *, device_pages=24, policy="write_through", p
         storage_dir=str(tmp_path / "kv"),
         **kw,
     )
-    return CacheController(cfg, layout), layout
+    return CacheController.on_device(cfg, layout), layout
 
 
 def _write_device(ctl: CacheController, layout: KVLayout, pages: list[int], data: np.ndarray) -> None:
@@ -73,7 +73,7 @@ def test_round_trip_device_host_storage_host_device_bit_exact(ps: int, tmp_path_
         ctl.drain()
         node = ctl.tree.match_prefix(tokens, "t", touch=False).last_node
         host = [p for n in _path(node) for p in n.host]
-        assert np.array_equal(ctl.host_pool.read(host), data), "L1 -> L2 copy differs"
+        assert np.array_equal(ctl.transfers.host_pool.read(host), data), "L1 -> L2 copy differs"
         ctl.flush()  # drop L1 and L2: only L3 is left
         ctl.check()
         m = ctl.match_prefix(tokens, "t")
@@ -152,9 +152,9 @@ def test_bfloat16_round_trip_through_host_and_storage(tmp_path) -> None:
         prefetch_policy="wait_complete",
         prefetch_min_tokens=0,
     )
-    ctl = CacheController(cfg, layout, storage=MemoryStorage())
+    ctl = CacheController.on_device(cfg, layout, storage=MemoryStorage())
     rng = np.random.default_rng(1)
-    data = rng.standard_normal(layout.page_first_shape(3)).astype(ctl.host_pool.data.dtype)
+    data = rng.standard_normal(layout.page_first_shape(3)).astype(ctl.transfers.host_pool.data.dtype)
     pages = ctl.alloc_device(3)
     staging = np.zeros(layout.page_first_shape(4), data.dtype)
     staging[:3] = data
@@ -298,7 +298,7 @@ def _bookkeeping(policy: str, tiers: str = "L1+L2", device_pages: int = 8, **kw)
     cfg = CacheConfig(
         page_size=1, device_pages=device_pages, tiers=tiers, write_policy=policy, storage_backend="memory", **kw
     )
-    return CacheController(cfg)
+    return CacheController.simulated(cfg)
 
 
 def test_write_policies() -> None:
@@ -374,7 +374,7 @@ def test_prefetch_stop_policies(policy: str) -> None:
         prefetch_timeout_base_s=0.02,
         prefetch_timeout_per_page_s=0.0,
     )
-    ctl = CacheController(cfg, layout, storage=store)
+    ctl = CacheController.on_device(cfg, layout, storage=store)
     tokens = list(range(200))
     ctl.insert(tokens, "", ctl.alloc_device(200))
     ctl.drain()
@@ -403,7 +403,7 @@ def test_prefetch_stop_policies(policy: str) -> None:
 
 def test_prefetch_min_tokens_and_abort_cancels() -> None:
     cfg = CacheConfig(page_size=1, device_pages=64, tiers="L1+L2+L3", storage_backend="memory", prefetch_min_tokens=10)
-    ctl = CacheController(cfg)
+    ctl = CacheController.simulated(cfg)
     ctl.insert(list(range(8)), "", ctl.alloc_device(8))
     ctl.flush()
     m = ctl.match_prefix(list(range(8)))
@@ -414,7 +414,7 @@ def test_prefetch_min_tokens_and_abort_cancels() -> None:
 
 def test_poll_is_ready_and_bandwidth_estimate() -> None:
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4)
-    ctl = CacheController(CacheConfig(page_size=4, device_pages=64), layout)
+    ctl = CacheController.on_device(CacheConfig(page_size=4, device_pages=64), layout)
     tokens = list(range(128))
     ctl.insert(tokens, "", ctl.alloc_device(32))
     ctl.drain()
@@ -427,7 +427,7 @@ def test_poll_is_ready_and_bandwidth_estimate() -> None:
     assert not ctl.load_pending("r")
     ctl.poll()
     assert h.done
-    assert ctl.link_bandwidth > 0 and ctl._bandwidth_samples == 1
+    assert ctl.link_bandwidth > 0 and ctl.link.samples == 1
     ctl.unlock(m.last_node)
     ctl.check()
 
@@ -435,7 +435,7 @@ def test_poll_is_ready_and_bandwidth_estimate() -> None:
 def test_bandwidth_is_measured_when_the_load_lands_not_when_it_is_polled() -> None:
     """An engine polls between steps: a load noticed 0.3 s late must not read as a slow link."""
     layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16)  # 32 KiB pages
-    ctl = CacheController(CacheConfig(page_size=16, device_pages=256), layout)
+    ctl = CacheController.on_device(CacheConfig(page_size=16, device_pages=256), layout)
     tokens = list(range(16 * 128))  # 128 pages, 4 MiB
     ctl.insert(tokens, "", ctl.alloc_device(128))
     ctl.drain()
@@ -444,7 +444,7 @@ def test_bandwidth_is_measured_when_the_load_lands_not_when_it_is_polled() -> No
     ctl.lock(m.last_node)
     start = time.perf_counter()
     h = ctl.load(m, "r")
-    h._block()  # noqa: SLF001
+    h.completion.block()
     landed = time.perf_counter() - start
     time.sleep(0.3)  # a long step before the engine polls
     ctl.poll()
@@ -530,7 +530,11 @@ def test_redis_backend_contract() -> None:
     assert store.batch_exists(keys) == 0
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+# A fixed seed, not derandomize: derandomize seeds from the function's source, so any edit of
+# its body drew other examples, and the floor in test_random_workload_really_verified_hits
+# depends on the examples drawn.
+@seed(2)
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(
     policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
     tiers=st.sampled_from(["L1+L2", "L1+L2+L3"]),
@@ -566,7 +570,7 @@ def test_random_workload_every_hit_is_bit_exact(policy: str, tiers: str, ops: li
         prefetch_min_tokens=0,
         transfer_chunk_bytes=2 * layout.page_bytes,  # loads of 3+ pages go in several pipelined chunks
     )
-    ctl = CacheController(cfg, layout, storage=MemoryStorage())
+    ctl = CacheController.on_device(cfg, layout, storage=MemoryStorage())
     rep = CacheReplayer(ctl, verify=True)
     rng = np.random.default_rng(seed)
     convs: list[tuple[int, ...]] = [() for _ in range(4)]
@@ -666,7 +670,7 @@ def test_evictable_device_tokens_is_what_eviction_frees(policy: str) -> None:
             write_through_threshold=2,
             storage_backend="memory",
         )
-        ctl = CacheController(cfg)
+        ctl = CacheController.simulated(cfg)
         stems = [rng.integers(0, 5, 4).tolist() for _ in range(4)]  # shared first pages: a branchy tree
         inserted: list[list[int]] = []
         locks: list = []
@@ -725,7 +729,7 @@ def test_storage_probes_are_reused_within_the_ttl_and_redone_after_own_writes() 
     now = [0.0]
     store = _CountingStorage()
     cfg = CacheConfig(page_size=2, device_pages=16, tiers="L1+L2+L3", storage_backend="memory", storage_probe_ttl_s=0.5)
-    ctl = CacheController(cfg, storage=store, clock=lambda: now[0])
+    ctl = CacheController.simulated(cfg, storage=store, clock=lambda: now[0])
     tokens = list(range(12))
     assert [ctl.match_prefix(tokens, "", touch=False).storage_tokens for _ in range(50)] == [0] * 50
     assert store.probes == 1
@@ -741,7 +745,7 @@ def test_storage_probes_are_reused_within_the_ttl_and_redone_after_own_writes() 
     assert store.probes == probes
     ctl.clear_storage()
     assert ctl.match_prefix(tokens, "", touch=False).storage_tokens == 0  # clearing forgets the probes too
-    zero = CacheController(
+    zero = CacheController.simulated(
         CacheConfig(page_size=2, device_pages=16, tiers="L1+L2+L3", storage_backend="memory", storage_probe_ttl_s=0),
         storage=_CountingStorage(),
     )
@@ -755,10 +759,10 @@ def test_storage_probes_are_reused_within_the_ttl_and_redone_after_own_writes() 
 def test_storage_key_memo_holds_a_long_queue(monkeypatch) -> None:
     """The hash chains of many waiting prompts stay memoized (a 16-entry bound once made
     a longer queue rehash every prompt every round)."""
-    from strata_jax.cache import storage_io as controller_module  # where the key chain is hashed
+    from strata_jax.cache import storage_service as controller_module  # where the key chain is hashed
 
     cfg = CacheConfig(page_size=2, device_pages=16, tiers="L1+L2+L3", storage_backend="memory", storage_probe_ttl_s=0)
-    ctl = CacheController(cfg, storage=MemoryStorage())
+    ctl = CacheController.simulated(cfg, storage=MemoryStorage())
     prompts = [[i] * 64 for i in range(100)]
     calls = []
     real = controller_module.chain_hashes
@@ -800,7 +804,7 @@ def test_failing_storage_is_counted_and_served_as_misses(caplog) -> None:
     cfg = CacheConfig(
         page_size=4, device_pages=32, tiers="L1+L2+L3", prefetch_policy="wait_complete", prefetch_min_tokens=0
     )
-    ctl = CacheController(cfg, layout, storage=store)
+    ctl = CacheController.on_device(cfg, layout, storage=store)
     rng = np.random.default_rng(0)
     stored = rng.integers(0, 1000, 32).tolist()
     ctl.insert(stored, "", ctl.alloc_device(8))  # written to L3 while the disk is fine

@@ -181,7 +181,7 @@ def test_engine_with_an_fp8_l1_gives_its_cold_tokens_from_every_tier(tmp_path):
     try:
         cold = engine.generate(prompts, params)
         stats = engine.ctl.stats()
-        layout = engine.ctl.layout
+        layout = engine.ctl.transfers.layout
         values_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim
         assert stats["device_bytes_per_token"] == values_per_token  # 1 byte each (float32: 4)
         assert stats["host_bytes_per_token"] == values_per_token

@@ -231,7 +231,7 @@ def _controller(tmp_path, fmt, *, ps=4, dtype="float32", device_pages=24, storag
         storage_probe_ttl_s=0,
         **kw,
     )
-    return CacheController(cfg, layout), layout
+    return CacheController.on_device(cfg, layout), layout
 
 
 def _store(ctl, layout, tokens, data):  # noqa: ANN001
@@ -267,7 +267,7 @@ def test_round_trip_through_every_tier_is_numpys_quantize_dequantize(tmp_path, f
     ctl, layout = _controller(tmp_path, fmt, dtype=dtype, transfer_chunk_bytes=2 * tier_page)
     # the chunk budget counts staged (tier format) bytes: 2 pages here (1 at full width), so
     # the 7 pages go in 4 chunks
-    assert ctl._transfer_chunk_pages() == 2 and layout.page_bytes > tier_page
+    assert ctl.transfers.chunk_pages() == 2 and layout.page_bytes > tier_page
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 1000, size=7 * 4 + 2).tolist()
@@ -276,8 +276,8 @@ def test_round_trip_through_every_tier_is_numpys_quantize_dequantize(tmp_path, f
     want_q, want_s = np_quantize(data, fmt)
     node = ctl.tree.match_prefix(tokens, touch=False).last_node
     host = list(node.host)
-    np.testing.assert_array_equal(_f32(ctl.host_pool.read(host)), _f32(want_q))  # L2 holds the 8-bit values
-    np.testing.assert_array_equal(ctl.host_pool.read_scales(host), want_s)
+    np.testing.assert_array_equal(_f32(ctl.transfers.host_pool.read(host)), _f32(want_q))  # L2 holds the 8-bit values
+    np.testing.assert_array_equal(ctl.transfers.host_pool.read_scales(host), want_s)
     ctl.flush()  # only L3 is left
     got, landed = _from_l3_to_device(ctl, tokens)
     assert landed == 28
@@ -318,8 +318,8 @@ def test_objects_of_another_format_are_other_keys_and_forged_headers_are_misses(
     int8_payload = TierFormat.resolve("int8", "float32").header(layout) + bytes(
         TierFormat.resolve("int8", "float32").page_bytes(layout)
     )
-    c3.storage.delete([c3.tier_format.object_key(keys[2])])
-    c3.storage.batch_set([c3.tier_format.object_key(keys[2])], [int8_payload])
+    c3.storage.delete([c3.transfers.tier_format.object_key(keys[2])])
+    c3.storage.batch_set([c3.transfers.tier_format.object_key(keys[2])], [int8_payload])
     got, landed = _from_l3_to_device(c3, tokens)
     assert landed == 8 and c3.counters["storage_format_misses"] == 1  # pages 0, 1 only
     c3.close()
@@ -333,7 +333,7 @@ def test_corrupted_scale_and_truncated_object_are_misses(tmp_path, damage):
     _store(ctl, layout, tokens, data)
     ctl.flush()
     keys = ctl.match_prefix(tokens).storage_keys
-    path = ctl.storage._path(ctl.tier_format.object_key(keys[3]))
+    path = ctl.storage._path(ctl.transfers.tier_format.object_key(keys[3]))
     blob = bytearray(open(path, "rb").read())
     if damage == "scale":
         blob[-3] ^= 0x40  # a byte of the last scale: the checksum catches it
@@ -342,9 +342,9 @@ def test_corrupted_scale_and_truncated_object_are_misses(tmp_path, damage):
     else:  # a NaN scale with a *valid* checksum (a writer bug, not a bit flip): refused too
         from strata_jax.cache.storage import HEADER, decode_object, encode_object
 
-        payload = bytearray(decode_object(ctl.tier_format.object_key(keys[3]), bytes(blob)))
+        payload = bytearray(decode_object(ctl.transfers.tier_format.object_key(keys[3]), bytes(blob)))
         payload[-4:] = np.float32(np.nan).tobytes()
-        blob = bytearray(encode_object(ctl.tier_format.object_key(keys[3]), bytes(payload)))
+        blob = bytearray(encode_object(ctl.transfers.tier_format.object_key(keys[3]), bytes(payload)))
         assert len(blob) == HEADER.size + len(payload)
     open(path, "wb").write(bytes(blob))
     got, landed = _from_l3_to_device(ctl, tokens)
@@ -404,7 +404,7 @@ def test_engine_l3_in_a_quantized_format_is_shared_and_damage_means_cold_tokens(
     def damage(page, how):  # noqa: ANN001, ANN202
         def apply(engine):  # noqa: ANN001, ANN202
             ctl = engine.ctl
-            key = ctl.tier_format.object_key(ctl.match_prefix(prompt).storage_keys[page])
+            key = ctl.transfers.tier_format.object_key(ctl.match_prefix(prompt).storage_keys[page])
             path = ctl.storage._path(key)
             blob = bytearray(open(path, "rb").read())
             if how == "scale":

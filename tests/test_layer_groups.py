@@ -464,9 +464,9 @@ def test_l2_with_layer_groups_holds_more_documents_in_the_same_bytes(tmp_path):
             ctl = engine.ctl
             stats[groups] = {
                 "host_pages": ctl.host_alloc.num_pages,
-                "host_bytes": ctl.host_pool.nbytes,
+                "host_bytes": ctl.transfers.host_pool.nbytes,
                 "second_round_host_hits": sum(o.cached_tokens["host"] for o in outs[6:]),
-                "local_host_evicted": ctl.host_pool.local.evicted if groups else 0,
+                "local_host_evicted": ctl.transfers.host_pool.local.evicted if groups else 0,
             }
         finally:
             engine.shutdown()

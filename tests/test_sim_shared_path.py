@@ -106,7 +106,7 @@ def test_sim_executor_reproduces_the_engines_decisions():
     clock = SimClock()
     cost = SimCostModel(load_profile("h200"), load_model_spec("llama-3.1-8b"), cache_config.page_size)
     timer = SimTimer(clock, cost, "coalesced")
-    ctl = CacheController(cache_config, None, clock=clock.now, timer=timer, page_bytes=4096)
+    ctl = CacheController.simulated(cache_config, clock=clock.now, timer=timer, page_bytes=4096)
     executor = SimExecutor(
         clock,
         cost,

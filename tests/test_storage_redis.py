@@ -55,7 +55,7 @@ def test_unreachable_server_is_a_clear_startup_error():
         RedisStorage.from_url(url, timeout_s=1.0)
     config = CacheConfig(page_size=4, device_pages=8, tiers="L1+L2+L3", storage_backend="redis", storage_url=url)
     with pytest.raises(StorageError, match="--storage-url"):
-        CacheController(config, KVLayout(1, 1, 4, 4))
+        CacheController.on_device(config, KVLayout(1, 1, 4, 4))
 
 
 @needs_server

@@ -93,12 +93,11 @@ def build_controller(args: argparse.Namespace, device_tokens: int):  # noqa: ANN
         storage_dir = tempfile.mkdtemp(prefix="strata-kv-bench-")
         _TEMP_DIRS.append(storage_dir)
     cfg = cache_config(args, device_tokens, storage, storage_dir)
-    layout = None
-    if not args.no_model:
-        from pallas_kernels.layout import KVLayout
+    if args.no_model:  # no KV layout: a controller that keeps the books and moves no bytes
+        return CacheController.simulated(cfg)
+    from pallas_kernels.layout import KVLayout
 
-        layout = KVLayout(args.layers, args.kv_heads, args.head_dim, args.page_size)
-    return CacheController(cfg, layout)
+    return CacheController.on_device(cfg, KVLayout(args.layers, args.kv_heads, args.head_dim, args.page_size))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

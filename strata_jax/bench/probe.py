@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                 storage_url=url or CacheConfig.storage_url,
                 storage_probe_ttl_s=ttl,
             )
-            ctl = CacheController(config)
+            ctl = CacheController.simulated(config)
             for p in prompts:  # first round: hashes the prompts (memoized for both settings)
                 ctl.match_prefix(p, "", touch=False)
             times = []

@@ -244,7 +244,7 @@ class _PageSizeCase:
             want = np.asarray(dequantize_pages_reference(jnp.asarray(q[src]), jnp.asarray(scales[src]), np_dtype))
             tiers[fmt] = (tier_host, tier_device, want, tier.page_bytes(self.layout))
         self.tier_page_bytes = {fmt: t[3] for fmt, t in tiers.items()}
-        # chunks of the staged bytes' budget, as the engine's (Transfers._transfer_chunk_pages)
+        # chunks of the staged bytes' budget, as the engine's (DeviceTransfers.chunk_pages)
         self.tier_chunk_pages = {fmt: chunk_pages_for(t[3], chunk_bytes) for fmt, t in tiers.items()}
 
         def tier_load(fmt: str) -> Callable[[], None]:

@@ -10,10 +10,14 @@ Files (one job each):
 * ``storage.py``     L3 interface, object framing, backend registry (+ memory backend)
 * ``storage_file.py`` / ``storage_redis.py``  the file and Redis backends
 * ``pools.py``       DevicePool (layer-first jax array) and HostPool (page-first numpy)
-* ``controller.py``  CacheController: queries, locks, inserts, write policies, accounting
-* ``transfers.py`` / ``storage_io.py`` / ``eviction.py``  its L1<->L2 copies and handle completion,
-  its L3 probes/writes/prefetch, its allocation and eviction (mixins of CacheController)
-* ``handles.py``     TransferHandle, PrefetchHandle, CacheError, CacheFullError
+* ``controller.py``  CacheController: the policy core (queries, locks, inserts, write and eviction
+  policy, the link estimate, accounting), composed of the parts below
+* ``transfer_backend.py``  TransferBackend: what moves pages; ``device_transfers.py`` (real pools,
+  I/O threads) and ``sim_transfers.py`` (no bytes; at once or in virtual time)
+* ``storage_service.py``  the L3 store as the controller sees it: keys, probes, writes, errors
+* ``prefetch.py``    L3 -> L2 prefetches: start, stop policy, settle into the tree
+* ``inflight.py``    transfers in flight and their completion
+* ``handles.py``     TransferHandle, PrefetchHandle, Completion kinds, CacheError, CacheFullError
 * ``replay.py``      the request driver the cache benchmarks use
 
 Names are imported lazily so that ``import strata_jax.cache.radix_tree`` never pulls in jax.

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from strata_jax.cache.controller import CacheController, CacheFullError
+from strata_jax.cache.device_transfers import DeviceTransfers
 from strata_jax.cache.hashing import chain_hashes
 
 
@@ -39,9 +41,12 @@ class ServedRequest:
 
 
 class CacheReplayer:
-    def __init__(self, controller: CacheController, *, verify: bool = False) -> None:
+    def __init__(self, controller: CacheController[Any], *, verify: bool = False) -> None:
         self.ctl = controller
-        self.verify = verify and controller.move_data
+        # the pool pages are filled and checked in (a controller that moves no bytes has none)
+        self._pool = controller.transfers.device_pool if isinstance(controller.transfers, DeviceTransfers) else None
+        self._layout = controller.transfers.layout if isinstance(controller.transfers, DeviceTransfers) else None
+        self.verify = verify and self._pool is not None
         self.verified_pages = 0
 
     def _fill_values(self, namespace: str, tokens: Sequence[int], first_page: int, last_page: int) -> np.ndarray:
@@ -81,7 +86,7 @@ class CacheReplayer:
         # Page table of this request:
         #   |<- prefix_pages: tree-owned, locked ->|<- new_pages: ours until insert ->|
         # insert() hands new_pages to the tree (duplicates are freed there).
-        if ctl.move_data and new_pages:
+        if self._pool is not None and new_pages:
             self._fill(namespace, full, len(prefix_pages), new_pages)
         ctl.insert(full, namespace, list(prefix_pages) + new_pages)
         ctl.unlock(anchor)
@@ -90,14 +95,16 @@ class CacheReplayer:
     def _fill(self, namespace: str, tokens: Sequence[int], first_page: int, pages: list[int]) -> None:
         from strata_jax.cache.pools import bucket
 
-        layout = self.ctl.layout
+        layout, pool = self._layout, self._pool
+        assert layout is not None and pool is not None  # only called with a pool
         values = self._fill_values(namespace, tokens, first_page, first_page + len(pages))
-        staging = np.zeros(layout.page_first_shape(bucket(len(pages))), np.float32)  # type: ignore[union-attr]
+        staging = np.zeros(layout.page_first_shape(bucket(len(pages))), np.float32)
         staging[: len(pages)] = values.reshape(-1, 1, 1, 1, 1, 1)
-        self.ctl.device_pool.load_pages(staging.astype(np.dtype(self.ctl.device_pool.kv.dtype)), pages)  # type: ignore[union-attr]
+        pool.load_pages(staging.astype(np.dtype(pool.kv.dtype)), pages)
 
     def _verify(self, namespace: str, tokens: Sequence[int], pages: list[int]) -> None:
-        got = np.asarray(self.ctl.device_pool.gather_pages(pages))[: len(pages)].astype(np.float32)  # type: ignore[union-attr]
+        assert self._pool is not None  # verify needs a pool
+        got = np.asarray(self._pool.gather_pages(pages))[: len(pages)].astype(np.float32)
         want = self._fill_values(namespace, tokens, 0, len(pages)).reshape(-1, 1, 1, 1, 1, 1)
         if not np.array_equal(got, np.broadcast_to(want, got.shape)):
             bad = int(np.argmax(~np.all(got.reshape(len(pages), -1) == want.reshape(-1, 1), axis=1)))

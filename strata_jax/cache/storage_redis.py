@@ -14,7 +14,7 @@ the server may evict it like any key.
 ``from_url`` pings the server, so a wrong URL fails at start-up with a clear
 ``StorageError``.  Once serving, a failing call (server restarted, network blip,
 timeout) raises like any backend's I/O error; the cache controller counts and logs
-it and carries on as a miss (``CacheController._storage_failed``).
+it and carries on as a miss (``StorageService.failed``).
 """
 
 from __future__ import annotations

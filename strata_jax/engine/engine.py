@@ -131,7 +131,7 @@ class Engine:
             _check_local_pages(grouped, loaded.config, config, self.page_size)
         local_window = max(loaded.config.layer_windows, default=0)
         host_local_ratio = config.kv_local_ratio if config.kv_host_local_ratio is None else config.kv_host_local_ratio
-        self.ctl = CacheController(
+        self.ctl = CacheController.on_device(
             cache_config,
             layout,
             device=pool_device,

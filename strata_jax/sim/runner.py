@@ -131,7 +131,7 @@ def build_core(
         write_policy=setup.write_policy,
         kv_tier_format=setup.tier_format,
     )
-    ctl = CacheController(cache_config, None, clock=clock.now, timer=timer, page_bytes=page_bytes)
+    ctl = CacheController.simulated(cache_config, clock=clock.now, timer=timer, page_bytes=page_bytes)
     prior = cost_prior or CostPrior(
         bytes_per_token=max(1, page_bytes // setup.page_size),  # the tier's: the scheduler weighs real bytes
         link_bytes_per_s=setup.profile.link_peak_bytes_per_s * setup.profile.coalesced_efficiency,
