@@ -162,7 +162,7 @@ class CacheConfig:
     def num_device_pages(self) -> int:
         if self.device_pages is not None:
             return self.device_pages
-        return self.device_tokens // self.page_size  # type: ignore[operator]
+        return self.device_tokens // self.page_size  # type: ignore[operator]  # __post_init__ requires it here
 
     def num_host_pages(self, page_bytes: int | None = None, device_page_bytes: int | None = None) -> int:
         """L2 pages: ``host_bytes // page_bytes`` if both known, else ratio x L1's bytes over

@@ -19,7 +19,7 @@ _SEED_TAG = b"strata-jax/kv-chain/v1\x00"
 
 def namespace_seed(namespace: str, identity: str = "") -> bytes:
     """The chain's starting value for ``namespace`` of the KV named by ``identity`` (32 bytes)."""
-    if not identity:  # (the seed before identities existed: bookkeeping-only caches and old L3 keep their keys)
+    if not identity:  # the namespace alone, so stores keyed without an identity stay readable
         return hashlib.sha256(_SEED_TAG + namespace.encode("utf-8")).digest()
     return hashlib.sha256(_SEED_TAG + identity.encode("utf-8") + b"\x00" + namespace.encode("utf-8")).digest()
 

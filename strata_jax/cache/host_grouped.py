@@ -1,4 +1,4 @@
-"""``GroupedHostPool``: L2 with layer groups (issue 22; docs/models.md, "L2 with layer groups").
+"""``GroupedHostPool``: L2 with layer groups (docs/models.md, "L2 with layer groups").
 
 Every host page holds its full-attention ("global") layers' KV; only some hold their
 sliding-window ("local") layers' KV, in a smaller pool of local host pages found through
@@ -65,7 +65,9 @@ class GroupedHostPool:
         tail = layout.page_first_shape(1)[2:]
         self.global_data = np.zeros((num_pages, len(self.global_layers), *tail), self.dtype)
         self.local_data = np.zeros((self.num_local_pages, len(self.local_layers), *tail), self.dtype)
-        self.global_scales = self.local_scales = None
+        # set exactly when the format is quantized (``_scales``)
+        self.global_scales: np.ndarray | None = None
+        self.local_scales: np.ndarray | None = None
         if tier_format.quantized:
             heads = layout.num_kv_heads
             self.global_scales = np.ones((num_pages, len(self.global_layers), 2, heads), np.float32)
@@ -144,26 +146,33 @@ class GroupedHostPool:
         if self._group(layers) == "global":
             self.global_data[idx] = values[:n]
             if scales is not None:
-                self.global_scales[idx] = scales[:n]  # type: ignore[index]
+                self._scales("global")[idx] = scales[:n]
             return
         slots = self.local.local_ids(idx)
         keep = np.flatnonzero(slots != NO_LOCAL_PAGE)
         self.local_data[slots[keep]] = values[keep]
         if scales is not None:
-            self.local_scales[slots[keep]] = scales[keep]  # type: ignore[index]
+            self._scales("local")[slots[keep]] = scales[keep]
 
     def write_slot(self, page: int, slot: int, values: np.ndarray, scales: np.ndarray | None, with_local: bool) -> None:
         """One full page (an L3 read) into ``page``; its local layers into ``slot`` (attached and
         pinned for it by the caller) when ``with_local``."""
         self.global_data[page] = values[self.global_layers]
         if scales is not None:
-            self.global_scales[page] = scales[self.global_layers]  # type: ignore[index]
+            self._scales("global")[page] = scales[self.global_layers]
         if with_local and slot != NO_LOCAL_PAGE:
             self.local_data[slot] = values[self.local_layers]
             if scales is not None:
-                self.local_scales[slot] = scales[self.local_layers]  # type: ignore[index]
+                self._scales("local")[slot] = scales[self.local_layers]
 
     # ------------------------------------------------------------------ reads
+    def _scales(self, group: str) -> np.ndarray:
+        """The scales of the ``group`` (``"global"`` or ``"local"``) layers; a quantized pool only."""
+        scales = self.global_scales if group == "global" else self.local_scales
+        if scales is None:
+            raise ValueError(f"tier format {self.format.name}: a full-width host pool has no scales")
+        return scales
+
     def _group(self, layers: np.ndarray) -> str:
         if np.array_equal(layers, self.global_layers):
             return "global"
@@ -174,11 +183,11 @@ class GroupedHostPool:
     def _source(self, pages: Sequence[int], layers: np.ndarray, scales: bool) -> tuple[np.ndarray, np.ndarray]:
         idx = np.asarray(pages, np.int64)
         if self._group(layers) == "global":
-            return (self.global_scales if scales else self.global_data), idx  # type: ignore[return-value]
+            return (self._scales("global") if scales else self.global_data), idx
         slots = self.local.local_ids(idx).astype(np.int64)
         if (slots == NO_LOCAL_PAGE).any():
             raise ValueError("a host page without local-layer KV was read for its local layers")
-        return (self.local_scales if scales else self.local_data), slots  # type: ignore[return-value]
+        return (self._scales("local") if scales else self.local_data), slots
 
     def read_layers(self, pages: Sequence[int], layers: np.ndarray, out: np.ndarray) -> np.ndarray:
         """The ``layers`` group (global or local) of ``pages`` into ``out[:n]``."""
@@ -205,10 +214,10 @@ class GroupedHostPool:
     def read_scales(self, pages: Sequence[int]) -> np.ndarray:
         idx = np.asarray(pages, np.int64)
         out = np.ones((len(idx), self.layout.num_layers, 2, self.layout.num_kv_heads), np.float32)
-        out[:, self.global_layers] = self.global_scales[idx]  # type: ignore[index]
+        out[:, self.global_layers] = self._scales("global")[idx]
         slots = self.local.local_ids(idx)
         keep = np.flatnonzero(slots != NO_LOCAL_PAGE)
-        out[keep[:, None], self.local_layers[None, :]] = self.local_scales[slots[keep]]  # type: ignore[index]
+        out[keep[:, None], self.local_layers[None, :]] = self._scales("local")[slots[keep]]
         return out
 
     def check(self, used_pages: Sequence[int]) -> None:

@@ -1,6 +1,6 @@
 """Local-layer pages of a sliding-window model, attached to global page ids (pure Python, no jax).
 
-The bookkeeping half of issue 22's layer groups (docs/models.md, "Layer groups"): per
+The bookkeeping half of layer groups (docs/models.md, "Layer groups"): per
 tier, a ``LocalPageMap`` owns that tier's local-layer pool (its own page ids and free
 list) and the map from a global page id (what the tree and the page tables hold) to the
 local page holding the same tokens' local-layer KV.  ``TieredLocalPages`` is the
@@ -245,7 +245,7 @@ class DeviceLocalPages:
         for tests, so a local page id differs from its global one."""
         if self.map.used_pages or sorted(order) != list(range(self.map.num_pages)):
             raise ValueError("hand_out_in needs every local page free and a permutation of them")
-        self.map._free = list(reversed(order))  # noqa: SLF001
+        self.map._free = list(reversed(order))
 
     def check(self, used_global: Iterable[int]) -> None:
         """Only allocated global pages have local pages, the array says which, every attached

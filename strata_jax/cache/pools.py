@@ -4,7 +4,7 @@ Layouts are the ``pallas_kernels.layout`` contract.  The pools hold data only;
 which page belongs to whom is the allocators' and the tree's business.
 
 * ``DevicePool.kv`` is updated in place: every writer (the runner's jitted step,
-  ``load_pages``) *donates* it and stores the result back with ``replace``.
+  ``load_pages``) *donates* it and stores the result back in ``kv``.
   Reads (``gather_pages``) are ordered before later writes by JAX's data flow, so
   a device page may be freed as soon as a gather out of it is dispatched.
 * Under tensor parallelism the device pool is split on its KV-head axis (each device
@@ -23,8 +23,8 @@ which page belongs to whom is the allocators' and the tree's business.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -33,6 +33,10 @@ from strata_jax.cache.local_pages import DeviceLocalPages
 from strata_jax.cache.tier_format import TierFormat
 
 if TYPE_CHECKING:
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from jax.stages import Wrapped
+
     from strata_jax.cache.host_grouped import GroupedHostPool
 
 
@@ -59,12 +63,13 @@ def _is_run(pages: Sequence[int]) -> bool:
     )
 
 
-def numpy_dtype(name: str) -> np.dtype:
+def numpy_dtype(name: str) -> np.dtype[Any]:
     """NumPy dtype of a KV dtype name (bfloat16 and float8_e4m3fn come from ml_dtypes)."""
     if name in ("bfloat16", "float8_e4m3fn"):
         import ml_dtypes
 
-        return np.dtype(getattr(ml_dtypes, name))
+        dtype: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))  # typed here: ml_dtypes has no annotations
+        return dtype
     return np.dtype(name)
 
 
@@ -78,8 +83,10 @@ class HostPool:
         self.layout = layout
         self.num_pages = num_pages
         self.format = tier_format or TierFormat.resolve("full", layout.dtype)
-        self.data = np.zeros(layout.page_first_shape(num_pages), dtype=numpy_dtype(self.format.element_dtype))
-        self.scales = (
+        self.data: np.ndarray = np.zeros(
+            layout.page_first_shape(num_pages), dtype=numpy_dtype(self.format.element_dtype)
+        )
+        self.scales: np.ndarray | None = (
             np.ones((num_pages, layout.num_layers, 2, layout.num_kv_heads), np.float32)
             if self.format.quantized
             else None
@@ -104,7 +111,7 @@ class HostPool:
         return pool
 
     @property
-    def dtype(self) -> np.dtype:
+    def dtype(self) -> np.dtype[Any]:
         return self.data.dtype
 
     def read_layers(self, pages: Sequence[int], layers: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -114,7 +121,9 @@ class HostPool:
         return out
 
     def read_layer_scales(self, pages: Sequence[int], layers: np.ndarray, out: np.ndarray) -> np.ndarray:
-        out[: len(pages)] = self.scales[np.ix_(np.asarray(pages, np.int64), layers)]  # type: ignore[index]
+        if self.scales is None:
+            raise ValueError("a full-width host pool has no scales")
+        out[: len(pages)] = self.scales[np.ix_(np.asarray(pages, np.int64), layers)]
         return out
 
     @property
@@ -163,23 +172,27 @@ class HostPool:
         """Store ``values[:len(pages)]`` (page-first, the pool's element dtype) into ``pages``,
         and their ``scales[:len(pages)]`` (required by a quantized pool, refused by a full one)."""
         n = len(pages)
-        if (scales is not None) != (self.scales is not None):
+        pool_scales = self.scales
+        if (scales is not None) != (pool_scales is not None):
             raise ValueError(f"tier format {self.format.name}: scales {'missing' if scales is None else 'unexpected'}")
+        # past that check scales and pool_scales are both set or both None
         if _is_run(pages):
             self.data[pages[0] : pages[0] + n] = values[:n]
-            if scales is not None:
-                self.scales[pages[0] : pages[0] + n] = scales[:n]  # type: ignore[index]
+            if scales is not None and pool_scales is not None:
+                pool_scales[pages[0] : pages[0] + n] = scales[:n]
         else:
             idx = np.asarray(pages, dtype=np.int64)
             self.data[idx] = values[:n]
-            if scales is not None:
-                self.scales[idx] = scales[:n]  # type: ignore[index]
+            if scales is not None and pool_scales is not None:
+                pool_scales[idx] = scales[:n]
 
 
-_JITTED: dict[tuple, tuple] = {}
+_JITTED: dict[tuple[str, NamedSharding | None, str, bool], tuple[Wrapped, Wrapped]] = {}
 
 
-def _jitted_transfers(backend: str, sharding=None, tier_format: str = "full", grouped: bool = False) -> tuple:  # noqa: ANN001
+def _jitted_transfers(
+    backend: str, sharding: NamedSharding | None = None, tier_format: str = "full", grouped: bool = False
+) -> tuple[Wrapped, Wrapped]:
     """The jitted scatter (pool donated) and gather for a concrete kernel backend, shared
     by every pool using it (one compile per shape and backend).
 
@@ -200,75 +213,80 @@ def _jitted_transfers(backend: str, sharding=None, tier_format: str = "full", gr
         import jax
 
         import pallas_kernels
+        from pallas_kernels import grouped as moves
         from pallas_kernels import quant_transfer
         from pallas_kernels.sharded import use_head_sharding
 
-        mesh = sharding.mesh if sharding is not None else None
+        # the sharding places the pool's arrays, so its mesh is a concrete Mesh, not an AbstractMesh
+        mesh = cast("Mesh", sharding.mesh) if sharding is not None else None
 
-        if grouped:
-            from pallas_kernels import grouped as moves
+        def scatter_full(pool: jax.Array, staging: jax.Array, ids: jax.Array) -> jax.Array:
+            with use_head_sharding(mesh):
+                if grouped:
+                    return moves.scatter_pages_grouped(pool, staging, ids)
+                return pallas_kernels.scatter_pages(pool, staging, ids, backend=backend)
 
-            def _scatter(pool, *pages_and_rows):  # noqa: ANN001, ANN202
-                with use_head_sharding(mesh):
-                    if tier_format == "full":
-                        return moves.scatter_pages_grouped(pool, *pages_and_rows)
-                    return moves.scatter_dequantize_grouped(pool, *pages_and_rows)
+        def gather_full(pool: jax.Array, ids: jax.Array) -> jax.Array:
+            with use_head_sharding(mesh):
+                if grouped:
+                    return moves.gather_pages_grouped(pool, ids)
+                return pallas_kernels.gather_pages(pool, ids, backend=backend)
 
-            def _gather(pool, rows):  # noqa: ANN001, ANN202
-                with use_head_sharding(mesh):
-                    if tier_format == "full":
-                        return moves.gather_pages_grouped(pool, rows)
-                    return moves.gather_quantize_grouped(pool, rows, tier_format)
+        def scatter_quantized(pool: jax.Array, q: jax.Array, scales: jax.Array, ids: jax.Array) -> jax.Array:
+            with use_head_sharding(mesh):
+                if grouped:
+                    return moves.scatter_dequantize_grouped(pool, q, scales, ids)
+                return quant_transfer.scatter_dequantize(pool, q, scales, ids, backend=backend)
 
-        elif tier_format == "full":
+        def gather_quantized(pool: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+            with use_head_sharding(mesh):
+                if grouped:
+                    return moves.gather_quantize_grouped(pool, ids, tier_format)
+                return quant_transfer.gather_quantize(pool, ids, tier_format, backend=backend)
 
-            def _scatter(pool, staging, ids):  # noqa: ANN001, ANN202
-                with use_head_sharding(mesh):
-                    return pallas_kernels.scatter_pages(pool, staging, ids, backend=backend)
-
-            def _gather(pool, ids):  # noqa: ANN001, ANN202
-                with use_head_sharding(mesh):
-                    return pallas_kernels.gather_pages(pool, ids, backend=backend)
-
+        scatter: Callable[..., jax.Array]
+        gather: Callable[..., jax.Array | tuple[jax.Array, jax.Array]]
+        if tier_format == "full":
+            scatter, gather = scatter_full, gather_full
         else:
-
-            def _scatter(pool, q, scales, ids):  # noqa: ANN001, ANN202
-                with use_head_sharding(mesh):
-                    return quant_transfer.scatter_dequantize(pool, q, scales, ids, backend=backend)
-
-            def _gather(pool, ids):  # noqa: ANN001, ANN202
-                with use_head_sharding(mesh):
-                    return quant_transfer.gather_quantize(pool, ids, tier_format, backend=backend)
+            scatter, gather = scatter_quantized, gather_quantized
 
         if sharding is None:
-            _JITTED[key] = (jax.jit(_scatter, donate_argnums=0), jax.jit(_gather))
+            _JITTED[key] = (jax.jit(scatter, donate_argnums=0), jax.jit(gather))
         else:
-            ids = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            ids = jax.sharding.NamedSharding(sharding.mesh, _partition_spec())
             if tier_format == "full":
                 _JITTED[key] = (
-                    jax.jit(_scatter, donate_argnums=0, in_shardings=(sharding, sharding, ids), out_shardings=sharding),
-                    jax.jit(_gather, in_shardings=(sharding, ids), out_shardings=sharding),
+                    jax.jit(scatter, donate_argnums=0, in_shardings=(sharding, sharding, ids), out_shardings=sharding),
+                    jax.jit(gather, in_shardings=(sharding, ids), out_shardings=sharding),
                 )
             else:
                 scales = scale_sharding(sharding)
                 _JITTED[key] = (
                     jax.jit(
-                        _scatter,
+                        scatter,
                         donate_argnums=0,
                         in_shardings=(sharding, sharding, scales, ids),
                         out_shardings=sharding,
                     ),
-                    jax.jit(_gather, in_shardings=(sharding, ids), out_shardings=(sharding, scales)),
+                    jax.jit(gather, in_shardings=(sharding, ids), out_shardings=(sharding, scales)),
                 )
     return _JITTED[key]
 
 
-def scale_sharding(pool_sharding):  # noqa: ANN001, ANN201
+def _partition_spec(*parts: str | None) -> PartitionSpec:
+    """``jax.sharding.PartitionSpec(*parts)`` (``None``: that axis is not split)."""
+    import jax
+
+    return jax.sharding.PartitionSpec(*parts)  # type: ignore[no-untyped-call]  # jax leaves P.__new__ unannotated
+
+
+def scale_sharding(pool_sharding: NamedSharding) -> NamedSharding:
     """Sharding of page-first scales ``[n, L, 2, H]`` matching a pool sharded on its head axis 4."""
     import jax
 
     spec = tuple(pool_sharding.spec) + (None,) * (6 - len(pool_sharding.spec))
-    return jax.sharding.NamedSharding(pool_sharding.mesh, jax.sharding.PartitionSpec(None, None, None, spec[4]))
+    return jax.sharding.NamedSharding(pool_sharding.mesh, _partition_spec(None, None, None, spec[4]))
 
 
 class DevicePool:
@@ -287,9 +305,9 @@ class DevicePool:
         self,
         layout: KVLayout,
         num_pages: int,
-        device=None,
+        device: jax.Device | jax.sharding.Sharding | None = None,
         *,
-        kernel_backend: str = "auto",  # noqa: ANN001
+        kernel_backend: str = "auto",
         tier_format: TierFormat | None = None,
         grouped: GroupedPoolLayout | None = None,
     ) -> None:
@@ -307,6 +325,7 @@ class DevicePool:
         # local-layer pages of a grouped pool: they follow the global pages' allocator (controller)
         self.local = DeviceLocalPages(num_pages, grouped.local_pages) if grouped is not None else None
         shape = grouped.pool_shape() if grouped is not None else layout.device_pool_shape(num_pages)
+        self.kv: jax.Array
         if isinstance(device, jax.sharding.Sharding):  # allocated in place, shard by shard
             self.kv = jax.jit(lambda: jnp.zeros(shape, dtype=layout.dtype), out_shardings=device)()
         else:
@@ -316,7 +335,7 @@ class DevicePool:
         # Resolved now (argument, then $STRATA_KERNEL_BACKEND, then platform) and fixed for the pool's life.
         self.kernel_backend = pallas_kernels.resolve_backend(kernel_backend)
         head_sharded = isinstance(device, jax.sharding.NamedSharding) and len(device.mesh.devices.flat) > 1
-        sharding = device if head_sharded else None
+        sharding = device if isinstance(device, jax.sharding.NamedSharding) and head_sharded else None
         is_grouped = grouped is not None
         self._scatter, self._gather = _jitted_transfers(self.kernel_backend, sharding, grouped=is_grouped)
         # The format of L2/L3 (what backups produce and loads consume); full width: the plain moves.
@@ -325,16 +344,14 @@ class DevicePool:
             self._scatter_tier, self._gather_tier = _jitted_transfers(
                 self.kernel_backend, sharding, self.tier_format.name, grouped=is_grouped
             )
-            self._scale_device = scale_sharding(device) if isinstance(device, jax.sharding.NamedSharding) else device
+            self._scale_device: jax.Device | jax.sharding.Sharding | None = (
+                scale_sharding(device) if isinstance(device, jax.sharding.NamedSharding) else device
+            )
         else:
             self._scatter_tier, self._gather_tier = self._scatter, self._gather
         # What crossed the host<->device link in the tier format (values + scales of the pages
         # named; bucket padding rows not counted): load_from_host in, gather_tier out.
         self.moved = {"loaded_pages": 0, "loaded_bytes": 0, "backed_up_pages": 0, "backed_up_bytes": 0}
-
-    def replace(self, kv) -> None:  # noqa: ANN001
-        """Store the pool returned by a step that donated ``self.kv``."""
-        self.kv = kv
 
     def _ids(
         self, page_ids: Sequence[int], size: int, padding: int | None = None, layers: np.ndarray | None = None
@@ -344,12 +361,12 @@ class DevicePool:
         (local layers at the pages' local ids; ``layers``: those columns only)."""
         ids = np.full((size,), self.num_pages if padding is None else padding, dtype=np.int32)
         ids[: len(page_ids)] = page_ids
-        if self.grouped is None:
+        if self.grouped is None or self.local is None:  # grouped and local are set together
             return ids
-        rows = self.grouped.rows(ids, self.local.local_ids(ids))  # type: ignore[union-attr]
+        rows = self.grouped.rows(ids, self.local.local_ids(ids))
         return rows if layers is None else np.ascontiguousarray(rows[:, layers])
 
-    def load_pages(self, staging: np.ndarray, page_ids: Sequence[int], layers: np.ndarray | None = None):  # noqa: ANN201
+    def load_pages(self, staging: np.ndarray, page_ids: Sequence[int], layers: np.ndarray | None = None) -> jax.Array:
         """One ``device_put`` of page-first ``staging`` (rows beyond ``len(page_ids)`` are padding), then scatter.
 
         ``staging`` must have a bucketed row count (``bucket(len(page_ids))``) and
@@ -359,14 +376,16 @@ class DevicePool:
         """
         import jax
 
-        dev_staging = jax.device_put(staging, self._device) if self._device is not None else jax.device_put(staging)
+        dev_staging: jax.Array = (
+            jax.device_put(staging, self._device) if self._device is not None else jax.device_put(staging)
+        )
         ids = self._ids(page_ids, staging.shape[0], layers=layers)
         self.kv = self._scatter(self.kv, dev_staging, ids)
         return dev_staging
 
-    def load_tier(  # noqa: ANN201
+    def load_tier(
         self, staging: np.ndarray, scales: np.ndarray | None, page_ids: Sequence[int], layers: np.ndarray | None = None
-    ):
+    ) -> jax.Array:
         """``load_pages`` in the tier format: one ``device_put`` of the page-first values (and,
         quantized, their scales ``[n, L, 2, H]``), then one scatter that dequantizes to the
         pool's dtype as it writes.  Returns the device values array (ready: landed)."""
@@ -374,6 +393,8 @@ class DevicePool:
             return self.load_pages(staging, page_ids, layers)
         import jax
 
+        dev_staging: jax.Array
+        dev_scales: jax.Array
         if self._device is not None:
             dev_staging, dev_scales = jax.device_put((staging, scales), (self._device, self._scale_device))
         else:
@@ -386,7 +407,7 @@ class DevicePool:
     def compile_count(self) -> int:
         """Programs compiled so far by this pool's (backend-shared) scatter and gather."""
         fns = {id(f): f for f in (self._scatter, self._gather, self._scatter_tier, self._gather_tier)}
-        return sum(f._cache_size() for f in fns.values())  # noqa: SLF001
+        return sum(f._cache_size() for f in fns.values())  # type: ignore[attr-defined]  # jit's private counter
 
     def warmup(self, chunk_pages: int) -> int:
         """Compile every transfer shape serving can hit: scatters and gathers of 1 ..
@@ -425,7 +446,7 @@ class DevicePool:
         *,
         chunk_pages: int,
         with_local: Sequence[bool] | None = None,
-    ) -> list:
+    ) -> list[jax.Array]:
         """Pipelined coalesced load of host pages ``host_pages`` into device pages ``page_ids``.
 
         The pages go in chunks of ``chunk_pages`` (a power of two, so staging shapes
@@ -437,7 +458,7 @@ class DevicePool:
 
         A pool with layer groups moves the global layers' KV of every page and the local
         layers' KV of the pages ``with_local`` names (default: those with a local page):
-        the window a match end needs, not the whole prefix (issue 22).
+        the window a match end needs, not the whole prefix (local layers attend only inside it).
         """
         if len(host_pages) != len(page_ids):
             raise ValueError(f"{len(host_pages)} host pages but {len(page_ids)} device pages")
@@ -447,15 +468,15 @@ class DevicePool:
             raise ValueError(
                 f"host pool format {host.format.describe()} != device pool tier format {self.tier_format.describe()}"
             )
-        if self.grouped is None:
+        if self.grouped is None or self.local is None:  # grouped and local are set together
             if with_local is not None:
                 raise ValueError("with_local is for a pool with layer groups")
             return self._load_layers(host, list(host_pages), list(page_ids), None, chunk_pages)
         if with_local is None:
-            with_local = [self.local.has(p) for p in page_ids]  # type: ignore[union-attr]
+            with_local = [self.local.has(p) for p in page_ids]
         local = np.asarray(self.grouped.local_layers)
         global_layers, local_layers = np.flatnonzero(~local), np.flatnonzero(local)
-        arrays = []
+        arrays: list[jax.Array] = []
         if len(global_layers):
             arrays += self._load_layers(host, list(host_pages), list(page_ids), global_layers, chunk_pages)
         picked = [i for i, keep in enumerate(with_local) if keep]
@@ -479,10 +500,10 @@ class DevicePool:
         chunk_pages: int,
         *,
         count_pages: bool = True,
-    ) -> list:
+    ) -> list[jax.Array]:
         """``load_from_host``'s chunks, of every layer or (a pool with layer groups) of ``layers`` only."""
         quantized = self.tier_format.quantized
-        arrays = []
+        arrays: list[jax.Array] = []
         num_layers = self.layout.num_layers if layers is None else len(layers)
         for start in range(0, len(page_ids), chunk_pages):
             rows = min(chunk_pages, len(page_ids) - start)
@@ -491,7 +512,7 @@ class DevicePool:
             staging = np.empty((size, num_layers, *shape[2:]), dtype=host.dtype)
             pages = host_pages[start : start + rows]
             if layers is None:
-                host.read(pages, out=staging)  # type: ignore[call-arg]
+                host.read(pages, out=staging)  # type: ignore[call-arg]  # no layer groups: a HostPool
             else:
                 host.read_layers(pages, layers, out=staging)
             staging[rows:] = 0
@@ -499,7 +520,7 @@ class DevicePool:
             if quantized:  # a few bytes per page: one small copy beside the values
                 scales = np.ones((size, num_layers, 2, self.layout.num_kv_heads), np.float32)
                 if layers is None:
-                    host.read_scales(pages, out=scales)  # type: ignore[call-arg]
+                    host.read_scales(pages, out=scales)  # type: ignore[call-arg]  # no layer groups: a HostPool
                 else:
                     host.read_layer_scales(pages, layers, out=scales)
             arrays.append(self.load_tier(staging, scales, page_ids[start : start + rows], layers))
@@ -507,13 +528,13 @@ class DevicePool:
             self.moved["loaded_bytes"] += rows * (staging.nbytes + (scales.nbytes if scales is not None else 0)) // size
         return arrays
 
-    def gather_pages(self, page_ids: Sequence[int], layers: np.ndarray | None = None):  # noqa: ANN201
+    def gather_pages(self, page_ids: Sequence[int], layers: np.ndarray | None = None) -> jax.Array:
         """Dispatch a gather of ``page_ids`` into a page-first device array (bucketed rows; extra rows junk).
         ``layers`` (a pool with layer groups): those layers only.
 
         Starts the device->host copy asynchronously; ``np.asarray(result)[:n]`` waits for it.
         """
-        out = self._gather(self.kv, self._ids(page_ids, bucket(len(page_ids)), padding=0, layers=layers))
+        out: jax.Array = self._gather(self.kv, self._ids(page_ids, bucket(len(page_ids)), padding=0, layers=layers))
         try:
             out.copy_to_host_async()
         except Exception:  # pragma: no cover - optional on some backends
@@ -522,7 +543,7 @@ class DevicePool:
 
     def gather_tier(
         self, page_ids: Sequence[int], layers: np.ndarray | None = None, *, count_pages: bool = True
-    ) -> tuple:
+    ) -> tuple[jax.Array, ...]:
         """A backup's gather in the tier format: ``(values,)`` for full width, ``(q, scales)``
         quantized on the device right after the gather, so the device->host copy (started
         here, asynchronously) moves the small format.  Bucketed rows; extra rows junk.
@@ -533,7 +554,9 @@ class DevicePool:
         self.moved["backed_up_bytes"] += round(len(page_ids) * self.tier_format.page_bytes(self.layout) * share)
         if not self.tier_format.quantized:
             return (self.gather_pages(page_ids, layers),)
-        out = self._gather_tier(self.kv, self._ids(page_ids, bucket(len(page_ids)), padding=0, layers=layers))
+        out: tuple[jax.Array, jax.Array] = self._gather_tier(
+            self.kv, self._ids(page_ids, bucket(len(page_ids)), padding=0, layers=layers)
+        )
         for array in out:
             try:
                 array.copy_to_host_async()

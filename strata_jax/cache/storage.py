@@ -37,8 +37,9 @@ no page key can take (``<dir>/store-auth`` next to ``objects/``, Redis
 ``<prefix>store-auth``): ``"SJKVAUTH" | HMAC-SHA256(secret, MARKER_TEXT)``.  At start-up
 a backend with a secret refuses (``StorageError``) a store whose marker does not verify
 (written with another secret); one without a secret refuses a store that has a marker
-(it could read nothing there, and would make the fleet's stores a mix).  Without secret
-and marker the store works as before the marker existed.  The marker is a start-up
+(it could read nothing there, and would make the fleet's stores a mix).  A backend
+without a secret on a store without a marker checks nothing: such a store is
+unauthenticated by choice.  The marker is a start-up
 guard against misconfiguration; the security is the tags (a reader with a secret never
 returns an untagged object, marker or not).  ``clear()`` keeps it, capacity eviction
 and ``stats()`` never see it.
@@ -101,7 +102,7 @@ class ObjectCodec:
         self.header_size = HEADER.size if secret is None else HEADER_V2.size
 
     def _tag(self, head: bytes | memoryview) -> bytes:
-        mac = self._mac.copy()  # type: ignore[union-attr]
+        mac = self._mac.copy()  # type: ignore[union-attr]  # callers tag only with a secret set
         mac.update(head)
         return mac.digest()
 
@@ -230,7 +231,7 @@ class StorageBackend(ABC):
     @abstractmethod
     def stats(self) -> StorageStats: ...
 
-    def close(self) -> None:  # noqa: B027 - optional
+    def close(self) -> None:  # noqa: B027 - a no-op unless the backend holds a connection
         pass
 
     # The store marker (module docstring).  Shared backends implement these two; the
@@ -238,7 +239,7 @@ class StorageBackend(ABC):
     def _read_marker(self) -> bytes | None:
         return None
 
-    def _create_marker(self, blob: bytes) -> None:  # noqa: B027 - optional
+    def _create_marker(self, blob: bytes) -> None:  # noqa: B027 - a no-op: only shared backends keep a marker
         """Write the marker unless one is there (atomically: two starts may race)."""
 
     def _open_store(self, codec: ObjectCodec, where: str) -> None:

@@ -154,9 +154,9 @@ class FileStorage(StorageBackend):
                     self._counts["hits"] += 1
                     if key in self._index:
                         self._index.move_to_end(key)
-                    else:
-                        self._index[key] = len(blob)  # type: ignore[arg-type]
-                        self._bytes += len(blob)  # type: ignore[arg-type]
+                    elif blob is not None:  # always: a hit was read
+                        self._index[key] = len(blob)
+                        self._bytes += len(blob)
             out.append(payload)
         return out
 

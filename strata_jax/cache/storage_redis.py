@@ -77,7 +77,8 @@ class RedisStorage(StorageBackend):
             raise
 
     def _read_marker(self) -> bytes | None:
-        return self._client.mget([self._marker])[0]
+        marker: bytes | None = self._client.mget([self._marker])[0]  # typed here: redis-py has no annotations
+        return marker
 
     def _create_marker(self, blob: bytes) -> None:
         pipe = self._client.pipeline(transaction=False)
@@ -186,7 +187,7 @@ def _redacted(url: str) -> str:
         return "<an unparsable URL>"
 
 
-def start_local_server(workdir: str, *extra_args: str, timeout_s: float = 15.0) -> tuple[subprocess.Popen, str]:
+def start_local_server(workdir: str, *extra_args: str, timeout_s: float = 15.0) -> tuple[subprocess.Popen[bytes], str]:
     """Start a private ``redis-server`` on a free loopback port (no persistence), for
     tests and benchmarks; returns the process and its URL once it accepts connections.
     The caller terminates the process."""

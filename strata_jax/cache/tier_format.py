@@ -6,7 +6,7 @@ concrete for an L1 pool of ``l1_dtype``:
 ==========  ==========================  ==========================================
 name        element dtype in L2 / L3     scales
 ==========  ==========================  ==========================================
-``full``    the L1 dtype (as today)      none
+``full``    the L1 dtype                 none
 ``fp8``     float8_e4m3fn                float32 per (page, layer, K/V, KV head)
 ``int8``    int8 (symmetric, +-127)      float32 per (page, layer, K/V, KV head)
 ==========  ==========================  ==========================================
@@ -24,11 +24,12 @@ A quantized page is stored as two arrays in L2 (``HostPool.data`` in the element
 The page header names the format, so a reader never decodes bytes of another
 format: ``MAGIC "SJKVPG01" | format | element dtype | scale layout | flags | L | S | H | D``
 (u8 x 4, u32 x 4, little-endian, zero padded).  ``flags`` bit 0 (``GLOBAL_ONLY``): the
-page lacks its sliding-window layers' KV (a server with layer groups trimmed it before
-the backup, issue 22); only such a server reads it, as a page with global KV only, and
-everyone else misses on it.  Every object carries it, full width
-included; a headerless object of exactly the full-width page size is read as full
-width (objects written before headers existed).  On top of that, a quantized format's
+page lacks its sliding-window layers' KV (a server with layer groups keeps the local
+KV only near where a match can end, so it backs up some pages without it); only such a
+server reads it, as a page with global KV only, and everyone else misses on it.  Every
+object carries it, full width included; a headerless object of exactly the full-width
+page size is read as full width, so objects stored without a page header stay readable.
+On top of that, a quantized format's
 objects live under other keys (``object_key``): servers with different tier formats
 sharing one L3 never even find each other's objects, and each writes its own.
 """
@@ -38,6 +39,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 TIER_FORMATS = ("full", "fp8", "int8")
 FP8_DTYPE = "float8_e4m3fn"
@@ -54,7 +59,20 @@ _SCALE_CODES = {"none": 0, SCALE_LAYOUT: 1}
 _KEY_TAG = b"strata-jax/tier-format/v1\x00"
 
 
-def dtype_name(dtype) -> str:  # noqa: ANN001
+class PageShape(Protocol):
+    """The fields of a ``pallas_kernels.layout.KVLayout`` that size a page (any object with them)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+def dtype_name(dtype: npt.DTypeLike) -> str:
     """``"float32"``, ``"bfloat16"``, ... for a dtype name, a NumPy/ml_dtypes dtype or a jnp scalar type."""
     if isinstance(dtype, str) and dtype in _ITEMSIZE:
         return dtype
@@ -104,27 +122,27 @@ class TierFormat:
 
     # -- sizes (``layout``: a pallas_kernels.layout.KVLayout, or anything with its fields) ----
     @staticmethod
-    def _values(layout) -> int:  # noqa: ANN001
+    def _values(layout: PageShape) -> int:
         return 2 * layout.num_layers * layout.page_size * layout.num_kv_heads * layout.head_dim
 
-    def value_bytes(self, layout) -> int:  # noqa: ANN001
+    def value_bytes(self, layout: PageShape) -> int:
         """Bytes of one page's values in the tier."""
         return self._values(layout) * _ITEMSIZE[self.element_dtype]
 
-    def scale_bytes(self, layout) -> int:  # noqa: ANN001
+    def scale_bytes(self, layout: PageShape) -> int:
         """Bytes of one page's scales (0 for full width)."""
         return 4 * 2 * layout.num_layers * layout.num_kv_heads if self.quantized else 0
 
-    def page_bytes(self, layout) -> int:  # noqa: ANN001
+    def page_bytes(self, layout: PageShape) -> int:
         """Bytes of one page in L2 and on the link (values + scales): what a load moves."""
         return self.value_bytes(layout) + self.scale_bytes(layout)
 
-    def object_bytes(self, layout) -> int:  # noqa: ANN001
+    def object_bytes(self, layout: PageShape) -> int:
         """Payload bytes of one L3 object (page header + page)."""
         return PAGE_HEADER.size + self.page_bytes(layout)
 
     # -- L3 objects ---------------------------------------------------------------------
-    def header(self, layout, flags: int = 0) -> bytes:  # noqa: ANN001
+    def header(self, layout: PageShape, flags: int = 0) -> bytes:
         return PAGE_HEADER.pack(
             PAGE_MAGIC,
             _FORMAT_CODES[self.name],
@@ -137,17 +155,17 @@ class TierFormat:
             layout.head_dim,
         )
 
-    def check_object(self, layout, payload: bytes | memoryview) -> memoryview | None:  # noqa: ANN001
+    def check_object(self, layout: PageShape, payload: bytes | memoryview) -> memoryview | None:
         """The page bytes (values then scales) of an L3 payload in exactly this format, else ``None``.
 
         ``None`` (a miss) for another format, element dtype, scale layout or shape, a bad
         magic, a wrong length (a truncated object), or a page without its local-layer KV.
         A headerless payload of exactly the full-width page size is accepted as full width
-        (objects from before page headers)."""
+        (objects stored without a page header)."""
         got = self.check_object_flags(layout, payload)
         return got[0] if got is not None and got[1] == 0 else None
 
-    def check_object_flags(self, layout, payload: bytes | memoryview) -> tuple[memoryview, int] | None:  # noqa: ANN001
+    def check_object_flags(self, layout: PageShape, payload: bytes | memoryview) -> tuple[memoryview, int] | None:
         """``check_object`` that also accepts a ``GLOBAL_ONLY`` page: ``(page bytes, flags)``
         (what a server with layer groups reads), else ``None``."""
         view = memoryview(payload)
