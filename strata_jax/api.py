@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 class StrataError(Exception):
@@ -19,6 +20,10 @@ class StrataError(Exception):
 
 class InvalidRequestError(StrataError, ValueError):
     """The request itself is wrong (maps to HTTP 400 / gRPC INVALID_ARGUMENT)."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt plus ``max_tokens`` do not fit in the context (HTTP 400, counted as ``too_long``)."""
 
 
 class OverloadedError(StrataError):
@@ -53,6 +58,8 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's limit)
 MAX_N = 16  # choices per request (n / best_of); documented in docs/serving.md
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -266,3 +273,127 @@ class StreamChunk:
     cached_tokens: dict[str, int] = field(default_factory=empty_tier_counts)
     logprobs: list[TokenLogprob] | None = None  # for this chunk's token_ids, when asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, when asked
+
+
+# ---------------------------------------------------------------------- request validation
+class Encoder(Protocol):
+    """What validation needs of a tokenizer: text to token ids."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What an engine accepts: one set of limits, checked by ``validate_request``.
+
+    ``vocab_size``: token ids lie in ``[0, vocab_size)``.  ``max_context_tokens``: the
+    prompt plus ``max_tokens`` must fit in it.  ``kv_pages`` (with ``page_size``): the
+    device pool's pages, which one request's KV must fit in (None: not checked).
+    """
+
+    vocab_size: int
+    max_context_tokens: int
+    kv_pages: int | None = None
+    page_size: int = 1
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request that passed ``validate_request``: token ids, its id (None: the engine
+    names it), its cache namespace (``cache_salt``, "" for none) and its params."""
+
+    prompt_ids: list[int]
+    request_id: str | None
+    namespace: str
+    params: SamplingParams
+
+
+def validate_request(
+    prompt: object,
+    params: object,
+    limits: RequestLimits,
+    *,
+    request_id: object = None,
+    cache_salt: object = None,
+    tokenizer: Encoder | None = None,
+) -> ValidRequest:
+    """Check everything a user sends with a request; ``InvalidRequestError`` naming the first fault.
+
+    ``prompt``: text (encoded with ``tokenizer``; refused without one) or token ids.
+    ``params``: a ``SamplingParams`` (None: the defaults).  ``request_id``: None, or a
+    non-empty printable string of at most ``MAX_REQUEST_ID_CHARS``.  ``cache_salt``:
+    None, or a string of at most ``MAX_CACHE_SALT_CHARS``.  The prompt plus
+    ``max_tokens`` must fit in the context (``PromptTooLongError``) and the device pool.
+    """
+    if params is None:
+        params = SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    rid = check_request_id(request_id) if request_id is not None else None
+    namespace = check_cache_salt(cache_salt)
+    checked = check_prompt(prompt, limits.vocab_size)
+    if isinstance(checked, str):
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer; send token ids")
+        checked = list(tokenizer.encode(checked))
+        if not checked:
+            raise InvalidRequestError("prompt is empty (it encodes to no tokens)")
+    check_fits(len(checked), params.max_tokens, limits)
+    params.check_vocab(limits.vocab_size)
+    return ValidRequest(checked, rid, namespace, params)
+
+
+def check_prompt(prompt: object, vocab_size: int) -> str | list[int]:
+    """A non-empty text, or non-empty token ids (ints, not bools) in ``[0, vocab_size)``."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        return prompt
+    if isinstance(prompt, Sequence):
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty (no token ids)")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InvalidRequestError(f"prompt token {i} is not an integer: {t!r}")
+            if not 0 <= t < vocab_size:
+                raise InvalidRequestError(f"prompt token {i} = {t} is outside the vocabulary [0, {vocab_size})")
+        return ids
+    raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def check_request_id(request_id: object) -> str:
+    """A caller's request id: a non-empty printable string of at most ``MAX_REQUEST_ID_CHARS``."""
+    if (
+        not isinstance(request_id, str)
+        or not request_id
+        or len(request_id) > MAX_REQUEST_ID_CHARS
+        or not request_id.isprintable()
+    ):
+        raise InvalidRequestError(
+            f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} printable characters"
+        )
+    return request_id
+
+
+def check_cache_salt(cache_salt: object) -> str:
+    """The tenant namespace of a ``cache_salt`` (None: the shared one, "")."""
+    if cache_salt is None:
+        return ""
+    if not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
+    return cache_salt
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, limits: RequestLimits) -> None:
+    """``PromptTooLongError`` unless ``prompt_tokens + max_tokens`` fit in the context and the device pool."""
+    total = prompt_tokens + max_tokens
+    if total > limits.max_context_tokens:
+        raise PromptTooLongError(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+            f"exceeds the context limit of {limits.max_context_tokens} tokens"
+        )
+    if limits.kv_pages is not None:
+        pages = -(-total // limits.page_size)
+        if pages > limits.kv_pages:
+            raise PromptTooLongError(f"request needs {pages} KV pages; the device pool has {limits.kv_pages}")

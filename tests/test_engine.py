@@ -268,8 +268,7 @@ def test_bubble_filling_decodes_first_and_keeps_tokens_identical():
     engine.run_until_idle()
     engine.flush_cache("device")  # b's document now lives in L2 only
     a = run(a_prompt, a_params)
-    engine._drain_inbox()
-    while engine.scheduler.stats().decoding == 0:  # a is decoding ...
+    while engine.scheduler.stats().decoding == 0:  # a is decoding (step() admits it first) ...
         engine.step()
     b = run(b_prompt, GREEDY)  # ... when b arrives with its prefix in L2
     engine.run_until_idle()

@@ -168,7 +168,7 @@ def test_slots_are_exclusive():
     try:
         state.acquire()
         raise AssertionError("a third slot was handed out")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         assert "slots are in use" in str(exc)
     state.release(a)
     assert state.acquire() == a

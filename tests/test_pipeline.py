@@ -233,7 +233,10 @@ def test_real_model_pipelined_equals_serial(smollm2_gguf, tmp_path):
     from strata_jax.models.loader import load_model
 
     tok = load_model(smollm2_gguf, show_progress=False).tokenizer
-    chat = lambda q: tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))  # noqa: E731
+
+    def chat(q):
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+
     free = SamplingParams(max_tokens=40)
     script = [
         (0, "submit", ("capital", chat("What is the capital of France?"), free)),
@@ -288,15 +291,15 @@ def test_a_failure_sent_while_a_step_is_read_loses_no_token(tmp_path):
     reference = _both(tmp_path, script)
     engine = _engine(True, tmp_path / "again")
     core = engine.core
-    accept = core._accept  # noqa: SLF001
+    accept = core._accept
     bystander = CollectingSink()
     other = TrackedRequest("bystander", [1, 2], "", GREEDY, bystander, None, 0.0)
 
     def accept_then_fail(t, token, logprob, now, events):
         accept(t, token, logprob, now, events)
-        core._fail([FailEvent(other.stream, EngineUnavailableError("refused"))])  # noqa: SLF001 - mid-read, as admit() would
+        core._fail([FailEvent(other.stream, EngineUnavailableError("refused"))])  # mid-read, as admit() would
 
-    core._accept = accept_then_fail  # noqa: SLF001
+    core._accept = accept_then_fail
     try:
         got = _play(engine, script)
     finally:

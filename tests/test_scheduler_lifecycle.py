@@ -58,39 +58,37 @@ def test_results_must_match_the_plan_and_values_may_come_later() -> None:
     sched, cache = Scheduler(), FakeCache()
     sched.submit("a", toks(1, 10))
     with pytest.raises(SchedulerStateError):
-        sched.on_prefill_done("a", 1)  # nothing dispatched yet
+        sched.on_prefill_dispatched("a", 1)  # nothing dispatched yet
     sched.schedule(cache)
     # the pipelined engine reports a chunk done when it is dispatched, before its token's value is known
-    assert sched.on_prefill_done("a") is S.DECODING
+    assert sched.on_prefill_dispatched("a") is S.DECODING
     a = sched.get("a")
     assert a.generated == 1 and a.output_token_ids == [] and a.seq_len == 11
     plan = sched.schedule(cache)
     assert plan.decode_ids == ("a",)
-    assert sched.on_decode_done("a") is S.DECODING and a.generated == 2 and a.seq_len == 12
+    assert sched.on_decode_dispatched("a") is S.DECODING and a.generated == 2 and a.seq_len == 12
     with pytest.raises(SchedulerStateError):
-        sched.on_decode_done("a")  # no decode in flight any more
+        sched.on_decode_dispatched("a")  # no decode in flight any more
     with pytest.raises(UnknownRequestError):
-        sched.on_decode_done("nope", 1)
+        sched.on_decode_dispatched("nope", 1)
 
 
 def test_a_decode_is_retracted_only_with_every_token_value_known() -> None:
     sched, cache = Scheduler(), FakeCache(page_size=4)
-    outputs: dict[str, list[int]] = {"old": [], "new": []}
     for rid, seed in (("old", 1), ("new", 2)):
-        sched.submit(rid, toks(seed, 8), outputs=outputs[rid])  # the engine's own lists of token values
+        sched.submit(rid, toks(seed, 8))
     plan = sched.schedule(cache)
     for item in plan.prefill:
-        sched.on_prefill_done(item.request_id)  # dispatched: the values are not known yet
+        sched.on_prefill_dispatched(item.request_id)  # dispatched: the values are not known yet
     cache.free_tokens, cache.evictable_tokens = 4, 0  # their next KV slot opens a page: one must go
     with pytest.raises(SchedulerStateError, match="1 tokens generated, 0 known"):
         sched.schedule(cache)
     sched2, cache2 = Scheduler(), FakeCache(page_size=4)
-    outputs = {"old": [], "new": []}
     for rid, seed in (("old", 1), ("new", 2)):
-        sched2.submit(rid, toks(seed, 8), outputs=outputs[rid])
+        sched2.submit(rid, toks(seed, 8))
     for item in sched2.schedule(cache2).prefill:
-        sched2.on_prefill_done(item.request_id)
-        outputs[item.request_id].append(7)  # the engine read the token back
+        sched2.on_prefill_dispatched(item.request_id)
+        item.request.add_output(7)  # the engine read the token back
     cache2.free_tokens, cache2.evictable_tokens = 4, 0
     plan = sched2.schedule(cache2)
     assert [r.request_id for r in plan.retract] == ["new"]
@@ -146,15 +144,8 @@ def test_abort_waiting_and_deferred_requests_free_no_device_kv() -> None:
     sched.schedule(cache)
     assert sched.get("b").status is S.DEFERRED and sched.get("w").status is S.DEFERRED
     sched.submit("x", toks(9, 5))
-    res_w = sched.abort("x")
-    assert (res_w.previous_status, res_w.holds_device_kv, res_w.owns_transient_nodes, res_w.in_flight) == (
-        S.WAITING,
-        False,
-        True,
-        False,
-    )
-    res_b = sched.abort("b")
-    assert res_b.previous_status is S.DEFERRED and not res_b.holds_device_kv
+    assert sched.abort("x") is S.WAITING
+    assert sched.abort("b") is S.DEFERRED
     assert sched.queue_order() == ("w",)
     assert "b" not in sched.schedule(cache).prefill_ids + sched.schedule(cache).decode_ids
 
@@ -166,16 +157,13 @@ def test_abort_in_flight_prefill_and_decode_are_released_after_the_step() -> Non
     execute(sched.schedule(cache), sched, cache, max_new_tokens=100)  # d prefilled, p: first chunk only
     plan = sched.schedule(cache)
     assert plan.prefill_ids == ("p",) and plan.decode_ids == ("d",)  # p's second chunk in flight
-    res_p = sched.abort("p")
-    assert res_p.previous_status is S.PREFILLING and res_p.holds_device_kv and res_p.in_flight
-    assert sched.on_prefill_done("p") is S.ABORTED  # the late result is swallowed
-    assert sched.on_decode_done("d", 3) is S.DECODING
+    assert sched.abort("p") is S.PREFILLING
+    assert sched.on_prefill_dispatched("p") is S.ABORTED  # the late result is swallowed
+    assert sched.on_decode_dispatched("d", 3) is S.DECODING
     plan = sched.schedule(cache)
     assert plan.decode_ids == ("d",)
-    res_d = sched.abort("d")
-    assert res_d.previous_status is S.DECODING and res_d.holds_device_kv and res_d.in_flight
-    assert not res_d.owns_transient_nodes
-    assert sched.on_decode_done("d", 5) is S.ABORTED
+    assert sched.abort("d") is S.DECODING
+    assert sched.on_decode_dispatched("d", 5) is S.ABORTED
     assert sched.schedule(cache).is_empty and not sched.has_work()
     assert sched.stats().aborted == 2
 
@@ -184,8 +172,7 @@ def test_abort_between_steps_is_not_in_flight_and_unknown_ids_are_ignored() -> N
     sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=100)), FakeCache()
     sched.submit("p", toks(1, 300))
     execute(sched.schedule(cache), sched, cache)
-    res = sched.abort("p")
-    assert res.previous_status is S.PREFILLING and not res.in_flight
+    assert sched.abort("p") is S.PREFILLING
     assert sched.abort("p") is None and sched.abort("never") is None
     sched.submit("f", toks(2, 4))
     assert execute(sched.schedule(cache), sched, cache, max_new_tokens=1) == ["f"]

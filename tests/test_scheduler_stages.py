@@ -106,9 +106,8 @@ def test_owner_abort_releases_the_deferred_request() -> None:
     submit_uncached(sched, cache, "b", doc(1, 1000) + q(2))
     plan = sched.schedule(cache)
     assert plan.deferred == ("b",)
-    result = sched.abort("a")
-    assert result.owns_transient_nodes and result.holds_device_kv and result.in_flight
-    assert sched.on_prefill_done("a", 1) is RequestStatus.ABORTED
+    assert sched.abort("a") is RequestStatus.PREFILLING
+    assert sched.on_prefill_dispatched("a", 1) is RequestStatus.ABORTED
     cache.drop("a")  # the engine removes a's transient nodes
     plan = sched.schedule(cache)
     assert plan.prefill_ids == ("b",) and plan.deferred == ()
@@ -199,7 +198,7 @@ def test_short_prefills_never_take_the_continuing_chunks_slots_or_pages() -> Non
         got = [(i.request_id, i.new_tokens) for i in plan.prefill]
         assert got[0] == ("long", 80) and len(got) == 2 and got[1][1] == 20  # the oldest short one beside it
         execute(plan, sched, cache)
-    assert sched.get("long").prefill_done == 100 + 3 * 80
+    assert sched.get("long").computed == 100 + 3 * 80
     # little device room: the long prompt's chunk first, the short one only in what is left
     sched2, cache2 = Scheduler(SchedulerConfig(max_batch_tokens=100)), FakeCache(free_tokens=1 << 30)
     submit_uncached(sched2, cache2, "long", doc(1, 400))

@@ -1,6 +1,6 @@
-"""The simulator's sliding-window model (issue 22, item 5 in part): window-aware load
-bytes, windowed attention FLOPs and window-aware tier capacity against a page-by-page /
-pair-by-pair / byte-by-byte count, and ``--loads full`` as it was."""
+"""The simulator's sliding-window model: window-aware load bytes, windowed attention FLOPs
+and window-aware tier capacity against a page-by-page / pair-by-pair / byte-by-byte count,
+and ``--loads full`` moving every layer's pages and sizing the tiers at full width."""
 
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ def test_window_capacity_sizes_l1_and_l2_by_the_bytes_held():
 
 
 def test_full_loads_keep_the_full_width_capacity():
-    """``--loads full``: no share, the tiers sized as before (the study's 129,613 / 1,968,876 tokens)."""
+    """``--loads full``: no share, the tiers sized at full width (the study's 129,613 / 1,968,876 tokens)."""
     spec, profile = load_model_spec("gemma-3-27b"), load_profile("h200")
     default = SimCostModel(profile, spec, 32)
     assert default.cached_share == 1.0

@@ -250,7 +250,7 @@ class CacheController(Generic[Mover]):
         *,
         requester: Hashable | None = None,
         touch: bool = True,
-        hint: PrefixMatch | None = None,
+        hint: PrefixMatch | InsertResult | None = None,
     ) -> PrefixMatch:
         """Tree match plus the L3 pages the store holds right after the tree's data prefix.
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from strata_jax.cache.controller import CacheController
+from strata_jax.cache.radix_tree import PrefixMatch
 from strata_jax.engine.requests import without_cache
 from strata_jax.scheduler.request import ScheduledRequest
 
@@ -20,21 +21,21 @@ class EngineCacheView:
     token by token); the engine calls ``forget`` when a request leaves.
     """
 
-    def __init__(self, ctl: CacheController, bypasses_cache: Callable[[str], bool]):
+    def __init__(self, ctl: CacheController[Any], bypasses_cache: Callable[[str], bool]) -> None:
         self.ctl = ctl
         self.page_size = ctl.page_size
-        self._memo: dict[str, tuple[int, tuple[int, ...], Any]] = {}
-        self._hints: dict[str, Any] = {}  # latest match per live request, whatever the version
+        self._memo: dict[str, tuple[int, tuple[int, ...], PrefixMatch]] = {}
+        self._hints: dict[str, PrefixMatch] = {}  # latest match per live request, whatever the version
         self._memo_version = -1
         self.bypasses_cache = bypasses_cache
 
-    def match(self, request: ScheduledRequest):
+    def match(self, request: ScheduledRequest) -> PrefixMatch:
         m = self._match(request)
         if self.bypasses_cache(request.request_id):  # prompt logprobs: nothing may come from the cache
             return without_cache(m, self.ctl.tree.root(request.namespace))
         return m
 
-    def _match(self, request: ScheduledRequest):
+    def _match(self, request: ScheduledRequest) -> PrefixMatch:
         tree = self.ctl.tree
         if self.ctl.storage is not None:
             return self.ctl.match_prefix(
@@ -57,11 +58,11 @@ class EngineCacheView:
         self._memo[request.request_id] = (tree.version, request.prefill_tokens, m)
         return m
 
-    def hint(self, request_id: str) -> Any:
+    def hint(self, request_id: str) -> PrefixMatch | None:
         """The request's latest match (a hint for the tree; None if there is none)."""
         return self._hints.get(request_id)
 
-    def remember(self, request_id: str, match: Any) -> None:
+    def remember(self, request_id: str, match: PrefixMatch) -> None:
         """A match of the request's ``prefill_tokens`` made elsewhere (admission): its next hint."""
         self._hints[request_id] = match
 

@@ -101,10 +101,10 @@ class EngineConfig:
         docs/runtime.md).  Unrolled layers (scan_layers=False) always hold them per layer.
     kv_layer_groups: hold the L1 pool as layer groups (``GroupedPoolLayout``: each layer
         its own rows, read through a per-layer offset), the layout in which a model's
-        sliding-window layers keep fewer pages than its full-attention layers
-        (issue 22): their KV outside the running requests' windows is trimmed lazily,
-        loads move only the window a reuse needs, and matches end where a window is
-        complete (docs/models.md).  Default False.
+        sliding-window layers keep fewer pages than its full-attention layers (KV older
+        than a window is never read again): their KV outside the running requests'
+        windows is trimmed lazily, loads move only the window a reuse needs, and matches
+        end where a window is complete (docs/models.md).  Default False.
     kv_local_ratio: with ``kv_layer_groups``, the sliding-window layers' pages as a share
         of the full-attention layers' (SGLang's ``--swa-full-tokens-ratio``), in (0, 1]:
         0.25 holds their KV for a quarter of the L1 pages, which is how the layer groups
@@ -244,7 +244,8 @@ class EngineConfig:
         ):
             raise InvalidRequestError(
                 f'EngineConfig.prefill_chunk must be "max", "auto" or an integer above max_batch_size '
-                f"({self.max_batch_size}) and at most max_batch_tokens ({self.max_batch_tokens}), got {self.prefill_chunk!r}"
+                f"({self.max_batch_size}) and at most max_batch_tokens ({self.max_batch_tokens}), "
+                f"got {self.prefill_chunk!r}"
             )
         from strata_jax.runtime.platform import DTYPES, KV_DTYPE_ALIASES, KV_DTYPES
 

@@ -79,7 +79,7 @@ class EngineCore:
     def __init__(
         self,
         scheduler: Scheduler,
-        ctl: CacheController,
+        ctl: CacheController[Any],
         executor: Executor,
         *,
         eos_token_ids: Collection[int],
@@ -133,19 +133,22 @@ class EngineCore:
             if leader is not None and not leader.prefix_published:
                 leader.followers.append(t)  # admitted when the leader's prompt pages are in the tree
                 return
-        if t.params.needs_sampling_state and not t.has_sampling_state:
-            if self._parked or not self.executor.open_sampling_state(
-                t.request_id, t.prompt_ids, t.output_ids, t.params
-            ):
-                self._parked.append(t)  # admitted when a slot frees (FIFO)
-                return
-            t.has_sampling_state = True
+        if t.params.needs_sampling_state and (
+            self._parked or not self.executor.open_sampling_state(t.request_id, t.prompt_ids, t.output_ids, t.params)
+        ):
+            self._parked.append(t)  # admitted when a slot frees (FIFO)
+            return
+        self._enter(t)
+
+    def _enter(self, t: TrackedRequest) -> None:
+        """Queue an admitted request (holding its sampling-state slot if it needs one)."""
         try:
-            req = self.scheduler.submit(t.request_id, t.prompt_ids, namespace=t.namespace, outputs=t.output_ids)
+            req = self.scheduler.submit(t.request_id, t.prompt_ids, namespace=t.namespace)
         except (OverloadedError, InvalidRequestError) as exc:
             self._close_state(t)
             self._fail([FailEvent(t.stream, exc)])
             return
+        t.req = req
         self._tracked[t.request_id] = t
         match = self.pages.admit(t, req.prefill_tokens)
         if match is not None:
@@ -284,7 +287,7 @@ class EngineCore:
                 self.pages.pin_prefix(self._tracked[item.request_id], item)
         if plan.evict_device_tokens:
             self.ctl.evict_device(-(-plan.evict_device_tokens // self.page_size))
-        return self._allocate([(req.request_id, self._tracked[req.request_id].computed + 1) for req in plan.decode])
+        return self._allocate([(req.request_id, req.computed + 1) for req in plan.decode])
 
     def _allocate(self, work: list[tuple[str, int]]) -> set[str]:
         dropped: set[str] = set()
@@ -301,7 +304,9 @@ class EngineCore:
         """Load pinned host-only prefixes L2->L1 (one coalesced transfer each), then pages for the chunks."""
         for item in prefill:
             if item.is_first_chunk:
-                handle = self.pages.take_prefix(self._tracked[item.request_id], item)
+                handle, taken = self.pages.take_prefix(self._tracked[item.request_id], item)
+                if taken != item.start:
+                    self.scheduler.on_prefix_taken(item.request_id, taken)
                 if handle is not None:
                     loads.append(handle)
         return self._allocate([(item.request_id, item.end) for item in prefill])
@@ -334,9 +339,9 @@ class EngineCore:
             self.plan_log.append(_record(plan, prefill, [t.request_id for t in step.decode_rows]))
         for rid in dropped:  # aborted before dispatch: clear the scheduler's in-flight mark
             if any(item.request_id == rid for item in plan.prefill):
-                self.scheduler.on_prefill_done(rid)
+                self.scheduler.on_prefill_dispatched(rid)
             else:
-                self.scheduler.on_decode_done(rid)
+                self.scheduler.on_decode_dispatched(rid)
         return step if step.extend is not None or step.decode is not None else None
 
     def _dispatch_extend(self, prefill: list[PrefillItem], loads: list[TransferHandle], step: InflightStep) -> None:
@@ -346,8 +351,8 @@ class EngineCore:
             work = []
             for item in prefill:
                 t = self._tracked[item.request_id]
-                if t.slot is None:
-                    self.executor.open_sequence(t)  # its first chunk (or the first after a retraction)
+                if item.is_first_chunk:  # (also the first after a retraction)
+                    self.executor.open_sequence(t.request_id)
                 tokens = item.request.prefill_tokens[t.computed : item.end]
                 targets = t.prompt_logprob_targets(t.computed, item.end)
                 work.append(ExtendWork(t, tokens, t.computed, item.is_last_chunk, targets))
@@ -355,12 +360,14 @@ class EngineCore:
             step.extend_landed = all(self.ctl.is_ready(h) for h in loads)  # else its time includes the link's
             step.extend = self.executor.dispatch_extend(work, loads)
             for item, t in step.extend_items:
-                t.computed = item.end
-                if self.scheduler.on_prefill_done(item.request_id) is not RequestStatus.DECODING:
+                if self.scheduler.on_prefill_dispatched(item.request_id) is not RequestStatus.DECODING:
                     continue  # a chunk that is not the last: nothing sampled
-                t.generated += 1
                 with self.executor.span("backup"):
-                    self.pages.publish_prefix(t, item.request.prefill_tokens, self._view.hint(item.request_id))
+                    replaced = self.pages.publish_prefix(
+                        t, item.request.prefill_tokens, self._view.hint(item.request_id)
+                    )
+                if replaced is not None:
+                    self.executor.page_table_changed(t.request_id, replaced)
                 self._admit_followers(t)
                 if t.grammar is not None:  # its next mask needs this token: no decode before it is read
                     self.scheduler.hold(t.request_id, True)
@@ -376,13 +383,11 @@ class EngineCore:
             step.decode = self.executor.dispatch_decode(rows)
             step.decode_rows = rows
             by_length = self.rules.by_length
-            on_done = self.scheduler.on_decode_done
+            on_done = self.scheduler.on_decode_dispatched
             context = 0
             for t in rows:
-                t.computed += 1
-                t.generated += 1
-                context += t.computed
                 on_done(t.request_id)
+                context += t.computed
                 if t.grammar is not None:
                     self.scheduler.hold(t.request_id, True)
                     step.holds_rows = True
@@ -460,7 +465,8 @@ class EngineCore:
                 events.append(TokenEvent(t.stream, None, None, "length", now))
                 self._finish(t)
                 return
-        t.output_ids.append(token)
+        assert t.req is not None  # (admitted)
+        t.req.add_output(token)
         if self.rules.by_token(p, token, len(t.output_ids)):
             finish = "stop"
         elif t.grammar is not None and t.grammar.advance(token):
@@ -500,22 +506,19 @@ class EngineCore:
         self._close_state(t)
 
     def _close_sequence(self, t: TrackedRequest) -> None:
-        if t.slot is not None:
-            self.executor.close_sequence(t)
+        self.executor.close_sequence(t.request_id)
 
     def _close_state(self, t: TrackedRequest) -> None:
         """Give back a request's sampling-state slot and admit parked requests it makes room for."""
-        if not t.has_sampling_state:
-            return
+        if not t.params.needs_sampling_state:
+            return  # it holds none
         self.executor.close_sampling_state(t.request_id)
-        t.has_sampling_state = False
         while self._parked and not self._stopping:
             head = self._parked[0]
             if not self.executor.open_sampling_state(head.request_id, head.prompt_ids, head.output_ids, head.params):
                 return
             self._parked.popleft()
-            head.has_sampling_state = True
-            self.admit(head)
+            self._enter(head)
 
     def abort_all(self, exc: BaseException) -> None:
         for rid in [p.request_id for p in self._parked] + list(self._tracked):
@@ -535,7 +538,7 @@ class EngineCore:
         for rid in [p.request_id for p in self._parked] + list(self._tracked):
             try:
                 self.abort(rid, exc)
-            except Exception:  # noqa: BLE001 - the state is broken anyway; every request must still hear of it
+            except Exception:  # the state is broken anyway; every request must still hear of it
                 log.exception("aborting %s while stopping", rid)
                 t = self._tracked.pop(rid, None)
                 if t is not None:
@@ -567,7 +570,7 @@ class EngineCore:
         self._touched = set()
         try:
             self.ctl.flush()  # dropped, not written back: a page the step never computed must not reach L2/L3
-        except Exception:  # noqa: BLE001 - transfers of the failed step may fail too; the tiers are dropped regardless
+        except Exception:  # transfers of the failed step may fail too; the tiers are dropped regardless
             log.exception("dropping the device and host tiers after a failed step")
         if self.kv_event_recorder is not None:
             self.kv_event_recorder.end_step()  # the removals are published like any flush's

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +40,12 @@ from strata_jax.api import (
     InvalidRequestError,
     OverloadedError,
     RequestAbortedError,
+    RequestLimits,
     RequestOutput,
     SamplingParams,
     StreamChunk,
+    ValidRequest,
+    validate_request,
 )
 from strata_jax.cache.controller import CacheController
 from strata_jax.engine.config import EngineConfig
@@ -51,7 +54,7 @@ from strata_jax.engine.output import InlineOutput, ThreadedOutput, collect
 from strata_jax.engine.requests import TrackedRequest
 from strata_jax.engine.sinks import AsyncQueueSink, CollectingSink, OutputSink
 from strata_jax.engine.stats import accounting, cache_stats
-from strata_jax.models.loader import load_model
+from strata_jax.models.loader import load_model as load_model  # a seam: bench roofline swaps in a random model
 from strata_jax.runtime import compilation_cache, executable_cache
 from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.executable_cache import ExecutableCache
@@ -62,6 +65,11 @@ from strata_jax.runtime.warmup_progress import WarmupProgress
 from strata_jax.scheduler.cost_model import CostModel, CostPrior
 from strata_jax.scheduler.scheduler import Scheduler
 from strata_jax.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from strata_jax.structured.matcher import GrammarTokenizer
+
+_T = TypeVar("_T")
 
 __all__ = ["Engine", "EngineConfig"]
 
@@ -114,6 +122,12 @@ class Engine:
 
         cache_config = config.cache_config(self.max_context_tokens)
         self.page_size = cache_config.page_size
+        self.limits = RequestLimits(
+            vocab_size=self.vocab_size,
+            max_context_tokens=self.max_context_tokens,
+            kv_pages=cache_config.num_device_pages,
+            page_size=self.page_size,
+        )
         layout = KVLayout(
             loaded.config.num_layers, loaded.config.num_kv_heads, loaded.config.head_dim, self.page_size, kv_dtype
         )
@@ -163,18 +177,19 @@ class Engine:
         self.matmul_flops_per_s = device_matmul_rate(
             str(jnp.dtype(dtype))
         )  # the first device (tp: each does its share)
-        window_loads = {}
+        local_share, local_window_tokens = 0.0, 0  # (CostPrior's defaults: loads move every layer's KV)
         if self.ctl.local_pages is not None:  # loads move the windowed layers' KV of the window only
-            window_loads = {
-                "local_share": self.ctl.device_pool.grouped.local_share,
-                "local_window_tokens": self.ctl.local_pages.window_pages * self.page_size,
-            }
+            grouped_pool = self.ctl.device_pool.grouped
+            assert grouped_pool is not None  # local pages come with a pool in layer groups
+            local_share = grouped_pool.local_share
+            local_window_tokens = self.ctl.local_pages.window_pages * self.page_size
         cost = CostModel(
             CostPrior(
                 bytes_per_token=self.ctl.page_bytes / self.page_size,  # what a load moves: the tier format's bytes
                 link_bytes_per_s=self.ctl.link_bandwidth,
                 extend_coeffs=extend_prior(loaded.config, self.matmul_flops_per_s, config.tp),
-                **window_loads,
+                local_share=local_share,
+                local_window_tokens=local_window_tokens,
             )
         )
         self.executor = JaxExecutor(self.runner, eos_token_ids=self.eos_token_ids)
@@ -199,7 +214,7 @@ class Engine:
         self._wake = threading.Event()
         self._ids = itertools.count()
         self._grammar_lock = threading.Lock()
-        self._grammar_tokenizer = None  # built on the first structured request
+        self._grammar_tokenizer: GrammarTokenizer | None = None  # built on the first structured request
         self._stopping = False
         self._closed = False  # set on the engine thread by shutdown's close: then its loop ends
         self.fatal_error: BaseException | None = None  # set when the loop stopped for good
@@ -285,11 +300,10 @@ class Engine:
         batch = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(batch))
         sinks = []
-        for prompt, p in zip(batch, params_list):
+        valid = [self._validate(prompt, p, cache_salt) for prompt, p in zip(batch, params_list)]
+        for v in valid:
             sink = CollectingSink()
-            ids = self._prompt_ids(prompt)
-            rid = self.submit(ids, p, cache_salt=cache_salt, sink=sink)
-            sinks.append((rid, ids, sink))
+            sinks.append((self._submit(v, sink, None), v.prompt_ids, sink))
         return [self._wait_for_output(rid, ids, sink) for rid, ids, sink in sinks]
 
     def generate_choices(
@@ -299,15 +313,16 @@ class Engine:
         the prompt's pages shared through the tree (choice i > 0 follows choice 0)."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
             raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
-        ids = self._prompt_ids(prompt)
+        valid = self._validate(prompt, params, cache_salt)
+        ids = valid.prompt_ids
         sinks = []
         leader: str | None = None
         for i in range(n):
             sink = CollectingSink()
-            p = params.for_choice(i)
+            p = valid.params.for_choice(i)
             if i > 0 and p.prompt_logprobs is not None:  # the same for every choice: computed once
                 p = dataclasses.replace(p, prompt_logprobs=None)
-            rid = self.submit(ids, p, cache_salt=cache_salt, sink=sink, follows=leader)
+            rid = self._submit(dataclasses.replace(valid, params=p), sink, leader)
             leader = leader or rid
             sinks.append((rid, sink))
         outputs = [self._wait_for_output(rid, ids, sink) for rid, sink in sinks]
@@ -361,26 +376,26 @@ class Engine:
 
         ``follows`` (n > 1): admit this request only after the prefill of request
         ``follows`` (same prompt) has put the prompt's pages in the tree."""
+        valid = validate_request(
+            prompt, params, self.limits, request_id=request_id, cache_salt=cache_salt, tokenizer=self.tokenizer
+        )
+        return self._submit(valid, sink, follows)
+
+    def _submit(self, valid: ValidRequest, sink: OutputSink | None, follows: str | None) -> str:
+        """Queue a validated request; returns its id."""
         if self.fatal_error is not None:
             raise EngineFailedError(
                 f"the engine stopped after an unrecoverable error ({type(self.fatal_error).__name__})"
             )
         if self._stopping or not self.is_ready:
             raise EngineUnavailableError("the engine is not accepting requests (warming up or shutting down)")
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("params must be a SamplingParams")
-        prompt_ids = self._prompt_ids(prompt)
-        self._check_fits(prompt_ids, params)
-        namespace = _namespace(cache_salt)
         if self.scheduler.num_waiting + self._inbox_admits >= self.scheduler.config.max_waiting:
             raise OverloadedError(
                 f"server overloaded: {self.scheduler.num_waiting} requests waiting "
                 f"(max_waiting={self.scheduler.config.max_waiting}); retry later"
             )
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        if not isinstance(rid, str) or not rid or len(rid) > 256:
-            raise InvalidRequestError("request_id must be a non-empty string of at most 256 characters")
+        params, prompt_ids = valid.params, valid.prompt_ids
+        rid = valid.request_id if valid.request_id is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         grammar = None
         if params.structured is not None:
             budget = min(params.max_tokens, self.max_context_tokens - len(prompt_ids))
@@ -388,7 +403,7 @@ class Engine:
         tracked = TrackedRequest(
             request_id=rid,
             prompt_ids=prompt_ids,
-            namespace=namespace,
+            namespace=valid.namespace,
             params=params,
             sink=sink or CollectingSink(),
             detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
@@ -419,12 +434,12 @@ class Engine:
                 self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return GrammarState(spec, self._grammar_tokenizer, budget)
 
-    def abort(self, request_id: str) -> Future:
+    def abort(self, request_id: str) -> Future[bool]:
         """Abort a request at any point; its pages are freed and its nodes unlocked.
 
         Never waits for the engine: the abort is queued and applied between steps.
         The returned future tells whether a live request was aborted."""
-        done: Future = Future()
+        done: Future[bool] = Future()
 
         def do() -> None:
             done.set_result(self.core.abort(request_id, RequestAbortedError(f"request {request_id} was aborted")))
@@ -450,7 +465,7 @@ class Engine:
         self._profile_dir = log_dir
 
     def stop_profile(self) -> str:
-        jax.profiler.stop_trace()
+        cast(Callable[[], None], jax.profiler.stop_trace)()  # (jax leaves it unannotated)
         return getattr(self, "_profile_dir", "")
 
     def shutdown(self, grace_s: float = 10.0) -> None:
@@ -524,37 +539,8 @@ class Engine:
             self._drain_inbox()
 
     # ------------------------------------------------------------------ input checks (caller thread)
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer; send token ids")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        else:
-            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        return ids
-
-    def _check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_context_tokens:
-            raise InvalidRequestError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"the context limit of {self.max_context_tokens} tokens"
-            )
-        pages = -(-total // self.page_size)
-        if pages > self.ctl.device_alloc.num_pages:
-            raise InvalidRequestError(
-                f"request needs {pages} KV pages; the device pool has {self.ctl.device_alloc.num_pages}"
-            )
-        params.check_vocab(self.vocab_size)
+    def _validate(self, prompt: object, params: object, cache_salt: object) -> ValidRequest:
+        return validate_request(prompt, params, self.limits, cache_salt=cache_salt, tokenizer=self.tokenizer)
 
     def _wait_for_output(self, rid: str, prompt_ids: list[int], sink: CollectingSink) -> RequestOutput:
         """Block until ``sink``'s request finishes; its output, or the error it failed with."""
@@ -579,16 +565,16 @@ class Engine:
         """A stop string ended a request (on the output side): stop computing it, between steps."""
         self._post(lambda: self.core.stop_request(request_id))
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
+    def _call(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on the engine thread (or here when there is none) and return its result."""
         if self._thread is None or threading.current_thread() is self._thread:
             return fn()
-        fut: Future = Future()
+        fut: Future[_T] = Future()
 
         def run() -> None:
             try:
                 fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+            except BaseException as exc:  # handed back to the caller
                 fut.set_exception(exc)
 
         self._post(run)
@@ -622,7 +608,7 @@ class Engine:
         try:
             failed = self.core.fail_step(exc)
             accounting(self.core)
-        except Exception as broken:  # noqa: BLE001 - the state cannot be trusted: stop rather than serve wrong tokens
+        except Exception as broken:  # the state cannot be trusted: stop rather than serve wrong tokens
             log.error(
                 "engine state is broken after a failed step: %s: %s", type(broken).__name__, broken, exc_info=broken
             )
@@ -657,7 +643,7 @@ class Engine:
                 continue
             try:
                 core.step()
-            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the engine
+            except Exception as exc:  # a failed step fails its requests, not the engine
                 failures += 1
                 self._recover_from(exc, failures)
             else:
@@ -682,14 +668,6 @@ def unrecoverable_step_error(exc: BaseException) -> bool:
     return isinstance(exc, (MemoryError, jax.errors.JaxRuntimeError))
 
 
-def _namespace(cache_salt: str | None) -> str:
-    if cache_salt is None:
-        return ""
-    if not isinstance(cache_salt, str) or len(cache_salt) > 256:
-        raise InvalidRequestError("cache_salt must be a string of at most 256 characters")
-    return cache_salt
-
-
 def _as_prompt_list(prompts: Any) -> list[str | list[int]]:
     if isinstance(prompts, str):
         return [prompts]
@@ -700,15 +678,15 @@ def _as_prompt_list(prompts: Any) -> list[str | list[int]]:
     raise InvalidRequestError(f"prompts must be a string, token ids, or a list of those; got {type(prompts).__name__}")
 
 
-def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise InvalidRequestError(f"{len(params)} SamplingParams for {n} prompts")
-    return params
+    params_list = list(params)
+    if len(params_list) != n:
+        raise InvalidRequestError(f"{len(params_list)} SamplingParams for {n} prompts")
+    return params_list
 
 
 def _check_local_pages(grouped: Any, model_config: Any, config: EngineConfig, page_size: int) -> None:

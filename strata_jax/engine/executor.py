@@ -21,9 +21,13 @@ both.  Contract:
   (None when that cannot be told, e.g. the step finished long before it was
   collected).  The engine dispatches step N+1 before it collects step N.  The loads
   of an extend need no waiting here: the extend reads what they wrote (data flow).
-* ``open_sequence(t)`` gives a request starting to run its row of per-sequence state
-  (``t.slot``; its row is written with its page table before its first step), and
-  ``close_sequence(t)`` takes it back; rows are ``SeqRow``s.
+* ``open_sequence(request_id)`` gives a request starting to run (its first prefill chunk)
+  a row of per-sequence state, written whole with its page table before its next step;
+  ``close_sequence(request_id)`` takes it back (a no-op for a request without one).
+  The executor keeps its rows by request id (which slot, how much of the page table
+  the row holds); ``page_table_changed(request_id, index)`` tells it that entries from
+  ``index`` on were replaced (a duplicate page swapped for the tree's) and must be sent
+  again.
 * ``begin_step(decode_rows, prefill_rows, prefill_tokens)``: the engine is about to
   dispatch a step of that size (the simulator charges its measured model of the
   engine's host path for it; a real executor ignores it).
@@ -51,14 +55,23 @@ if TYPE_CHECKING:
 class SeqRow(Protocol):
     """What an executor reads of a running request (``engine.requests.TrackedRequest``)."""
 
-    request_id: str
-    params: SamplingParams
-    slot: int | None
-    computed: int  # positions whose KV precedes this step's tokens
-    generated: int  # samples dispatched before this step's
-    page_table: list[int]
-    pt_synced: int
-    row_dirty: bool
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def computed(self) -> int: ...  # positions whose KV precedes this step's tokens
+
+    @property
+    def generated(self) -> int: ...  # samples dispatched before this step's
+
+    @property
+    def page_table(self) -> list[int]: ...
+
+    @property
+    def grammar(self) -> Any: ...  # a structured output's matcher (its ``mask``), or None
 
 
 @dataclass(frozen=True)
@@ -95,13 +108,15 @@ class Executor(Protocol):
 
     def dispatch_extend(self, work: list[ExtendWork], loads: Sequence[TransferHandle]) -> Any: ...
 
-    def dispatch_decode(self, rows: list[SeqRow]) -> Any: ...
+    def dispatch_decode(self, rows: Sequence[SeqRow]) -> Any: ...
 
     def collect(self, pending: Any) -> StepOutput: ...
 
-    def open_sequence(self, row: SeqRow) -> None: ...
+    def open_sequence(self, request_id: str) -> None: ...
 
-    def close_sequence(self, row: SeqRow) -> None: ...
+    def close_sequence(self, request_id: str) -> None: ...
+
+    def page_table_changed(self, request_id: str, index: int) -> None: ...
 
     def begin_step(self, decode_rows: int, prefill_rows: int, prefill_tokens: int) -> None: ...
 

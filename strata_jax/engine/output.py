@@ -98,7 +98,7 @@ class OutputProcessor:
         for ev in events:
             try:
                 self._one(ev, out)
-            except Exception as exc:  # noqa: BLE001 - one stream's failure (e.g. its detokenizer) is its own
+            except Exception as exc:  # one stream's failure (e.g. its detokenizer) is its own
                 log.exception("output of request %s failed", ev.stream.request_id)
                 if not ev.stream.done:
                     ev.stream.done = True
@@ -110,11 +110,12 @@ class OutputProcessor:
         s = ev.stream
         if s.done:
             return  # a token computed after the request ended (stop string, abort): never shown
-        if type(ev) is FailEvent:
+        if isinstance(ev, FailEvent):
             s.done = True
             out.append((s.sink, ev.error))
             return
         if s.final_only and ev.finish is None and not s.params.stop:
+            assert ev.token is not None  # only a finishing event comes without a token
             if s.first_token_at is None:
                 s.first_token_at = ev.at
             s.token_ids.append(ev.token)  # counted, not delivered
@@ -225,7 +226,7 @@ class ThreadedOutput:
     def _deliver(self, batch: list[list[Event]]) -> None:
         try:
             deliver(d for events in batch for d in self.processor.process(events))
-        except Exception:  # noqa: BLE001 - a bad sink must not stop every other stream
+        except Exception:  # a bad sink must not stop every other stream
             log.exception("delivering outputs failed")
 
 

@@ -36,6 +36,7 @@ from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
 from strata_jax.engine.output import OutputStream
 from strata_jax.engine.sinks import OutputSink
 from strata_jax.scheduler.plan import PrefillItem
+from strata_jax.scheduler.request import ScheduledRequest
 from strata_jax.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("strata_jax.engine")
@@ -52,10 +53,9 @@ class TrackedRequest:
         are inserted into the tree (adopted) when the request finishes or is retracted,
         and freed when it aborts.
 
-    Tokens: ``generated`` counts the samples dispatched (the scheduler's count too);
-    ``output_ids`` holds the values read back so far (one step behind while a step is
-    in flight).  ``slot``: its row of device state while it runs (``pt_synced``: how many
-    page-table entries that row holds; ``row_dirty``: the row must be written whole).
+    Token progress (``computed``, ``generated``, ``output_ids``) is the scheduler's record's
+    (``req``, set when the request is queued): read here, never counted twice.  Its row of
+    device state while it runs is the executor's (keyed by request id).
     """
 
     request_id: str
@@ -65,19 +65,13 @@ class TrackedRequest:
     sink: OutputSink
     detok: IncrementalDetokenizer | None
     submitted_at: float
-    output_ids: list[int] = field(default_factory=list)
-    generated: int = 0
+    req: ScheduledRequest | None = None  # the scheduler's record, from admission on
     page_table: list[int] = field(default_factory=list)
     shared_pages: int = 0
-    computed: int = 0
     locked: TreeNode | None = None
     match: PrefixMatch | None = None  # pinned at the start of a step, loaded after the decode dispatch
     prefetch: PrefetchHandle | None = None
     cached: dict[str, int] = field(default_factory=empty_tier_counts)
-    has_sampling_state: bool = False  # holds an executor slot (penalties, logit_bias, min_tokens)
-    slot: int | None = None
-    pt_synced: int = 0
-    row_dirty: bool = False
     finishing: bool = False  # its last token is dispatched (length): the scheduler is done with it
     # prompt logprobs: collected over the prefill chunks, delivered with the first token
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -102,6 +96,21 @@ class TrackedRequest:
         )
 
     @property
+    def computed(self) -> int:
+        """Positions whose KV is on the device or being computed there (the scheduler's count)."""
+        return self.req.computed if self.req is not None else 0
+
+    @property
+    def generated(self) -> int:
+        """Samples dispatched (the scheduler's count)."""
+        return self.req.generated if self.req is not None else 0
+
+    @property
+    def output_ids(self) -> Sequence[int]:
+        """Output token values read back so far."""
+        return self.req.output_token_ids if self.req is not None else ()
+
+    @property
     def bypasses_cache(self) -> bool:
         """Prompt logprobs need logits at every prompt position, which a cache hit skips:
         such a request recomputes its whole prompt (it still publishes its KV)."""
@@ -118,7 +127,7 @@ class TrackedRequest:
 class RequestPages:
     """Page-table operations of live requests against one ``CacheController``."""
 
-    def __init__(self, ctl: CacheController) -> None:
+    def __init__(self, ctl: CacheController[Any]) -> None:
         self.ctl = ctl
         self.page_size = ctl.page_size
 
@@ -156,9 +165,13 @@ class RequestPages:
         m = t.match
         self.ctl.pin_local(t.request_id, list(m.device_page_ids), m.device_tokens + m.host_tokens)
 
-    def take_prefix(self, t: TrackedRequest, item: PrefillItem) -> TransferHandle | None:
-        """Load the pinned prefix's host-only part L2->L1; the page table starts as its device pages."""
+    def take_prefix(self, t: TrackedRequest, item: PrefillItem) -> tuple[TransferHandle | None, int]:
+        """Load the pinned prefix's host-only part L2->L1; the page table starts as its device pages.
+
+        Returns the load (None: nothing to load) and the tokens of the prefix taken (at most
+        ``item.start``: the chunk computes from there)."""
         match, t.match = t.match, None
+        assert match is not None  # pinned by pin_prefix in this step
         handle = None
         try:
             if not item.recomputed_cached_tokens:  # load-or-recompute chose to recompute the L2/L3 part
@@ -171,15 +184,13 @@ class RequestPages:
         # complete window too, or its first new token would miss local KV it attends to
         usable = self.ctl.complete_window_end(pages, usable // self.page_size) * self.page_size
         t.page_table = list(pages[: usable // self.page_size])
-        t.pt_synced = 0
         t.shared_pages = len(t.page_table)
-        t.computed = usable
         device = min(item.device_hit_tokens, usable)
         host = min(item.load_host_tokens, usable - device)
         t.cached = {"device": device, "host": host, "storage": usable - device - host}
-        self.ctl.pin_local(t.request_id, t.page_table, t.computed)
+        self.ctl.pin_local(t.request_id, t.page_table, usable)
         self.ctl.mark_in_flight(t.request_id)
-        return handle
+        return handle, usable
 
     def ensure_pages(self, t: TrackedRequest, tokens: int) -> None:
         """Own device pages so that positions ``[0, tokens)`` have a slot (may evict; may raise CacheFullError)."""
@@ -196,23 +207,27 @@ class RequestPages:
             t.page_table.extend(pages)
             self.ctl.pin_local(t.request_id, t.page_table, t.computed)
 
-    def publish_prefix(self, t: TrackedRequest, tokens: Sequence[int], hint: PrefixMatch | None = None) -> None:
+    def publish_prefix(self, t: TrackedRequest, tokens: Sequence[int], hint: PrefixMatch | None = None) -> int | None:
         """The prefill is dispatched: hand its full pages to the tree (transient -> ready) and re-pin them.
 
-        ``hint``: a match of the same ``tokens`` object (``HiRadixTree.insert``).
+        ``hint``: a match of the same ``tokens`` object (``HiRadixTree.insert``).  Returns the
+        first page-table entry replaced by the tree's page (None: none was).
         """
         full = t.computed // self.page_size
         if full != len(tokens) // self.page_size:  # (the tree inserts full pages only)
             tokens, hint = tokens[: full * self.page_size], None
+        assert t.locked is not None  # pin_prefix locked the matched prefix
         t.locked, table = self.ctl.cache_unfinished(tokens, t.namespace, t.page_table[:full], t.locked, hint=hint)
         self.ctl.finish_request(t.request_id)
         # Duplicate pages (someone inserted the same tokens first) were freed: use the tree's.
+        replaced = None
         for i, page in enumerate(table):
             if t.page_table[i] != page:
                 t.page_table[i] = page
-                t.pt_synced = min(t.pt_synced, i)
+                replaced = i if replaced is None else replaced
         t.shared_pages = full
         self.ctl.pin_local(t.request_id, t.page_table, t.computed)
+        return replaced
 
     def release(self, t: TrackedRequest, *, keep: bool) -> None:
         """Give back a request's pages: keep=True hands computed full pages to the tree."""
@@ -221,14 +236,14 @@ class RequestPages:
         if keep and t.computed:
             full = t.computed // ps
             n, prompt = full * ps, t.prompt_ids
-            tokens = tuple(prompt[:n]) if n <= len(prompt) else tuple(prompt) + tuple(t.output_ids[: n - len(prompt)])
+            tokens = tuple(prompt[:n]) if n <= len(prompt) else (*prompt, *t.output_ids[: n - len(prompt)])
             if len(tokens) != n:
                 raise RuntimeError(f"request {t.request_id}: {n} tokens computed but only {len(tokens)} known")
             self.ctl.insert(tokens, t.namespace, t.page_table[:full])
             self.ctl.free_device(t.page_table[full:])
         else:
             self.ctl.free_device(t.page_table[t.shared_pages :])
-        t.page_table, t.shared_pages, t.computed, t.pt_synced = [], 0, 0, 0
+        t.page_table, t.shared_pages = [], 0
         if t.locked is not None:
             self.ctl.unlock(t.locked)
             t.locked = None
@@ -240,9 +255,10 @@ class RequestPages:
     def retract(self, t: TrackedRequest) -> None:
         """Preempted decode: its KV goes to the tree (backed up per write policy), it re-queues."""
         self.release(t, keep=True)
-        full = len(t.prompt_ids + t.output_ids) // self.page_size * self.page_size
+        tokens = (*t.prompt_ids, *t.output_ids)
+        full = len(tokens) // self.page_size * self.page_size
         if full:
-            self.ctl.insert_transient((t.prompt_ids + t.output_ids)[:full], t.namespace, t.request_id)
+            self.ctl.insert_transient(tokens[:full], t.namespace, t.request_id)
 
 
 def without_cache(match: PrefixMatch, root: TreeNode) -> PrefixMatch:

@@ -87,11 +87,13 @@ class CallbackSink(OutputSink):
 
 
 Delivery = tuple[OutputSink, "StreamChunk | BaseException"]
+# an item bound for an ``AsyncQueueSink``'s queue
+_Queued = tuple["asyncio.Queue[StreamChunk | BaseException]", "StreamChunk | BaseException"]
 
 
 def deliver(items: Iterable[Delivery]) -> None:
     """Hand chunks and failures to their sinks, in order per sink; one wake-up per event loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StreamChunk | BaseException]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Queued]] = {}
     for sink, item in items:
         if type(sink) is AsyncQueueSink:
             by_loop.setdefault(sink.loop, []).append((sink.queue, item))
@@ -101,12 +103,12 @@ def deliver(items: Iterable[Delivery]) -> None:
                 sink.fail(item)
             else:
                 sink.push(item)
-        except Exception as exc:  # noqa: BLE001 - a sink that raises loses its own stream, not the others'
+        except Exception as exc:  # a sink that raises loses its own stream, not the others'
             log.exception("an output sink failed")
             if not isinstance(item, BaseException):
                 try:
                     sink.fail(exc)
-                except Exception:  # noqa: BLE001
+                except Exception:  # its stream is lost either way: the other sinks still get theirs
                     pass
     for loop, batch in by_loop.items():
         try:
@@ -115,6 +117,6 @@ def deliver(items: Iterable[Delivery]) -> None:
             pass
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, StreamChunk | BaseException]]) -> None:
+def _put_all(batch: list[_Queued]) -> None:
     for queue, item in batch:
         queue.put_nowait(item)

@@ -27,7 +27,7 @@ from strata_jax.cache.tree_node import TreeNode
 MEDIUMS = {"device": "GPU", "host": "CPU", "storage": "STORAGE"}
 
 RawEvent = tuple[Any, ...]
-BatchSink = Callable[[float, list[RawEvent]], None]
+BatchSink = Callable[[float, list[RawEvent]], object]  # a sink may return a status (publish: bool); it is ignored
 
 
 def block_hash(key: bytes) -> int:

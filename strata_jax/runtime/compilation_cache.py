@@ -136,11 +136,11 @@ class _Counter:
         elif event == _CACHE_WRITE_EVENT:
             self._thread.writes = getattr(self._thread, "writes", 0) + 1
 
-    def _on_duration(self, event: str, seconds: float, **_: object) -> None:
+    def _on_duration(self, event: str, duration_secs: float, **_: object) -> None:
         if event == _BACKEND_COMPILE_EVENT:
             with self._lock:
                 self._counts.requests += 1
-                self._counts.compile_seconds += seconds
+                self._counts.compile_seconds += duration_secs
 
     def this_thread(self) -> tuple[int, int]:
         """(reads from the persistent cache, writes to it) by compiles on the calling thread so far."""

@@ -82,7 +82,8 @@ _IGNORED_CONFIG_PREFIXES = (
 
 
 def _xla_cache_on() -> bool:
-    return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
+    options = jax.config.values  # (the attributes jax sets per option are not in its stub)
+    return bool(options["jax_enable_compilation_cache"] and options["jax_compilation_cache_dir"])
 
 
 def compile_fresh(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
@@ -188,7 +189,8 @@ def environment_fingerprint() -> str | None:
 
 def _leaf_signature(leaf: object) -> str:
     if isinstance(leaf, jax.Array):
-        devices = sorted(d.id for d in leaf.sharding.device_set)  # the sharding's repr names no devices
+        device_set: set[jax.Device] = leaf.sharding.device_set  # (its stub's element type does not resolve)
+        devices = sorted(d.id for d in device_set)  # the sharding's repr names no devices
         return f"{leaf.shape} {leaf.dtype} weak={leaf.weak_type} {leaf.sharding} on {devices}"
     if isinstance(leaf, np.ndarray):
         return f"np {leaf.shape} {leaf.dtype}"
@@ -202,7 +204,7 @@ def arguments_signature(args: tuple) -> tuple[jax.tree_util.PyTreeDef, str]:
     return tree, f"{tree}\n" + "\n".join(_leaf_signature(leaf) for leaf in leaves)
 
 
-def program_key(environment: str, program: str, args_signature: str) -> str:
+def program_key(environment: str | None, program: str, args_signature: str) -> str:
     return hashlib.sha256(f"{environment}\n--\n{program}\n--\n{args_signature}".encode()).hexdigest()
 
 
@@ -288,7 +290,8 @@ class ExecutableCache:
         try:
             # The devices the program was compiled for, in its order (deserializing onto all
             # of the process's devices would make a one-device program expect a shard on each).
-            devices = [d.id for d in compiled._executable.xla_executable.local_devices()]  # noqa: SLF001
+            # No public Compiled method gives them in the program's order: read its executable.
+            devices = [d.id for d in compiled._executable.xla_extension_executable().local_devices()]
             blob, in_tree, out_tree = serialize_executable.serialize(compiled)
             entry = {
                 "format": FORMAT,

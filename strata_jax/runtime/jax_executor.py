@@ -39,12 +39,22 @@ from strata_jax.runtime.seq_state import RowParams, rng_base_for
 from strata_jax.runtime.step_inputs import ExtendRow
 
 
+@dataclass
+class DeviceRow:
+    """A running request's row of device state (``seq_state``): its slot, how many page-table
+    entries the row holds (``synced``), and whether it must be written whole (``dirty``)."""
+
+    slot: int
+    synced: int = 0
+    dirty: bool = True
+
+
 @dataclass(eq=False)
 class _Part:
     """One runner step of an executor step, and what each of its rows stands for."""
 
     step: PendingStep
-    rows: list[SeqRow]
+    rows: Sequence[SeqRow]
     pieces: list[ExtendRow] | None = None  # extend: the chunk piece of each row
     items: list[int] | None = None  # extend: the work item of each piece
     last: list[bool] | None = None  # extend: the piece ends its work item
@@ -78,6 +88,7 @@ class JaxExecutor:
         self.runner = runner
         self.eos_token_ids = tuple(eos_token_ids)
         self._slots: dict[str, int] = {}  # request id -> sampling-state slot
+        self._rows: dict[str, DeviceRow] = {}  # request id -> its row of sequence state
         self._last: Future | None = None  # finish stamp of the step dispatched last
         self._watcher = ThreadPoolExecutor(1, thread_name_prefix="strata-step-watch")
         self.device = DeviceCounters()
@@ -103,17 +114,30 @@ class JaxExecutor:
         if slot is not None:
             self.runner.sampling.release(slot)
 
-    def open_sequence(self, row: SeqRow) -> None:
+    def open_sequence(self, request_id: str) -> None:
+        row = self._rows.get(request_id)
+        if row is not None:  # (already running: written whole again)
+            row.dirty = True
+            return
         slot = self.runner.seqs.acquire()
         if slot is None:  # the scheduler caps running requests at the slot count
-            raise RuntimeError(f"no sequence slot free for {row.request_id} ({self.runner.seqs.num_slots} running)")
-        row.slot = slot
-        row.row_dirty = True
+            raise RuntimeError(f"no sequence slot free for {request_id} ({self.runner.seqs.num_slots} running)")
+        self._rows[request_id] = DeviceRow(slot)
 
-    def close_sequence(self, row: SeqRow) -> None:
-        if row.slot is not None:
+    def close_sequence(self, request_id: str) -> None:
+        row = self._rows.pop(request_id, None)
+        if row is not None:
             self.runner.seqs.release(row.slot)
-            row.slot = None
+
+    def page_table_changed(self, request_id: str, index: int) -> None:
+        row = self._rows.get(request_id)
+        if row is not None:
+            row.synced = min(row.synced, index)
+
+    def slot_of(self, request_id: str) -> int | None:
+        """The sequence slot a running request holds (None: not running)."""
+        row = self._rows.get(request_id)
+        return row.slot if row is not None else None
 
     def _row_params(self, row: SeqRow) -> RowParams:
         p = row.params
@@ -128,40 +152,47 @@ class JaxExecutor:
             min_tokens=p.min_tokens,
             want_logprobs=p.logprobs is not None,
             rng_base=rng_base_for(p.seed, row.request_id),
-            constrained=getattr(row, "grammar", None) is not None,
+            constrained=row.grammar is not None,
         )
 
-    def _sync_rows(self, rows: Sequence[SeqRow], capacity: int) -> np.ndarray | None:
-        """Write new rows whole; return the page-table entries changed since (``[k, 3]``), at
-        most ``capacity`` of them (rows with more are rewritten whole instead)."""
+    def _sync_rows(self, rows: Sequence[SeqRow], capacity: int) -> tuple[list[int], np.ndarray | None]:
+        """The rows' slots; new rows are written whole first.  Also returns the page-table
+        entries changed since (``[k, 3]``), at most ``capacity`` of them (rows with more are
+        rewritten whole instead)."""
         updates: list[tuple[int, int, int]] = []
-        rewrite = []  # (row, whole): new rows, or page tables that changed too much for the step
+        rewrite: list[tuple[SeqRow, DeviceRow, bool]] = []  # new rows, or page tables that changed too much
+        slots = []
         for row in rows:
-            if row.row_dirty:
-                rewrite.append((row, True))
+            dev = self._rows[row.request_id]
+            slots.append(dev.slot)
+            if dev.dirty:
+                rewrite.append((row, dev, True))
                 continue
-            n = len(row.page_table)
-            if n > row.pt_synced:
-                if n - row.pt_synced + len(updates) <= capacity:
-                    slot, table = row.slot, row.page_table
-                    updates.extend((slot, i, table[i]) for i in range(row.pt_synced, n))
-                    row.pt_synced = n
+            table = row.page_table
+            n = len(table)
+            if n > dev.synced:
+                if n - dev.synced + len(updates) <= capacity:
+                    slot = dev.slot
+                    updates.extend((slot, i, table[i]) for i in range(dev.synced, n))
+                    dev.synced = n
                 else:
-                    rewrite.append((row, False))
+                    rewrite.append((row, dev, False))
         if rewrite:
             self.runner.seqs.write_rows(
                 [
-                    (row.slot, row.page_table, row.computed, 0, row.generated, self._row_params(row) if whole else None)
-                    for row, whole in rewrite
+                    (dev.slot, row.page_table, row.computed, 0, row.generated, self._row_params(row) if whole else None)
+                    for row, dev, whole in rewrite
                 ]
             )
-            for row, _ in rewrite:
-                row.row_dirty = False
-                row.pt_synced = len(row.page_table)
-        constrained = [row for row in rows if getattr(row, "grammar", None) is not None]
+            for row, dev, _ in rewrite:
+                dev.dirty = False
+                dev.synced = len(row.page_table)
+        constrained = [(slot, row) for slot, row in zip(slots, rows) if row.grammar is not None]
         if constrained:  # each one's mask for the token this step samples (computed when its last token was read)
-            self.runner.seqs.write_masks([row.slot for row in constrained], [row.grammar.mask for row in constrained])
-        return np.asarray(updates, np.int32) if updates else None
+            self.runner.seqs.write_masks(
+                [slot for slot, _ in constrained], [row.grammar.mask for _, row in constrained]
+            )
+        return slots, np.asarray(updates, np.int32) if updates else None
 
     # ---- steps --------------------------------------------------------------------
     def now(self) -> float:
@@ -196,14 +227,15 @@ class JaxExecutor:
                 if not last_piece:
                     rest.append((i, w, tokens[len(piece) :], start + len(piece)))
             rows = [w.row for _, w, _, _, _ in batch]
-            updates = self._sync_rows(rows, runner.update_capacity(sum(len(p) for _, _, p, _, _ in batch), len(batch)))
+            capacity = runner.update_capacity(sum(len(p) for _, _, p, _, _ in batch), len(batch))
+            slots, updates = self._sync_rows(rows, capacity)
             pieces = []
-            for _, w, piece, start, last_piece in batch:
+            for slot, (_, w, piece, start, last_piece) in zip(slots, batch):
                 targets = None
                 if w.prompt_logprob_targets is not None:
                     first = start - w.start
                     targets = list(w.prompt_logprob_targets[first : first + len(piece)])
-                pieces.append(ExtendRow(w.row.slot, piece, start, w.keep_sample and last_piece, targets))
+                pieces.append(ExtendRow(slot, piece, start, w.keep_sample and last_piece, targets))
             want_lp = any(
                 w.row.params.logprobs is not None and p.count_sample for (_, w, _, _, _), p in zip(batch, pieces)
             )
@@ -212,12 +244,11 @@ class JaxExecutor:
             pending = rest
         return self._dispatched(parts, len(work), extend=True)
 
-    def dispatch_decode(self, rows: list[SeqRow]) -> _Dispatched:
+    def dispatch_decode(self, rows: Sequence[SeqRow]) -> _Dispatched:
         self._note_dispatch()
-        updates = self._sync_rows(rows, self.runner.update_capacity(len(rows), len(rows)))
-        slots = np.fromiter((row.slot for row in rows), np.int32, len(rows))
+        slots, updates = self._sync_rows(rows, self.runner.update_capacity(len(rows), len(rows)))
         want_lp = any(row.params.logprobs is not None for row in rows)
-        step = self.runner.dispatch_decode(slots, updates=updates, logprobs=want_lp)
+        step = self.runner.dispatch_decode(np.asarray(slots, np.int32), updates=updates, logprobs=want_lp)
         return self._dispatched([_Part(step, rows)], len(rows), extend=False)
 
     def _dispatched(self, parts: list[_Part], size: int, *, extend: bool) -> _Dispatched:
@@ -273,6 +304,7 @@ class JaxExecutor:
     @staticmethod
     def _collect_extend(part: _Part, result: StepResult, out: StepOutput) -> None:
         tokens = result.next_tokens.tolist()
+        assert part.pieces is not None and part.items is not None and part.last is not None  # an extend part
         offset = 0
         for i, (row, piece, item, last) in enumerate(zip(part.rows, part.pieces, part.items, part.last)):
             p = row.params
@@ -294,6 +326,6 @@ def _finished_at(arrays: list[jax.Array]) -> float:
     for a in arrays:
         try:
             a.block_until_ready()
-        except Exception:  # noqa: BLE001 - reported by the step's own result()
+        except Exception:  # reported by the step's own result()
             pass
     return time.perf_counter()

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from functools import cached_property, partial
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ from pallas_kernels import native as native_kernels
 from pallas_kernels.layout import GroupedPoolLayout, KVLayout
 from pallas_kernels.sharded import use_head_sharding
 from strata_jax.models.config import ModelConfig
-from strata_jax.models.llama import LlamaForCausalLM, split_layer_weights, stack_layer_weights
+from strata_jax.models.llama import split_layer_weights, stack_layer_weights
 from strata_jax.runtime import executable_cache, sampling_step
 from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.buckets import extend_rows, pick_bucket, power_of_two_buckets
@@ -60,6 +61,9 @@ from strata_jax.runtime.step_inputs import (
     pack_updates,
     update_capacity,
 )
+
+if TYPE_CHECKING:
+    from strata_jax.models.weights import CausalLM
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,7 @@ class PendingStep:
 
     def is_ready(self) -> bool:
         """Has the device finished this step (its sampled tokens are computed)?  Never blocks."""
-        return self.next_tokens.is_ready()
+        return self.next_tokens.is_ready()  # type: ignore[attr-defined]  # jax.Array's stub lacks it, arrays have it
 
     def result(self) -> StepResult:
         """Wait for the step and fetch its sampled tokens (and logits/logprobs if requested)."""
@@ -190,6 +194,12 @@ def _host_copy(x: jax.Array) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
+class KVPool(Protocol):
+    """What the runner needs of the pool's holder: the array, which every step replaces (donated)."""
+
+    kv: jax.Array
+
+
 class _OwnPool:
     """Holds the pool array when no cache controller provides one."""
 
@@ -210,10 +220,10 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         config: RunnerConfig,
         *,
-        pool: object | None = None,
+        pool: KVPool | None = None,
         mesh: jax.sharding.Mesh | None = None,
         vocab_parallel: bool = tp_sharding.VOCAB_PARALLEL,
     ):
@@ -231,7 +241,7 @@ class ModelRunner:
         # Built and registered now, before any program that calls them is traced or read
         # back from the executable cache (which cannot load a custom call not registered).
         self.native_kernels = native_kernels.status_for(self.kernel_backend)
-        self.graphdef, self.state = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
         self.mesh = mesh if mesh is not None and mesh.shape[tp_sharding.TP_AXIS] > 1 else None
         self.grouped = (
             grouped_pool_layout(model.config, self.layout, config.num_device_pages, config.kv_local_ratio)
@@ -244,12 +254,14 @@ class ModelRunner:
         rep = None
         if self.mesh is not None:
             tp_sharding.check_model(model.config, self.mesh.shape[tp_sharding.TP_AXIS], vocab_parallel=vocab_parallel)
-            state_sh = tp_sharding.state_shardings(self.state, self.mesh, vocab_parallel=vocab_parallel)
-            self.state = jax.device_put(self.state, state_sh)
+            state_sh = tp_sharding.state_shardings(state, self.mesh, vocab_parallel=vocab_parallel)
+            state = jax.device_put(state, state_sh)
             pool_sh, rep = tp_sharding.pool_sharding(self.mesh), tp_sharding.replicated(self.mesh)
+        # per layer: the state without the layer weights, and each layer's own (``split_layer_weights``)
+        self.state: nnx.State | tuple[nnx.State, list[nnx.State]] = state
         self.layer_weights = "per_layer" if not config.scan_layers else resolve_layer_weights(config.layer_weights)
         if self.layer_weights == "per_layer":  # every layer's weights in arrays of their own (run_stacked_layers)
-            self.state = split_layer_weights(self.state, state_sh if self.mesh is not None else None)
+            self.state = split_layer_weights(state, state_sh if self.mesh is not None else None)
             if self.mesh is not None:
                 state_sh = jax.tree.map(lambda a: a.sharding, self.state)
         if pool is None:
@@ -291,7 +303,7 @@ class ModelRunner:
             mask_words=-(-model.config.vocab_size // 32),
             sharding=rep,
         )
-        shardings = {}
+        shardings: dict[str, Any] = {}
         if self.mesh is not None:  # explicit: params by the rules, pool by heads, the rest replicated
             shardings = {
                 "in_shardings": (state_sh, pool_sh, rep, rep, rep, rep),  # state, pool, bias, flags, seq tables, inputs
@@ -336,7 +348,7 @@ class ModelRunner:
     @property
     def compile_count(self) -> int:
         """Number of distinct step programs compiled so far (ahead of time + jit cache entries)."""
-        return len(self._compiled) + self._step._cache_size()  # noqa: SLF001
+        return len(self._compiled) + self._step._cache_size()  # type: ignore[attr-defined]  # no public count
 
     @property
     def program_shapes(self) -> tuple[tuple[int, int], ...]:
@@ -378,7 +390,7 @@ class ModelRunner:
                     return compiled
             with pallas_kernels.use_backend(self.kernel_backend):  # a context variable: set it in this thread
                 lowered = self._step.lower(*args, False)
-            if executables is None:
+            if executables is None or key is None:  # (key is None exactly without executables)
                 return lowered.compile()
             compiled, fresh = executable_cache.compile_fresh(lowered)
             if fresh:
@@ -629,8 +641,10 @@ class ModelRunner:
     def kv_pool(self) -> jax.Array:
         return self.pool.kv
 
-    def _empty_inputs(self, tokens: int, batch: int) -> dict:
-        x = empty_inputs(tokens, batch, padding_slot=self.seqs.padding_slot, page_size=self.config.page_size)
+    def _empty_inputs(self, tokens: int, batch: int) -> dict[str, Any]:
+        x: dict[str, Any] = empty_inputs(
+            tokens, batch, padding_slot=self.seqs.padding_slot, page_size=self.config.page_size
+        )
         local_map = self._local_map()
         if local_map is not None:
             x["local_map"] = local_map

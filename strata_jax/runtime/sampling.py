@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import jax
 import jax.numpy as jnp
 
@@ -58,10 +56,3 @@ def _filter_top_k_top_p(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -
     p_threshold = jnp.take_along_axis(sorted_logits, cutoff_index[:, None], axis=-1)
     threshold = jnp.maximum(kth, p_threshold)
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
-
-
-def request_rng_key(seed: int | None, request_id: str, step: int) -> tuple[int, int]:
-    """A per-request, per-step raw PRNG key (two uint32 words): reproducible for a seed."""
-    material = f"{seed if seed is not None else request_id}:{step}".encode()
-    digest = hashlib.sha256(material).digest()
-    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")

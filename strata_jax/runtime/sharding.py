@@ -130,21 +130,10 @@ def state_shardings(state: nnx.State, mesh: Mesh, *, vocab_parallel: bool = VOCA
 
 def pool_sharding(mesh: Mesh) -> NamedSharding:
     """The KV pool's (and page-first staging's) sharding: split on the KV heads."""
-    spec = [None] * 6
+    spec: list[str | None] = [None] * 6
     spec[POOL_HEAD_AXIS] = TP_AXIS
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
-
-
-def is_head_sharded(sharding: object) -> bool:
-    """Whether ``sharding`` is a ``NamedSharding`` splitting axis 4 over ``tp`` on several devices."""
-    return (
-        isinstance(sharding, NamedSharding)
-        and TP_AXIS in sharding.mesh.axis_names
-        and sharding.mesh.shape[TP_AXIS] > 1
-        and len(sharding.spec) > POOL_HEAD_AXIS
-        and sharding.spec[POOL_HEAD_AXIS] == TP_AXIS
-    )

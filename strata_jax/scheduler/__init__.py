@@ -7,13 +7,12 @@ from strata_jax.scheduler.cache_view import CacheView, PrefixMatchLike, StaticMa
 from strata_jax.scheduler.config import SchedulerConfig, SchedulerConfigError
 from strata_jax.scheduler.cost_model import CostModel, CostPrior
 from strata_jax.scheduler.errors import SchedulerStateError, UnknownRequestError
-from strata_jax.scheduler.plan import AbortResult, PrefillItem, SchedulerStats, StepPlan
+from strata_jax.scheduler.plan import PrefillItem, SchedulerStats, StepPlan
 from strata_jax.scheduler.policy import Stages, available_policies, resolve_stages
 from strata_jax.scheduler.request import RequestStatus, ScheduledRequest
 from strata_jax.scheduler.scheduler import Scheduler
 
 __all__ = [
-    "AbortResult",
     "CacheView",
     "CostModel",
     "CostPrior",

@@ -62,7 +62,7 @@ class Candidate:
 
     @classmethod
     def continuing(cls, request: ScheduledRequest) -> Candidate:
-        return cls(request, request.prefill_done)
+        return cls(request, request.computed)
 
 
 def shared_pages(a: list[int], b: list[int], limit: int) -> int:

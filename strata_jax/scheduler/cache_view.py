@@ -21,6 +21,7 @@ nodes matched (the requesting request itself must not be listed, and its own
 
 from __future__ import annotations
 
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -40,7 +41,7 @@ class PrefixMatchLike(Protocol):
     @property
     def transient_tokens(self) -> int: ...
     @property
-    def transient_owners(self) -> frozenset[str] | tuple[str, ...]: ...
+    def transient_owners(self) -> Collection[Hashable]: ...  # request ids (the cache's owners are any hashable)
 
 
 @dataclass(frozen=True)

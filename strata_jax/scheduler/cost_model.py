@@ -58,7 +58,7 @@ def bounded_rate(measured: float, prior: float) -> float | None:
 class CostPrior:
     """Starting point of the cost model (all seconds / bytes per second)."""
 
-    bytes_per_token: int = 131072  # 32 layers x K,V x 8 kv heads x 128 dims x bf16
+    bytes_per_token: float = 131072  # 32 layers x K,V x 8 kv heads x 128 dims x bf16
     link_bytes_per_s: float = 25e9  # host -> device, effective
     storage_bytes_per_s: float = 4e9  # storage -> host, effective
     extend_coeffs: tuple[float, float, float] = (4e-3, 3e-5, 1e-9)  # a, b, c
@@ -170,7 +170,8 @@ class _OnlineLinearModel:
                 active[j] = False
         else:
             sol = _solve_subset(ata, aty, active)
-        return tuple(max(0.0, sol[j]) * y_scale / scale[j] for j in range(3))  # type: ignore[return-value]
+        a, b, c = (max(0.0, sol[j]) * y_scale / scale[j] for j in range(3))
+        return a, b, c
 
 
 def _solve_subset(a: list[list[float]], b: list[float], active: list[bool]) -> list[float]:

@@ -1,4 +1,4 @@
-"""What one ``Scheduler.schedule`` call returns, and what ``abort`` returns.
+"""What one ``Scheduler.schedule`` call returns.
 
 The engine executes a ``StepPlan`` in this order (docs/design.md §4):
 
@@ -8,7 +8,7 @@ The engine executes a ``StepPlan`` in this order (docs/design.md §4):
     3. issue the loads of ``plan.loads`` (L2->L1, L3->L2->L1) for those prefixes
     4. if plan.decode_first: run decode, then wait for loads, run extend
        else:                 wait for loads, run extend, then run decode
-    5. report back: on_prefill_done / on_decode_done per request
+    5. report back: on_prefill_dispatched / on_decode_dispatched per request
 
 Token ranges of a prefill item (positions in ``item.request.prefill_tokens``):
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strata_jax.scheduler.cache_view import PrefixMatchLike
-from strata_jax.scheduler.request import RequestStatus, ScheduledRequest
+from strata_jax.scheduler.request import ScheduledRequest
 
 
 @dataclass(frozen=True)
@@ -95,25 +95,6 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.prefill and not self.decode and not self.retract
-
-
-@dataclass(frozen=True)
-class AbortResult:
-    """What the engine must release for an aborted request.
-
-    * ``holds_device_kv``: it was prefilling or decoding; free its device pages
-      (the ones it computed) and unlock its matched prefix.
-    * ``owns_transient_nodes``: remove the ``in_queue``/``in_flight`` tree nodes
-      it owns (requests deferred on them simply match less next round).
-    * ``in_flight``: a dispatched step still uses it; release only after that
-      step's results arrive (the scheduler ignores them then).
-    """
-
-    request: ScheduledRequest
-    previous_status: RequestStatus
-    holds_device_kv: bool
-    owns_transient_nodes: bool
-    in_flight: bool
 
 
 @dataclass(frozen=True)

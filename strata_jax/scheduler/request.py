@@ -3,7 +3,10 @@
 ``waiting -> (deferred <-> waiting) -> prefilling (chunks) -> decoding -> finished``;
 any live state can go to ``aborted``; ``decoding -> waiting`` is a retraction
 (the engine backs the KV up to L2 first, the request re-prefills from the cache).
-Only the ``Scheduler`` mutates a record; the engine reads it.
+The record is the one owner of a request's token progress: the ``Scheduler`` moves
+its life cycle and counts (``computed``, ``generated``) as steps are dispatched; the
+engine reads them, and appends each output token's value once it is read back
+(``add_output``), which the scheduler needs only to re-prefill a retracted request.
 """
 
 from __future__ import annotations
@@ -36,9 +39,12 @@ class ScheduledRequest:
 
     ``arrival`` is a strictly increasing submission number (the queue order).
     ``prefill_tokens`` is what a prefill must cover: the prompt, or prompt +
-    outputs so far after a retraction.  ``prefill_done`` counts tokens of it whose KV is on the device for
-    this request (cached prefix taken + chunks computed); it is reset to 0 when
-    the request is retracted.  ``inflight_end`` is the end of the chunk dispatched
+    outputs so far after a retraction.  ``computed`` counts the positions whose KV is on
+    the device for this request or being computed there by a dispatched step (cached
+    prefix taken + chunks + decodes); a retracted request's stays until its next first
+    chunk sets it (the engine hands its KV to the tree in the step that retracts it).
+    ``generated`` counts the samples dispatched, ``output_token_ids`` the values read
+    back so far (one step behind while a step is in flight).  ``inflight_end`` is the end of the chunk dispatched
     and not yet reported done (None when nothing of this request is running
     in a prefill).  ``cached_tokens`` is what its first prefill chunk took from
     each tier (device/host/storage), for ``RequestOutput.cached_tokens``.
@@ -52,7 +58,7 @@ class ScheduledRequest:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     generated: int = 0
-    prefill_done: int = 0
+    computed: int = 0
     inflight_end: int | None = None
     decode_inflight: bool = False
     held: bool = False  # its next step needs host work on its last token first (a grammar's mask)
@@ -70,7 +76,7 @@ class ScheduledRequest:
 
     @property
     def remaining_prefill(self) -> int:
-        return len(self.prefill_tokens) - self.prefill_done
+        return len(self.prefill_tokens) - self.computed
 
     @property
     def seq_len(self) -> int:
@@ -80,6 +86,10 @@ class ScheduledRequest:
     @property
     def num_output_tokens(self) -> int:
         return self.generated
+
+    def add_output(self, token_id: int) -> None:
+        """The value of the next output token, read back by the engine."""
+        self.output_token_ids.append(token_id)
 
     def page_keys(self, page_size: int) -> list[int]:
         """Chained hashes of the full pages of ``prefill_tokens``: key i stands for tokens[: (i+1)*page_size].

@@ -2,14 +2,14 @@
 
 The engine calls, per step (docs/design.md §4):
 
-    plan = scheduler.schedule(cache_view)      # pure decision, no side effects on the cache
+    plan = scheduler.schedule(cache_view)          # pure decision, no side effects on the cache
     ... engine executes the plan (see ``strata_jax.scheduler.plan``) ...
-    scheduler.on_prefill_done(rid[, token])     # per prefill item, once it is dispatched
-    scheduler.on_decode_done(rid[, token])      # per decode request, once it is dispatched
-    scheduler.finish(rid)                       # when the engine's stop rules say so
+    scheduler.on_prefill_dispatched(rid[, token])  # per prefill item, once it is dispatched
+    scheduler.on_decode_dispatched(rid[, token])   # per decode request, once it is dispatched
+    scheduler.finish(rid)                          # when the engine's stop rules say so
 
-The engine reports a step done when it is dispatched (the pipelined loop plans step
-N+1 before step N's tokens reach the host): the scheduler counts tokens, it does not
+The engine reports a step when it is dispatched (the pipelined loop plans step N+1
+before step N's tokens reach the host): the scheduler counts tokens, it does not
 need their values, except to retract a decode (its prompt + outputs are prefilled
 again), which the engine therefore does only with no step in flight.
 
@@ -32,6 +32,7 @@ first claim on device pages, so they always advance.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable
 
 from strata_jax.api import InvalidRequestError, OverloadedError
 from strata_jax.scheduler.batch import BatchBuilder, Candidate
@@ -39,13 +40,12 @@ from strata_jax.scheduler.cache_view import CacheView, PrefixMatchLike
 from strata_jax.scheduler.config import SchedulerConfig
 from strata_jax.scheduler.cost_model import CostModel
 from strata_jax.scheduler.errors import SchedulerStateError, UnknownRequestError
-from strata_jax.scheduler.plan import AbortResult, PrefillItem, SchedulerStats, StepPlan
+from strata_jax.scheduler.plan import PrefillItem, SchedulerStats, StepPlan
 from strata_jax.scheduler.policy import FORMERS, resolve_stages
 from strata_jax.scheduler.queue import RoundQueue
-
-PREFETCH_PACE_SLACK = 4.0  # see Scheduler._wait_for_prefetch
 from strata_jax.scheduler.request import RequestStatus, ScheduledRequest
 
+PREFETCH_PACE_SLACK = 4.0  # see Scheduler._wait_for_prefetch
 _S = RequestStatus
 
 
@@ -92,12 +92,12 @@ class Scheduler:
         prompt_token_ids: list[int] | tuple[int, ...],
         *,
         namespace: str = "",
-        outputs: list[int] | None = None,
     ) -> ScheduledRequest:
         """Queue a request. Raises ``OverloadedError`` when ``max_waiting`` requests already wait.
 
-        ``outputs``: the caller's list of the request's output token values, which it keeps
-        up to date (read on a retraction); by default the values reported with the tokens.
+        The returned record is the request's: the caller appends its output token values
+        as it reads them (``ScheduledRequest.add_output``), or passes them with the
+        results (``on_prefill_dispatched`` / ``on_decode_dispatched``).
         """
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt must contain at least one token")
@@ -109,8 +109,6 @@ class Scheduler:
                 f"(max_waiting={self.config.max_waiting}); retry later"
             )
         req = ScheduledRequest(request_id, tuple(prompt_token_ids), namespace, self._arrivals)
-        if outputs is not None:
-            req.output_token_ids = outputs
         self._arrivals += 1
         self._requests[request_id] = req
         self._queue.append(request_id)
@@ -301,9 +299,9 @@ class Scheduler:
         recompute = cost.extend_seconds(new + cand.start - keep, keep) - cost.extend_seconds(new, cand.start)
         return load > recompute
 
-    def _blocks(self, owner_id: str, req: ScheduledRequest) -> bool:
+    def _blocks(self, owner_id: Hashable, req: ScheduledRequest) -> bool:
         """Is ``owner_id`` a live, earlier request still computing the prefix ``req`` would reuse?"""
-        owner = self._requests.get(owner_id)
+        owner = self._requests.get(owner_id) if isinstance(owner_id, str) else None  # (only request ids are)
         return (
             owner is not None
             and owner is not req
@@ -315,7 +313,7 @@ class Scheduler:
         req = item.request
         if item.is_first_chunk:
             req.status = _S.PREFILLING
-            req.prefill_done = item.start
+            req.computed = item.start
             if req.first_scheduled_round is None:
                 req.first_scheduled_round = self._round
                 hit = {
@@ -336,19 +334,19 @@ class Scheduler:
     def _retract(self, req: ScheduledRequest) -> None:
         if len(req.output_token_ids) != req.generated:
             raise SchedulerStateError(
-                f"cannot retract {req.request_id!r}: {req.generated} tokens generated, {len(req.output_token_ids)} known"
+                f"cannot retract {req.request_id!r}: {req.generated} tokens generated, "
+                f"{len(req.output_token_ids)} known"
             )
         req.status = _S.WAITING
         self._decoding -= 1
         req.prefill_tokens = req.prompt_token_ids + tuple(req.output_token_ids)
-        req.prefill_done = 0
         req.retractions += 1
         self._c["retractions"] += 1
         self._queue.insert(0, req.request_id)
 
     # -- results -----------------------------------------------------------
-    def on_prefill_done(self, request_id: str, token_id: int | None = None) -> RequestStatus:
-        """The planned chunk of ``request_id`` is computed (or dispatched: the engine's pipeline).
+    def on_prefill_dispatched(self, request_id: str, token_id: int | None = None) -> RequestStatus:
+        """The planned chunk of ``request_id`` is dispatched (its KV will be computed).
 
         On the last chunk a token is sampled (its value, if the caller passes it, is
         recorded) and the request becomes ``decoding``; otherwise it stays
@@ -361,7 +359,7 @@ class Scheduler:
         req = self._live(request_id)
         if req.status is not _S.PREFILLING or req.inflight_end is None:
             raise SchedulerStateError(f"request {request_id!r} has no prefill chunk in flight")
-        req.prefill_done, req.inflight_end = req.inflight_end, None
+        req.computed, req.inflight_end = req.inflight_end, None
         if req.remaining_prefill > 0:
             return req.status
         if token_id is not None:
@@ -371,9 +369,9 @@ class Scheduler:
         self._decoding += 1
         return req.status
 
-    def on_decode_done(self, request_id: str, token_id: int | None = None) -> RequestStatus:
-        """A decode step produced a token for ``request_id`` (or was dispatched to); its value,
-        if passed, is recorded."""
+    def on_decode_dispatched(self, request_id: str, token_id: int | None = None) -> RequestStatus:
+        """A decode step for ``request_id`` is dispatched (it will sample a token); the token's
+        value, if passed, is recorded."""
         if request_id in self._aborted_in_flight:
             self._aborted_in_flight.discard(request_id)
             return _S.ABORTED
@@ -381,10 +379,22 @@ class Scheduler:
         if not req.decode_inflight:
             raise SchedulerStateError(f"request {request_id!r} has no decode in flight")
         req.decode_inflight = False
+        req.computed += 1  # the KV of the token it decoded from
         req.generated += 1
         if token_id is not None:
             req.output_token_ids.append(token_id)
         return req.status
+
+    def on_prefix_taken(self, request_id: str, tokens: int) -> None:
+        """The first chunk in flight of ``request_id`` starts at ``tokens`` (at most its planned
+        start): the engine could take only that much of the cached prefix (the tree held less
+        by then, or there was no room to load it), so the chunk computes the rest too."""
+        req = self._live(request_id)
+        if req.status is not _S.PREFILLING or req.inflight_end is None or not 0 <= tokens <= req.computed:
+            raise SchedulerStateError(
+                f"request {request_id!r} cannot start its chunk at {tokens} ({req.status.value}, at {req.computed})"
+            )
+        req.computed = tokens
 
     def hold(self, request_id: str, held: bool) -> None:
         """While held, a decoding request is not scheduled: the engine has host work to do
@@ -405,8 +415,13 @@ class Scheduler:
         self._c["finished"] += 1
         return req
 
-    def abort(self, request_id: str) -> AbortResult | None:
-        """Abort in any state; returns what the engine must release, None if unknown or already done."""
+    def abort(self, request_id: str) -> RequestStatus | None:
+        """Abort in any state; returns the state it was in, None if unknown or already done.
+
+        A request aborted with a step in flight keeps its id taken until that step's
+        result arrives (``on_*_dispatched`` then return ``ABORTED``) or is given up on
+        (``forget_in_flight``); the engine releases its pages and tree nodes itself.
+        """
         req = self._requests.pop(request_id, None)
         if req is None:
             return None
@@ -415,18 +430,11 @@ class Scheduler:
             self._decoding -= 1
         if previous.queued:
             self._queue.remove(request_id)
-        in_flight = req.inflight_end is not None or req.decode_inflight
-        if in_flight:
+        if req.inflight_end is not None or req.decode_inflight:
             self._aborted_in_flight.add(request_id)
         req.status = _S.ABORTED
         self._c["aborted"] += 1
-        return AbortResult(
-            request=req,
-            previous_status=previous,
-            holds_device_kv=previous in (_S.PREFILLING, _S.DECODING),
-            owns_transient_nodes=previous in (_S.WAITING, _S.DEFERRED, _S.PREFILLING),
-            in_flight=in_flight,
-        )
+        return previous
 
     def forget_in_flight(self, request_id: str) -> None:
         """An aborted request's in-flight work will never be reported done (its step failed)."""

@@ -9,10 +9,15 @@ plain attributes the test sets.  Pure Python; no engine needed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from strata_jax.scheduler.batch import common_prefix_len
 from strata_jax.scheduler.cache_view import StaticMatch
 from strata_jax.scheduler.request import ScheduledRequest
+
+if TYPE_CHECKING:
+    from strata_jax.scheduler.plan import StepPlan
+    from strata_jax.scheduler.scheduler import Scheduler
 
 TIERS = ("device", "host", "storage")
 
@@ -104,7 +109,9 @@ class FakeCache:
         return (n // self.page_size) * self.page_size
 
 
-def execute(plan, scheduler, cache: FakeCache, max_new_tokens: dict[str, int] | int = 1, token: int = 0) -> list[str]:
+def execute(
+    plan: StepPlan, scheduler: Scheduler, cache: FakeCache, max_new_tokens: dict[str, int] | int = 1, token: int = 0
+) -> list[str]:
     """Play the engine for one ``StepPlan`` instantly; returns the ids that finished.
 
     Retracted requests' KV goes to the host tier, completed prefills become
@@ -119,14 +126,14 @@ def execute(plan, scheduler, cache: FakeCache, max_new_tokens: dict[str, int] | 
         cache.back_up(req)
     for item in plan.prefill:
         req = item.request
-        status = scheduler.on_prefill_done(req.request_id, token if item.is_last_chunk else None)
+        status = scheduler.on_prefill_dispatched(req.request_id, token if item.is_last_chunk else None)
         if item.is_last_chunk and status.value == "decoding":
             cache.complete(req)
             if req.num_output_tokens >= limit(req.request_id):
                 scheduler.finish(req.request_id)
                 finished.append(req.request_id)
     for req in plan.decode:
-        if scheduler.on_decode_done(req.request_id, token).value == "decoding" and req.num_output_tokens >= limit(
+        if scheduler.on_decode_dispatched(req.request_id, token).value == "decoding" and req.num_output_tokens >= limit(
             req.request_id
         ):
             scheduler.finish(req.request_id)

@@ -24,12 +24,17 @@ from the base profile (``--profile``) and named in ``notes``.  On a CPU the
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from strata_jax.sim.profile import HardwareProfile
 
+if TYPE_CHECKING:
+    import jax
 
-def _median(fn, repeats: int = 5) -> float:  # noqa: ANN001
+
+def _median(fn: Callable[[], object], repeats: int = 5) -> float:
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -41,12 +46,12 @@ def _median(fn, repeats: int = 5) -> float:  # noqa: ANN001
 ACCEL_CALLS = 10  # back-to-back calls per matmul / bandwidth timing off a CPU (launch overhead amortised)
 
 
-def _calls(fn, n: int):  # noqa: ANN001, ANN202
-    """``n`` calls of ``fn`` back to back, the last waited for."""
+def _calls(fn: Callable[[], jax.Array], n: int) -> Callable[[], None]:
+    """``n`` (at least 1) calls of ``fn`` back to back, the last waited for."""
 
     def run() -> None:
-        out = None
-        for _ in range(n):
+        out = fn()
+        for _ in range(n - 1):
             out = fn()
         out.block_until_ready()
 
@@ -120,9 +125,10 @@ def calibrate(base: HardwareProfile, *, progress: bool = True) -> HardwareProfil
         naive_copy_overhead_s=max(0.0, t_copy - block.nbytes / peak),
         coalesced_efficiency=min(1.0, nbytes / t_coalesced / peak),
         notes=(
-            f"Measured by strata-jax simulate --calibrate: link peak (one contiguous device_put of {nbytes >> 20} MiB), "
-            f"coalesced load (DevicePool.load_from_host, {n} scattered pages), naive copy ({block.nbytes >> 10} KiB "
-            f"device_puts), {size}^2 {dtype} matmul, elementwise pass over {big_bytes >> 20} MiB. Kept from '{base.name}': "
+            "Measured by strata-jax simulate --calibrate: link peak (one contiguous device_put of "
+            f"{nbytes >> 20} MiB), coalesced load (DevicePool.load_from_host, {n} scattered pages), naive copy "
+            f"({block.nbytes >> 10} KiB device_puts), {size}^2 {dtype} matmul, elementwise pass over "
+            f"{big_bytes >> 20} MiB. Kept from '{base.name}': "
             "attention/matmul ratio, overheads, slowdown, host and storage sizes, TP all-reduce."
         ),
     )

@@ -19,7 +19,7 @@
 * ``window_loads`` (models with sliding-window layers, e.g. ``gemma-3-27b``): a load or a
   storage read of ``n`` pages moves ``ModelSpec.load_share(n)`` of them: all layers'
   pages for full-attention layers, the window's last pages for the others (what a
-  window-aware hierarchy moves, issue 22; the engine itself still moves every layer).
+  window-aware hierarchy moves: the engine's with ``kv_layer_groups``, every layer without).
   Attention of a windowed layer counts at most ``window`` keys per query either way (the
   kernels skip older blocks).
 * ``cached_share`` (window-aware capacity, with ``window_loads`` in the simulator): a cached

@@ -183,11 +183,14 @@ class SimExecutor:
         self.stats.host_s += seconds
         self.clock.advance_to(self.clock.t + seconds)
 
-    def open_sequence(self, row: SeqRow) -> None:
-        row.slot = 0  # no device state to keep: any non-None slot marks the row running
+    def open_sequence(self, request_id: str) -> None:
+        return None  # no device state to keep
 
-    def close_sequence(self, row: SeqRow) -> None:
-        row.slot = None
+    def close_sequence(self, request_id: str) -> None:
+        return None
+
+    def page_table_changed(self, request_id: str, index: int) -> None:
+        return None
 
     def dispatch_extend(self, work: list[ExtendWork], loads: Sequence[TransferHandle]) -> _SimStep:
         issued = self.clock.t
@@ -216,7 +219,7 @@ class SimExecutor:
             return max(start + compute, landed + compute / self._layers)
         return landed + compute
 
-    def dispatch_decode(self, rows: list[SeqRow]) -> _SimStep:
+    def dispatch_decode(self, rows: Sequence[SeqRow]) -> _SimStep:
         issued = self.clock.t
         start = max(issued, self.gpu_free_at)
         if self.replay is not None:

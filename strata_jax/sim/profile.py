@@ -102,7 +102,8 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
         path = PROFILE_DIR / f"{name_or_path}.json"
         if not path.is_file():
             raise ProfileError(
-                f"unknown hardware profile {name_or_path!r}; shipped: {', '.join(available_profiles())}, or give a JSON path"
+                f"unknown hardware profile {name_or_path!r}; shipped: {', '.join(available_profiles())}, "
+                "or give a JSON path"
             )
     try:
         raw = json.loads(path.read_text())

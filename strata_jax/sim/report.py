@@ -15,14 +15,16 @@ def sustained_rate(runs: Sequence[RunResult], ttft_target: float) -> float | Non
     request finished count (an overloaded run's TTFT is the backlog's).
     """
     pts = sorted((r.rate, r.ttft_mean) for r in runs)
-    best = None
-    for (r0, t0), (r1, t1) in zip(pts, pts[1:] + [(None, None)]):
+    best: float | None = None
+    for k, (r0, t0) in enumerate(pts):
         if t0 > ttft_target:
             break
         best = r0
-        if r1 is not None and t1 > ttft_target:
-            best = r0 + (r1 - r0) * (ttft_target - t0) / (t1 - t0)
-            break
+        if k + 1 < len(pts):
+            r1, t1 = pts[k + 1]
+            if t1 > ttft_target:
+                best = r0 + (r1 - r0) * (ttft_target - t0) / (t1 - t0)
+                break
     return best
 
 

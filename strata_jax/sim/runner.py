@@ -10,11 +10,13 @@ here imports jax.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from strata_jax.api import SamplingParams, StreamChunk
 from strata_jax.cache.config import CacheConfig
@@ -131,7 +133,7 @@ def build_core(
         write_policy=setup.write_policy,
         kv_tier_format=setup.tier_format,
     )
-    ctl = CacheController.simulated(cache_config, clock=clock.now, timer=timer, page_bytes=page_bytes)
+    ctl = CacheController.simulated(cache_config, page_bytes=page_bytes, clock=clock.now, timer=timer)
     prior = cost_prior or CostPrior(
         bytes_per_token=max(1, page_bytes // setup.page_size),  # the tier's: the scheduler weighs real bytes
         link_bytes_per_s=setup.profile.link_peak_bytes_per_s * setup.profile.coalesced_efficiency,
@@ -242,7 +244,7 @@ def simulate(
                     prompt_ids=prompt,
                     namespace="",
                     params=SamplingParams(max_tokens=requests[i].output_len, ignore_eos=True),
-                    sink=_Sink(lambda chunk, i=i: on_finish(i, chunk)),
+                    sink=_Sink(functools.partial(on_finish, i)),
                     detok=None,
                     submitted_at=arrival,
                 )
@@ -340,7 +342,7 @@ class _Counters:
         )
 
     def minus(self, earlier: _Counters) -> _Counters:
-        values = {}
+        values: dict[str, Any] = {}
         for name in self.__dataclass_fields__:
             now, then = getattr(self, name), getattr(earlier, name)
             values[name] = {k: v - then.get(k, 0) for k, v in now.items()} if isinstance(now, dict) else now - then
