@@ -11,7 +11,11 @@ from strata_jax.cli import build_parser, dispatch, run_reporting_model_errors
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    subparsers = next(a for a in parser._subparsers._group_actions if a.dest == "command")  # noqa: SLF001
+    subparsers = next(
+        a
+        for a in parser._actions  # noqa: SLF001 - argparse has no public way to reach a parser's subcommands
+        if isinstance(a, argparse._SubParsersAction) and a.dest == "command"  # noqa: SLF001 - as above
+    )
     serve = subparsers.add_parser(
         "serve", help="start the gRPC and OpenAI-compatible HTTP servers (needs the serve extra)"
     )
@@ -23,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
             from serving.server_cli import add_serve_arguments
         except ModuleNotFoundError as exc:  # the `serve` extra is not installed: say so before parsing any flag
             print(
-                f"strata-jax serve: error: needs the serve extra ({exc.name} is missing): pip install 'strata-jax[serve]'",
+                f"strata-jax serve: error: needs the serve extra ({exc.name} is missing): "
+                "pip install 'strata-jax[serve]'",
                 file=sys.stderr,
             )
             return 2

@@ -1,21 +1,25 @@
 """The one seam between the faces (gRPC, HTTP) and the engine.
 
 ``Frontend`` owns the engine's lifecycle as the faces see it
-(warming -> ready -> draining -> stopped), validates what the faces pass in,
-records request metrics and guarantees that a stream which is closed, cancelled
-or errored early aborts its engine request (so its pages and tree locks are
-released).  Both faces call ``Frontend.stream``; neither talks to the engine's
-request API directly.
+(warming -> ready -> draining -> stopped), names requests and refuses a second
+one with an id already in flight, fans a request's ``n`` choices out, records
+request metrics and the load report, and guarantees that a stream which is closed,
+cancelled or errored early aborts its engine request (so its pages and tree locks
+are released).  Both faces call ``Frontend.stream``; neither talks to the engine's
+request API directly.  What a request may hold (prompt, ids, lengths) is checked
+once, by the engine (``strata_jax.api.validate_request``); the faces only map its
+errors to their status codes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,6 +28,7 @@ from strata_jax.api import (
     EngineUnavailableError,
     InvalidRequestError,
     OverloadedError,
+    PromptTooLongError,
     RequestAbortedError,
     SamplingParams,
     StreamChunk,
@@ -32,12 +37,6 @@ from strata_jax.api import (
 log = logging.getLogger(__name__)
 
 TIERS = ("device", "host", "storage")
-MAX_REQUEST_ID_CHARS = 128
-MAX_CACHE_SALT_CHARS = 256
-
-
-class PromptTooLongError(InvalidRequestError):
-    """The prompt plus ``max_tokens`` do not fit in the context (HTTP 400, counted as ``too_long``)."""
 
 
 class EngineLike(Protocol):
@@ -49,8 +48,14 @@ class EngineLike(Protocol):
     tokenizer: Any
 
     def stream(
-        self, prompt: str | list[int], params: SamplingParams | None = None, **kw: Any
-    ) -> AsyncIterator[StreamChunk]: ...
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        follows: str | None = None,
+    ) -> AsyncIterator[StreamChunk]: ...  # closing the iterator early aborts the request
     def abort(self, request_id: str) -> object: ...  # queues the abort; never waits for the engine
     def cache_stats(self) -> dict: ...
     def check_accounting(self) -> dict: ...  # raises AssertionError when an invariant is broken
@@ -91,34 +96,6 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
-def check_prompt(prompt: object, vocab_size: int) -> str | list[int]:
-    """Reject prompts the engine must never see: wrong types, empty, ids out of range."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("prompt is empty")
-        return prompt
-    if isinstance(prompt, Sequence):
-        ids = list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty (no token ids)")
-        for i, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise InvalidRequestError(f"prompt token {i} is not an integer: {t!r}")
-            if not 0 <= t < vocab_size:
-                raise InvalidRequestError(f"prompt token {i} = {t} is outside the vocabulary [0, {vocab_size})")
-        return ids
-    raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-
-
-def check_request_id(request_id: str | None) -> str:
-    """A caller-supplied id (printable, bounded) or a fresh one."""
-    if not request_id:
-        return uuid.uuid4().hex
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
-        raise InvalidRequestError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters")
-    return request_id
-
-
 class Frontend:
     """Engine lifecycle + request streaming with guaranteed abort, shared by both faces."""
 
@@ -130,7 +107,7 @@ class Frontend:
         self._in_flight: set[str] = set()
         self._load: dict[str, _RequestLoad] = {}  # in-flight requests admitted with a known prompt length
         self.failure: str | None = None
-        self.warmup_progress = None  # a strata_jax WarmupProgress while the engine starts (serve sets it)
+        self.warmup_progress: Any = None  # a strata_jax WarmupProgress while the engine starts (serve sets it)
 
     # ---- lifecycle ------------------------------------------------------
     @property
@@ -207,25 +184,45 @@ class Frontend:
         else:
             self.metrics.count_rejected(api, reason)
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        """``PromptTooLongError`` unless ``prompt_tokens + max_tokens`` fit in the engine's context."""
-        limit = self.engine().max_context_tokens
-        if prompt_tokens + max_tokens > limit:
-            raise PromptTooLongError(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} "
-                f"exceeds the context limit of {limit} tokens"
+    def stream_choices(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        n: int,
+        *,
+        api: str,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> list[AsyncGenerator[StreamChunk, None]]:
+        """``n`` choices of one prompt (OpenAI's ``n``), each a ``stream``: choice 0 runs the
+        prefill, the others follow it (they wait for its pages in the tree instead of
+        recomputing the prompt) with distinct seeds (``SamplingParams.for_choice``).  Only
+        choice 0 computes prompt logprobs (the same for every choice).  With n > 1 choice i
+        has the id ``<request_id>-i`` (a fresh base id when the caller sends none)."""
+        if n == 1:
+            return [self.stream(prompt, params, api=api, cache_salt=cache_salt, request_id=request_id)]
+        base = request_id or f"choice-{uuid.uuid4().hex}"
+        streams = []
+        for i in range(n):
+            p = params.for_choice(i)
+            if i > 0 and p.prompt_logprobs is not None:
+                p = dataclasses.replace(p, prompt_logprobs=None)
+            follows = f"{base}-0" if i > 0 else None
+            streams.append(
+                self.stream(prompt, p, api=api, cache_salt=cache_salt, request_id=f"{base}-{i}", follows=follows)
             )
+        return streams
 
     async def stream(
         self,
-        prompt: object,
+        prompt: str | Sequence[int],
         params: SamplingParams,
         *,
         api: str,
         cache_salt: str | None = None,
         request_id: str | None = None,
         follows: str | None = None,
-    ) -> AsyncIterator[StreamChunk]:
+    ) -> AsyncGenerator[StreamChunk, None]:
         """Stream one request's chunks; closing this generator early aborts the request.
 
         ``follows``: another choice (n > 1) of the same prompt whose prefill this
@@ -247,38 +244,23 @@ class Frontend:
         self.metrics.in_flight.inc()
         try:
             engine = self.engine()
-            checked = check_prompt(prompt, engine.vocab_size)
-            if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_CHARS:
-                raise InvalidRequestError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters")
-            if isinstance(checked, str) and getattr(engine, "tokenizer", None) is not None:
-                checked = engine.tokenizer.encode(checked)  # tokenized once, here, so the length can be checked
-            if isinstance(checked, list):
-                self.check_fits(len(checked), params.max_tokens)
-            rid = check_request_id(request_id)
+            prompt = self._encode(engine, prompt)
+            rid = request_id or uuid.uuid4().hex
             if rid in self._in_flight:
                 rid = None
                 raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
             self._in_flight.add(rid)
-            load = self._load[rid] = _RequestLoad(len(checked) if isinstance(checked, list) else 0)
-            extra = {"follows": follows} if follows is not None else {}
-            engine_stream = engine.stream(checked, params, cache_salt=cache_salt or None, request_id=rid, **extra)
-            last = None
+            load = self._load[rid] = _RequestLoad(len(prompt) if isinstance(prompt, list) else 0)
+            engine_stream = engine.stream(
+                prompt,
+                params,
+                cache_salt=cache_salt or None,
+                request_id=rid,
+                follows=follows,
+            )
+            last: float | None = None
             async for chunk in engine_stream:
-                now = time.perf_counter()
-                if last is None:
-                    load.started = True
-                    self.metrics.ttft.observe(now - t0)
-                    self.metrics.prompt_tokens.inc(chunk.prompt_tokens)  # the prefill is done
-                    for tier in TIERS:
-                        self.metrics.cached_prompt_tokens.labels(tier).inc(chunk.cached_tokens.get(tier, 0))
-                elif chunk.token_ids:
-                    gap = (now - last) / len(chunk.token_ids)
-                    for _ in chunk.token_ids:
-                        self.metrics.inter_token.observe(gap)
-                last = now
-                if chunk.token_ids:
-                    load.generated_tokens += len(chunk.token_ids)
-                    self.metrics.completion_tokens.inc(len(chunk.token_ids))
+                last = self._observe(chunk, load, t0, last)
                 if chunk.finished:
                     finished = True
                     status = chunk.finish_reason or "stop"
@@ -297,25 +279,63 @@ class Frontend:
             status = "rejected" if reason is not None else "error"
             raise
         finally:
-            if engine_stream is not None:
-                try:
-                    await engine_stream.aclose()  # the engine aborts unfinished requests here
-                except Exception:
-                    log.exception("closing the engine stream of %s failed", rid)
-            if rid is not None:
-                if not finished and self._engine is not None:
-                    try:
-                        self._engine.abort(rid)  # belt and braces: idempotent, and only queued (never blocks the loop)
-                    except Exception:
-                        log.exception("abort(%s) failed", rid)
-                self._in_flight.discard(rid)
-                self._load.pop(rid, None)
+            await self._release(rid, engine_stream, finished)
             self.metrics.in_flight.dec()
             if reason is not None:
                 self.metrics.count_rejected(api, reason)
             else:
                 self.metrics.e2e.observe(time.perf_counter() - t0)
                 self.metrics.requests.labels(api, status).inc()
+
+    @staticmethod
+    def _encode(engine: EngineLike, prompt: str | Sequence[int]) -> str | Sequence[int]:
+        """A text prompt as token ids when the engine has a tokenizer (encoded once, here, so
+        the load report knows its length); anything else as it came (the engine checks it)."""
+        if isinstance(prompt, str) and prompt and getattr(engine, "tokenizer", None) is not None:
+            return list(engine.tokenizer.encode(prompt))
+        return prompt
+
+    def _observe(self, chunk: StreamChunk, load: _RequestLoad, t0: float, last: float | None) -> float:
+        """Record a chunk in the metrics and the load report; returns when it came."""
+        now = time.perf_counter()
+        if last is None:
+            load.started = True
+            self.metrics.ttft.observe(now - t0)
+            self.metrics.prompt_tokens.inc(chunk.prompt_tokens)  # the prefill is done
+            for tier in TIERS:
+                self.metrics.cached_prompt_tokens.labels(tier).inc(chunk.cached_tokens.get(tier, 0))
+        elif chunk.token_ids:
+            gap = (now - last) / len(chunk.token_ids)
+            for _ in chunk.token_ids:
+                self.metrics.inter_token.observe(gap)
+        if chunk.token_ids:
+            load.generated_tokens += len(chunk.token_ids)
+            self.metrics.completion_tokens.inc(len(chunk.token_ids))
+        return now
+
+    async def _release(self, rid: str | None, engine_stream: AsyncIterator[StreamChunk] | None, finished: bool) -> None:
+        """Close the engine stream (which aborts an unfinished request) and forget ``rid``."""
+        if engine_stream is not None:
+            try:
+                await aclose(engine_stream)  # the engine aborts unfinished requests here
+            except Exception:
+                log.exception("closing the engine stream of %s failed", rid)
+        if rid is None:
+            return
+        if not finished and self._engine is not None:
+            try:
+                self._engine.abort(rid)  # belt and braces: idempotent, and only queued (never blocks the loop)
+            except Exception:
+                log.exception("abort(%s) failed", rid)
+        self._in_flight.discard(rid)
+        self._load.pop(rid, None)
+
+
+async def aclose(stream: object) -> None:
+    """Close ``stream`` if it can be closed (an async generator: the engine's stream is one)."""
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
 
 
 def rejection_reason(exc: BaseException) -> str | None:

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -51,7 +52,7 @@ class StrataClient:
         cache_salt: str = "",
         request_id: str = "",
         timeout: float | None = None,
-        **params: object,
+        **params: Any,
     ) -> grpc.Call:
         """Start a ``Generate`` stream; iterate it for messages, ``.cancel()`` it to abort.
 
@@ -66,7 +67,7 @@ class StrataClient:
             request.token_ids.ids.extend(prompt)
         return self.stub.Generate(request, timeout=timeout, metadata=self._metadata)
 
-    def complete(self, prompt: str | list[int], **kwargs: object) -> tuple[str, strata_pb2.GenerateResponse]:
+    def complete(self, prompt: str | list[int], **kwargs: Any) -> tuple[str, strata_pb2.GenerateResponse | None]:
         """Run ``generate`` to the end; returns the full text and the final message."""
         text, last = [], None
         for msg in self.generate(prompt, **kwargs):

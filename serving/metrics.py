@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol, TypeGuard
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -53,7 +54,7 @@ def transfer_bytes(stats: Mapping[str, object]) -> dict[str, float]:
     transfers = stats.get("transfers")
     if not isinstance(transfers, Mapping) or not _is_number(transfers.get("page_bytes")):
         return {}
-    page_bytes = float(transfers["page_bytes"])  # type: ignore[arg-type]
+    page_bytes = float(transfers["page_bytes"])
     out = {}
     for key, value in transfers.items():
         if str(key).endswith("_pages") and _is_number(value):
@@ -62,6 +63,12 @@ def transfer_bytes(stats: Mapping[str, object]) -> dict[str, float]:
 
 
 _TIERS = frozenset({"device", "host", "storage"})
+
+
+class StatsSource(Protocol):
+    """What the metrics read of the engine: ``Engine.cache_stats``."""
+
+    def cache_stats(self) -> dict: ...
 
 
 class ServingMetrics:
@@ -122,7 +129,7 @@ def _sanitize(name: str) -> str:
     return re.sub(r"[^a-zA-Z0-9_]", "_", name).strip("_") or "value"
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -152,7 +159,7 @@ class EngineStatsCollector(Collector):
     ``strata_engine_<path>`` with a ``tier`` label for per-tier dicts.
     """
 
-    def __init__(self, get_engine: Callable[[], object | None]) -> None:
+    def __init__(self, get_engine: Callable[[], StatsSource | None]) -> None:
         self._get_engine = get_engine
 
     def collect(self) -> Iterable[Metric]:
@@ -164,7 +171,7 @@ class EngineStatsCollector(Collector):
         except Exception:  # a scrape must never take the server down
             log.exception("cache_stats() failed during a metrics scrape")
             return
-        families: dict[str, Metric] = {}
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for name, tier, value in flatten_stats(stats):
             full = f"{PREFIX}_engine_{name}"
             cumulative = is_cumulative(name)
@@ -191,7 +198,7 @@ class EngineStatsCollector(Collector):
         yield from families.values()
 
 
-def build_metrics(get_engine: Callable[[], object | None]) -> ServingMetrics:
+def build_metrics(get_engine: Callable[[], StatsSource | None]) -> ServingMetrics:
     """A fresh registry holding the request metrics and the engine collector."""
     # No `<counter>_created` timestamp samples (a process-wide switch of prometheus_client, which vLLM
     # flips too): scrapers that do not know them, such as aiperf, read them as counter resets.

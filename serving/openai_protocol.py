@@ -8,11 +8,12 @@ otherwise, so nothing is silently ignored.  Implemented sampling fields: ``n``,
 ``best_of`` (completions), ``logprobs``/``top_logprobs``, ``echo`` (completions),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``seed``, and
 ``stream_options`` (``include_usage``, ``continuous_usage_stats``).
-Tools (chat): ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls`` and
-``tool`` messages (``serving/tool_calls.py``).  Structured outputs (both endpoints): OpenAI's ``response_format`` (``json_object``,
-``json_schema``), vLLM's ``structured_outputs`` (exactly one of ``json``, ``json_object``,
-``regex``, ``choice``, ``grammar``) and its older ``guided_json``, ``guided_regex``,
-``guided_choice``, ``guided_grammar``; one constraint per request.
+Tools (chat): ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant ``tool_calls``
+and ``tool`` messages (``serving/tool_calls.py``).  Structured outputs (both endpoints):
+OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's ``structured_outputs``
+(exactly one of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``) and its older
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``; one constraint per
+request.
 Extensions: ``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``cache_salt``,
 ``stop_token_ids``, ``request_id``; for chat also vLLM's ``chat_template`` (the name of one
 of the model's templates), ``chat_template_kwargs``, ``add_generation_prompt``,
@@ -171,8 +172,8 @@ class CompletionRequest(_CommonRequest):
         if not p:
             raise InvalidRequestError("prompt is empty")
         if isinstance(p[0], int):
-            return [p]  # type: ignore[list-item]
-        return list(p)  # type: ignore[arg-type]
+            return [p]
+        return list(p)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -293,9 +294,6 @@ class ChatCompletionRequest(_CommonRequest):
     def sampling_params(self, max_tokens: int, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         params = super().sampling_params(max_tokens, model_defaults)
         return dataclasses.replace(params, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
-
-    def template_messages(self) -> list[dict[str, str]]:
-        return [m.for_template() for m in self.messages]
 
 
 class AdminFlushRequest(_Strict):

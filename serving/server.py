@@ -17,8 +17,8 @@ import logging
 import signal
 import socket
 import threading
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import uvicorn
 
@@ -43,21 +43,29 @@ def _in_thread(fn: Callable[..., T], *args: object) -> asyncio.Future[T]:
         try:
             result = fn(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(
-                lambda e=exc: future.done() or future.set_exception(e)
-            )  # `exc` is unbound after the block
+            loop.call_soon_threadsafe(_settle_exception, future, exc)
         else:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+            loop.call_soon_threadsafe(_settle_result, future, result)
 
     threading.Thread(target=run, name=f"strata-{getattr(fn, '__name__', 'call')}", daemon=True).start()
     return future
+
+
+def _settle_result(future: asyncio.Future[T], result: T) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _settle_exception(future: asyncio.Future[T], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
 
 
 class _UvicornServer(uvicorn.Server):
     """uvicorn without its own signal handling (``StrataServer`` handles signals)."""
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[override]
+    def capture_signals(self) -> Iterator[None]:
         yield
 
 
@@ -118,7 +126,7 @@ class StrataServer:
             loop.call_soon_threadsafe(died, exc)
 
         if hasattr(engine, "on_fatal"):
-            engine.on_fatal = on_fatal  # type: ignore[attr-defined]  # the fake engines of the face tests have none
+            engine.on_fatal = on_fatal  # the fake engines of the face tests have none
             fatal = getattr(engine, "fatal_error", None)
             if fatal is not None:  # it died before the hook was set
                 on_fatal(fatal)
@@ -132,60 +140,27 @@ class StrataServer:
     async def serve(self, *, handle_signals: bool = False) -> int:
         """Serve until stopped; returns the process exit code."""
         self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
+        self._stop = stop = asyncio.Event()
         if handle_signals:
             self.install_signal_handlers()
         cfg = self.config
         grpc_face = GrpcFace(self.frontend, cfg) if cfg.enable_grpc else None
-        http_server = sock = None
-        if cfg.enable_http:
-            sock = _bind(cfg.host, cfg.port)
-            self.http_port = sock.getsockname()[1]
-            app = create_app(self.frontend, cfg)
-            http_server = _UvicornServer(
-                uvicorn.Config(
-                    app,
-                    log_level="warning",
-                    access_log=False,
-                    timeout_graceful_shutdown=max(1, int(cfg.grace_s) + 1),
-                    timeout_keep_alive=30,
-                    lifespan="off",
-                )
-            )
+        http_server, sock = self._bind_http() if cfg.enable_http else (None, None)
         if grpc_face is not None:
             self.grpc_port = grpc_face.port
             await grpc_face.start()
-        http_task = asyncio.create_task(http_server.serve(sockets=[sock])) if http_server else None
+        http_task = asyncio.create_task(http_server.serve(sockets=[sock])) if http_server and sock else None
         self.bound.set()
         log.info("serving HTTP on %s:%s, gRPC on %s:%s", cfg.host, self.http_port, cfg.host, self.grpc_port)
 
         warm = asyncio.ensure_future(_in_thread(self._engine_factory))
-        stop_wait = asyncio.create_task(self._stop.wait())
-        await asyncio.wait({warm, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-        engine = None
-        if warm.done():
-            try:
-                engine = warm.result()
-            except Exception as exc:  # noqa: BLE001
-                if isinstance(exc, ValueError):  # a model or setting that cannot be served: the message says why
-                    log.error("the engine failed to start: %s", exc)
-                else:
-                    log.exception("the engine failed to start")
-                self.frontend.fail(f"it failed to start: {type(exc).__name__}: {exc}")
-                self.exit_code = 1
-                self._stop.set()
-            else:
-                self.frontend.attach(engine)
-                self._watch_engine(engine, grpc_face)
-                if cfg.profile_on_start:
-                    await _in_thread(engine.start_profile, cfg.profile_dir)
-                if grpc_face is not None:
-                    await grpc_face.set_serving(True)
-                log.info("engine ready: %s", self.frontend.model_name)
+        stop_wait = asyncio.create_task(stop.wait())
+        waiters: set[asyncio.Future[Any]] = {warm, stop_wait}
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        engine = await self._start_engine(warm, grpc_face) if warm.done() else None
         self.ready.set()
-        await self._stop.wait()
+        await stop.wait()
 
-        # ---- graceful shutdown ----
         log.info("shutting down (grace %.1fs)", cfg.grace_s)
         self.frontend.begin_drain()
         if http_server is not None:
@@ -194,13 +169,7 @@ class StrataServer:
         if engine is None and not warm.done():
             engine = await warm  # cannot interrupt a warm-up; wait for it, then shut it down
         if engine is not None:
-            try:
-                if cfg.profile_on_start and self.frontend.failure is None:
-                    await _in_thread(engine.stop_profile)
-                await _in_thread(engine.shutdown, cfg.grace_s)
-            except Exception:  # noqa: BLE001
-                log.exception("engine shutdown failed")
-                self.exit_code = 1
+            await self._shut_down_engine(engine)
         self.frontend.mark_stopped()
         log.info("engine stopped; closing the servers")
         if grpc_stop is not None:
@@ -210,6 +179,58 @@ class StrataServer:
         stop_wait.cancel()
         log.info("stopped (exit code %d)", self.exit_code)
         return self.exit_code
+
+    def _bind_http(self) -> tuple[_UvicornServer, socket.socket]:
+        """The HTTP server and its bound socket (it answers once ``serve`` runs on it)."""
+        cfg = self.config
+        sock = _bind(cfg.host, cfg.port)
+        self.http_port = sock.getsockname()[1]
+        server = _UvicornServer(
+            uvicorn.Config(
+                create_app(self.frontend, cfg),
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=max(1, int(cfg.grace_s) + 1),
+                timeout_keep_alive=30,
+                lifespan="off",
+            )
+        )
+        return server, sock
+
+    async def _start_engine(self, warm: asyncio.Future[EngineLike], grpc_face: GrpcFace | None) -> EngineLike | None:
+        """Serve the warmed-up engine, or fail the server (exit code 1) if it did not start."""
+        cfg = self.config
+        try:
+            engine = warm.result()
+        except Exception as exc:  # noqa: BLE001 - any start-up failure stops the server, saying why
+            if isinstance(exc, ValueError):  # a model or setting that cannot be served: the message says why
+                log.error("the engine failed to start: %s", exc)
+            else:
+                log.exception("the engine failed to start")
+            self.frontend.fail(f"it failed to start: {type(exc).__name__}: {exc}")
+            self.exit_code = 1
+            assert self._stop is not None
+            self._stop.set()
+            return None
+        self.frontend.attach(engine)
+        self._watch_engine(engine, grpc_face)
+        if cfg.profile_on_start:
+            await _in_thread(engine.start_profile, cfg.profile_dir)
+        if grpc_face is not None:
+            await grpc_face.set_serving(True)
+        log.info("engine ready: %s", self.frontend.model_name)
+        return engine
+
+    async def _shut_down_engine(self, engine: EngineLike) -> None:
+        """Stop a trace started at start-up, then let the engine finish or abort its work."""
+        cfg = self.config
+        try:
+            if cfg.profile_on_start and self.frontend.failure is None:
+                await _in_thread(engine.stop_profile)
+            await _in_thread(engine.shutdown, cfg.grace_s)
+        except Exception:  # noqa: BLE001 - the servers still stop; the exit code says it failed
+            log.exception("engine shutdown failed")
+            self.exit_code = 1
 
 
 class ThreadedServer:
@@ -229,8 +250,15 @@ class ThreadedServer:
             self.server.bound.set()
             self.server.ready.set()
 
-    def start(self, timeout: float = 600.0) -> ThreadedServer:
+    def start_nowait(self) -> ThreadedServer:
+        """Start the server thread without waiting for the engine (``server.bound`` and
+        ``server.ready`` say when the ports are bound and when the engine serves)."""
         self._thread.start()
+        return self
+
+    def start(self, timeout: float = 600.0) -> ThreadedServer:
+        """Start the server thread and wait until the engine serves."""
+        self.start_nowait()
         if not self.server.ready.wait(timeout):
             raise TimeoutError("the server did not become ready")
         if self.error is not None:

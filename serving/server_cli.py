@@ -36,9 +36,9 @@ def _engine_config_class() -> type | None:
 def _field_default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
         try:
-            return f.default_factory()  # type: ignore[misc]
+            return f.default_factory()
         except Exception:  # noqa: BLE001
             return None
     return None
@@ -128,7 +128,13 @@ def _bool(text: str) -> bool:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``strata-jax serve``."""
+    """Flags of ``strata-jax serve``: the server's, then one per ``EngineConfig`` field."""
+    _add_server_flags(parser)
+    _add_engine_flags(parser)
+
+
+def _add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """The ``ServerConfig`` flags."""
     d = ServerConfig()
     srv = parser.add_argument_group("server")
     srv.add_argument(
@@ -192,11 +198,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--no-grpc", action="store_true", help="do not start the gRPC server")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
 
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per scalar ``EngineConfig`` field (its own name, else its dotted path when taken)."""
     config_cls = _engine_config_class()
     if config_cls is None:
         return
     eng = parser.add_argument_group("engine (strata_jax.engine.EngineConfig fields)")
-    taken = {opt for action in parser._actions for opt in action.option_strings}  # noqa: SLF001
+    taken = {opt for action in parser._actions for opt in action.option_strings}  # noqa: SLF001 - no public list
     docs = field_docs(config_cls)
     for path, f, default in engine_flag_fields(config_cls):
         typ = _scalar_type(f, default)

@@ -111,7 +111,7 @@ class ToolCall:
     arguments: dict
 
     def openai(self, index: int | None = None) -> dict:
-        call = {
+        call: dict[str, Any] = {
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
             "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
@@ -355,7 +355,7 @@ class CallStream:
     def __init__(self, fmt: Any) -> None:
         self.fmt = fmt
         self.buffer = ""
-        self.calls = 0
+        self.call_count = 0  # tool calls sent so far
         self.held_space = ""  # whitespace after a call: the format's line break, unless text follows
 
     def push(self, text: str, final: bool = False) -> tuple[str, list[dict]]:
@@ -370,9 +370,9 @@ class CallStream:
         content, deltas = "", []
         opener = self.fmt.opener
 
-        def text(segment: str) -> None:
+        def emit(segment: str) -> None:
             nonlocal content
-            if self.calls and not segment.strip():  # after a call: the format's line break, unless text follows
+            if self.call_count and not segment.strip():  # after a call: the format's line break, unless text follows
                 self.held_space += segment
             elif segment:
                 content += self.held_space + segment
@@ -382,10 +382,10 @@ class CallStream:
             start = self.buffer.find(opener)
             if start < 0:
                 keep = 0 if final else _prefix_overlap(self.buffer, opener)
-                text(self.buffer[: len(self.buffer) - keep])
+                emit(self.buffer[: len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep :]
                 break
-            text(self.buffer[:start])
+            emit(self.buffer[:start])
             self.buffer = self.buffer[start:]
             calls, used = self._first_call(self.buffer)
             if calls:  # the shortest block that parses (an argument may contain the closing tag)
@@ -394,7 +394,7 @@ class CallStream:
                 self.buffer = self.buffer[used:]
                 continue
             if final:  # an unfinished call: it is text after all
-                text(self.buffer)
+                emit(self.buffer)
                 self.buffer = ""
             break
         return content, deltas
@@ -413,8 +413,8 @@ class CallStream:
     def _deltas(self, calls: list[ToolCall]) -> list[dict]:
         out = []
         for call in calls:
-            out.append(call.openai(index=self.calls))
-            self.calls += 1
+            out.append(call.openai(index=self.call_count))
+            self.call_count += 1
         return out
 
 

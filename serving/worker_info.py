@@ -23,7 +23,7 @@ num_waiting_reqs, num_tokens}`` per data-parallel rank) every 30 s when a policy
 ``power_of_two``, and for its own ``/get_loads``; and ``POST /flush_cache`` on every
 worker when a user calls its ``/flush_cache``.
 
-The answers here are built from the engine as loaded (``serving/http_server.py`` serves
+The answers here are built from the engine as loaded (``serving/routes_worker.py`` serves
 them).  A value strata-jax does not have is left out (``null``), never made up.
 """
 
@@ -76,7 +76,8 @@ def _int_or_none(value: Any) -> int | None:
 
 
 def server_info(frontend: Frontend, instance_id: str) -> dict[str, Any]:
-    """SGLang's ``/server_info`` fields that strata-jax has, plus its own (``engine``, ``instance_id``, ``tiers``, ...)."""
+    """SGLang's ``/server_info`` fields that strata-jax has, plus its own (``engine``,
+    ``instance_id``, ``tiers``, ...)."""
     engine = frontend.engine()
     cfg = _engine_config(engine)
     path = model_path(getattr(cfg, "model", None))

@@ -23,10 +23,12 @@ from strata_jax.api import (
     EngineUnavailableError,
     InvalidRequestError,
     OverloadedError,
+    RequestLimits,
     RequestOutput,
     SamplingParams,
     StreamChunk,
     empty_tier_counts,
+    validate_request,
 )
 
 _OFFSET = 3
@@ -100,20 +102,19 @@ class FakeEngine:
         self.is_ready = True
 
     # ---- requests -------------------------------------------------------
-    def _validate(self, prompt: str | list[int], params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-        params = params or SamplingParams()
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                    raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        if len(ids) >= self.max_context_tokens:
-            raise InvalidRequestError(f"prompt has {len(ids)} tokens; the context holds {self.max_context_tokens}")
-        return ids, params
+    def _validate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> tuple[list[int], SamplingParams]:
+        """The real engine's checks (``strata_jax.api.validate_request``), with its limits."""
+        limits = RequestLimits(vocab_size=self.vocab_size, max_context_tokens=self.max_context_tokens)
+        valid = validate_request(
+            prompt, params, limits, request_id=request_id, cache_salt=cache_salt, tokenizer=self.tokenizer
+        )
+        return valid.prompt_ids, valid.params
 
     def _submit(self, ids, params, request_id, loop, queue) -> _Req:
         with self._lock:
@@ -134,8 +135,11 @@ class FakeEngine:
         *,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        follows: str | None = None,
     ) -> AsyncIterator[StreamChunk]:
-        ids, params = self._validate(prompt, params)
+        """As ``Engine.stream``; ``follows`` (another choice of the same prompt) is accepted
+        and needs no waiting here: the fake has no prefill to share."""
+        ids, params = self._validate(prompt, params, request_id, cache_salt)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         req = self._submit(ids, params, request_id, loop, queue)

@@ -116,7 +116,7 @@ def test_unavailable_while_warming_up():
         return build()
 
     srv = ThreadedServer(ServerConfig(port=0, grpc_port=0, grace_s=2.0), slow_build)
-    srv._thread.start()  # noqa: SLF001 - do not wait for ready
+    srv.start_nowait()
     assert srv.server.bound.wait(30)
     try:
         r = httpx.post(srv.http_url + "/v1/completions", json={"model": "tiny", "prompt": "hi"})

@@ -137,7 +137,8 @@ def test_hang_ups_do_not_stall_the_other_streams(server):
     n_calm, n_rough = len(calm), len(rough)
     assert n_calm > 50 and n_rough > 50, (n_calm, n_rough)  # the streams ran while the others came and went
     print(
-        f"HANGUPS p99 gap: {1e3 * _p99(calm):.1f} ms without hang-ups, {1e3 * _p99(rough):.1f} ms with {WAVES * WAVE} hang-ups"
+        f"HANGUPS p99 gap: {1e3 * _p99(calm):.1f} ms without hang-ups, "
+        f"{1e3 * _p99(rough):.1f} ms with {WAVES * WAVE} hang-ups"
     )
     assert _p99(rough) <= 1.5 * _p99(calm), (_p99(rough), _p99(calm))
     stats = wait_idle(engine)

@@ -111,7 +111,7 @@ def test_http_finished_requests_count_their_finish_reason_streamed_or_not(server
     assert delta == {("requests", "http", "length"): 7, ("requests", "http", "stop"): 1}
     # no `_created` timestamp samples: load generators that scrape /metrics (aiperf) took them for counter resets
     assert "_created" not in httpx.get(server.http_url + "/metrics", timeout=30).text
-    assert server.frontend.metrics.in_flight._value.get() == 0  # noqa: SLF001
+    assert server.frontend.metrics.registry.get_sample_value("strata_requests_in_flight") == 0
 
 
 def test_http_client_that_goes_away_is_cancelled_once(server):

@@ -177,7 +177,7 @@ def test_worker_routes_need_the_api_key_and_wait_for_the_engine():
 
     cfg = ServerConfig(port=0, grpc_port=0, api_key="s3cret", served_model_name="fleet-model", grace_s=2.0)
     srv = ThreadedServer(cfg, slow_build)
-    srv._thread.start()
+    srv.start_nowait()
     assert srv.server.bound.wait(30)
     key = {"Authorization": "Bearer s3cret"}
     routes = ("/server_info", "/get_server_info", "/model_info", "/get_model_info", "/get_load")

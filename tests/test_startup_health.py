@@ -28,7 +28,7 @@ def test_health_reports_warmup_progress_until_ready(caplog):
     srv = ThreadedServer(ServerConfig(port=0, grpc_port=0, grace_s=2.0), slow_build)
     srv.frontend.warmup_progress = progress
     with caplog.at_level(logging.INFO, logger="strata_jax.startup"):
-        srv._thread.start()
+        srv.start_nowait()
         try:
             assert srv.server.bound.wait(30)
             for _ in range(100):

@@ -103,13 +103,17 @@ class _Tokenizer:
 
 AWARE = (  # renders tools, calls and results itself (the Qwen/Hermes convention)
     "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
-    "{% for m in messages %}[{{ m.role }}]{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}"
+    "{% for m in messages %}[{{ m.role }}]{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "CALL {{ c.function.name }} {{ c.function.arguments | tojson }}{% endfor %}"
     "{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
 )
 PLAIN = (
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"  # knows no tools (SmolLM2's kind)
 )
-STRICT = "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('roles must be user or assistant') }}{% endif %}{{ m.content }}{% endfor %}"
+STRICT = (
+    "{% for m in messages %}{% if m.role not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('roles must be user or assistant') }}{% endif %}{{ m.content }}{% endfor %}"
+)
 
 
 def test_a_template_that_renders_tools_gets_them_and_the_history(tmp_path):
