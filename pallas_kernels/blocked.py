@@ -142,7 +142,7 @@ def _blocked_core(
     q: jax.Array,
     kv_source,
     read_block,
-    kv_shape: tuple[int, int, int, int],
+    kv_shape: tuple[int, ...],  # [P, S, H, D]
     page_table: jax.Array,
     seq_lens: jax.Array,
     query_start: jax.Array,

@@ -282,7 +282,7 @@ def ragged_paged_attention_pool(
     options = _attention_options(name, sm_scale, soft_cap, max_q_len, None)
     threads_pool = name in ("xla", "reference")
 
-    def call(q, kv_pool, layer, page_table, seq_lens, query_start, window):  # noqa: ANN001, ANN202
+    def call(q, kv_pool, layer, page_table, seq_lens, query_start, window):
         extra = {} if window is None else {"sliding_window": window}
         result = impl(q, kv_pool, layer, page_table, seq_lens, query_start, **options, **extra)
         return result if threads_pool else (result, kv_pool)

@@ -52,7 +52,7 @@ def gather_pages_grouped(pool: jax.Array, rows: jax.Array) -> jax.Array:
 def scatter_dequantize_grouped(pool: jax.Array, q: jax.Array, scales: jax.Array, rows: jax.Array) -> jax.Array:
     """Load side in a quantized tier format: dequantize ``(q, scales[n, L, 2, H])`` while scattering."""
 
-    def impl(pool, q, scales, rows):  # noqa: ANN001, ANN202
+    def impl(pool, q, scales, rows):
         return scatter_pages_grouped_reference(pool, dequantize_pages_reference(q, scales, pool.dtype), rows)
 
     return sharded.per_head_shard(impl, (pool, q, scales, rows), (4, 4, 3, None), 4)
@@ -61,7 +61,7 @@ def scatter_dequantize_grouped(pool: jax.Array, q: jax.Array, scales: jax.Array,
 def gather_quantize_grouped(pool: jax.Array, rows: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
     """Backup side: gather ``rows`` and quantize them to ``fmt`` (``"fp8"`` / ``"int8"``)."""
 
-    def impl(pool, rows):  # noqa: ANN001, ANN202
+    def impl(pool, rows):
         return quantize_pages_reference(gather_pages_grouped_reference(pool, rows), fmt)
 
     return sharded.per_head_shard(impl, (pool, rows), (4, None), (4, 3))

@@ -153,5 +153,5 @@ class GroupedPoolLayout:
 
 def _numpy_dtype_name(dtype: str) -> str:
     if dtype not in ("float32", "float16"):
-        import ml_dtypes  # noqa: F401  (registers bfloat16 and the float8 names with numpy)
+        import ml_dtypes  # noqa: F401 - registers bfloat16 and the float8 names with numpy
     return dtype

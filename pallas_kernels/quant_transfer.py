@@ -86,7 +86,7 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
-def quantized_dtype(fmt: str):  # noqa: ANN201
+def quantized_dtype(fmt: str):
     """The element dtype of quantized format ``fmt`` (``float8_e4m3fn`` or ``int8``)."""
     if check_format(fmt) == "full":
         raise UnknownTierFormatError("'full' has no quantized dtype (it keeps the L1 dtype)")
@@ -135,7 +135,7 @@ def _fp8_bits_to_float32(bits: jax.Array) -> jax.Array:
     return jnp.where(b >= 0x80, -value, value)
 
 
-def dequantize_pages_reference(q: jax.Array, scales: jax.Array, dtype) -> jax.Array:  # noqa: ANN001
+def dequantize_pages_reference(q: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     """``float32(q) * scale`` per (page, layer, kv, head), cast to ``dtype``."""
     return to_kv_dtype(_to_float32(q) * scales[:, :, :, None, :, None], dtype)
 
@@ -178,7 +178,7 @@ def scatter_dequantize_xla(pool: jax.Array, q: jax.Array, scales: jax.Array, pag
     valid = (wrapped >= 0) & (wrapped < num_pages)
     target = jnp.clip(wrapped, 0, num_pages - 1)
 
-    def write(pool: jax.Array, i, values: jax.Array, page_scales: jax.Array) -> jax.Array:  # noqa: ANN001
+    def write(pool: jax.Array, i, values: jax.Array, page_scales: jax.Array) -> jax.Array:
         """Page ``i`` from its float32 codes ``values[1, L, 2, S, H, D]`` and ``page_scales[1, L, 2, H]``."""
         new = to_kv_dtype(values * page_scales[:, :, :, None, :, None], pool.dtype)
         new = jnp.transpose(new, (1, 2, 0, 3, 4, 5))
@@ -195,7 +195,7 @@ def scatter_dequantize_xla(pool: jax.Array, q: jax.Array, scales: jax.Array, pag
     fp8 = q.dtype == jnp.float8_e4m3fn
     bits = jax.lax.bitcast_convert_type(q, jnp.uint8) if fp8 else q
 
-    def body(i, pool):  # noqa: ANN001, ANN202
+    def body(i, pool):
         page = jax.lax.dynamic_slice_in_dim(bits, i, 1, axis=0)
         values = _fp8_bits_to_float32(page) if fp8 else page.astype(jnp.float32)
         return write(pool, i, values, jax.lax.dynamic_slice_in_dim(scales, i, 1, axis=0))
@@ -291,7 +291,7 @@ def _gather_quant_kernel(ids_ref, pool_ref, q_ref, scales_ref, *, num_pages: int
     page = jnp.clip(ids_ref[i], 0, num_pages - 1)
     limit = _QMAX[fmt]
 
-    def block(c):  # noqa: ANN001, ANN202
+    def block(c):
         return pool_ref[j, page, pl.ds(c * rows, rows), h, :].astype(jnp.float32)
 
     amax = jax.lax.fori_loop(0, blocks, lambda c, m: jnp.maximum(m, jnp.max(jnp.abs(block(c)))), jnp.float32(0.0))
@@ -299,7 +299,7 @@ def _gather_quant_kernel(ids_ref, pool_ref, q_ref, scales_ref, *, num_pages: int
 
     inv = jnp.float32(1.0) / scale
 
-    def store(c, carry):  # noqa: ANN001, ANN202
+    def store(c, carry):
         y = jnp.clip(block(c) * inv, -limit, limit)
         if fmt == "int8":
             y = jnp.floor(y + 0.5)
@@ -353,7 +353,7 @@ def gather_quantize_pallas(
 # Dispatch (the backend is resolved by pallas_kernels.dispatch; this module owns its ops).
 
 
-def _implementation(backend, head_dim: int) -> str:  # noqa: ANN001
+def _implementation(backend, head_dim: int) -> str:
     """``"pallas"``, ``"interpret"``, ``"reference"`` or ``"xla"`` (CPU's default).  A Pallas
     backend on a head_dim its kernels do not take falls back to the reference: on a GPU
     XLA's scatter is one parallel kernel, where page-at-a-time updates would be a loop."""
@@ -368,7 +368,7 @@ def gather_quantize(
     page_ids: jax.Array,
     fmt: str,
     *,
-    backend=None,  # noqa: ANN001
+    backend=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Backup side: gather ``page_ids`` of ``pool`` and quantize them to ``fmt`` (``"fp8"``/``"int8"``)."""
     quantized_dtype(fmt)
@@ -386,7 +386,7 @@ def scatter_dequantize(
     scales: jax.Array,
     page_ids: jax.Array,
     *,
-    backend=None,  # noqa: ANN001
+    backend=None,
 ) -> jax.Array:
     """Load side: dequantize ``(q, scales)`` to the pool's dtype while scattering into ``page_ids``."""
     name = _implementation(backend, pool.shape[-1])

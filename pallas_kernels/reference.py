@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 
-def to_kv_dtype(x: jax.Array, dtype) -> jax.Array:  # noqa: ANN001
+def to_kv_dtype(x: jax.Array, dtype) -> jax.Array:
     """``x`` cast to a KV pool's ``dtype``; for an 8-bit float pool, clipped to its finite
     range first (a plain cast turns anything past e4m3fn's +-448 into NaN)."""
     dtype = jnp.dtype(dtype)
@@ -158,7 +158,7 @@ def _ragged_attention_core(
     q: jax.Array,
     kv_source,
     read_block,
-    kv_shape: tuple[int, int, int, int],
+    kv_shape: tuple[int, ...],  # [P, S, H, D]
     page_table: jax.Array,
     seq_lens: jax.Array,
     query_start: jax.Array,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -53,7 +54,7 @@ def _spec(head_axis: int | None, ndim: int, axis: str) -> PartitionSpec:
 
 def per_head_shard(
     fn: Callable,
-    args: Sequence[jax.Array],
+    args: Sequence[Any],
     in_head_axes: Sequence[int | None],
     out_head_axes: int | None | tuple[int | None, ...],
 ):
@@ -69,7 +70,7 @@ def per_head_shard(
     # Python scalars (a static layer index) stay static: closed over, not shard_map operands.
     dynamic = [i for i, x in enumerate(args) if isinstance(x, (jax.Array, np.ndarray)) or hasattr(x, "aval")]
 
-    def body(*operands):  # noqa: ANN002, ANN202
+    def body(*operands):
         full = list(args)
         for i, x in zip(dynamic, operands):
             full[i] = x
@@ -78,6 +79,7 @@ def per_head_shard(
     operands = [args[i] for i in dynamic]
     in_specs = tuple(_spec(in_head_axes[i], np.ndim(args[i]), axis) for i in dynamic)
     out_shapes = jax.eval_shape(body, *operands)
+    out_specs: PartitionSpec | tuple[PartitionSpec, ...]
     if isinstance(out_head_axes, tuple):
         out_specs = tuple(_spec(a, len(s.shape), axis) for a, s in zip(out_head_axes, out_shapes))
     else:
@@ -89,7 +91,7 @@ def per_head_shard(
     )
 
 
-def _mesh_for_shard_map(mesh: Mesh):  # noqa: ANN202
+def _mesh_for_shard_map(mesh: Mesh):
     """``mesh``, or the abstract mesh in context when it has the same axes: lowering for a
     GPU from a CPU host (``pallas_kernels.aot.gpu_lowering_target(..., mesh=...)``) puts an
     abstract GPU mesh in scope, and shard_map must then use that one."""

@@ -93,7 +93,10 @@ def decode_attention(repeats: int, rng: np.random.Generator) -> None:
         @jax.jit
         def run(q, pool, table, lens):
             starts = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
-            body = lambda acc, layer: (acc + attention(q, pool, layer, table, lens, starts, sm_scale=0.125)[0], None)  # noqa: E731
+
+            def body(acc, layer):
+                return acc + attention(q, pool, layer, table, lens, starts, sm_scale=0.125)[0], None
+
             return jax.lax.scan(body, jnp.zeros_like(q), jnp.arange(LAYERS))[0]
 
         return run
@@ -119,7 +122,8 @@ def decode_attention(repeats: int, rng: np.random.Generator) -> None:
         times = {k: median_ms(fn, q, pool, table, lens, repeats=repeats) for k, fn in runs.items()}
         print(
             f"decode attention, {name}: native {times['native']:6.1f} ms  xla {times['xla']:6.1f} ms  "
-            f"ratio {times['native'] / times['xla']:.2f}  max|diff| {float(jnp.abs(outs['native'] - outs['xla']).max()):.1e}",
+            f"ratio {times['native'] / times['xla']:.2f}  max|diff| "
+            f"{float(jnp.abs(outs['native'] - outs['xla']).max()):.1e}",
             flush=True,
         )
 

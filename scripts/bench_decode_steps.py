@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from real_model import smollm2_gguf_path  # noqa: E402
+from real_model import smollm2_gguf_path
 
-from strata_jax.api import SamplingParams  # noqa: E402
-from strata_jax.engine import Engine, EngineConfig  # noqa: E402
+from strata_jax.api import SamplingParams
+from strata_jax.engine import Engine, EngineConfig
 
 
 def main() -> None:
@@ -47,7 +47,10 @@ def main() -> None:
 
     cost.observe_decode = record
     rng = np.random.default_rng(0)
-    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
     try:
         for rows in (int(b) for b in args.batches.split(",")):
             engine.flush_cache()
@@ -58,7 +61,8 @@ def main() -> None:
             times = [s for r, s in steps if r == rows]
             step = statistics.median(times)
             print(
-                f"decode {rows:2d} rows, {args.context}-token contexts: {len(times)} steps, median {step * 1e3:.1f} ms ({rows / step:.1f} tok/s)"
+                f"decode {rows:2d} rows, {args.context}-token contexts: {len(times)} steps, median {step * 1e3:.1f} ms "
+                f"({rows / step:.1f} tok/s)"
             )
     finally:
         engine.shutdown()

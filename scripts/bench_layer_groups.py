@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def held_bytes(engine) -> dict:  # noqa: ANN001
+def held_bytes(engine) -> dict:
     """Device KV bytes the running requests hold, as ``cache_stats()["running_device_kv_bytes"]``
     counts them (``CacheController.device_kv_bytes``: their pages' global layers plus the local
     layers of the pages their windows pin; layer-first: every layer of every page)."""
@@ -54,13 +54,13 @@ def held_bytes(engine) -> dict:  # noqa: ANN001
 class PeakHeld:
     """The largest ``held_bytes`` seen at any step of the engine (sampled on the engine thread)."""
 
-    def __init__(self, engine) -> None:  # noqa: ANN001
+    def __init__(self, engine) -> None:
         self.peak: dict = {"bytes": 0}
         self.engine = engine
         core = engine.core
         real = core.pages.ensure_pages
 
-        def ensure_pages(t, tokens) -> None:  # noqa: ANN001
+        def ensure_pages(t, tokens) -> None:
             real(t, tokens)
             now = held_bytes(engine)
             if now["bytes"] > self.peak["bytes"]:
@@ -72,7 +72,7 @@ class PeakHeld:
         self.peak = {"bytes": 0}
 
 
-def timed_request(engine, prompt: list[int], decode_tokens: int, at_first_token=None) -> tuple:  # noqa: ANN001
+def timed_request(engine, prompt: list[int], decode_tokens: int, at_first_token=None) -> tuple:
     """(TTFT s, decode tok/s, tokens, what ``at_first_token()`` returned when its first token arrived)."""
     from strata_jax.api import SamplingParams
     from strata_jax.engine.sinks import CallbackSink
@@ -81,7 +81,7 @@ def timed_request(engine, prompt: list[int], decode_tokens: int, at_first_token=
     done = threading.Event()
     seen_first: list[object] = []
 
-    def on_chunk(chunk) -> None:  # noqa: ANN001
+    def on_chunk(chunk) -> None:
         arrivals.append((time.perf_counter(), list(chunk.token_ids)))
         if chunk.token_ids and not seen_first and at_first_token is not None:
             seen_first.append(at_first_token())
@@ -136,7 +136,10 @@ def run(
     }
     peaks = {name: PeakHeld(engine) for name, engine in engines.items()}
     # L2 in the same bytes (hicache_ratio x L1 at full width): how many pages each holds
-    l2 = {name: {"pages": e.ctl.host_alloc.num_pages, "bytes": e.ctl.transfers.host_pool.nbytes} for name, e in engines.items()}
+    l2 = {
+        name: {"pages": e.ctl.host_alloc.num_pages, "bytes": e.ctl.transfers.host_pool.nbytes}
+        for name, e in engines.items()
+    }
     keys = ("ttft_s", "decode_tok_s", "l2_ttft_s")
     samples: dict[str, dict[str, list[float]]] = {name: {k: [] for k in keys} for name in engines}
     held: dict[str, dict] = {}
@@ -144,7 +147,7 @@ def run(
     loaded: dict[str, dict] = {}
     tokens: dict[str, dict[str, list[int]]] = {name: {} for name in engines}
     try:
-        for name, engine in engines.items():  # compile both before timing
+        for engine in engines.values():  # compile both before timing
             engine.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
             engine.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
             engine.flush_cache("device")

@@ -36,7 +36,7 @@ rng = np.random.default_rng(0)
 prompts = [rng.integers(3, 40000, size=300).tolist() for _ in range(16)]
 rates = {s: {1: [], 16: []} for s in engines}
 toks = {}
-for rep in range(3):
+for _ in range(3):
     for scan, e in engines.items():
         for b in (1, 16):
             e.flush_cache("all")

@@ -722,7 +722,8 @@ def cmd_failover(args: argparse.Namespace) -> int:
         (
             "the survivors kept serving",
             any(a.error is None and a.replica in survivors and a.start_s > kill_s for a in answers),
-            f"{sum(1 for a in answers if a.error is None and a.replica in survivors and a.start_s > kill_s)} answered after the kill",
+            f"{sum(1 for a in answers if a.error is None and a.replica in survivors and a.start_s > kill_s)} answered "
+            "after the kill",
         ),
     ]
     for a in errors:

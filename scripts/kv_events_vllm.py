@@ -52,15 +52,20 @@ def stored_on_gpu(batches) -> list[BlockStored]:
 
 
 document = " ".join(f"Fact {i}: the {i}th stone of the wall is grey." for i in range(40))
-ask = lambda q: post(
-    "/v1/chat/completions",
-    {
-        "model": "strata-events",
-        "max_tokens": 4,
-        "temperature": 0,  # noqa: E731
-        "messages": [{"role": "user", "content": f"{document}\n\n{q}"}],
-    },
-)
+
+
+def ask(q: str) -> dict:
+    return post(
+        "/v1/chat/completions",
+        {
+            "model": "strata-events",
+            "max_tokens": 4,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": f"{document}\n\n{q}"}],
+        },
+    )
+
+
 first = ask("Which stone is grey?")
 collect()
 n_first = len(received)
@@ -112,6 +117,7 @@ print(f"decoded {len(received)} batches, {len(events)} events with vLLM's KVEven
 print(
     f"first question: {prompt_tokens} prompt tokens -> {len(blocks)} GPU blocks stored; "
     f"second: {cached} cached tokens, {sum(len(e.block_hashes) for e in later)} new blocks chained on block "
-    f"{later[0].parent_block_hash:#018x}; flush -> AllBlocksCleared; replay from seq {start}: {len(replayed)} batches, same bytes"
+    f"{later[0].parent_block_hash:#018x}; flush -> AllBlocksCleared; replay from seq {start}: {len(replayed)} batches, "
+    "same bytes"
 )
 print("OK")

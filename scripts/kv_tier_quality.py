@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 TOP = 20
 
 
-def demo_prompts(tokenizer, n: int, length: int, stride: int = 40) -> list[list[int]]:  # noqa: ANN001
+def demo_prompts(tokenizer, n: int, length: int, stride: int = 40) -> list[list[int]]:
     doc = json.loads((ROOT / "strata_jax" / "demo_data" / "loogle_picardo.json").read_text())["text"]
     ids = tokenizer.encode(doc)
     if (n - 1) * stride + length > len(ids):
@@ -55,7 +55,7 @@ def demo_prompts(tokenizer, n: int, length: int, stride: int = 40) -> list[list[
     return [ids[i * stride : i * stride + length] for i in range(n)]
 
 
-def _engine(model: str, **kw):  # noqa: ANN003, ANN202
+def _engine(model: str, **kw):
     from strata_jax.engine import Engine, EngineConfig
 
     base = dict(
@@ -73,7 +73,7 @@ def _engine(model: str, **kw):  # noqa: ANN003, ANN202
     return Engine(EngineConfig(**base))
 
 
-def _chosen_logprob(lp, token: int) -> tuple[float, bool]:  # noqa: ANN001
+def _chosen_logprob(lp, token: int) -> tuple[float, bool]:
     """The logprob of ``token`` at a position (from the top list) and whether it was in it."""
     if lp.token_id == token:
         return lp.logprob, True
@@ -89,7 +89,7 @@ class Tally:
         self.deltas: list[float] = []
         self.flips: list[dict] = []
 
-    def add(self, argmax: int, ref_token: int, ref_logprob: float, lp, where=None, ref_margin=None) -> None:  # noqa: ANN001
+    def add(self, argmax: int, ref_token: int, ref_logprob: float, lp, where=None, ref_margin=None) -> None:
         self.total += 1
         self.agree += argmax == ref_token
         value, inside = _chosen_logprob(lp, ref_token)
@@ -128,7 +128,7 @@ def _device_tokens(prompts: list[list[int]], positions: int) -> int:
 
 def teacher_forced(
     engine, prompts: list[list[int]], ref_tokens: list, ref_lps: list, margins: list, positions: int, check_first=None
-) -> Tally:  # noqa: ANN001
+) -> Tally:
     """Position j of every prompt asked as prompt + the reference's first j tokens, one token
     each; ``check_first(i, output)`` sees each prompt's first ask (where its pages came from)."""
     from strata_jax.api import SamplingParams
@@ -157,7 +157,7 @@ def reference_and_l2(model: str, fmt: str, prompts: list[list[int]], positions: 
         engine.flush_cache("device")
         full_pages = [(len(p) - 1) // 16 * 16 for p in prompts]  # the last token is always computed
 
-        def from_l2(i: int, out) -> None:  # noqa: ANN001
+        def from_l2(i: int, out) -> None:
             if out.cached_tokens["host"] < full_pages[i]:
                 raise RuntimeError(f"prompt {i}: {out.cached_tokens} - its pages did not come from L2")
 
@@ -232,7 +232,8 @@ def run(
     }
     ref = None
     print(
-        f"{'run':<9} {'positions':>9} {'top-1':>7} {'mean|dlp|':>10} {'max|dlp|':>9} {'>top20':>7} {'B/token':>11} {'seconds':>8}"
+        f"{'run':<9} {'positions':>9} {'top-1':>7} {'mean|dlp|':>10} {'max|dlp|':>9} {'>top20':>7} {'B/token':>11} "
+        f"{'seconds':>8}"
     )
     for fmt in formats:
         t0 = time.perf_counter()

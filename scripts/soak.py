@@ -387,7 +387,7 @@ class Client(threading.Thread):
                         s.tally.sent += 1
                         s.tally.by_kind[kind] += 1
                     getattr(self, kind)()
-                except Exception as exc:  # noqa: BLE001 - a bug of ours: count it, go on
+                except Exception as exc:  # a bug of ours: count it, go on
                     s.tally.note(f"client {self.idx}: {type(exc).__name__}: {exc}")
                     with s.tally.lock:
                         s.tally.transport_errors[f"client:{type(exc).__name__}"] += 1
@@ -666,7 +666,8 @@ def sse_lines(r: httpx.Response):
 
 
 class StorageFaults(threading.Thread):
-    """Corrupts / deletes L3 objects every ~``every`` s; makes L3 unwritable for ``outage_s`` every ~``outage_every`` s."""
+    """Corrupts / deletes L3 objects every ~``every`` s; makes L3 unwritable for ``outage_s``
+    every ~``outage_every`` s."""
 
     def __init__(self, soak: Soak, every: float = 10.0, outage_every: float = 90.0, outage_s: float = 10.0):
         super().__init__(name="storage-faults", daemon=True)
@@ -930,11 +931,13 @@ class Soak:
         f = self.faults.counts if self.faults else {}
         st = last.get("storage") or {}
         log(
-            f"t+{time.monotonic() - self.t0:5.0f}s sent {t['sent']} answered {t['answered']} hung up {sum(t['hangups'].values())} "
+            f"t+{time.monotonic() - self.t0:5.0f}s sent {t['sent']} answered {t['answered']} hung up "
+            f"{sum(t['hangups'].values())} "
             f"5xx {self.tally.fives()} status {t['by_status']} transport errors {sum(t['transport_errors'].values())} "
             f"| rss {last.get('rss_mb')} MB host {last.get('host_used_pages')}/{last.get('host_total_pages')} pages "
             f"| L3 objects {st.get('objects')} corrupt {st.get('corrupt')} storage errors {last.get('storage_errors')} "
-            f"| faults {sum(v for k, v in f.items() if k not in ('no_objects', 'raced'))} flushes {len(self.flushes)}+{len(self.load_flushes)} "
+            f"| faults {sum(v for k, v in f.items() if k not in ('no_objects', 'raced'))} flushes "
+            f"{len(self.flushes)}+{len(self.load_flushes)} "
             f"| probes {sum(1 for p in self.probes if p.get('match'))}/{len(self.probes)} ok"
         )
 
@@ -969,8 +972,10 @@ class Soak:
                 if now >= next_flush:
                     rec = self.drained_flush(f"minute {len(self.flushes) + 1}")
                     log(
-                        f"drained flush: host {rec.get('host_used_pages')} device {rec.get('device_used_pages')} pages, "
-                        f"locked {rec.get('locked_nodes')}, probes {'ok' if rec.get('probes_match') else 'MISMATCH'}, paused {rec['paused_s']} s"
+                        f"drained flush: host {rec.get('host_used_pages')} device {rec.get('device_used_pages')} "
+                        "pages, "
+                        f"locked {rec.get('locked_nodes')}, probes {'ok' if rec.get('probes_match') else 'MISMATCH'}, "
+                        f"paused {rec['paused_s']} s"
                     )
                     next_flush += a.flush_every
                     continue
@@ -1203,7 +1208,8 @@ def main(argv: list[str] | None = None) -> int:
     exit_code: int | None = None
     try:
         log(
-            f"soak: {args.minutes:g} min, {args.clients} clients, seed {args.seed}, docs {[len(d) for d in soak.docs]} bytes"
+            f"soak: {args.minutes:g} min, {args.clients} clients, seed {args.seed}, docs {[len(d) for d in soak.docs]} "
+            "bytes"
         )
         soak.run()
         final["alive_at_end"] = server.alive()
@@ -1240,8 +1246,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"by kind: {t['by_kind']}; cached tokens per tier: {t['cached_tokens_per_tier']}")
     print(
-        f"RSS MB: start {m['rss_mb_start']}, warm-up {m['rss_mb_warmup']}, end {m['rss_mb_end']} (growth {m['rss_growth_after_warmup']}), "
-        f"after warm-up {m['rss_mb_min_after_warmup']}..{m['rss_mb_max_after_warmup']} (max/min {m['rss_max_over_min_after_warmup']}); "
+        f"RSS MB: start {m['rss_mb_start']}, warm-up {m['rss_mb_warmup']}, end {m['rss_mb_end']} (growth "
+        f"{m['rss_growth_after_warmup']}), "
+        f"after warm-up {m['rss_mb_min_after_warmup']}..{m['rss_mb_max_after_warmup']} (max/min "
+        f"{m['rss_max_over_min_after_warmup']}); "
         f"threads {m['threads_warmup']} -> {m['threads_end']}"
     )
     print(

@@ -75,7 +75,7 @@ class _GenerationTag(jinja2.ext.Extension):
 class _Namespace(jinja2.utils.Namespace):
     """Jinja's ``namespace`` that refuses underscore attributes (no reaching into Python internals)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - same signature trick as jinja's
+    def __init__(*args: Any, **kwargs: Any) -> None:  # same signature trick as jinja's
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for name in attrs:
@@ -193,7 +193,7 @@ class ChatTemplates:
             )
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidRequestError(f"chat template {template.name!r} ({template.origin}): {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - a template is code: its failures are the request's
+        except Exception as exc:  # a template is code: its failures are the request's
             raise InvalidRequestError(
                 f"chat template {template.name!r} ({template.origin}) failed: {type(exc).__name__}: {exc}"
             ) from None

@@ -114,7 +114,7 @@ class HFTokenizer:
         self.folder = folder
         try:
             self._tok = RawTokenizer.from_file(str(folder / "tokenizer.json"))
-        except Exception as exc:  # noqa: BLE001 - the library raises a bare Exception for bad files
+        except Exception as exc:  # the library raises a bare Exception for bad files
             raise TokenizerFilesError(
                 f"{folder / 'tokenizer.json'}: cannot be read by the tokenizers library: {exc}"
             ) from None
@@ -137,7 +137,7 @@ class HFTokenizer:
         self.eos_token = self.special_tokens.get("eos_token")
         self.bos_token_id = self._token_id(self.bos_token, "bos_token", config_file)
         eos_id = self._token_id(self.eos_token, "eos_token", config_file)
-        self.eos_token_ids = () if eos_id is None else (eos_id,)
+        self.eos_token_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)
         self.chat_templates: ChatTemplates | None = load_chat_templates(folder, config)
         self._log_bos_mismatch(config)
 
@@ -158,14 +158,17 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     @property
-    def raw_tokenizer(self):  # noqa: ANN201 - a ``tokenizers.Tokenizer``
+    def raw_tokenizer(self):  # a ``tokenizers.Tokenizer``
         """The ``tokenizers`` library's tokenizer (a grammar engine reads its vocabulary)."""
         return self._tok
 
     def _template_sources(self) -> str:
         if str(self.folder).endswith(".gguf"):
             return f"no tokenizer.chat_template in {self.folder}"
-        return f"none of chat_template.jinja, chat_template.json or a chat_template in tokenizer_config.json in {self.folder}"
+        return (
+            "none of chat_template.jinja, chat_template.json or a chat_template in tokenizer_config.json "
+            f"in {self.folder}"
+        )
 
     def apply_chat_template(
         self,

@@ -13,7 +13,7 @@ import json
 import sys
 
 
-def runner_steps(mesh) -> dict:  # noqa: ANN001
+def runner_steps(mesh) -> dict:
     """A prefill of two sequences then a decode step; tokens and logits (the test's reference
     calls this with mesh=None)."""
     from strata_jax.models.config import ModelConfig

@@ -659,8 +659,8 @@ def test_evictable_device_tokens_is_what_eviction_frees(policy: str) -> None:
     """
     import copy
 
-    for seed in range(60):
-        rng = np.random.default_rng(seed)
+    for trial in range(60):
+        rng = np.random.default_rng(trial)
         cfg = CacheConfig(
             page_size=2,
             device_pages=24,
@@ -697,7 +697,7 @@ def test_evictable_device_tokens_is_what_eviction_frees(policy: str) -> None:
             elif op == 3:
                 ctl.evict_host(int(rng.integers(1, 7)))
             elif op == 4:  # a waiting request's queued continuation
-                ctl.insert_transient(stems[int(rng.integers(4))] + [9, 9], "", owner=("q", seed, step))
+                ctl.insert_transient(stems[int(rng.integers(4))] + [9, 9], "", owner=("q", trial, step))
             elif op == 5 and inserted:  # a running request pins its prefix
                 m = ctl.match_prefix(inserted[int(rng.integers(len(inserted)))], "")
                 if m.last_node.parent is not None and not m.last_node.is_transient:
@@ -707,7 +707,7 @@ def test_evictable_device_tokens_is_what_eviction_frees(policy: str) -> None:
                 ctl.unlock(locks.pop(int(rng.integers(len(locks)))))
             ctl.drain()
             want = copy.deepcopy(ctl).evict_device(1 << 30) * cfg.page_size
-            assert ctl.evictable_device_tokens() == want, (seed, step)
+            assert ctl.evictable_device_tokens() == want, (trial, step)
             ctl.check()
         ctl.close()
 

@@ -26,15 +26,22 @@ transformers = pytest.importorskip("transformers")
 # A ChatML template that also uses the special tokens, a kwarg, loop controls and the generation tag.
 CHATML = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}{% continue %}{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+    "<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}{% endgeneration %}"
     "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
     "<think>\n\n</think>\n{% endif %}{% endif %}"
 )
 # A template that trims the message text (continue_final_message must then cut before the trimmed end).
-TRIMMING = "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] | trim }}{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
+TRIMMING = (
+    "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] | trim }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
+)
 TOOLS = "{% for m in messages %}TOOL-STYLE {{ m['role'] }}: {{ m['content'] | tojson }}\n{% endfor %}"
-RAISING = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be from the user') }}{% endif %}{{ messages[0]['content'] }}"
+RAISING = (
+    "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be from the user') }}{% endif %}"
+    "{{ messages[0]['content'] }}"
+)
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -168,7 +175,8 @@ def test_jinja_file_takes_precedence_and_legacy_chat_template_json_is_read(tmp_p
     ours = HFTokenizer(tmp_path)
     assert ours.chat_template == TRIMMING  # and it wins over tokenizer_config.json (vLLM reads it first too)
     assert ours.apply_chat_template(CONVERSATION[:2], add_generation_prompt=True) == (
-        '[SYSTEM] You are terse.<|im_end|>\n[USER] What is 2+2? Answer with "four" <b>bold</b> é.<|im_end|>\n[ASSISTANT] '
+        '[SYSTEM] You are terse.<|im_end|>\n[USER] What is 2+2? Answer with "four" <b>bold</b> '
+        "é.<|im_end|>\n[ASSISTANT] "
     )
 
 

@@ -65,7 +65,7 @@ def test_engine_auto_chunk_sets_the_scheduler_budget_and_serves():
         measured = engine.extend_step_seconds
         assert set(measured) == {64, 128, 256}
         assert engine.prefill_chunk == engine.scheduler.config.max_batch_tokens == choose_prefill_chunk(measured)
-        assert engine.scheduler.cost._extend.num_samples >= len(measured)  # noqa: SLF001 - seeded from the steps
+        assert engine.scheduler.cost._extend.num_samples >= len(measured)  # seeded from the steps
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         out = engine.generate([[3 + i % 250 for i in range(600)]], greedy)[0]
         assert len(out.token_ids) == 4

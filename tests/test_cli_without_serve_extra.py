@@ -14,7 +14,8 @@ SCRIPT = """
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('uvicorn', 'fastapi', 'grpc', 'grpc_health', 'grpc_reflection', 'prometheus_client', 'gguf', 'matplotlib'):
+        blocked = ('uvicorn', 'fastapi', 'grpc', 'grpc_health', 'grpc_reflection', 'prometheus_client', 'gguf')
+        if name.split('.')[0] in blocked + ('matplotlib',):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 sys.meta_path.insert(0, Block())

@@ -36,7 +36,7 @@ def tier_tokens(
     traced: set[str] = set()
     real_pallas_call = pl.pallas_call
 
-    def recording_pallas_call(*args, name=None, **kwargs):  # noqa: ANN001, ANN202
+    def recording_pallas_call(*args, name=None, **kwargs):
         traced.add(name)
         return real_pallas_call(*args, name=name, **kwargs)
 

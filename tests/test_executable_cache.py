@@ -65,7 +65,7 @@ def _steps(runner: ModelRunner) -> list:
         )
         out.append(decode)
         tokens = [int(t) for t in decode.next_tokens]
-    if runner._compiled:  # noqa: SLF001 - a warmed-up runner: nothing went through jit
+    if runner._compiled:  # a warmed-up runner: nothing went through jit
         assert runner.compile_count == len(runner.program_shapes)
     return out
 
@@ -356,7 +356,7 @@ def test_a_read_back_program_that_fails_on_the_device_leaves_the_cache(stored_en
     def failing(*_args):
         raise jax.errors.JaxRuntimeError("NOT_FOUND: Function wrapped_iota not found (type id: 1)")
 
-    runner._compiled[shape] = failing  # noqa: SLF001 - stands in for a broken read-back executable
+    runner._compiled[shape] = failing  # stands in for a broken read-back executable
     with (
         caplog.at_level(logging.WARNING, logger="strata_jax.runtime.executable_cache"),
         pytest.raises(jax.errors.JaxRuntimeError),

@@ -216,8 +216,8 @@ def test_incremental_paged_decode_past_the_window_matches_hf(hf_models, kind, pa
     for _ in range(3):
         got.append(runner.step([SeqInput(ids[pos : pos + 7], pos, pages)], all_logits=True).logits)
         pos += 7
-    for pos in range(pos, len(ids)):
-        got.append(runner.step([SeqInput([ids[pos]], pos, pages)], all_logits=True).logits)
+    for p in range(pos, len(ids)):
+        got.append(runner.step([SeqInput([ids[p]], p, pages)], all_logits=True).logits)
     got = np.concatenate(got)
     ref = hf_logits(hf, ids).numpy()
     assert np.abs(got - ref).max() <= TOL

@@ -10,10 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-gguf = pytest.importorskip("gguf", reason="needs the gguf extra: pip install -e '.[gguf]'")
-
-from gguf_reference import write_gguf
 from hf_reference import hf_logits, make_hf_model
 
 from strata_jax.models import gguf_file
@@ -22,6 +18,10 @@ from strata_jax.models.gguf_file import GGUFError, GGUFFile
 from strata_jax.models.gguf_model import convert_gguf
 from strata_jax.models.loader import load_model
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput
+
+gguf = pytest.importorskip("gguf", reason="needs the gguf extra: pip install -e '.[gguf]'")
+
+from gguf_reference import write_gguf  # noqa: E402 - imports gguf: only after the importorskip above
 
 REPO = Path(__file__).resolve().parents[1]
 Q = gguf.GGMLQuantizationType

@@ -150,7 +150,7 @@ def test_platform_and_config_take_fp8_and_refuse_other_names():
         EngineConfig(model="tiny", dtype="fp8")
 
 
-def _engine(tmp_path, **kw):  # noqa: ANN001, ANN003, ANN202
+def _engine(tmp_path, **kw):
     from strata_jax.engine import Engine, EngineConfig
 
     base = dict(

@@ -402,7 +402,7 @@ def test_device_kv_bytes_a_running_request_holds(tmp_path):
 
             first_token, release = threading.Event(), threading.Event()
 
-            def on_chunk(chunk) -> None:  # noqa: ANN001
+            def on_chunk(chunk, first_token=first_token, release=release) -> None:  # noqa: ANN001
                 if chunk.token_ids and not first_token.is_set():
                     first_token.set()
                     release.wait(60)  # hold the request at its first token while the stats are read
@@ -411,11 +411,15 @@ def test_device_kv_bytes_a_running_request_holds(tmp_path):
             engine.submit(
                 list(range(1, 201)),
                 SamplingParams(max_tokens=8, ignore_eos=True),
-                sink=CallbackSink(on_chunk, lambda exc: finished.set()),
+                sink=CallbackSink(on_chunk, lambda exc, finished=finished: finished.set()),
             )
             assert first_token.wait(120)
             stats_thread_result = {}
-            reader = threading.Thread(target=lambda: stats_thread_result.update(engine.cache_stats()))
+
+            def read_stats(out: dict = stats_thread_result, engine: Engine = engine) -> None:
+                out.update(engine.cache_stats())
+
+            reader = threading.Thread(target=read_stats)
             reader.start()
             reader.join(60)  # the engine thread answers while the output thread holds the first token
             release.set()

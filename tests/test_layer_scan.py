@@ -56,7 +56,7 @@ def _kernel_slices(layer_weights: str) -> list[str]:
         if a.ndim == 3
         for prefix in ("", "1,")
     }
-    text = runner._step.lower(*runner._warmup_args((1, 1)), False).compile().as_text()  # noqa: SLF001
+    text = runner._step.lower(*runner._warmup_args((1, 1)), False).compile().as_text()
     return [line for line in text.splitlines() if "dynamic-slice(" in line and any(f"= {s}" in line for s in shapes)]
 
 
@@ -97,7 +97,7 @@ def test_hf_names_map_to_stacked_rows(name, path, layer, transpose):
     assert hf_name_to_param(name) == (path, layer, transpose)
 
 
-def _runner(scan_layers: bool, mesh=None, layer_weights: str = "stacked") -> ModelRunner:  # noqa: ANN001
+def _runner(scan_layers: bool, mesh=None, layer_weights: str = "stacked") -> ModelRunner:
     return ModelRunner(
         random_model(CONFIG, seed=3),
         RunnerConfig(
@@ -138,7 +138,7 @@ def test_per_layer_weights_under_tensor_parallelism_agree_with_the_stacked_scan(
     unrolled and under the scan (where the switch picks among sharded kernels)."""
     from strata_jax.runtime import sharding
 
-    def logits(scan_layers: bool, layer_weights: str):  # noqa: ANN202
+    def logits(scan_layers: bool, layer_weights: str):
         runner = _runner(scan_layers, mesh=sharding.make_mesh(2), layer_weights=layer_weights)
         if layer_weights == "per_layer":
             q = runner.state[1][0]["self_attn"]["q_proj"]["kernel"][...]

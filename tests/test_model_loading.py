@@ -145,7 +145,10 @@ def test_truncated_weights_are_a_clear_error(hf_folder, tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    code = "import sys; from serving.cli import main; sys.exit(main(['generate', '--model', sys.argv[1], '--prompt-ids', '1,2']))"
+    code = (
+        "import sys; from serving.cli import main; "
+        "sys.exit(main(['generate', '--model', sys.argv[1], '--prompt-ids', '1,2']))"
+    )
     done = subprocess.run(
         [sys.executable, "-c", code, str(folder)],
         check=False,
@@ -222,7 +225,10 @@ def test_hf_tokenizer_and_chat_template(tmp_path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
     (tmp_path / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": template})
     )
@@ -276,7 +282,8 @@ def rss_anon():
 import jax, jax.numpy as jnp
 from strata_jax.bench.startup import write_random_model
 from strata_jax.models.loader import load_model
-folder = write_random_model(Path(sys.argv[1]), int(sys.argv[2])) if not Path(sys.argv[1]).exists() else Path(sys.argv[1])
+given = Path(sys.argv[1])
+folder = write_random_model(given, int(sys.argv[2])) if not given.exists() else given
 if len(sys.argv) > 3:  # save an orbax checkpoint of it (in this process), to be measured by the next
     from strata_jax.models.checkpoint import save_checkpoint
     save_checkpoint(load_model(str(folder), show_progress=False).model, sys.argv[3])

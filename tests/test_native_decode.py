@@ -123,7 +123,7 @@ def test_rows_sharing_a_prefix_and_long_rows_split_across_threads():
     np.testing.assert_allclose(got, xla, atol=2e-5, rtol=2e-5)
 
 
-def check_traced_layer_and_window_under_a_scan(kernel, q_lens, ctx_lens, pad_tokens: int = 0) -> None:  # noqa: ANN001
+def check_traced_layer_and_window_under_a_scan(kernel, q_lens, ctx_lens, pad_tokens: int = 0) -> None:
     """Under ``jax.lax.scan`` (the model's layer loop) the layer index and window are
     traced values; each layer reads its own rows of the pool (K and V scaled by 1, 2, 3),
     and the pool comes back unchanged.  ``kernel``: a native ``*_attention_pool``."""
@@ -188,9 +188,9 @@ def test_the_cpu_backend_takes_the_decode_kernel_for_decodes(monkeypatch):
     pool = nan_pool(k, v)
     assert dispatch.get_implementation("ragged_paged_attention_pool", "xla") is native.cpu_paged_attention_pool
 
-    def custom_calls(pool, q=q, qs=qs, seq_lens=seq_lens, table=table) -> int:  # noqa: ANN001
+    def custom_calls(pool, q=q, qs=qs, seq_lens=seq_lens, table=table) -> int:
         fn = jax.jit(lambda p: native.cpu_paged_attention_pool(q, p, 1, table, seq_lens, qs, sm_scale=0.25)[0])
-        return fn.lower(pool).as_text().count(native._TARGET)  # noqa: SLF001
+        return fn.lower(pool).as_text().count(native._TARGET)
 
     assert custom_calls(pool) == 1
     assert custom_calls(pool.astype(jnp.bfloat16)) == 0
@@ -198,13 +198,13 @@ def test_the_cpu_backend_takes_the_decode_kernel_for_decodes(monkeypatch):
     extend_qs = jnp.asarray([0, 3, 4], jnp.int32)
     assert custom_calls(pool, q=extend_q, qs=extend_qs, seq_lens=seq_lens + jnp.asarray([2, 0])) == 0
     monkeypatch.setenv(native.ENV_VAR, "0")
-    native._load.cache_clear()  # noqa: SLF001
+    native._load.cache_clear()
     try:
         assert not native.available() and "off" in native.status()
         assert custom_calls(pool) == 0
     finally:
         monkeypatch.delenv(native.ENV_VAR)
-        native._load.cache_clear()  # noqa: SLF001
+        native._load.cache_clear()
     assert native.available()
 
 

@@ -97,7 +97,7 @@ def test_the_cpu_backend_takes_the_extend_kernel_for_float32_and_whole_tiles(mon
     with ``$STRATA_NATIVE_KERNELS=0``."""
     assert dispatch.get_implementation("ragged_paged_attention_pool", "xla") is native.cpu_paged_attention_pool
 
-    def custom_calls(head_dim: int, dtype=jnp.float32) -> int:  # noqa: ANN001
+    def custom_calls(head_dim: int, dtype=jnp.float32) -> int:
         rng = np.random.default_rng(head_dim)
         args, _ = make_batch(
             rng,
@@ -113,7 +113,7 @@ def test_the_cpu_backend_takes_the_extend_kernel_for_float32_and_whole_tiles(mon
         q, k, v, table, seq_lens, qs = args
         pool = nan_pool(k, v).astype(dtype)
         fn = jax.jit(lambda p: native.cpu_paged_attention_pool(q, p, 1, table, seq_lens, qs, sm_scale=0.25)[0])
-        return fn.lower(pool).as_text().count(native._EXTEND_TARGET)  # noqa: SLF001
+        return fn.lower(pool).as_text().count(native._EXTEND_TARGET)
 
     assert custom_calls(16) == 1
     assert custom_calls(16, jnp.bfloat16) == 0
@@ -129,7 +129,7 @@ def test_the_cpu_backend_takes_the_extend_kernel_for_float32_and_whole_tiles(mon
             sm_scale=1.0,
         )
     monkeypatch.setenv(native.ENV_VAR, "0")
-    native._load.cache_clear()  # noqa: SLF001
+    native._load.cache_clear()
     try:
         assert custom_calls(16) == 0
         with pytest.raises(native.NativeBuildError, match="off"):
@@ -144,5 +144,5 @@ def test_the_cpu_backend_takes_the_extend_kernel_for_float32_and_whole_tiles(mon
             )
     finally:
         monkeypatch.delenv(native.ENV_VAR)
-        native._load.cache_clear()  # noqa: SLF001
+        native._load.cache_clear()
     assert native.available()

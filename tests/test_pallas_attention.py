@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,7 +47,10 @@ def make_batch(rng, *, page_size, q_lens, ctx_lens, num_q_heads, num_kv_heads, h
     num_tokens = int(query_start[-1]) + pad_tokens
     q = np.full((num_tokens, num_q_heads, head_dim), np.nan, np.float32)
     q[: query_start[-1]] = rng.standard_normal((int(query_start[-1]), num_q_heads, head_dim))
-    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+
+    def cast(x: np.ndarray) -> jax.Array:
+        return jnp.asarray(x, dtype)
+
     args = (
         cast(q),
         cast(k_pages),

@@ -166,18 +166,18 @@ def build(
     return model
 
 
-def fresh_rope(hf) -> None:  # noqa: ANN001
+def fresh_rope(hf) -> None:
     """Reset transformers' rotary state (dynamic / longrope keep the last sequence's frequencies)."""
     hf.model.rotary_emb = type(hf.model.rotary_emb)(hf.config)
 
 
-def hf_logits(hf, ids: list[int]) -> np.ndarray:  # noqa: ANN001
+def hf_logits(hf, ids: list[int]) -> np.ndarray:
     fresh_rope(hf)
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float().numpy()
 
 
-def hf_greedy(hf, prompt: list[int], n: int):  # noqa: ANN001
+def hf_greedy(hf, prompt: list[int], n: int):
     """transformers' greedy continuation (KV-cached generate) and its per-step logits."""
     fresh_rope(hf)
     ids = torch.tensor([prompt])
@@ -195,7 +195,7 @@ def hf_greedy(hf, prompt: list[int], n: int):  # noqa: ANN001
     return out.sequences[0, len(prompt) :].tolist(), torch.stack(out.logits)[:, 0].float().numpy()
 
 
-def runner(model, context: int = 512) -> ModelRunner:  # noqa: ANN001
+def runner(model, context: int = 512) -> ModelRunner:
     return ModelRunner(
         model,
         RunnerConfig(
@@ -331,7 +331,8 @@ def test_qwen3_yarn_config_loads_and_context_follows_max_position_embeddings():
     assert ModelConfig.from_hf_dict(t5) == ModelConfig.from_hf_dict(
         dict(QWEN3_8B, max_position_embeddings=131072, rope_scaling=QWEN3_YARN)
     )
-    # "type" (transformers 4's older key) and a top-level original_max_position_embeddings (Phi-3 style) win as in transformers
+    # "type" (transformers 4's older key) and a top-level original_max_position_embeddings (Phi-3 style)
+    # win as in transformers
     old = ModelConfig.from_hf_dict(
         dict(QWEN3_8B, original_max_position_embeddings=16384, rope_scaling={"type": "yarn", "factor": 4.0})
     )

@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 DESCRIPTION = "ragged paged attention: Pallas kernel vs pure-JAX reference (decode bandwidth on GPU)"
 
@@ -63,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _resolve(args: argparse.Namespace, on_gpu: bool) -> dict:
     defaults = _GPU_DEFAULTS if on_gpu else _CPU_DEFAULTS
-    shape = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
+    shape: dict[str, Any] = {
+        key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()
+    }
     for key in ("batch", "context", "q_heads", "kv_heads", "head_dim"):
         if shape[key] <= 0:
             raise SystemExit(f"--{key.replace('_', '-')} must be positive")
@@ -181,8 +184,10 @@ def run(args: argparse.Namespace) -> int:
             row = report[name]
             print(
                 f"{name:>7}: {row['sequences']} seqs, {row['tokens']} new tokens, {row['kv_tokens']} KV tokens | "
-                f"kernel {row['kernel_ms']:.3f} ms ({row['kernel_gbps']:.1f} GB/s) | reference {row['reference_ms']:.3f} ms "
-                f"({row['reference_gbps']:.1f} GB/s) | x{row['speedup_vs_reference']:.2f} | max|err| {row['max_abs_err']:.2e}"
+                f"kernel {row['kernel_ms']:.3f} ms ({row['kernel_gbps']:.1f} GB/s) | reference "
+                f"{row['reference_ms']:.3f} ms "
+                f"({row['reference_gbps']:.1f} GB/s) | x{row['speedup_vs_reference']:.2f} | max|err| "
+                f"{row['max_abs_err']:.2e}"
             )
     if args.json:
         with open(args.json, "w") as fh:

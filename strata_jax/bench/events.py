@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def drain() -> None:
-        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock: zmq.Socket = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(endpoint)
         while not stop.is_set():
@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     # The engine thread's own cost of events, timed directly (the throughput ratio alone
     # cannot resolve a few percent on a noisy machine): the tree observer and end_step.
     recorder = engines["on"].core.kv_event_recorder
+    assert recorder is not None  # the "on" engine publishes KV events
     spent = [0.0]
 
     def timed(fn):
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         return wrapper
 
     engines["on"].ctl.tree.tier_observer = timed(recorder.observe)
-    recorder.end_step = timed(recorder.end_step)
+    recorder.end_step = timed(recorder.end_step)  # type: ignore[method-assign]  # timing wrapper, this instance
     assert engines["off"].ctl.tree.tier_observer is None and engines["off"].core.kv_event_recorder is None
     consumer = threading.Thread(target=drain, daemon=True)
     consumer.start()
@@ -113,18 +114,21 @@ def run(args: argparse.Namespace) -> int:
     off = statistics.median(r["off"] for r in rows)
     on = statistics.median(r["on"] for r in rows)
     print(
-        f"{args.model}, batch {args.batch}, {args.prompt_tokens} prompt + {args.tokens} output tokens, {args.repeats} alternations"
+        f"{args.model}, batch {args.batch}, {args.prompt_tokens} prompt + {args.tokens} output tokens, {args.repeats} "
+        "alternations"
     )
     for r in rows:
         print(f"  events off {r['off']:8.1f} tok/s   on {r['on']:8.1f} tok/s   ({r['on'] / r['off']:.3f}x)")
     print(
         f"events on / off: {on / off:.3f}x (medians {on:.1f} / {off:.1f} tok/s); "
-        f"{stats['batches_total']} batches, {stats['events_total']} events published, {stats['dropped_events_total']} dropped, "
+        f"{stats['batches_total']} batches, {stats['events_total']} events published, {stats['dropped_events_total']} "
+        "dropped, "
         f"{received[0]} batches received"
     )
     share = spent[0] / on_wall
     print(
-        f"engine thread in the events recorder: {1e3 * spent[0]:.1f} ms of {on_wall:.2f} s ({100 * share:.3f}% of the wall time); "
+        f"engine thread in the events recorder: {1e3 * spent[0]:.1f} ms of {on_wall:.2f} s ({100 * share:.3f}% of the "
+        "wall time); "
         "off: no observer on the tree"
     )
     if args.json:

@@ -76,7 +76,8 @@ def transfer_lines(out: Path) -> list[str]:
         nbytes = row["bytes"]
         link = nbytes / (row["split_ms"]["transfer"] * 1e-3) / 1e9 if row["split_ms"]["transfer"] > 0 else float("inf")
         parts = [
-            f"staging {row['coalesced_gbps']:.2f}{_pct(row['coalesced_gbps'], peak)} [its device_put {link:.1f}{_pct(link, peak)}]"
+            f"staging {row['coalesced_gbps']:.2f}{_pct(row['coalesced_gbps'], peak)} [its device_put "
+            f"{link:.1f}{_pct(link, peak)}]"
         ]
         if "pinned_pages_gbps" in row:
             t = row["pinned_split_ms"]["transfer"]
@@ -107,7 +108,8 @@ def profile_lines(out: Path) -> list[str]:
         return [f"calibrate: {problem}"]
     return [
         f"calibrated profile ({p.get('name')}): link peak {p['link_peak_bytes_per_s'] / 1e9:.1f} GB/s, "
-        f"coalesced efficiency {p['coalesced_efficiency']:.2f}, naive copy overhead {p['naive_copy_overhead_s'] * 1e6:.1f} us, "
+        f"coalesced efficiency {p['coalesced_efficiency']:.2f}, naive copy overhead "
+        f"{p['naive_copy_overhead_s'] * 1e6:.1f} us, "
         f"HBM {p['hbm_bytes_per_s'] / 1e9:.0f} GB/s, matmul {p['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s"
     ]
 
@@ -117,7 +119,7 @@ def summarize(out: Path) -> str:
     for part in (tests_lines, transfer_lines, roofline_lines, profile_lines):
         try:
             lines += part(out)
-        except Exception as exc:  # noqa: BLE001 - a summary of what is there, whatever is not
+        except Exception as exc:  # a summary of what is there, whatever is not
             lines.append(f"{part.__name__}: could not summarise ({type(exc).__name__}: {exc})")
     return "\n".join(lines)
 

@@ -85,7 +85,10 @@ def _run_worker(checkout: Path, argv: list[str]) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(checkout) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("JAX_PLATFORMS", "cpu")
-    code = f"import runpy, sys; sys.argv = ['host_worker'] + {argv!r}; runpy.run_path({str(WORKER)!r}, run_name='__main__')"
+    code = (
+        f"import runpy, sys; sys.argv = ['host_worker'] + {argv!r}; "
+        f"runpy.run_path({str(WORKER)!r}, run_name='__main__')"
+    )
     with tempfile.TemporaryDirectory() as cwd:  # nothing of this tree shadows the checkout's modules
         proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -181,7 +184,8 @@ def _print_sim(label: str, sim: dict) -> None:
 def _print_real(label: str, real: dict, model: str) -> None:
     print(f"\n(b) {label}: the real engine, {model} (host = step wall - time blocked on the device)")
     print(
-        f"{'batch':>6}{'steps':>7}{'host ms':>10}{'us/req':>8}{'wait ms':>9}{'idle dispatches (ms/step)':>27}  phases ms"
+        f"{'batch':>6}{'steps':>7}{'host ms':>10}{'us/req':>8}{'wait ms':>9}"
+        f"{'idle dispatches (ms/step)':>27}  phases ms"
     )
     for b, r in real.items():
         if b == "samples" or r["host_ms"] is None:
@@ -192,7 +196,8 @@ def _print_real(label: str, real: dict, model: str) -> None:
             idle = f"serial: all ({r['host_ms']:.2f})"
         phases = " ".join(f"{k} {v:.2f}" for k, v in sorted(r["phases_ms"].items()))
         print(
-            f"{b:>6}{r['steps']:>7}{r['host_ms']:>10.2f}{r['host_us_per_request']:>8.1f}{r['device_wait_ms']:>9.2f}{idle:>27}  {phases}"
+            f"{b:>6}{r['steps']:>7}{r['host_ms']:>10.2f}{r['host_us_per_request']:>8.1f}"
+            f"{r['device_wait_ms']:>9.2f}{idle:>27}  {phases}"
         )
 
 

@@ -27,13 +27,13 @@ from pathlib import Path
 
 
 def _admit(core, tracked) -> None:
-    submit = getattr(core, "admit", None) or core._admit  # noqa: SLF001 - the commit before had no public method
+    submit = getattr(core, "admit", None) or core._admit  # the commit before had no public method
     submit(tracked)
 
 
 def _live(core) -> bool:
     live = getattr(core, "has_live_requests", None)
-    return live() if live is not None else bool(core._tracked)  # noqa: SLF001 - the commit before
+    return live() if live is not None else bool(core._tracked)  # the commit before
 
 
 def _decode_rows(record) -> int:
@@ -202,7 +202,7 @@ def run_real(
         for batch in batches:
             core.plan_log = []
             params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
-            for i in range(batch):
+            for _ in range(batch):
                 n = prompt_tokens if not mixed else int(rng.integers(prompt_tokens // 4, prompt_tokens + 1))
                 engine.submit(rng.integers(3, min(vocab, 20000), size=n).tolist(), params)
             if hasattr(engine, "core"):  # this tree: a public step drains the inbox itself

@@ -81,7 +81,7 @@ def cleanup_temp_storage() -> None:
         shutil.rmtree(_TEMP_DIRS.pop(), ignore_errors=True)
 
 
-def build_controller(args: argparse.Namespace, device_tokens: int):  # noqa: ANN201
+def build_controller(args: argparse.Namespace, device_tokens: int):
     """A controller shaped by the shared flags (and a temporary storage dir when none is given)."""
     import tempfile
 
@@ -109,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device-rounds",
         type=float,
         default=4.0,
-        help="when --device-tokens is not given: L1 = this many rounds of all clients' history, k*clients*(T+O) (default 4)",
+        help="when --device-tokens is not given: L1 = this many rounds of all clients' history, k*clients*(T+O) "
+        "(default 4)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random token ids seed (default 0)")
     parser.add_argument(
@@ -121,7 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="run through the Engine with this model ('tiny' or a local HF folder): real prefill/decode, all clients of a round submitted at once",
+        help="run through the Engine with this model ('tiny' or a local HF folder): real prefill/decode, all clients "
+        "of a round submitted at once",
     )
     parser.add_argument(
         "--max-batch-tokens", type=int, default=512, help="with --model: new tokens per prefill step (default 512)"
@@ -201,7 +203,8 @@ def run_with_engine(args: argparse.Namespace, device_tokens: int) -> dict:
             total_cached += sum(tiers.values())
             histories = [p + list(out.token_ids) for p, out in zip(prompts, outs)]
             print(
-                f"{r:>5} {hit:7.3f} {tiers['device'] / n:7.3f} {tiers['host'] / n:7.3f} {tiers['storage'] / n:7.3f} {ceiling(r, t, o):7.3f}"
+                f"{r:>5} {hit:7.3f} {tiers['device'] / n:7.3f} {tiers['host'] / n:7.3f} {tiers['storage'] / n:7.3f} "
+                f"{ceiling(r, t, o):7.3f}"
             )
         stats = engine.cache_stats()
     finally:
@@ -270,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
         total_prompt += prompt_tok
         total_cached += dev + host + sto
         print(
-            f"{r:>5} {hit:7.3f} {dev / prompt_tok:7.3f} {host / prompt_tok:7.3f} {sto / prompt_tok:7.3f} {ceiling(r, t, o):7.3f} {unfit:>5}"
+            f"{r:>5} {hit:7.3f} {dev / prompt_tok:7.3f} {host / prompt_tok:7.3f} {sto / prompt_tok:7.3f} "
+            f"{ceiling(r, t, o):7.3f} {unfit:>5}"
         )
     elapsed = time.perf_counter() - start
     result = {

@@ -38,9 +38,9 @@ The shares of TTFT sum to 1.  The matmuls are also set against the machine: thei
 (``projection_flops``) over their time, next to the rate of a square float32 matmul of
 a comparable size (the cube root of tokens x hidden x intermediate) timed with jax, and
 attention's causal work (``attention_flops``) against the same rate.  The whole and the
-parts are measured minutes apart, so a 1024^3 matmul is timed when the process's first engine starts (this one, from the CLI) and
-again after the pieces: a machine whose speed changed meanwhile is warned about.
-With several chunk sizes a per-chunk table shows each chunk's device time per token,
+parts are measured minutes apart, so a 1024^3 matmul is timed when the process's first
+engine starts (this one, from the CLI) and again after the pieces: a machine whose speed
+changed meanwhile is warned about.  With several chunk sizes a per-chunk table shows each chunk's device time per token,
 whether work grows faster than linearly with the chunk.
 """
 
@@ -54,8 +54,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from strata_jax.runtime.compute_prior import attention_flops, lm_head_flops, projection_flops
+
+if TYPE_CHECKING:
+    from strata_jax.engine import Engine
 
 DESCRIPTION = "one cold prefill split into matmuls, attention, KV writes, LM head, sampling, padding and host time"
 
@@ -161,7 +165,7 @@ def _median_time(call: Callable[[], object], repeats: int) -> float:
 
 
 # ---------------------------------------------------------------------------- the engine
-def _measure_engine(args: argparse.Namespace, chunk: int) -> tuple[dict, object]:
+def _measure_engine(args: argparse.Namespace, chunk: int) -> tuple[dict, Engine]:
     """Cold prefills of fresh prompts through one engine; returns (numbers, the engine)."""
     import numpy as np
 
@@ -192,7 +196,8 @@ def _measure_engine(args: argparse.Namespace, chunk: int) -> tuple[dict, object]
             steps.append((sum(part.step.num_tokens for part in pending.parts), float(out.seconds or 0.0)))
         return out
 
-    executor.collect = timed_collect  # this instance only: the core calls self.executor.collect
+    # this instance only: the core calls self.executor.collect
+    executor.collect = timed_collect  # type: ignore[method-assign]  # timing wrapper, restored below
     rng = np.random.default_rng(args.seed + 7919 * chunk)
     low, high = 3, max(4, min(engine.vocab_size, 32000) - 2)  # clear of the byte model's BOS/EOS
     params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -207,7 +212,7 @@ def _measure_engine(args: argparse.Namespace, chunk: int) -> tuple[dict, object]
             runs.append(
                 {"ttft_s": out.ttft_s, "wall_s": wall, "device_s": sum(s for _, s in steps), "steps": list(steps)}
             )
-    executor.collect = collect
+    executor.collect = collect  # type: ignore[method-assign]  # the original bound method back
     median = sorted(runs, key=lambda r: r["ttft_s"])[(len(runs) - 1) // 2]
     return {"runs": runs, "median": median, "device_tokens": device_tokens}, engine
 
@@ -265,7 +270,9 @@ class _Pieces:
             max_rows=runner.config.max_batch_size,
             mask_words=-(-c.vocab_size // 32),
         )
-        self.slot = self.seqs.acquire()
+        slot = self.seqs.acquire()
+        assert slot is not None  # a new SeqState: every slot is free
+        self.slot = slot
         self.prompt = np.random.default_rng(seed).integers(3, max(4, min(c.vocab_size, 32000) - 2), size=total_tokens)
         self._inputs: dict[int, dict] = {}
         self._jit()
@@ -415,9 +422,9 @@ class _Pieces:
         last = plan.start + n == len(self.prompt)
         pages = list(range(-(-(plan.start + n) // self.page_size)))
         self.seqs.write_rows([(self.slot, pages, plan.start, 0, 0, RowParams(min_tokens=0))])
-        x = empty_inputs(T, B, padding_slot=self.seqs.padding_slot, page_size=self.page_size)
-        pack_extend(x, [ExtendRow(self.slot, self.prompt[plan.start : plan.start + n].tolist(), plan.start, last)])
-        x = {k: jnp.asarray(v) for k, v in x.items()}
+        packed = empty_inputs(T, B, padding_slot=self.seqs.padding_slot, page_size=self.page_size)
+        pack_extend(packed, [ExtendRow(self.slot, self.prompt[plan.start : plan.start + n].tolist(), plan.start, last)])
+        x = {k: jnp.asarray(v) for k, v in packed.items()}
         act = self.random_inputs(T)
         hidden = act["x"]
         tables = self.seqs.tables
@@ -522,9 +529,8 @@ def _breakdown(args: argparse.Namespace, chunk: int) -> dict:
     from strata_jax.runtime.compute_prior import matmul_flops_per_s
 
     engine_numbers, engine = _measure_engine(args, chunk)
-    rate_at_start = (
-        engine.matmul_flops_per_s
-    )  # timed (1024^3) when the first engine of the process starts: this one, run from the CLI
+    # timed (1024^3) when the first engine of the process starts: this one, run from the CLI
+    rate_at_start = engine.matmul_flops_per_s
     engine.shutdown()
     r = engine.runner
     runner = SimpleNamespace(
@@ -536,7 +542,7 @@ def _breakdown(args: argparse.Namespace, chunk: int) -> dict:
     pieces = _Pieces(runner, args.tokens, args.seed)
     config = pieces.config
     shape_cache: dict = {}
-    per_chunk = []
+    per_chunk: list[dict[str, Any]] = []
     for plan in plans:
         measured = pieces.measure(plan, args.repeats, shape_cache)
         per_chunk.append(
@@ -603,7 +609,8 @@ def _print_breakdown(model: str, tokens: int, r: dict) -> None:
     buckets = ", ".join(f"{p.tokens}->{p.bucket}x{p.rows}" for p in plans)
     runs = ", ".join(f"{x['ttft_s']:.2f}" for x in r["engine"]["runs"])
     print(
-        f"\n{model}: cold prefill of {tokens} tokens in chunks of {r['chunk']} ({len(plans)} steps: tokens->bucket tokens x rows "
+        f"\n{model}: cold prefill of {tokens} tokens in chunks of {r['chunk']} ({len(plans)} steps: tokens->bucket "
+        "tokens x rows "
         f"{buckets}); {r['dtype']}, attention backend {r['kernel_backend']}"
     )
     print(
@@ -619,7 +626,8 @@ def _print_breakdown(model: str, tokens: int, r: dict) -> None:
     print(
         f"matmuls: {m['projection_flops'] / 1e9:.1f} GFLOP in {r['parts']['matmuls']:.3f} s = "
         f"{m['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s; machine ({m['machine_square_n']}^3 {r['dtype']} matmul, jax): "
-        f"{m['machine_flops_per_s'] / 1e9:.1f} GFLOP/s ({100 * m['efficiency']:.0f}%); at the machine rate the projections "
+        f"{m['machine_flops_per_s'] / 1e9:.1f} GFLOP/s ({100 * m['efficiency']:.0f}%); at the machine rate the "
+        "projections "
         f"take {m['seconds_at_machine_rate']:.3f} s, {100 * m['seconds_at_machine_rate'] / r['ttft_s']:.0f}% of TTFT; "
         f"one {'x'.join(map(str, m['one_projection_shape']))} projection alone: "
         f"{m['one_projection_flops_per_s'] / 1e9:.1f} GFLOP/s"
@@ -642,7 +650,8 @@ def _print_breakdown(model: str, tokens: int, r: dict) -> None:
         )
     )
     print(
-        "per step: | step | start | tokens | bucket | engine device s | ms/token | pieces s (matmuls / attention / rest) |"
+        "per step: | step | start | tokens | bucket | engine device s | ms/token | pieces s (matmuls / attention / "
+        "rest) |"
     )
     for i, c in enumerate(r["chunks"]):
         p, parts = c["plan"], c["parts"]
@@ -665,8 +674,10 @@ def _print_comparison(tokens: int, results: list[dict]) -> None:
     for r in results:
         n = tokens
         print(
-            f"| {r['chunk']} | {len(r['plans'])} | {r['ttft_s']:.2f} | {r['device_s']:.2f} | {1e3 * r['device_s'] / n:.2f} | "
-            f"{1e3 * r['parts']['matmuls'] / n:.2f} | {1e3 * r['parts']['attention'] / n:.2f} | {r['parts']['attention']:.2f} |"
+            f"| {r['chunk']} | {len(r['plans'])} | {r['ttft_s']:.2f} | {r['device_s']:.2f} | "
+            f"{1e3 * r['device_s'] / n:.2f} | "
+            f"{1e3 * r['parts']['matmuls'] / n:.2f} | {1e3 * r['parts']['attention'] / n:.2f} | "
+            f"{r['parts']['attention']:.2f} |"
         )
     base = results[0]
     for r in results[1:]:

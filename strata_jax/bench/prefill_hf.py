@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
 
 
-def load_hf_model(model: str):  # noqa: ANN201
+def load_hf_model(model: str):
     """transformers' float32 model of ``model``: a GGUF (transformers' own dequantization)
     or a Hugging Face folder."""
     import torch
@@ -60,7 +60,7 @@ def load_hf_model(model: str):  # noqa: ANN201
     return hf.eval()
 
 
-def hf_chunked_prefill(model, prompt: list[int], chunk: int) -> tuple[float, int]:  # noqa: ANN001
+def hf_chunked_prefill(model, prompt: list[int], chunk: int) -> tuple[float, int]:
     """(seconds, greedy next token) of a chunked prefill of ``prompt`` with transformers."""
     import torch
     from transformers import DynamicCache
@@ -76,6 +76,7 @@ def hf_chunked_prefill(model, prompt: list[int], chunk: int) -> tuple[float, int
             out = model(input_ids=ids[:, start : start + chunk], use_cache=True, logits_to_keep=1, **{cache_arg: cache})
             logits = out.logits
         seconds = time.perf_counter() - t0
+    assert logits is not None  # the prompt is not empty: at least one chunk ran
     return seconds, int(logits[0, -1].argmax())
 
 
@@ -118,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
                     row["hf_s"], row["hf_token"] = hf_chunked_prefill(hf, prompt, args.chunk)
             if row["engine_token"] != row["hf_token"]:
                 raise SystemExit(
-                    f"round {i}: greedy first tokens differ (engine {row['engine_token']}, transformers {row['hf_token']})"
+                    f"round {i}: greedy first tokens differ (engine {row['engine_token']}, transformers "
+                    f"{row['hf_token']})"
                 )
             if i:
                 rounds.append(row)

@@ -38,12 +38,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -111,20 +114,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------ peaks
-def _best_per_call(call, calls: int, rounds: int = 3) -> float:  # noqa: ANN001
+def _best_per_call(call: Callable[[], Any], calls: int, rounds: int = 3) -> float:
     """Best over ``rounds`` of (time of ``calls`` back-to-back calls, the last waited for) / calls."""
     best = float("inf")
     for _ in range(rounds):
         start = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = call()
-        out.block_until_ready()
+        for _ in range(calls - 1):
+            call()
+        call().block_until_ready()
         best = min(best, (time.perf_counter() - start) / calls)
     return best
 
 
-def measure_peaks(dtype, hbm_mb: float, matmul_n: int) -> dict:  # noqa: ANN001
+def measure_peaks(dtype, hbm_mb: float, matmul_n: int) -> dict:
     """Memory bandwidth (elementwise pass) and matmul rate of the first device, measured now."""
     import jax
     import jax.numpy as jnp
@@ -133,9 +135,10 @@ def measure_peaks(dtype, hbm_mb: float, matmul_n: int) -> dict:  # noqa: ANN001
     one = jnp.float32(1.0)
     add = jax.jit(lambda a, b: a + b)
     add(x, one).block_until_ready()
-    t_pass = _best_per_call(lambda: add(x, one), 5)
+    # a partial, not a closure over ``x``: nothing may keep the buffer alive past the ``del``
+    t_pass = _best_per_call(functools.partial(add, x, one), 5)
     nbytes = 2 * x.nbytes  # read + write
-    del x
+    del x  # free the HBM pass buffer before the matmul operands are allocated
     a = jax.random.normal(jax.random.key(0), (matmul_n, matmul_n), dtype)  # not constants: realistic power draw
     mm = jax.jit(lambda p, q: p @ q)
     mm(a, a).block_until_ready()
@@ -150,7 +153,7 @@ def measure_peaks(dtype, hbm_mb: float, matmul_n: int) -> dict:  # noqa: ANN001
 
 
 # ------------------------------------------------------------------------------ model
-def model_config(width: str, layers: int, max_positions: int):  # noqa: ANN201
+def model_config(width: str, layers: int, max_positions: int):
     from strata_jax.models.config import ModelConfig
 
     w = WIDTHS[width]
@@ -173,7 +176,7 @@ def model_config(width: str, layers: int, max_positions: int):  # noqa: ANN201
 
 
 @contextlib.contextmanager
-def engine_on_random_weights(config, seed: int):  # noqa: ANN001
+def engine_on_random_weights(config, seed: int):
     """While open, ``Engine`` loads a random model of ``config`` (in the engine's dtype) in
     place of a checkpoint: ``strata_jax.engine.engine.load_model`` is swapped for this run."""
     from strata_jax.engine import engine as engine_module
@@ -181,7 +184,7 @@ def engine_on_random_weights(config, seed: int):  # noqa: ANN001
     from strata_jax.models.weights import random_model
     from strata_jax.tokenizer import ByteTokenizer
 
-    def load(spec: str, *, dtype, show_progress: bool = True) -> LoadedModel:  # noqa: ANN001
+    def load(spec: str, *, dtype: Any = np.float32, show_progress: bool = True) -> LoadedModel:
         return LoadedModel(f"random-{spec}", config, random_model(config, dtype=dtype, seed=seed), ByteTokenizer())
 
     original = engine_module.load_model
@@ -192,19 +195,19 @@ def engine_on_random_weights(config, seed: int):  # noqa: ANN001
         engine_module.load_model = original
 
 
-def model_flops(config, tokens: int, context: int, rows: int = 1) -> float:  # noqa: ANN001
+def model_flops(config, tokens: int, context: int, rows: int = 1) -> float:
     from strata_jax.runtime.compute_prior import attention_flops, lm_head_flops, projection_flops
 
     return projection_flops(config, tokens) + attention_flops(config, context, tokens) + lm_head_flops(config, rows)
 
 
-def _tree_bytes(tree) -> int:  # noqa: ANN001
+def _tree_bytes(tree) -> int:
     import jax
 
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def precompile(runner, tokens: list[int], batches: list[int]) -> int:  # noqa: ANN001
+def precompile(runner, tokens: list[int], batches: list[int]) -> int:
     """Compile, side by side, the runner's step programs for extends of ``tokens`` new
     tokens (one sequence) and decodes of ``batches`` sequences: ``ModelRunner.warmup`` over
     those shapes only (its shape lists narrowed while it runs).  Returns the programs."""
@@ -230,13 +233,13 @@ class _Report:
             self.path.write_text(json.dumps(self.data, indent=2, default=float))
 
     @contextlib.contextmanager
-    def phase(self, name: str):  # noqa: ANN201
+    def phase(self, name: str):
         start = time.perf_counter()
         print(f"[roofline] {name} ...", flush=True)
         try:
             yield
             self.data["phases"].append(name)
-        except Exception as exc:  # noqa: BLE001 - recorded; the next phase still runs
+        except Exception as exc:  # recorded; the next phase still runs
             traceback.print_exc()
             self.data["errors"][name] = f"{type(exc).__name__}: {exc}"
         finally:
@@ -244,7 +247,7 @@ class _Report:
             self.save()
 
 
-def _ttft(engine, ids: list[int]) -> tuple[float, dict]:  # noqa: ANN001
+def _ttft(engine, ids: list[int]) -> tuple[float, dict]:
     from strata_jax.api import SamplingParams
 
     before = dict(engine.cache_stats()["hit_tokens"])
@@ -255,9 +258,9 @@ def _ttft(engine, ids: list[int]) -> tuple[float, dict]:  # noqa: ANN001
     return seconds, {k: int(after.get(k, 0) - before.get(k, 0)) for k in after}
 
 
-def _doc_cycle(engine, ids: list[int]) -> dict:  # noqa: ANN001
+def _doc_cycle(engine, ids: list[int]) -> dict:
     """cold, L1 (same document again), L2 (after dropping L1)."""
-    out = {}
+    out: dict[str, Any] = {}
     out["cold_s"], out["cold_hits"] = _ttft(engine, ids)
     out["l1_s"], out["l1_hits"] = _ttft(engine, ids)
     engine.flush_cache("device")
@@ -265,7 +268,7 @@ def _doc_cycle(engine, ids: list[int]) -> dict:  # noqa: ANN001
     return out
 
 
-def _decode_batch(runner, config, batch: int, context: int, page_size: int, reps: int, rng) -> dict:  # noqa: ANN001
+def _decode_batch(runner, config, batch: int, context: int, page_size: int, reps: int, rng) -> dict:
     from strata_jax.runtime.model_runner import SeqInput
 
     pages_per_seq = -(-(context + 1) // page_size)
@@ -468,14 +471,16 @@ def format_report(r: dict) -> str:
         )
     if p:
         lines.append(
-            f"peaks (measured): memory {p['hbm_bytes_per_s'] / 1e9:.0f} GB/s, matmul {p['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s "
+            f"peaks (measured): memory {p['hbm_bytes_per_s'] / 1e9:.0f} GB/s, matmul "
+            f"{p['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s "
             f"({p['matmul_n']}^2 {p['matmul_dtype']})"
         )
     t = r.get("ttft")
     if t and "cold_s" in t:
         lines.append(
             f"TTFT {t['doc_tokens']}-token document: cold {t['cold_s'] * 1e3:.1f} ms, L1 {t['l1_s'] * 1e3:.1f} ms, "
-            f"L2 {t['l2_s'] * 1e3:.1f} ms (L1 from device: {t['l1_served_by_device']}, L2 from host: {t['l2_served_by_host']})"
+            f"L2 {t['l2_s'] * 1e3:.1f} ms (L1 from device: {t['l1_served_by_device']}, L2 from host: "
+            f"{t['l2_served_by_host']})"
         )
     f = r.get("prefill", {})
     if "ttft_mfu" in f:

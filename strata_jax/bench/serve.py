@@ -289,9 +289,12 @@ def run(args: argparse.Namespace) -> int:
                 result = run_one(args, policy, tiers, rate, cache_dir)
                 runs.append(result)
                 print(
-                    f"{policy:>6} {tiers:<9} rate={result['rate']!s:<5} ttft mean {result['ttft_mean']:.3f}s p90 {result['ttft_p90']:.3f}s "
-                    f"out {result['output_tps']:.1f} tok/s in {result['input_tps']:.0f} tok/s recomputed {result['recomputed_tokens']} "
-                    f"hits {result['hit_tokens']} deferrals {result['deferrals']} compiles after warm-up {result['compiles_after_warmup']}",
+                    f"{policy:>6} {tiers:<9} rate={result['rate']!s:<5} ttft mean {result['ttft_mean']:.3f}s p90 "
+                    f"{result['ttft_p90']:.3f}s "
+                    f"out {result['output_tps']:.1f} tok/s in {result['input_tps']:.0f} tok/s recomputed "
+                    f"{result['recomputed_tokens']} "
+                    f"hits {result['hit_tokens']} deferrals {result['deferrals']} compiles after warm-up "
+                    f"{result['compiles_after_warmup']}",
                     flush=True,
                 )
     report: dict = {"workload": args.workload, "runs": runs}

@@ -223,7 +223,8 @@ result = {
     "load_s": (marks["allocating KV pools"] - marks["loading model"]) if "allocating KV pools" in marks else None,
     "warmup_s": (t_engine - marks["compiling"]) if "compiling" in marks else None,
     "engine_s": t_engine - t_import, "first_token_s": t_first - t_engine, "ready_s": t_first - spawn,
-    "xla_programs": events["requests"], "xla_compiled": events["requests"] - events["hits"], "xla_cache_hits": events["hits"],
+    "xla_programs": events["requests"], "xla_compiled": events["requests"] - events["hits"],
+    "xla_cache_hits": events["hits"],
     "xla_compile_s": events["compile_s"], "step_programs": programs, "jit_programs": runner.compile_count,
     "executables_reused": getattr(engine, "executables_reused", None),
     "weights_bytes": weights,
@@ -382,7 +383,8 @@ def run_step_times(args: argparse.Namespace) -> int:
     for row in rows:
         c = row["compile_s"]
         print(
-            f"{row['layers']} layers ({args.width}): decode+extend programs compiled in {c['scan']:.1f} s with scan, {c['unrolled']:.1f} s unrolled"
+            f"{row['layers']} layers ({args.width}): decode+extend programs compiled in {c['scan']:.1f} s with scan, "
+            f"{c['unrolled']:.1f} s unrolled"
         )
     print(f"{'layers':>6} {'kind':<7}{'scan ms':>10}{'unrolled ms':>13}{'scan/unrolled':>15}")
     for row in rows:

@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     first = rows[0]
     print(
         f"platform={jax.devices()[0].platform} devices={jax.device_count()} model: {args.layers}L hidden {args.hidden} "
-        f"{args.heads}/{args.kv_heads} heads vocab {args.vocab}; decode batch {args.batch} @ {args.context} ctx; extend {args.extend}"
+        f"{args.heads}/{args.kv_heads} heads vocab {args.vocab}; decode batch {args.batch} @ {args.context} ctx; "
+        f"extend {args.extend}"
     )
     for r in rows:
         print(

@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sweep",
         default=None,
-        help="comma-separated L1 sizes as fractions of the trace's unique tokens, e.g. 0.05,0.1,0.25,1 (replaces --device-tokens)",
+        help="comma-separated L1 sizes as fractions of the trace's unique tokens, e.g. 0.05,0.1,0.25,1 (replaces "
+        "--device-tokens)",
     )
     add_cache_arguments(parser)
 
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     ideal, unique_tokens = ideal_hit_rate(prompts, args.page_size)
     longest = max((len(p) for p in prompts), default=0)
     print(
-        f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {unique_tokens} unique cached tokens, ideal hit rate {ideal:.4f}"
+        f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {unique_tokens} unique cached tokens, ideal "
+        f"hit rate {ideal:.4f}"
     )
     if args.sweep:
         sizes = [max(int(float(x) * unique_tokens), longest + args.page_size) for x in args.sweep.split(",")]

@@ -7,7 +7,8 @@ host pool are loaded into scattered pages of the layer-first device pool by
     (``pallas_kernels.transfer.scatter_pages_naive``), the fragmented path;
 (b) **coalesced**: host gather of the pages into one contiguous page-first staging
     buffer (``gather_host_pages``: one copy per run of consecutive pages), one
-    ``device_put``, one scatter kernel (dispatch backend) into the donated pool; the time split gather / transfer / scatter is reported;
+    ``device_put``, one scatter kernel (dispatch backend) into the donated pool; the time
+    split gather / transfer / scatter is reported;
 (c) **contiguous**: one ``device_put`` of a contiguous host array of the same
     bytes: the machine's host->device limit in this run;
 (d) **pipelined**: the engine's load path, ``DevicePool.load_from_host``: (b) in
@@ -45,10 +46,12 @@ is 0 whether or not they are met (``--strict`` makes a miss exit 1).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 DESCRIPTION = "host->device KV page transfer: naive per-page/per-layer vs coalesced staging + scatter kernel"
 
@@ -92,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tier-formats",
         default="fp8,int8",
-        help="quantized L2 formats loaded beside full width (comma-separated from fp8,int8; 'none' skips; default fp8,int8)",
+        help="quantized L2 formats loaded beside full width (comma-separated from fp8,int8; 'none' skips; default "
+        "fp8,int8)",
     )
     parser.add_argument(
         "--pinned",
@@ -103,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peak-mb",
         type=float,
         default=0.0,
-        help="also measure the link's peak: one contiguous host->device copy of this many MiB, pageable and pinned (default 0: off)",
+        help="also measure the link's peak: one contiguous host->device copy of this many MiB, pageable and pinned "
+        "(default 0: off)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed for page placement")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
@@ -123,7 +128,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def device_sharding(device):  # noqa: ANN001, ANN201
+def device_sharding(device):
     """The device's default memory as an explicit sharding: the target of a copy out of
     pinned_host (``device_put(x, device)`` keeps the source's memory kind on some versions)."""
     from jax.sharding import SingleDeviceSharding
@@ -131,7 +136,7 @@ def device_sharding(device):  # noqa: ANN001, ANN201
     return SingleDeviceSharding(device, memory_kind=device.default_memory().kind)
 
 
-def pinned_host_sharding(device) -> tuple[object | None, dict]:  # noqa: ANN001
+def pinned_host_sharding(device) -> tuple[object | None, dict]:
     """The ``pinned_host`` sharding of ``device`` and what was found: (None, why) where the
     device offers no such memory kind or placing an array there fails (jax versions and
     platforms differ; recorded, never raised)."""
@@ -142,7 +147,7 @@ def pinned_host_sharding(device) -> tuple[object | None, dict]:  # noqa: ANN001
     info: dict = {"memory_kind": None}
     try:
         info["memory_kinds"] = sorted(m.kind for m in device.addressable_memories())
-    except Exception as exc:  # noqa: BLE001 - older/other runtimes: no memory spaces
+    except Exception as exc:  # older/other runtimes: no memory spaces
         info["memory_kinds"], info["note"] = [], f"addressable_memories() failed: {type(exc).__name__}: {exc}"
         return None, info
     if "pinned_host" not in info["memory_kinds"]:
@@ -153,7 +158,7 @@ def pinned_host_sharding(device) -> tuple[object | None, dict]:  # noqa: ANN001
         probe = jax.device_put(np.zeros(8, np.float32), sharding)
         probe.block_until_ready()
         jax.device_put(probe, device_sharding(device)).block_until_ready()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         info["note"] = f"placing an array in pinned_host failed: {type(exc).__name__}: {exc}"
         return None, info
     info["memory_kind"] = "pinned_host"
@@ -237,8 +242,8 @@ class _PageSizeCase:
         tiers: dict[str, tuple] = {}
         for fmt in args.tier_formats_list:
             tier = TierFormat.resolve(fmt, args.dtype)
-            q, scales = quantize_pages_reference(jnp.asarray(host_pool), fmt)
-            q, scales = np.asarray(q), np.asarray(scales)
+            q_device, scales_device = quantize_pages_reference(jnp.asarray(host_pool), fmt)
+            q, scales = np.asarray(q_device), np.asarray(scales_device)
             tier_host = HostPool.from_array(self.layout, q, scales, tier)
             tier_device = DevicePool(self.layout, device_pages, device, kernel_backend=backend, tier_format=tier)
             want = np.asarray(dequantize_pages_reference(jnp.asarray(q[src]), jnp.asarray(scales[src]), np_dtype))
@@ -391,8 +396,11 @@ def _measure_pool_growth(args, page_size: int, total_bytes: int, rng) -> dict:
     n = max(1, total_bytes // layout.page_bytes)
     np_dtype = jnp.dtype(args.dtype)
     backend = dispatch.resolve_backend(args.backend)
-    fn = lambda p, s, i: dispatch.scatter_pages(p, s, i, backend=backend)  # noqa: E731
-    donated, copied = jax.jit(fn, donate_argnums=0), jax.jit(fn)
+
+    def scatter(p: jax.Array, s: jax.Array, i: jax.Array) -> jax.Array:
+        return dispatch.scatter_pages(p, s, i, backend=backend)
+
+    donated, copied = jax.jit(scatter, donate_argnums=0), jax.jit(scatter)
     staged = jnp.asarray(rng.standard_normal(layout.page_first_shape(n), dtype=np.float32).astype(np_dtype))
     result = {"page_size": page_size, "pages_moved": int(n), "growth": args.pool_growth}
     sizes = {"small": 2 * n, "large": 2 * n * args.pool_growth}
@@ -408,11 +416,14 @@ def _measure_pool_growth(args, page_size: int, total_bytes: int, rng) -> dict:
 
     samples: dict[str, list[float]] = {}
     for key in sizes:  # warm-up (compile)
-        run_donated(key), run_copied(key)
+        run_donated(key)
+        run_copied(key)
     for _ in range(max(7, args.repeats)):  # interleaved small/large
         for key in sizes:
-            for mode, fn in (("donated", run_donated), ("copied", run_copied)):
-                samples.setdefault(f"{key}_{mode}_ms", []).append(1e3 * _median_time(lambda: fn(key), 1))
+            for mode, run_mode in (("donated", run_donated), ("copied", run_copied)):
+                samples.setdefault(f"{key}_{mode}_ms", []).append(
+                    1e3 * _median_time(functools.partial(run_mode, key), 1)
+                )
     for key, pages in sizes.items():
         result[f"{key}_pool_pages"] = pages
     result.update({name: statistics.median(values) for name, values in samples.items()})
@@ -435,11 +446,12 @@ def _measure_link_peak(args) -> dict:
     if args.pinned_sharding is not None:
         sources["pinned"] = jax.device_put(host, args.pinned_sharding)
     for name, src in sources.items():
-        jax.device_put(src, device).block_until_ready()  # warm-up
-        best = min(
-            _median_time(lambda s=src: jax.device_put(s, device).block_until_ready(), 1)
-            for _ in range(max(3, args.repeats))
-        )
+
+        def put(src: Any = src) -> None:
+            jax.device_put(src, device).block_until_ready()
+
+        put()  # warm-up
+        best = min(_median_time(put, 1) for _ in range(max(3, args.repeats)))
         out[f"{name}_gbps"] = _gbps(host.nbytes, best)
     del sources
     out["gbps"] = max(v for k, v in out.items() if k.endswith("_gbps"))
@@ -494,7 +506,8 @@ def _table(report: dict) -> str:
         lines.append(
             f"{size:>5} {row['pages']:>6} {row['naive_gbps']:>8.2f} {row['coalesced_gbps']:>10.2f} "
             f"{row['pipelined_gbps']:>10.2f} {row['contiguous_gbps']:>8.2f} "
-            f"{row['coalesced_gbps'] / row['contiguous_gbps']:>6.2f} {row['pipelined_gbps'] / row['contiguous_gbps']:>6.2f} "
+            f"{row['coalesced_gbps'] / row['contiguous_gbps']:>6.2f} "
+            f"{row['pipelined_gbps'] / row['contiguous_gbps']:>6.2f} "
             f"{row['coalesced_gbps'] / row['naive_gbps']:>7.2f}   "
             f"{split['gather']:.2f}/{split['transfer']:.2f}/{split['scatter']:.2f}"
         )
@@ -522,12 +535,14 @@ def _table(report: dict) -> str:
     pinned_rows = {size: row for size, row in report["page_sizes"].items() if "pinned_pages_gbps" in row}
     if pinned_rows:
         lines.append(
-            f"{'page':>5} {'pinned pages':>13} {'pinned staging':>15} {'pinned contig':>14}   pinned staging split ms gather/pin/transfer/scatter"
+            f"{'page':>5} {'pinned pages':>13} {'pinned staging':>15} {'pinned contig':>14}   pinned staging split ms "
+            "gather/pin/transfer/scatter"
         )
         for size, row in pinned_rows.items():
             split = row["pinned_split_ms"]
             lines.append(
-                f"{size:>5} {row['pinned_pages_gbps']:>13.2f} {row['pinned_staging_gbps']:>15.2f} {row['pinned_contiguous_gbps']:>14.2f}   "
+                f"{size:>5} {row['pinned_pages_gbps']:>13.2f} {row['pinned_staging_gbps']:>15.2f} "
+                f"{row['pinned_contiguous_gbps']:>14.2f}   "
                 f"{split['gather']:.2f}/{split['pin']:.2f}/{split['transfer']:.2f}/{split['scatter']:.2f}"
             )
     elif "pinned" in report:

@@ -66,7 +66,7 @@ def multiturn(
     rng = random.Random(seed)
     out: list[BenchRequest] = []
     last: dict[int, int] = {}
-    for r in range(rounds):
+    for _ in range(rounds):
         for c in range(clients):
             new = [rng.randrange(3, vocab) for _ in range(request_length)]
             out.append(BenchRequest(new, output_len, client=c, depends_on=last.get(c), group=f"client{c}"))

@@ -31,7 +31,9 @@ QUESTIONS = (
 )
 LOOGLE_EXCERPT = Path(__file__).resolve().parents[1] / "demo_data" / "loogle_picardo.json"
 TINY_MAX_TOKENS, CHAT_MAX_TOKENS = 16, 48
-_WORDS = "the of and a to in is was for on that with as by at from his her their city river year war school family work".split()
+_WORDS = (
+    "the of and a to in is was for on that with as by at from his her their city river year war school family work"
+).split()
 
 
 def synthetic_document(num_chars: int, seed: int = 0) -> str:
@@ -72,7 +74,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens",
         type=int,
         default=None,
-        help=f"answer length limit per question (default {TINY_MAX_TOKENS} for the tiny model, {CHAT_MAX_TOKENS} for chat models)",
+        help=f"answer length limit per question (default {TINY_MAX_TOKENS} for the tiny model, {CHAT_MAX_TOKENS} for "
+        "chat models)",
     )
     parser.add_argument(
         "--json", type=Path, default=None, help="also write the measurements and answers to this JSON file"
@@ -192,7 +195,8 @@ def _print_answers(rows: list[dict]) -> None:
 
 def _print_table(rows: list[dict], engine) -> None:
     print(
-        f"\nmodel {engine.model_name}: one document, {len(rows)} questions ({rows[0]['prompt_tokens']}-token first prompt)\n"
+        f"\nmodel {engine.model_name}: one document, {len(rows)} questions ({rows[0]['prompt_tokens']}-token first "
+        "prompt)\n"
     )
     print(f"{'#':>2}  {'KV from':<8} {'L1 hit':>7} {'L2 hit':>7} {'L3 hit':>7} {'TTFT ms':>9} {'decode tok/s':>13}")
     for r in rows:
@@ -206,7 +210,8 @@ def _print_table(rows: list[dict], engine) -> None:
         hits = [r["ttft_ms"] for r in rows if r["expected_source"] == label]
         if hits:
             print(
-                f"TTFT with the document from {label}: {min(hits):.1f} ms vs {cold:.1f} ms cold ({cold / min(hits):.1f}x faster)"
+                f"TTFT with the document from {label}: {min(hits):.1f} ms vs {cold:.1f} ms cold "
+                f"({cold / min(hits):.1f}x faster)"
             )
     if engine.model_name == "tiny":
         print("(the tiny model has random weights: its answers are noise; the timings are the point)")

@@ -59,11 +59,11 @@ def _device_info(device: Any) -> dict[str, Any]:
     try:
         row["memory_kinds"] = [m.kind for m in device.addressable_memories()]
         row["default_memory_kind"] = device.default_memory().kind
-    except Exception as exc:  # noqa: BLE001 - some plugins do not implement memories
+    except Exception as exc:  # some plugins do not implement memories
         row["memory_kinds"], row["default_memory_kind"] = [], f"unavailable ({type(exc).__name__})"
     try:
         stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - CPU and some plugins have none
+    except Exception:  # CPU and some plugins have none
         stats = {}
     if "bytes_limit" in stats:
         row["memory_bytes"] = int(stats["bytes_limit"])
@@ -130,7 +130,7 @@ def _check_lowering(platform: str) -> dict[str, str]:
         try:
             text = lower_for_gpu(fn, *args, platform=platform, donate_argnums=donate).as_text()
             out[name] = "ok" if "__gpu$xla.gpu.triton" in text else "lowered without a Triton call"
-        except Exception as exc:  # noqa: BLE001 - reported, not raised: info must always print
+        except Exception as exc:  # reported, not raised: info must always print
             out[name] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return out
 
@@ -179,14 +179,16 @@ def format_text(info: dict[str, Any]) -> str:
     p = info["platform"]
     lines.append(
         f"platform: {p['name']} (jax backend {p['jax_backend']}, {p['platform_version']}); "
-        f"process {p['process_index']} of {p['process_count']}, {p['local_device_count']} local / {p['device_count']} devices"
+        f"process {p['process_index']} of {p['process_count']}, {p['local_device_count']} local / {p['device_count']} "
+        "devices"
     )
     lines.append("devices:")
     for d in info["devices"]:
         mem = f", {d['memory_bytes'] / 2**30:.1f} GiB" if "memory_bytes" in d else ""
         kinds = ", ".join(k + ("*" if k == d["default_memory_kind"] else "") for k in d["memory_kinds"])
         lines.append(
-            f"  {d['id']}: {d['platform']} {d['device_kind']} (process {d['process_index']}{mem}); memory kinds: {kinds}"
+            f"  {d['id']}: {d['platform']} {d['device_kind']} (process {d['process_index']}{mem}); memory kinds: "
+            f"{kinds}"
         )
     lines.append("  (* = default memory kind)")
 

@@ -98,7 +98,8 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-tier-format",
         default="full",
-        help="format of L2/L3 pages: full (bf16, default), fp8 or int8 (8-bit values + a float32 scale per page, layer, "
+        help="format of L2/L3 pages: full (bf16, default), fp8 or int8 (8-bit values + a float32 scale per page, "
+        "layer, "
         "K/V and KV head); loads and storage reads move, and L2 holds, the smaller pages; comma-separated to compare "
         "several side by side (e.g. full,fp8)",
     )
@@ -106,9 +107,11 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
         "--loads",
         default="full",
         help="a model with sliding-window layers: full (default: every layer's pages in every tier and on every load) "
-        "or window (a window-aware hierarchy: loads and storage reads move the full-attention layers' pages and of each "
+        "or window (a window-aware hierarchy: loads and storage reads move the full-attention layers' pages and of "
+        "each "
         "windowed layer only the pages its window reaches, and L1/L2 hold, per cached sequence, only the window before "
-        "its end of the windowed layers, so they fit more tokens); comma-separated to compare side by side (full,window)",
+        "its end of the windowed layers, so they fit more tokens); comma-separated to compare side by side "
+        "(full,window)",
     )
     p.add_argument(
         "--host-model",
@@ -198,7 +201,7 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit("--num-requests must be >= 1")
     if args.plot:  # say so before simulating, not after
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib  # noqa: F401 - imported only to check that the sim extra is installed
         except ImportError:
             raise SystemExit(
                 "strata-jax simulate: --plot needs the sim extra (matplotlib): pip install 'strata-jax[sim]'"
@@ -263,7 +266,8 @@ def _run(args: argparse.Namespace) -> int:
     fmt = f", L2/L3 format {'/'.join(formats)}" if formats != ["full"] else ""
     fmt += f", loads {'/'.join(loads)}" if loads != ["full"] else ""
     print(
-        f"{args.workload} on {setup.profile.name}, {setup.model.name} (tp={setup.model.tp}), {args.num_requests} requests per run{warm}{fmt}"
+        f"{args.workload} on {setup.profile.name}, {setup.model.name} (tp={setup.model.tp}), {args.num_requests} "
+        f"requests per run{warm}{fmt}"
     )
     print(table(runs))
     shown: set[bool] = set()

@@ -83,7 +83,7 @@ class ZmqKVEventPublisher:
         }
         self._encoder = msgspec.msgpack.Encoder()
         self._zmq = zmq
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._replay = None
@@ -155,7 +155,7 @@ class ZmqKVEventPublisher:
                     self._buffer.append((seq, payload))
                     self.counters["batches_total"] += 1
                     self.counters["events_total"] += len(raw)
-            except Exception:  # noqa: BLE001 - a bad batch must not stop the stream; it is counted as dropped
+            except Exception:  # a bad batch must not stop the stream; it is counted as dropped
                 log.exception("KV events: a batch could not be published")
                 with self._lock:
                     self.counters["dropped_batches_total"] += 1

@@ -48,7 +48,7 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def to_struct(raw: tuple[Any, ...], block_size: int) -> KVCacheEvent:
+def to_struct(raw: tuple[Any, ...], block_size: int) -> BlockStored | BlockRemoved | AllBlocksCleared:
     """One recorder tuple (``recorder`` module doc) as its wire struct."""
     kind = raw[0]
     if kind == "stored":

@@ -136,7 +136,8 @@ class ModelConfig:
             for name in ("short_factor", "long_factor"):
                 if len(getattr(scaling, name)) != self.head_dim // 2:
                     raise ModelConfigError(
-                        f"rope_scaling.{name} has {len(getattr(scaling, name))} entries; head_dim={self.head_dim} needs {self.head_dim // 2}"
+                        f"rope_scaling.{name} has {len(getattr(scaling, name))} entries; head_dim={self.head_dim} "
+                        f"needs {self.head_dim // 2}"
                     )
         if scaling.rope_type == "dynamic" and self.head_dim <= 2:
             raise ModelConfigError(f"rope_scaling.rope_type='dynamic' needs head_dim > 2, got {self.head_dim}")
@@ -189,7 +190,8 @@ class ModelConfig:
         if model_type == "gemma3" and isinstance(raw.get("text_config"), dict):
             raise ModelConfigError(
                 "model_type='gemma3' is the multimodal Gemma 3 (vision + text), which is not supported; "
-                "its text-only checkpoints (model_type 'gemma3_text', e.g. gemma-3-270m / gemma-3-1b) and GGUF files are"
+                "its text-only checkpoints (model_type 'gemma3_text', e.g. gemma-3-270m / gemma-3-1b) and GGUF files "
+                "are"
             )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
@@ -410,7 +412,8 @@ def _read_gemma3_rope(raw: dict[str, Any], max_pos: int) -> tuple[float, RopeSca
         local_theta = float(local.get("rope_theta", raw.get("rope_local_base_freq", defaults["rope_local_base_freq"])))
         if _read_scaling(local, max_pos).rope_type != "default":
             raise ModelConfigError(
-                f"rope_parameters.sliding_attention.rope_type={local.get('rope_type')!r}: scaled rope on local layers is not supported"
+                f"rope_parameters.sliding_attention.rope_type={local.get('rope_type')!r}: scaled rope on local layers "
+                "is not supported"
             )
         scaling = _read_scaling(full, max_pos, raw)
     else:

@@ -200,7 +200,7 @@ class GGUFFile:
         if self.path.stat().st_size < 24:
             raise GGUFError(f"{self.path} is not a GGUF file (only {self.path.stat().st_size} bytes)")
         self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        cursor = _Cursor(memoryview(self._map), self.path)
+        cursor = _Cursor(self._map.data, self.path)  # the array's buffer: a memoryview of the mapped bytes
         magic = bytes(cursor.take(4))
         if magic != GGUF_MAGIC:
             raise GGUFError(f"{self.path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
@@ -244,7 +244,8 @@ class GGUFFile:
         end = offset + nbytes
         if end > len(self._map):
             raise GGUFError(
-                f"{self.path} is truncated: tensor {name!r} needs bytes up to {end:,} but the file has {len(self._map):,}"
+                f"{self.path} is truncated: tensor {name!r} needs bytes up to {end:,} but the file has "
+                f"{len(self._map):,}"
             )
         return GGUFTensorInfo(name, qtype.name, tuple(reversed(dims)), offset, nbytes)
 
@@ -290,6 +291,8 @@ class GGUFFile:
             or (embedding.hf_shape[0] if embedding else None)
             or (len(tokens) if tokens else None)
         )
+        if vocab is None:
+            raise GGUFError(f"{self.path} lacks {key('vocab_size')!r}, token_embd.weight and tokenizer.ggml.tokens")
         config: dict[str, Any] = {
             "architectures": [_HF_ARCHITECTURES[arch]],
             "model_type": GGUF_ARCHITECTURES[arch],
@@ -310,7 +313,8 @@ class GGUFFile:
         rope_dims = self.field(key("rope.dimension_count"))
         if rope_dims is not None and int(rope_dims) != head_dim:
             raise GGUFError(
-                f"{self.path}: partial rotary embeddings (rope.dimension_count={rope_dims}, head_dim={head_dim}) are not supported"
+                f"{self.path}: partial rotary embeddings (rope.dimension_count={rope_dims}, head_dim={head_dim}) are "
+                "not supported"
             )
         scaling = self._rope_scaling(config)
         if scaling is not None:
@@ -352,7 +356,8 @@ class GGUFFile:
         if isinstance(pattern, list):  # one flag per layer (true: sliding window), as newer converters write it
             if len(pattern) != layers:
                 raise GGUFError(
-                    f"{self.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers"
+                    f"{self.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries for {layers} "
+                    "layers"
                 )
             out["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
         else:

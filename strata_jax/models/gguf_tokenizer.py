@@ -78,7 +78,8 @@ def _byte_level_tokenizer(gguf: GGUFFile, tokens: list[str], types: list[int]) -
     pre = gguf.field("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZER_SPLITS:
         raise GGUFError(
-            f"{gguf.path}: tokenizer pre-type {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})"
+            f"{gguf.path}: tokenizer pre-type {pre!r} is not supported (supported: "
+            f"{', '.join(sorted(PRE_TOKENIZER_SPLITS))})"
         )
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())

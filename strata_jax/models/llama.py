@@ -80,8 +80,10 @@ class AttentionMetadata:
         table, slots = self.page_table, self.slot_mapping
         if self.local_page_table is not None and window is not None:
             local = jnp.asarray(window) > 0
+            assert self.local_slot_mapping is not None  # given together with local_page_table
             table = jnp.where(local, self.local_page_table, table)
             slots = jnp.where(local, self.local_slot_mapping, slots)
+        assert self.layer_page_count is not None  # given together with layer_page_base
         base, count = self.layer_page_base[layer], self.layer_page_count[layer]
         page_size, total_slots = kv_pool.shape[3], kv_pool.shape[2] * kv_pool.shape[3]
         inside = (slots >= 0) & (slots < count * page_size)  # padding stays out, no overflow
@@ -173,13 +175,12 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (config.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq, self.rope), apply_rope(k, positions, inv_freq, self.rope)
         page_table, slot_mapping, pool_layer = meta.for_layer(kv_pool, layer, window)
         kv_pool = pallas_kernels.write_kv(kv_pool, pool_layer, k, v, slot_mapping)
         decode_only = tokens == meta.page_table.shape[0]  # the runner's decode buckets: one token per sequence
-        window_arg = {} if window is None else {"sliding_window": window}  # no window: the plain causal call
         out, kv_pool = pallas_kernels.ragged_paged_attention_pool(
             q,
             kv_pool,
@@ -190,7 +191,7 @@ class Attention(nnx.Module):
             sm_scale=self.sm_scale,
             soft_cap=self.soft_cap,
             max_q_len=1 if decode_only else None,
-            **window_arg,
+            sliding_window=window,  # None (no window): the plain causal call
         )
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)), kv_pool
 
@@ -400,7 +401,7 @@ def split_layer_weights(state: nnx.State, shardings: nnx.State | None = None) ->
     else:
         from jax.sharding import NamedSharding, PartitionSpec
 
-        def one(a, sh, i):  # noqa: ANN001, ANN202
+        def one(a, sh, i):
             target = NamedSharding(sh.mesh, PartitionSpec(*sh.spec[1:]))
             return jax.jit(lambda x: x[i], out_shardings=target)(a)
 

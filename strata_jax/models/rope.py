@@ -94,7 +94,7 @@ def _base_frequencies(theta: float, dim: int) -> np.ndarray:
     return np.float32(1.0) / _power(theta, _exponents(dim))
 
 
-def _yarn(theta: float, dim: int, scaling) -> np.ndarray:  # noqa: ANN001
+def _yarn(theta: float, dim: int, scaling) -> np.ndarray:
     """transformers' ``_compute_yarn_parameters``: interpolate the low frequencies by
     ``factor``, keep the high ones, blend linearly between the correction dims of
     ``beta_fast`` / ``beta_slow`` rotations over the original length (floored / ceiled when

@@ -246,7 +246,7 @@ def load_named_tensors(
                 filled[path].add(layer)
     missing = [".".join(map(str, p)) for p in expected if p not in stacked and p not in loaded]
     missing += [
-        f"model.layers.{i}.{'.'.join(p[2:])}"
+        f"model.layers.{i}.{'.'.join(map(str, p[2:]))}"
         for p in expected
         if p in stacked
         for i in range(num_layers)

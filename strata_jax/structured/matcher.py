@@ -20,10 +20,23 @@ a matcher may take milliseconds for a large schema) and used on the engine threa
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import numpy as np
 
 from strata_jax.api import InvalidRequestError
 from strata_jax.structured.spec import StructuredOutput
+from strata_jax.tokenizer import Tokenizer
+
+
+@runtime_checkable
+class _ByteLevel(Protocol):
+    """The byte-level tokenizer (``tokenizer.ByteTokenizer``) as ``_ByteVocabulary`` reads it."""
+
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def byte_tokens(self) -> list[bytes]: ...
 
 
 def mask_words(vocab_size: int) -> int:
@@ -37,7 +50,7 @@ _CLOSING_CHARS = frozenset('"}]')
 class GrammarTokenizer:
     """The engine's tokenizer as llguidance sees it (built once; ~1 s for a 50K vocabulary)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         import llguidance
 
         self.vocab_size = vocab_size
@@ -47,7 +60,7 @@ class GrammarTokenizer:
         raw = getattr(tokenizer, "raw_tokenizer", None)
         if raw is not None:  # HFTokenizer: the tokenizers library's own JSON
             self.ll = llguidance.LLTokenizer(raw.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
-        elif hasattr(tokenizer, "byte_tokens"):
+        elif isinstance(tokenizer, _ByteLevel):  # has ``byte_tokens`` (and the ids it reads)
             self.ll = llguidance.LLTokenizer(
                 llguidance.TokenizerWrapper(_ByteVocabulary(tokenizer)), n_vocab=vocab_size
             )
@@ -65,7 +78,7 @@ class GrammarTokenizer:
 class _ByteVocabulary:
     """What llguidance's ``TokenizerWrapper`` asks of a tokenizer, for the byte-level one."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: _ByteLevel) -> None:
         self.tokens = tokenizer.byte_tokens()
         self.eos_token_id = tokenizer.eos_token_ids[0]
         self.bos_token_id = tokenizer.bos_token_id
@@ -76,13 +89,13 @@ class _ByteVocabulary:
         return list(text)
 
 
-def _closing_tokens(tokenizer, vocab_size: int) -> tuple[np.ndarray, dict[int, str]]:
+def _closing_tokens(tokenizer: Tokenizer, vocab_size: int) -> tuple[np.ndarray, dict[int, str]]:
     """Ids whose text is only closing characters of JSON (``"``, ``}``, ``]``), and their texts."""
     found: dict[int, str] = {}
     for i in range(min(vocab_size, getattr(tokenizer, "vocab_size", vocab_size))):
         try:
             text = tokenizer.decode([i])
-        except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode alone is no closer
+        except Exception:  # an id the tokenizer cannot decode alone is no closer
             continue
         if text and set(text) <= _CLOSING_CHARS:
             found[i] = text
@@ -147,7 +160,7 @@ class GrammarState:
             np.bitwise_or.at(self.mask, keep // 32, (np.int64(1) << (keep % 32)).astype(np.uint32).view(np.int32))
             return
         ids = self._closers
-        if not len(ids):
+        if ids is None or not len(ids):  # None: not a JSON constraint (refresh does not call this then)
             return
         allowed = ids[((self.mask[ids // 32] >> (ids % 32)) & 1) != 0]
         if not len(allowed):

@@ -24,9 +24,12 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strata_jax.api import InvalidRequestError
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _CACHE_SIZE = 512
@@ -61,7 +64,9 @@ class StructuredOutput:
             raise InvalidRequestError(f"{self.field}.{self.kind} must be a non-empty string")
 
     @classmethod
-    def json_schema(cls, schema: dict | str, field: str = "response_format.json_schema.schema") -> StructuredOutput:
+    def json_schema(
+        cls, schema: dict[str, Any] | str, field: str = "response_format.json_schema.schema"
+    ) -> StructuredOutput:
         if isinstance(schema, dict):
             text = json.dumps(schema, sort_keys=True)
         elif isinstance(schema, str):
@@ -81,20 +86,23 @@ class StructuredOutput:
         return _compiled(self)
 
 
+_Key = tuple[str, str | tuple[str, ...]]  # (kind, value) of a StructuredOutput
+
+
 class _LRU:
     def __init__(self, size: int) -> None:
         self.size = size
-        self._data: OrderedDict[tuple, str] = OrderedDict()
+        self._data: OrderedDict[_Key, str] = OrderedDict()
         self._lock = threading.Lock()  # caller threads compile at submit
 
-    def get(self, key: tuple) -> str | None:
+    def get(self, key: _Key) -> str | None:
         with self._lock:
             hit = self._data.get(key)
             if hit is not None:
                 self._data.move_to_end(key)
             return hit
 
-    def put(self, key: tuple, value: str) -> None:
+    def put(self, key: _Key, value: str) -> None:
         with self._lock:
             self._data[key] = value
             self._data.move_to_end(key)
@@ -106,7 +114,7 @@ _GRAMMARS = _LRU(_CACHE_SIZE)
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # Compact JSON: no whitespace between tokens (a model cannot pad with newlines until max_tokens
 # runs out, as a small one otherwise does); a schema's own "x-guidance" options still apply.
-JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 def _compiled(spec: StructuredOutput) -> str:
@@ -119,14 +127,17 @@ def _compiled(spec: StructuredOutput) -> str:
     try:
         if spec.kind == "json_object":
             text = LLMatcher.grammar_from_json_schema(JSON_OBJECT_SCHEMA, defaults=JSON_OPTIONS)
-        elif spec.kind == "json":
-            text = LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
-        elif spec.kind == "regex":
-            text = LLMatcher.grammar_from_regex(spec.value)
         elif spec.kind == "choice":
             text = grammar_from("choice", json.dumps(list(spec.value)))
         else:
-            text = grammar_from("grammar", spec.value)  # type: ignore[arg-type] - Lark, or GBNF converted to it
+            source = spec.value
+            assert isinstance(source, str)  # __post_init__: every kind but choice holds a string
+            if spec.kind == "json":
+                text = LLMatcher.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
+            elif spec.kind == "regex":
+                text = LLMatcher.grammar_from_regex(source)
+            else:
+                text = grammar_from("grammar", source)  # Lark, or GBNF converted to it
     except (ValueError, TypeError) as exc:
         raise InvalidRequestError(f"{spec.field}: {exc}") from None
     error = LLMatcher.validate_grammar(text)
