@@ -155,8 +155,13 @@ class RequestPages:
         if t.prefetch is not None:
             self.ctl.finish_prefetch(t.prefetch)
             t.prefetch = None
-        hint = item.match if isinstance(item.match, PrefixMatch) else None  # the plan's match of the same tokens
-        t.match = self.ctl.match_prefix(item.request.prefill_tokens, t.namespace, requester=t.request_id, hint=hint)
+        # Only what the plan takes, [0, item.start) (page-aligned, short of the prompt's end):
+        # it budgeted device pages for loading that much.  A prefix cached beyond it since (the
+        # request's own L3 prefetch landed after the plan chose not to wait for it) is neither
+        # matched nor loaded here, or its load would take pages the plan gave the step's other
+        # rows ("out of device KV memory").  (So no hint: the plan matched the whole prompt.)
+        prefix = item.request.prefill_tokens[: item.start]
+        t.match = self.ctl.match_prefix(prefix, t.namespace, requester=t.request_id)
         if t.bypasses_cache:
             t.match = without_cache(t.match, self.ctl.tree.root(t.namespace))
         self.ctl.lock(t.match.last_node)
@@ -192,11 +197,16 @@ class RequestPages:
         self.ctl.mark_in_flight(t.request_id)
         return handle, usable
 
-    def ensure_pages(self, t: TrackedRequest, tokens: int) -> None:
-        """Own device pages so that positions ``[0, tokens)`` have a slot (may evict; may raise CacheFullError)."""
+    def ensure_pages(self, t: TrackedRequest, tokens: int, computed: int | None = None) -> None:
+        """Own device pages so that positions ``[0, tokens)`` have a slot (may evict; may raise
+        CacheFullError).  ``computed``: ``t.computed`` when the caller has it at hand (the
+        scheduler's record: this runs per decode row per step)."""
         need = -(-tokens // self.page_size) - len(t.page_table)
+        if computed is None:
+            computed = t.computed
+        pin = self.ctl.windows.pin  # runs per decode row per step: one call, not two
         # layer groups: local KV before this step's window becomes evictable before anything is allocated
-        self.ctl.pin_local(t.request_id, t.page_table, t.computed)
+        pin(t.request_id, t.page_table, computed)
         if need > 0:
             pages = self.ctl.alloc_device(need)
             try:
@@ -205,7 +215,7 @@ class RequestPages:
                 self.ctl.free_device(pages)
                 raise
             t.page_table.extend(pages)
-            self.ctl.pin_local(t.request_id, t.page_table, t.computed)
+            pin(t.request_id, t.page_table, computed)
 
     def publish_prefix(self, t: TrackedRequest, tokens: Sequence[int], hint: PrefixMatch | None = None) -> int | None:
         """The prefill is dispatched: hand its full pages to the tree (transient -> ready) and re-pin them.
