@@ -259,6 +259,14 @@ class Server:
         except OSError:
             return ""
 
+    def error_lines(self, n: int = 20) -> list[str]:
+        """The log's first ``n`` ERROR lines (what a failed check's report needs: the server's own words)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        return [line[:500] for line in lines if " ERROR " in line][:n]
+
     def tracebacks(self) -> list[str]:
         """Each traceback in the log: the line before it (the log message) and its last line."""
         try:
@@ -1059,7 +1067,9 @@ def evaluate(
         fives == 0,
         {"5xx": fives, "by_status": t["by_status"], "inband": t["inband_errors"]},
     )
-    check("no 4xx (every request is valid)", not four, four)
+    # with the answers' own words (the first few non-200 answers): a 4xx here is a server defect
+    four_detail = {"by_status": four, "examples": t["examples"][:10]} if four else four
+    check("no 4xx (every request is valid)", not four, four_detail)
     check("no transport error but our hang-ups", not t["transport_errors"], t["transport_errors"])
     check("no in-band stream error", not t["inband_errors"], t["inband_errors"])
     check("every answer well formed", t["bad_answers"] == 0, t["bad_answers"])
@@ -1140,6 +1150,7 @@ def evaluate(
             "log": str(soak.server.log_path),
             "tracebacks": len(tracebacks),
             "traceback_lines": tracebacks[:20],
+            "error_lines": soak.server.error_lines(),
         },
         "requests": t,
         "fives": fives,

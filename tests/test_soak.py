@@ -99,5 +99,6 @@ def test_soak_five_minutes(tmp_path):
     assert baseline is not None and len(memory["host_pages_after_flushes"]) >= MINUTES - 1, memory
     assert all(v == baseline for v in memory["host_pages_after_flushes"]), memory
     assert report["server"]["exit_code"] == 0, tail
-    assert not failed, json.dumps(failed, indent=1, default=str)[:6000]
+    diagnosis = {"failed": failed, "server_errors": report["server"]["error_lines"]}
+    assert not failed, json.dumps(diagnosis, indent=1, default=str)[:8000]
     assert proc.returncode == 0, tail
