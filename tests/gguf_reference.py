@@ -21,6 +21,9 @@ GGUF_ARCH = {
     "qwen3": "qwen3",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3moe",
+    "qwen2_moe": "qwen2moe",
+    "mixtral": "llama",  # llama.cpp converts Mixtral as llama, with llama.expert_count > 0
 }
 # Gemma: four norms per layer, ffn_norm is the one before the MLP; llama.cpp stores every norm weight + 1
 _GEMMA_LAYER = {
@@ -44,6 +47,48 @@ _LAYER = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+
+
+# Mixtures of experts (convert_hf_to_gguf.py's Qwen2MoeModel, which Qwen3MoeModel extends, and LlamaModel for
+# Mixtral): the router and qwen2moe's shared expert keep one tensor per layer; a layer's experts are stacked into
+# one [expert, out, in] tensor per projection (GGUF lists the dims reversed: {in, out, expert}).  transformers 5
+# holds them fused in memory: gate_up_proj [E, 2F, D] (gate rows first) is split on its middle axis, as the
+# converter does for fused checkpoints.  The routers (ffn_gate_inp, ffn_gate_inp_shexp) stay F32 (prepare_tensors).
+_MOE_LAYER = {
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+}
+_F32_ONLY = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
+def _moe_tensors(name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """The HF tensor ``model.layers.N.<rest>`` as the GGUF tensors llama.cpp writes for it."""
+    parts = name.split(".")
+    layer, rest = parts[2], ".".join(parts[3:])
+    if rest == "mlp.experts.gate_up_proj":
+        width = array.shape[1] // 2
+        return [
+            (f"blk.{layer}.ffn_gate_exps.weight", array[:, :width]),
+            (f"blk.{layer}.ffn_up_exps.weight", array[:, width:]),
+        ]
+    return [(f"blk.{layer}.{_MOE_LAYER[rest]}", array)]
+
+
+def _write_moe_metadata(writer, cfg, expert_count: int | None, weights_norm: bool | None) -> None:
+    """TextModel.set_gguf_parameters (expert counts) and Qwen2MoeModel's (expert widths)."""
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    writer.add_expert_count(experts if expert_count is None else expert_count)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None) is not None:
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None) is not None:
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if weights_norm is not None:  # not written by llama.cpp's qwen/llama converters; its graph assumes the value
+        writer.add_expert_weights_norm(weights_norm)
 
 
 def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -113,8 +158,14 @@ def write_gguf(
     tensor_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     arch: str | None = None,
     tokenizer: dict | None = None,
+    expert_count: int | None = None,
+    expert_weights_norm: bool | None = None,
+    drop: tuple[str, ...] = (),
+    squeeze_shared_gate: bool = False,
 ) -> Path:
-    """Write ``hf_model`` as llama.cpp would (2-D weights as ``tensor_type``, norms and biases F32)."""
+    """Write ``hf_model`` as llama.cpp would (2-D and 3-D weights as ``tensor_type``, norms, biases and
+    routers F32).  For the error tests: ``expert_count`` overrides the metadata's, ``drop`` leaves
+    those GGUF tensors out; ``squeeze_shared_gate`` writes ffn_gate_inp_shexp 1-D, as older converters did."""
     cfg = hf_model.config
     arch = arch or GGUF_ARCH[cfg.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
@@ -138,6 +189,9 @@ def write_gguf(
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
+    moe = cfg.model_type in ("qwen3_moe", "qwen2_moe", "mixtral")
+    if moe:
+        _write_moe_metadata(writer, cfg, expert_count, expert_weights_norm)
     if tokenizer:
         writer.add_tokenizer_model(tokenizer["model"])
         if "pre" in tokenizer:
@@ -162,17 +216,29 @@ def write_gguf(
             array = llama_cpp_permute(array, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             array = llama_cpp_permute(array, cfg.num_key_value_heads)
-        block, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
-        if array.ndim == 2 and tensor_type != gguf.GGMLQuantizationType.F32 and array.shape[1] % block == 0:
-            try:
-                raw = gguf.quants.quantize(array, tensor_type)
-            except NotImplementedError:  # a type gguf-py cannot quantize: all-zero blocks are still valid data
-                raw = np.zeros((array.shape[0], array.shape[1] // block * type_size), dtype=np.uint8)
-            writer.add_tensor(gguf_name(name, arch), raw, raw_dtype=tensor_type)
-        else:  # llama.cpp too keeps norms, biases and rows that are not whole blocks in F32
-            writer.add_tensor(gguf_name(name, arch), np.ascontiguousarray(array, dtype=np.float32))
+        named = _moe_tensors(name, array) if moe and (".mlp." in name) else [(gguf_name(name, arch), array)]
+        for out_name, out in named:
+            if out_name in drop:
+                continue
+            if squeeze_shared_gate and out_name.endswith("ffn_gate_inp_shexp.weight"):
+                out = out.reshape(-1)
+            _add_tensor(writer, out_name, out, tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_tensor(writer, name: str, array: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> None:
+    block, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
+    quantize = tensor_type != gguf.GGMLQuantizationType.F32 and array.ndim >= 2 and array.shape[-1] % block == 0
+    if quantize and not name.endswith(_F32_ONLY):  # blocks run along each row (the last axis)
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        try:
+            raw = gguf.quants.quantize(array, tensor_type)
+        except NotImplementedError:  # a type gguf-py cannot quantize: all-zero blocks are still valid data
+            raw = np.zeros((*array.shape[:-1], array.shape[-1] // block * type_size), dtype=np.uint8)
+        writer.add_tensor(name, raw, raw_dtype=tensor_type)
+    else:  # llama.cpp too keeps norms, biases and rows that are not whole blocks in F32
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))

@@ -165,6 +165,8 @@ def test_truncated_weights_are_a_clear_error(hf_folder, tmp_path):
     "field,value,message",
     [
         ("model_type", "gpt2", "model_type='gpt2' is not supported"),
+        ("model_type", "gpt_oss", "model_type='gpt_oss' is not supported: its learned attention sinks"),
+        ("model_type", "mamba", "not a KV cache the tiers can page"),
         ("hidden_act", "gelu", "hidden_act='gelu'"),
         (
             "rope_parameters",
@@ -176,6 +178,8 @@ def test_truncated_weights_are_a_clear_error(hf_folder, tmp_path):
     ],
 )
 def test_unsupported_config_fields_are_named(hf_folder, tmp_path, field, value, message):
+    """Each refusal names the field; a model type users bring that is refused says why
+    (``config.UNSERVED_MODEL_TYPES``)."""
     folder = _copy(hf_folder, tmp_path / "c")
     cfg = json.loads((folder / "config.json").read_text())
     cfg[field] = value

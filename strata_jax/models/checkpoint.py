@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from strata_jax.models.config import ModelConfig, RopeScaling
+from strata_jax.models.config import ModelConfig, MoEConfig, RopeScaling
 from strata_jax.models.weights import CausalLM, WeightLoadError, aligned_empty, random_model
 
 CONFIG_FILE = "strata_model_config.json"
@@ -57,6 +57,8 @@ def read_checkpoint_config(directory: Path) -> ModelConfig:
         raise WeightLoadError(f"{directory} is not a strata-jax checkpoint (no {CONFIG_FILE})")
     raw = json.loads(config_file.read_text())
     raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+    if raw.get("moe") is not None:  # a mixture of experts (absent in checkpoints of dense models)
+        raw["moe"] = MoEConfig(**raw["moe"])
     # JSON lists back to the config's tuples (eos ids, per-layer windows)
     raw = {key: tuple(value) if isinstance(value, list) else value for key, value in raw.items()}
     return ModelConfig(**raw)

@@ -3,9 +3,10 @@
 Supported: ``llama`` (rope scaling below), ``mistral``
 (sliding window), ``qwen2`` (qkv bias; ``use_sliding_window`` + ``max_window_layers``),
 ``qwen3`` (per-head q/k RMSNorm), ``gemma2`` (local/global layers, attention and final
-logit soft-capping) and ``gemma3_text`` (local/global layers with their own rope
-bases, q/k norm); GQA; explicit ``head_dim``; tied or untied embeddings.  Both the
-transformers-4 (``rope_theta`` + ``rope_scaling``) and transformers-5
+logit soft-capping), ``gemma3_text`` (local/global layers with their own rope
+bases, q/k norm) and the mixture-of-experts families ``qwen3_moe``, ``qwen2_moe`` (shared
+expert) and ``mixtral`` (``MoEConfig``; every layer MoE); GQA; explicit ``head_dim``; tied or
+untied embeddings.  Both the transformers-4 (``rope_theta`` + ``rope_scaling``) and transformers-5
 (``rope_parameters``) spellings are read.  Rope scaling (``rope_type``): ``default``,
 ``linear``, ``llama3``, ``yarn``, ``longrope`` and ``dynamic`` (NTK), read as transformers
 reads them (``docs/models.md``, "Rope scaling", says where a position-only serving engine
@@ -26,8 +27,26 @@ from pathlib import Path
 from typing import Any
 
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *GEMMA_MODEL_TYPES)
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *GEMMA_MODEL_TYPES, *MOE_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "dynamic", "longrope")
+# model types users bring that are refused, each with why (docs/models.md, "What is refused")
+UNSERVED_MODEL_TYPES = {
+    "gpt_oss": "its learned attention sinks, clamped SwiGLU with biases and MXFP4 experts are not built yet",
+    "deepseek_v2": "multi-head latent attention (a compressed KV) and grouped top-k routing are not built",
+    "deepseek_v3": "multi-head latent attention (a compressed KV) and grouped top-k routing are not built",
+    "gemma3": "the multimodal Gemma 3 (vision + text); its text-only checkpoints (gemma3_text) are served",
+    "llava": "multimodal (a vision encoder in front of the decoder)",
+    "mllama": "multimodal (cross-attention to image features)",
+    "qwen2_vl": "multimodal (a vision encoder and M-RoPE)",
+    "qwen2_5_vl": "multimodal (a vision encoder and M-RoPE)",
+    "mamba": "state-space layers keep a recurrent state, not a KV cache the tiers can page",
+    "mamba2": "state-space layers keep a recurrent state, not a KV cache the tiers can page",
+    "jamba": "its state-space layers keep a recurrent state, not a KV cache the tiers can page",
+    "t5": "an encoder-decoder; this runtime serves causal decoders",
+    "bart": "an encoder-decoder; this runtime serves causal decoders",
+    "bert": "an encoder; this runtime serves causal decoders",
+}
 # Scalings Gemma 3's global layers may take: one rope table per layer, no per-token or cos/sin factor
 GEMMA3_ROPE_TYPES = ("default", "llama3", "linear")
 # HF activation names -> what the MLP computes (gelu_pytorch_tanh and gelu_new are the same tanh formula)
@@ -55,8 +74,76 @@ _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# transformers' (5.25) defaults for fields a mixture-of-experts config.json may leave out
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {
+        "max_position_embeddings": 32768,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "sliding_window": 4096,
+    },
+    "qwen2_moe": {
+        "max_position_embeddings": 32768,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+    },
+    "mixtral": {
+        "max_position_embeddings": 4096 * 32,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-5,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+}
+
+
 class ModelConfigError(ValueError):
     """A config.json this runtime cannot serve faithfully."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP of a mixture-of-experts model (``moe.MoEBlock``), the same in every layer.
+
+    The router (``gate``, no bias) scores ``num_experts`` experts per token; the softmax
+    (float32) picks the ``num_experts_per_tok`` best, their probabilities renormalized to sum
+    to one when ``norm_topk_prob`` (qwen: the config's flag; mixtral: always); each picked
+    expert (a SiLU-gated MLP of width ``expert_intermediate_size``) runs on the token and
+    their outputs are summed weighted by those probabilities.  ``float32_combine``: the
+    expert outputs are multiplied by the float32 weights before the cast back (mixtral); else
+    the weights are cast to the model's dtype first (qwen).  ``shared_expert_intermediate_size``
+    > 0 (qwen2_moe): a dense SiLU-gated MLP of that width on every token, times
+    ``sigmoid(shared_expert_gate(x))``, added to the experts' sum.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int = 0
+    float32_combine: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "expert_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ModelConfigError(f"moe {name}={value!r} must be a positive integer")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ModelConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} exceeds num_experts={self.num_experts}"
+            )
+        value = self.shared_expert_intermediate_size
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ModelConfigError(f"shared_expert_intermediate_size={value!r} must be a non-negative integer")
 
 
 @dataclass(frozen=True)
@@ -117,6 +204,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Mixture of experts: every layer's MLP is this sparse block (None: the dense MLP).
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -179,6 +268,14 @@ class ModelConfig:
     def num_parameters(self) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         mlp = 3 * self.hidden_size * self.intermediate_size
+        if self.moe is not None:  # every expert (all are held), the router, the shared expert and its gate
+            m = self.moe
+            mlp = self.hidden_size * (
+                3 * m.num_experts * m.expert_intermediate_size
+                + m.num_experts
+                + 3 * m.shared_expert_intermediate_size
+                + (1 if m.shared_expert_intermediate_size else 0)
+            )
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         norms = (4 if self.is_gemma else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
@@ -192,6 +289,11 @@ class ModelConfig:
                 "model_type='gemma3' is the multimodal Gemma 3 (vision + text), which is not supported; "
                 "its text-only checkpoints (model_type 'gemma3_text', e.g. gemma-3-270m / gemma-3-1b) and GGUF files "
                 "are"
+            )
+        if isinstance(model_type, str) and model_type in UNSERVED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"model_type={model_type!r} is not supported: {UNSERVED_MODEL_TYPES[model_type]} "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelConfigError(
@@ -214,16 +316,19 @@ class ModelConfig:
                 )
         if raw.get("mlp_bias"):
             raise ModelConfigError("mlp_bias=True is not supported")
+        family = gemma or _MOE_DEFAULTS.get(model_type)  # transformers' defaults of the family, if it has its own
+        if model_type == "qwen3_moe" and raw.get("attention_bias"):
+            raise ModelConfigError("attention_bias=True is not supported for qwen3_moe (its o_proj would have a bias)")
         hidden = _required_int(raw, "hidden_size")
         heads = _required_int(raw, "num_attention_heads")
         layers = _required_int(raw, "num_hidden_layers")
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         head_dim = int(raw.get("head_dim") or hidden // heads)
-        max_pos = int(raw.get("max_position_embeddings", gemma["max_position_embeddings"] if gemma else 4096))
+        max_pos = int(raw.get("max_position_embeddings", family["max_position_embeddings"] if family else 4096))
         if model_type == "gemma3_text":
             theta, scaling, local_theta = _read_gemma3_rope(raw, max_pos)
         else:
-            theta, scaling = _read_rope(raw, max_pos, default_theta=gemma["rope_theta"] if gemma else 10000.0)
+            theta, scaling = _read_rope(raw, max_pos, default_theta=family["rope_theta"] if family else 10000.0)
             local_theta = None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -247,17 +352,18 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", family.get("rms_norm_eps", 1e-6) if family else 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma is not None)),
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            attention_bias=_attention_bias(raw, model_type),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             layer_windows=_layer_windows(raw, model_type, layers),
             rope_local_theta=local_theta,
+            moe=_read_moe(raw, model_type, layers) if model_type in MOE_MODEL_TYPES else None,
             **extra,
         )
 
@@ -273,6 +379,78 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ModelConfigError(f"{config_file} must hold a JSON object")
         return cls.from_hf_dict(raw)
+
+
+def _attention_bias(raw: dict[str, Any], model_type: str) -> bool:
+    """q/k/v biases: qwen2 always, qwen2_moe by ``qkv_bias`` (default true), mixtral never
+    (transformers' Mixtral ignores ``attention_bias``), the rest by ``attention_bias``."""
+    if model_type == "qwen2":
+        return True
+    if model_type == "qwen2_moe":
+        return bool(raw.get("qkv_bias", True))
+    if model_type == "mixtral":
+        return False
+    return bool(raw.get("attention_bias", False))
+
+
+def _read_moe(raw: dict[str, Any], model_type: str, num_layers: int) -> MoEConfig | None:
+    """The sparse MLP of a ``qwen3_moe`` / ``qwen2_moe`` / ``mixtral`` config as transformers
+    (5.25) builds it; None when no layer is sparse (qwen with ``num_experts`` 0, or
+    ``decoder_sparse_step`` past the last layer: every layer is then the dense MLP of
+    ``intermediate_size``, as in transformers).
+
+    qwen: layer ``i`` is sparse iff ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step
+    == 0``; a stack mixing sparse and dense layers is refused (the layer scan needs one
+    parameter structure for every layer).  The expert width is ``moe_intermediate_size``;
+    ``norm_topk_prob`` defaults to false (transformers' default for both qwen families).
+    mixtral: every layer sparse, the expert width is ``intermediate_size``, the top-k
+    probabilities always renormalized and applied in float32.
+    """
+    defaults = _MOE_DEFAULTS[model_type]
+    # mixtral and qwen3_moe's config.json (its attribute_map) spell it num_local_experts, qwen2_moe num_experts
+    experts = next((raw[k] for k in ("num_experts", "num_local_experts") if raw.get(k) is not None), None)
+    experts = defaults["num_experts"] if experts is None else experts
+    top_k = raw.get("num_experts_per_tok", defaults["num_experts_per_tok"])
+    if model_type == "mixtral":
+        return MoEConfig(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            expert_intermediate_size=_required_int(raw, "intermediate_size"),
+            norm_topk_prob=True,
+            float32_combine=True,
+        )
+    if isinstance(experts, int) and not isinstance(experts, bool) and experts == 0:
+        return None  # transformers: every layer the dense MLP
+    step = raw.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        raise ModelConfigError(f"decoder_sparse_step={step!r} must be a positive integer")
+    mlp_only = raw.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
+        raise ModelConfigError(f"mlp_only_layers={mlp_only!r} must be a list of layer indices")
+    sparse = [i not in mlp_only and (i + 1) % step == 0 for i in range(num_layers)]
+    if not any(sparse):
+        return None
+    if not all(sparse):
+        dense = [i for i, s in enumerate(sparse) if not s]
+        raise ModelConfigError(
+            f"mixed dense/MoE layer stacks are not supported yet: decoder_sparse_step={step} and "
+            f"mlp_only_layers={mlp_only} make layers {dense} dense MLPs and the others MoE ({model_type}); "
+            "every layer must be MoE (decoder_sparse_step=1, mlp_only_layers=[])"
+        )
+    norm = raw.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ModelConfigError(f"norm_topk_prob={norm!r} must be true or false")
+    return MoEConfig(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        expert_intermediate_size=raw.get("moe_intermediate_size", defaults["moe_intermediate_size"]),
+        norm_topk_prob=norm,
+        shared_expert_intermediate_size=raw.get(
+            "shared_expert_intermediate_size", defaults["shared_expert_intermediate_size"]
+        )
+        if model_type == "qwen2_moe"
+        else 0,
+    )
 
 
 def _required_int(raw: dict[str, Any], key: str) -> int:
@@ -440,8 +618,11 @@ def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tup
     """The sliding window of every layer (0 = full attention) as transformers applies it:
 
     * ``llama``: none (transformers' Llama has no sliding window).
-    * ``mistral``: ``sliding_window`` on every layer (``layer_types`` is ignored, as
+    * ``mistral``, ``mixtral``: ``sliding_window`` on every layer (``layer_types`` is ignored, as
       transformers' ``MistralModel`` does).
+    * ``qwen3_moe``: only with ``use_sliding_window``, then every layer (default window 4096).
+    * ``qwen2_moe``: only with ``use_sliding_window``; the layers ``layer_types`` marks
+      ``sliding_attention``, else the even layers below ``max_window_layers`` (default 28).
     * ``qwen2`` / ``qwen3``: only with ``use_sliding_window``; the layers ``layer_types``
       marks ``sliding_attention``, else layers ``i >= max_window_layers``.
     * ``gemma2`` / ``gemma3_text``: ``layer_types``, else ``sliding_window_pattern``
@@ -450,16 +631,16 @@ def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tup
     """
     if model_type == "llama":
         return ()
-    gemma = _GEMMA_DEFAULTS.get(model_type)
-    window = raw.get("sliding_window", gemma["sliding_window"] if gemma else None)
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    family = _GEMMA_DEFAULTS.get(model_type) or _MOE_DEFAULTS.get(model_type) or {}
+    window = raw.get("sliding_window", family.get("sliding_window"))
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") and not raw.get("use_sliding_window", False):
         window = None
     if window is None:
         return ()
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ModelConfigError(f"sliding_window={window!r} must be null or a positive integer")
     layer_types = raw.get("layer_types")
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral", "qwen3_moe"):
         sliding = [True] * num_layers
     elif layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != num_layers:
@@ -468,11 +649,14 @@ def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tup
         if unknown:
             raise ModelConfigError(f"layer_types {unknown} are not supported (supported: {', '.join(LAYER_TYPES)})")
         sliding = [t == "sliding_attention" for t in layer_types]
-    elif gemma is not None:
-        pattern = raw.get("sliding_window_pattern", gemma["pattern"])
+    elif model_type in GEMMA_MODEL_TYPES:
+        pattern = raw.get("sliding_window_pattern", family["pattern"])
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
             raise ModelConfigError(f"sliding_window_pattern={pattern!r} must be a positive integer")
         sliding = [bool((i + 1) % pattern) for i in range(num_layers)]
+    elif model_type == "qwen2_moe":  # transformers' Qwen2MoeConfig: even layers below max_window_layers
+        below = int(raw.get("max_window_layers", family["max_window_layers"]))
+        sliding = [bool((i + 1) % 2) and i < below for i in range(num_layers)]
     else:  # qwen2 / qwen3
         first = int(raw.get("max_window_layers", 28))
         sliding = [i >= first for i in range(num_layers)]

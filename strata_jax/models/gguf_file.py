@@ -12,7 +12,7 @@ import math
 import mmap
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,26 @@ GGUF_ARCHITECTURES = {
     "qwen3": "qwen3",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
 }
+# Mixtral: llama.cpp converts it as architecture "llama" with ``llama.expert_count`` > 0.
+MIXTRAL_ARCH = "llama"
+# Mixtures of experts (docs/models.md, "Mixture of experts from GGUF").  What llama.cpp assumes when the file
+# has no ``{arch}.expert_weights_norm``: its qwen3moe graph renormalizes the top-k weights, qwen2moe does not,
+# Mixtral (llama) does (``norm_w`` of build_moe_ffn in src/models/*.cpp).
+MOE_DEFAULT_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False}
+# The GGUF tensor kinds of a MoE layer (gguf.MODEL_TENSOR member names) -> the HF name of one layer's part;
+# the ``*_EXP`` ones hold every expert of the layer in one 3-D tensor ``[expert, out, in]`` (HF order).
+_MOE_TENSORS = {
+    "FFN_GATE_INP": "mlp.gate.weight",
+    "FFN_GATE_INP_SHEXP": "mlp.shared_expert_gate.weight",
+    "FFN_GATE_SHEXP": "mlp.shared_expert.gate_proj.weight",
+    "FFN_UP_SHEXP": "mlp.shared_expert.up_proj.weight",
+    "FFN_DOWN_SHEXP": "mlp.shared_expert.down_proj.weight",
+}
+_MOE_EXPERTS = {"FFN_GATE_EXP": "gate_proj", "FFN_UP_EXP": "up_proj", "FFN_DOWN_EXP": "down_proj"}
+_MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # its checkpoint's per-expert names
 # llama.cpp's converter stores Gemma's RMSNorm weights plus one (its norm multiplies by w, Gemma's by 1 + w);
 # the loader subtracts it again so the tensors are the Hugging Face checkpoint's.
 NORM_SHIFTED_ARCHS = ("gemma2", "gemma3")
@@ -97,6 +116,17 @@ ROPE_FREQS = "rope_freqs.weight"  # llama3-style rope scaling, stored as per-fre
 
 class GGUFError(ModelConfigError):
     """A GGUF file this runtime cannot read or serve faithfully; the message names the file."""
+
+
+@dataclass(frozen=True)
+class _HFTensor:
+    """One HF checkpoint tensor as read from the file: ``info`` is the GGUF tensor or, for an expert, its
+    slice of the layer's 3-D expert tensor (the experts are its outermost axis, so each is one byte range)."""
+
+    name: str
+    info: GGUFTensorInfo
+    heads: int | None  # undo llama.cpp's q/k permutation with this many heads
+    norm_shift: bool  # subtract llama.cpp's + 1 (Gemma's norms)
 
 
 def require_gguf():
@@ -293,12 +323,14 @@ class GGUFFile:
         )
         if vocab is None:
             raise GGUFError(f"{self.path} lacks {key('vocab_size')!r}, token_embd.weight and tokenizer.ggml.tokens")
+        # a mixture of experts may leave out the dense width (its layers have none): the expert width stands in
+        ffn = self.field(key("feed_forward_length")) if self.is_moe else self.required(key("feed_forward_length"))
         config: dict[str, Any] = {
             "architectures": [_HF_ARCHITECTURES[arch]],
             "model_type": GGUF_ARCHITECTURES[arch],
             "vocab_size": int(vocab),
             "hidden_size": hidden,
-            "intermediate_size": int(self.required(key("feed_forward_length"))),
+            "intermediate_size": int(ffn or 0),
             "num_hidden_layers": int(self.required(key("block_count"))),
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
@@ -319,10 +351,12 @@ class GGUFFile:
         scaling = self._rope_scaling(config)
         if scaling is not None:
             config["rope_scaling"] = scaling
-        if arch in ("qwen2", "qwen3"):
+        if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
             config["use_sliding_window"] = False
         if arch in NORM_SHIFTED_ARCHS:
             config.update(self._gemma_config(config))
+        if self.is_moe:
+            config.update(self._moe_config(config))
         for hf_key, gguf_key in (
             ("bos_token_id", "bos_token_id"),
             ("eos_token_id", "eos_token_id"),
@@ -362,6 +396,98 @@ class GGUFFile:
             out["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
         else:
             out["sliding_window_pattern"] = int(pattern)
+        return out
+
+    # ---- mixtures of experts -------------------------------------------------------------------
+
+    def _moe_key(self, name: str) -> str:
+        """The metadata key ``gguf.Keys.LLM.<name>`` of this file's architecture."""
+        return str(getattr(self._gguf.Keys.LLM, name)).format(arch=self.architecture)
+
+    def _moe_tensor(self, kind: str, layer: int) -> str:
+        """The GGUF name of tensor ``gguf.MODEL_TENSOR.<kind>`` of ``layer``."""
+        gguf = self._gguf
+        return gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[kind]].format(bid=layer) + ".weight"
+
+    @cached_property
+    def is_moe(self) -> bool:
+        """qwen2moe / qwen3moe always; llama (Mixtral) when ``llama.expert_count`` > 0."""
+        arch = self.architecture
+        if arch in MOE_DEFAULT_NORM_TOPK:
+            return True
+        return arch == MIXTRAL_ARCH and int(self.field(self._moe_key("EXPERT_COUNT")) or 0) > 0
+
+    def _moe_kinds(self) -> tuple[str, ...]:
+        """The MoE tensor kinds every layer of this file's architecture needs (llama.cpp's load_arch_tensors)."""
+        kinds = ("FFN_GATE_INP", *_MOE_EXPERTS)
+        if self.architecture == "qwen2moe":
+            kinds += ("FFN_GATE_INP_SHEXP", "FFN_GATE_SHEXP", "FFN_UP_SHEXP", "FFN_DOWN_SHEXP")
+        return kinds
+
+    def _moe_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The MoE fields of the HF config (qwen3_moe / qwen2_moe / mixtral), after checking that every
+        layer has its router and expert tensors, each holding the file's expert count."""
+        arch, gguf = self.architecture, self._gguf
+        experts = int(self.field(self._moe_key("EXPERT_COUNT")) or 0)
+        if experts <= 0:
+            raise GGUFError(f"{self.path}: a {arch} model needs {self._moe_key('EXPERT_COUNT')!r} > 0")
+        used = int(self.required(self._moe_key("EXPERT_USED_COUNT")))
+        gating = self.field(self._moe_key("EXPERT_GATING_FUNC"))
+        if gating is not None and int(gating) != int(gguf.ExpertGatingFuncType.SOFTMAX):
+            raise GGUFError(
+                f"{self.path}: {self._moe_key('EXPERT_GATING_FUNC')}={gating} is not supported (only 1, softmax)"
+            )
+        scale = self.field(self._moe_key("EXPERT_WEIGHTS_SCALE"))
+        if scale is not None and float(scale) != 1.0:
+            raise GGUFError(f"{self.path}: {self._moe_key('EXPERT_WEIGHTS_SCALE')}={scale} is not supported (only 1)")
+        layers = config["num_hidden_layers"]
+        for layer in range(layers):
+            for kind in self._moe_kinds():
+                name = self._moe_tensor(kind, layer)
+                info = self.tensors.get(name)
+                if info is None:
+                    needed = ", ".join(self._moe_tensor(k, layer).split(".", 2)[2] for k in self._moe_kinds())
+                    raise GGUFError(
+                        f"{self.path} lacks the tensor {name!r}: every layer of a {arch} mixture of experts needs "
+                        f"{needed}"
+                    )
+                held = info.hf_shape[0] if kind in _MOE_EXPERTS or kind == "FFN_GATE_INP" else experts
+                if held != experts or (kind in _MOE_EXPERTS and len(info.hf_shape) != 3):
+                    raise GGUFError(
+                        f"{self.path}: tensor {name!r} has shape {info.hf_shape} (experts first), but "
+                        f"{self._moe_key('EXPERT_COUNT')} is {experts}"
+                    )
+        width = self.field(self._moe_key("EXPERT_FEED_FORWARD_LENGTH"))
+        width = int(width) if width is not None else self.tensors[self._moe_tensor("FFN_GATE_EXP", 0)].hf_shape[1]
+        norm = self.field(self._moe_key("EXPERT_WEIGHTS_NORM"))
+        if arch == MIXTRAL_ARCH:
+            if norm is not None and not norm:
+                raise GGUFError(
+                    f"{self.path}: {self._moe_key('EXPERT_WEIGHTS_NORM')} is false; Mixtral always renormalizes"
+                )
+            return {
+                "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral",
+                "num_local_experts": experts,
+                "num_experts_per_tok": used,
+                "intermediate_size": width,  # Mixtral's intermediate_size is its experts' width
+                "sliding_window": None,  # llama.cpp's llama architecture carries no window
+            }
+        out: dict[str, Any] = {
+            "num_experts": experts,
+            "num_experts_per_tok": used,
+            "moe_intermediate_size": width,
+            "norm_topk_prob": MOE_DEFAULT_NORM_TOPK[arch] if norm is None else bool(norm),
+            "decoder_sparse_step": 1,  # llama.cpp's qwen MoE graphs make every layer sparse
+            "mlp_only_layers": [],
+        }
+        if not config["intermediate_size"]:
+            out["intermediate_size"] = width
+        if arch == "qwen2moe":
+            shared = self.field(self._moe_key("EXPERT_SHARED_FEED_FORWARD_LENGTH"))
+            shape = self.tensors[self._moe_tensor("FFN_GATE_SHEXP", 0)].hf_shape
+            out["shared_expert_intermediate_size"] = int(shared) if shared is not None else shape[0]
+            out["qkv_bias"] = "blk.0.attn_q.bias" in self.tensors
         return out
 
     def _rope_scaling(self, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -434,14 +560,23 @@ class GGUFFile:
         if end > start:
             raw.madvise(mmap.MADV_DONTNEED, start, end - start)
 
-    def named_tensors(self, dtype: np.dtype, num_heads: int, num_kv_heads: int) -> list[NamedTensor]:
-        """Every weight under its HF name, dequantized to ``dtype`` when ``get()`` is called."""
+    def hf_tensors(self, num_heads: int, num_kv_heads: int) -> list[_HFTensor]:
+        """Every weight under its HF checkpoint name (a MoE layer's 3-D expert tensors split into the
+        per-expert tensors of the hub's checkpoints), without reading any data."""
         arch = self.architecture
         permute = arch in PERMUTED_QK_ARCHS
-        named = []
+        moe: dict[str, tuple[str, int]] = {}
+        if self.is_moe:
+            layers = int(self.required(f"{arch}.block_count"))
+            moe = {self._moe_tensor(kind, i): (kind, i) for i in range(layers) for kind in self._moe_kinds()}
+        mixtral = self.is_moe and arch == MIXTRAL_ARCH
+        out = []
         for info in self.tensors.values():
             if info.name == ROPE_FREQS:
                 continue  # folded into the config's rope scaling
+            if info.name in moe:
+                out.extend(self._moe_hf_tensors(info, *moe[info.name], mixtral=mixtral))
+                continue
             hf_name = hf_tensor_name(info.name, arch)
             if hf_name is None:
                 raise GGUFError(f"{self.path}: unexpected tensor {info.name!r} for a {arch} model")
@@ -451,9 +586,46 @@ class GGUFFile:
             elif permute and ".attn_k." in info.name:
                 heads = num_kv_heads
             shift = arch in NORM_SHIFTED_ARCHS and info.name.endswith("norm.weight")
-            nbytes = math.prod(info.hf_shape) * np.dtype(dtype).itemsize
-            named.append(NamedTensor(hf_name, nbytes, partial(self._get, info, dtype, heads, shift), self.path.name))
-        return named
+            out.append(_HFTensor(hf_name, info, heads, shift))
+        return out
+
+    def _moe_hf_tensors(self, info: GGUFTensorInfo, kind: str, layer: int, *, mixtral: bool) -> list[_HFTensor]:
+        prefix = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}"
+        if kind in _MOE_EXPERTS:  # [expert, out, in]: expert e is the e-th of E equal byte ranges
+            proj = _MOE_EXPERTS[kind]
+            experts = info.hf_shape[0]
+            size = info.nbytes // experts
+            return [
+                _HFTensor(
+                    f"{prefix}.experts.{e}.{_MIXTRAL_EXPERTS[proj] if mixtral else proj}.weight",
+                    replace(
+                        info,
+                        name=f"{info.name}[{e}]",
+                        hf_shape=info.hf_shape[1:],
+                        offset=info.offset + e * size,
+                        nbytes=size,
+                    ),
+                    None,
+                    False,
+                )
+                for e in range(experts)
+            ]
+        if kind == "FFN_GATE_INP_SHEXP" and len(info.hf_shape) == 1:  # older converters squeezed its [1, D]
+            info = replace(info, hf_shape=(1, *info.hf_shape))
+        name = _MOE_TENSORS[kind].removeprefix("mlp.")  # the router, qwen2moe's shared expert and its gate
+        return [_HFTensor(f"{prefix}.{name}", info, None, False)]
+
+    def named_tensors(self, dtype: np.dtype, num_heads: int, num_kv_heads: int) -> list[NamedTensor]:
+        """Every weight under its HF name, dequantized to ``dtype`` when ``get()`` is called."""
+        return [
+            NamedTensor(
+                t.name,
+                math.prod(t.info.hf_shape) * np.dtype(dtype).itemsize,
+                partial(self._get, t.info, dtype, t.heads, t.norm_shift),
+                self.path.name,
+            )
+            for t in self.hf_tensors(num_heads, num_kv_heads)
+        ]
 
     def _get(self, info: GGUFTensorInfo, dtype: np.dtype, heads: int | None, norm_shift: bool = False) -> np.ndarray:
         if norm_shift:  # undo llama.cpp's + 1 in float32, then round once to the target dtype
@@ -469,6 +641,8 @@ _HF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 

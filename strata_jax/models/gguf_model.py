@@ -14,7 +14,7 @@ import numpy as np
 
 from strata_jax.models.config import ModelConfig
 from strata_jax.models.generation_config import GenerationDefaults
-from strata_jax.models.gguf_file import GGUFError, GGUFFile, hf_tensor_name
+from strata_jax.models.gguf_file import GGUFError, GGUFFile
 from strata_jax.models.gguf_tokenizer import has_tokenizer, write_tokenizer_files
 from strata_jax.models.weights import CausalLM, load_named_tensors
 from strata_jax.tokenizer import HFTokenizer
@@ -69,15 +69,17 @@ def convert_gguf(path: str | Path, out_dir: str | Path, *, dtype: str = "float32
     out.mkdir(parents=True, exist_ok=True)
     if has_tokenizer(gguf):
         write_tokenizer_files(gguf, out)
-    _write_safetensors(out / "model.safetensors", tensors, np_dtype, gguf)
+    shapes = {t.name: t.info.hf_shape for t in gguf.hf_tensors(config.num_heads, config.num_kv_heads)}
+    _write_safetensors(out / "model.safetensors", tensors, shapes, np_dtype, gguf)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
     (out / "generation_config.json").write_text(json.dumps(generation_config(hf_config), indent=2))
     return out
 
 
-def _write_safetensors(file: Path, tensors, dtype: np.dtype, gguf: GGUFFile) -> None:
+def _write_safetensors(
+    file: Path, tensors, shapes: dict[str, tuple[int, ...]], dtype: np.dtype, gguf: GGUFFile
+) -> None:
     """Stream tensors into one safetensors file (header first, then each tensor as it is dequantized)."""
-    shapes = {hf_tensor_name(name, gguf.architecture): info.hf_shape for name, info in gguf.tensors.items()}
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": gguf.path.name}}
     offset = 0
     for tensor in tensors:

@@ -208,10 +208,13 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
 
 
 class MLP(nnx.Module):
-    """Gated MLP: ``down(act(gate(x)) * up(x))`` (SiLU for Llama, GELU-tanh for Gemma)."""
+    """Gated MLP: ``down(act(gate(x)) * up(x))`` (SiLU for Llama, GELU-tanh for Gemma);
+    ``intermediate_size`` overrides the config's (qwen2_moe's shared expert)."""
 
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
-        h, i = config.hidden_size, config.intermediate_size
+    def __init__(
+        self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float, *, intermediate_size: int | None = None
+    ):
+        h, i = config.hidden_size, intermediate_size or config.intermediate_size
         self.act_name = config.hidden_act
         self.gate_proj = Linear(h, i, bias=False, dtype=dtype, rngs=rngs, std=std)
         self.up_proj = Linear(h, i, bias=False, dtype=dtype, rngs=rngs, std=std)
@@ -226,7 +229,12 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, dtype, rngs, std)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype, rngs, std)
+        if config.moe is None:
+            self.mlp: nnx.Module = MLP(config, dtype, rngs, std)
+        else:  # mixture of experts (qwen3_moe, qwen2_moe, mixtral); moe.py imports this module
+            from strata_jax.models.moe import MoEBlock
+
+            self.mlp = MoEBlock(config, dtype, rngs, std)
 
     def __call__(self, x, positions, inv_freq, kv_pool, layer, meta, window=None):
         attn_out, kv_pool = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_pool, layer, meta, window)
@@ -256,7 +264,10 @@ def stacked_layers(
     base_key, start = stream.key[...], stream.count[...]
     abstract = nnx.eval_shape(lambda: layer_cls(config, dtype, nnx.Rngs(params=0), std))
     graphdef = nnx.graphdef(abstract)
-    draws_per_layer = sum(isinstance(node, Linear) for _, node in nnx.iter_graph(abstract))  # one key per Linear
+    from strata_jax.models.moe import ExpertLinear  # moe.py imports this module
+
+    # one key per Linear / ExpertLinear
+    draws_per_layer = sum(isinstance(node, Linear | ExpertLinear) for _, node in nnx.iter_graph(abstract))
 
     def one(layer_idx):
         layer_rngs = nnx.Rngs(params=0)

@@ -63,14 +63,79 @@ def hf_name_to_param(name: str) -> tuple[tuple[str, ...], int | None, bool]:
     return parts, layer, False
 
 
-@partial(jax.jit, donate_argnums=0, static_argnames=("transpose",))
-def _put_layer(stack: jax.Array, layer: jax.Array, tensor: jax.Array, *, transpose: bool) -> jax.Array:
-    """Write one layer's tensor into row ``layer`` of its (donated) stacked array, in place.
+# Mixture-of-experts checkpoint names (config.moe): HF writes the experts one by one
+# (qwen: mlp.experts.E.{gate,up,down}_proj; mixtral: block_sparse_moe.experts.E.{w1,w3,w2});
+# transformers 5 holds them fused (mlp.experts.gate_up_proj [E, 2F, D], down_proj [E, D, F]).
+_MOE_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_MOE_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_MOE_ROUTER = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(gate|shared_expert_gate)\.weight$")
+_EXPERT_PROJ = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+_EXPERT_PROJ.update(w1="gate_proj", w3="up_proj", w2="down_proj")  # mixtral's names
 
-    ``layer`` is traced, so one small program per parameter shape serves every layer.
+
+@dataclass(frozen=True)
+class Placement:
+    """Where (part of) a checkpoint tensor goes: the state ``path``, the ``index`` of the row it
+    fills (``()``: the whole parameter; ``(layer,)``; ``(layer, expert)``), and the array in
+    checkpoint orientation, its last two axes swapped when ``transpose`` (``[out, in]`` -> ``[in, out]``)."""
+
+    path: tuple[str, ...]
+    index: tuple[int, ...]
+    get: Callable[[], np.ndarray]
+    transpose: bool
+
+
+def tensor_placements(tensor: NamedTensor, config: ModelConfig) -> list[Placement]:
+    """Where a checkpoint tensor lands: ``hf_name_to_param``'s one place, or for a mixture of
+    experts the router / expert rows (a fused ``gate_up_proj`` fills two parameters).
+
+    Raises ``WeightLoadError`` for a fused expert tensor whose shape the config does not imply."""
+    moe = config.moe
+    if moe is not None:
+        if match := _MOE_ROUTER.match(tensor.name):
+            router = ("model", "layers", "mlp", match.group(2), "kernel")
+            return [Placement(router, (int(match.group(1)),), tensor.get, True)]
+        match = _MOE_EXPERT.match(tensor.name)
+        if match and match.group(3) in _EXPERT_PROJ:
+            expert = ("model", "layers", "mlp", "experts", _EXPERT_PROJ[match.group(3)], "kernel")
+            return [Placement(expert, (int(match.group(1)), int(match.group(2))), tensor.get, True)]
+        if match := _MOE_FUSED.match(tensor.name):
+            layer, kind = int(match.group(1)), match.group(2)
+            e, f, d = moe.num_experts, moe.expert_intermediate_size, config.hidden_size
+            want = (e, 2 * f, d) if kind == "gate_up_proj" else (e, d, f)
+            array = tensor.get()
+            if tuple(array.shape) != want:
+                shape = tuple(array.shape)
+                raise WeightLoadError(
+                    f"tensor {tensor.name!r} in {tensor.origin} has shape {shape}, the config implies {want}"
+                )
+            experts = ("model", "layers", "mlp", "experts")
+            if kind == "down_proj":
+                return [Placement((*experts, "down_proj", "kernel"), (layer,), lambda: array, True)]
+            return [  # rows [0, F) of each expert are its gate projection, [F, 2F) its up projection
+                Placement((*experts, "gate_proj", "kernel"), (layer,), lambda: array[:, :f], True),
+                Placement((*experts, "up_proj", "kernel"), (layer,), lambda: array[:, f:], True),
+            ]
+    dense_path, dense_layer, transpose = hf_name_to_param(tensor.name)
+    return [Placement(dense_path, () if dense_layer is None else (dense_layer,), tensor.get, transpose)]
+
+
+def _oriented(array: np.ndarray, transpose: bool) -> np.ndarray:
+    """``array`` with its last two axes swapped when ``transpose`` (a view; 1-D arrays as they are)."""
+    return np.swapaxes(array, -1, -2) if transpose and array.ndim >= 2 else array
+
+
+@partial(jax.jit, donate_argnums=0, static_argnames=("transpose",))
+def _put_layer(stack: jax.Array, index: jax.Array, tensor: jax.Array, *, transpose: bool) -> jax.Array:
+    """Write one tensor into row ``index`` (``int32[k]``: a layer, or a layer and an expert) of
+    its (donated) stacked array, in place.
+
+    ``index`` is traced, so one small program per parameter shape serves every layer.
     """
-    value = (tensor.T if transpose else tensor).astype(stack.dtype)
-    return jax.lax.dynamic_update_index_in_dim(stack, value, layer, 0)
+    value = (jnp.swapaxes(tensor, -1, -2) if transpose and tensor.ndim >= 2 else tensor).astype(stack.dtype)
+    rows = index.shape[0]
+    starts = [index[i] for i in range(rows)] + [0] * value.ndim
+    return jax.lax.dynamic_update_slice(stack, value.reshape((1,) * rows + value.shape), starts)
 
 
 # XLA:CPU aliases (instead of copying) a host buffer aligned to this many bytes.
@@ -94,20 +159,17 @@ class HostStaging:
     memory-mapped; GGUF holds one dequantized tensor), and compiles no programs.
     """
 
-    def __init__(self, num_layers: int, dtype: jnp.dtype):
-        self.num_layers, self.dtype = num_layers, np.dtype(dtype)
+    def __init__(self, dtype: jnp.dtype):
+        self.dtype = np.dtype(dtype)
         self.arrays: dict[tuple, np.ndarray] = {}
 
     def put(
-        self, path: tuple, layer: int | None, array: np.ndarray, *, shape: tuple[int, ...], transpose: bool
+        self, path: tuple, index: tuple[int, ...], array: np.ndarray, *, shape: tuple[int, ...], transpose: bool
     ) -> None:
-        if layer is None:
-            target = self.arrays[path] = aligned_empty(shape, self.dtype)
-        else:
-            if path not in self.arrays:
-                self.arrays[path] = aligned_empty((self.num_layers, *shape), self.dtype)
-            target = self.arrays[path][layer]
-        np.copyto(target, array.T if transpose else array, casting="unsafe")
+        """Copy ``array`` into row ``index`` of parameter ``path`` (whole ``shape``)."""
+        if path not in self.arrays:
+            self.arrays[path] = aligned_empty(shape, self.dtype)
+        np.copyto(self.arrays[path][index], _oriented(array, transpose), casting="unsafe")
 
     def finish(self) -> dict[tuple, jax.Array]:
         arrays, self.arrays = self.arrays, {}
@@ -119,19 +181,20 @@ class _DeviceStaging:
     its row by a donated update: device memory holds the weights once plus one tensor in
     transit, and host memory one tensor."""
 
-    def __init__(self, num_layers: int, dtype: jnp.dtype):
-        self.num_layers, self.dtype = num_layers, dtype
+    def __init__(self, dtype: jnp.dtype):
+        self.dtype = dtype
         self.arrays: dict[tuple, jax.Array] = {}
 
     def put(
-        self, path: tuple, layer: int | None, array: np.ndarray, *, shape: tuple[int, ...], transpose: bool
+        self, path: tuple, index: tuple[int, ...], array: np.ndarray, *, shape: tuple[int, ...], transpose: bool
     ) -> None:
-        if layer is None:
-            self.arrays[path] = jnp.asarray(np.ascontiguousarray(array.T if transpose else array), dtype=self.dtype)
+        """Write ``array`` into row ``index`` of parameter ``path`` (whole ``shape``)."""
+        if not index:
+            self.arrays[path] = jnp.asarray(np.ascontiguousarray(_oriented(array, transpose)), dtype=self.dtype)
             return
         if path not in self.arrays:
-            self.arrays[path] = jnp.zeros((self.num_layers, *shape), self.dtype)
-        self.arrays[path] = _put_layer(self.arrays[path], np.int32(layer), array, transpose=transpose)
+            self.arrays[path] = jnp.zeros(shape, self.dtype)
+        self.arrays[path] = _put_layer(self.arrays[path], np.asarray(index, np.int32), array, transpose=transpose)
 
     def finish(self) -> dict[tuple, jax.Array]:
         arrays, self.arrays = self.arrays, {}
@@ -155,6 +218,23 @@ class NamedTensor:
     nbytes: int
     get: Callable[[], np.ndarray]
     origin: str
+
+
+def _row_depth(path: tuple) -> int:
+    """Leading axes of parameter ``path`` that checkpoint tensors index: 2 for the experts'
+    kernels (``[layer, expert]``), 1 for other stacked layer parameters, 0 otherwise."""
+    if path[:2] != ("model", "layers"):
+        return 0
+    return 2 if path[2:4] == ("mlp", "experts") else 1
+
+
+def _hf_row_name(path: tuple, row: tuple[int, ...]) -> str:
+    """The checkpoint name of row ``row`` of parameter ``path`` (for a missing-tensor error)."""
+    if not row:
+        return ".".join(map(str, path))
+    if len(row) == 2:  # an expert: its per-expert name
+        return f"model.layers.{row[0]}.mlp.experts.{row[1]}.{'.'.join(map(str, path[4:]))}"
+    return f"model.layers.{row[0]}.{'.'.join(map(str, path[2:]))}"
 
 
 def load_hf_weights(
@@ -197,14 +277,15 @@ def load_named_tensors(
     staging = staging or default_staging()
     if staging not in ("host", "device"):
         raise ValueError(f"staging must be 'host' or 'device', got {staging!r}")
-    stage = (HostStaging if staging == "host" else _DeviceStaging)(config.num_layers, dtype)
+    stage = (HostStaging if staging == "host" else _DeviceStaging)(dtype)
     abstract = nnx.eval_shape(lambda: random_model(config, dtype=dtype))
     graphdef, abstract_state = nnx.split(abstract)
     expected = {path: var for path, var in nnx.to_flat_state(abstract_state)}
-    num_layers = config.num_layers
-    stacked = {path for path in expected if path[:2] == ("model", "layers")}
-    loaded: set[tuple] = set()
-    filled: dict[tuple, set[int]] = {path: set() for path in stacked}
+    shapes = {path: tuple(var.get_value().shape) for path, var in expected.items()}
+    # how many leading axes a checkpoint tensor may index: 0 unstacked, 1 the layer, 2 a layer and an expert
+    depth = {path: _row_depth(path) for path in expected}
+    # rows filled so far, as index prefixes: (layer,) fills a layer (every expert of it), (layer, expert) one expert
+    filled: dict[tuple, set[tuple[int, ...]]] = {path: set() for path in expected}
     total = sum(t.nbytes for t in tensors)
     bar = tqdm(
         total=total,
@@ -219,38 +300,35 @@ def load_named_tensors(
             bar.update(tensor.nbytes)
             if _IGNORED.match(name):
                 continue
-            path, layer, transpose = hf_name_to_param(name)
-            if (
-                path not in expected
-                or (layer is None) != (path not in stacked)
-                or (layer is not None and layer >= num_layers)
-            ):
-                if config.tie_word_embeddings and name == "lm_head.weight":
-                    continue  # a tied checkpoint may still store the (shared) head
-                raise WeightLoadError(f"unexpected tensor {name!r} in {tensor.origin} for a {config.model_type} model")
-            array = tensor.get()
-            want = tuple(expected[path].get_value().shape)
-            if layer is not None:
-                want = want[1:]
-            got = tuple(array.shape)[::-1] if transpose else tuple(array.shape)
-            if got != want:
-                raise WeightLoadError(
-                    f"tensor {name!r} in {tensor.origin} has shape {tuple(array.shape)}, the config implies "
-                    f"{want[::-1] if transpose else want}"
-                )
-            stage.put(path, layer, array, shape=want, transpose=transpose)
-            del array  # a dequantized GGUF tensor: free it before the next one
-            if layer is None:
-                loaded.add(path)
-            else:
-                filled[path].add(layer)
-    missing = [".".join(map(str, p)) for p in expected if p not in stacked and p not in loaded]
-    missing += [
-        f"model.layers.{i}.{'.'.join(map(str, p[2:]))}"
-        for p in expected
-        if p in stacked
-        for i in range(num_layers)
-        if i not in filled[p]
+            for place in tensor_placements(tensor, config):
+                path, index = place.path, place.index
+                if (
+                    path not in expected
+                    or not (min(depth[path], 1) <= len(index) <= depth[path])
+                    or any(i >= n for i, n in zip(index, shapes[path]))
+                ):
+                    if config.tie_word_embeddings and name == "lm_head.weight":
+                        continue  # a tied checkpoint may still store the (shared) head
+                    raise WeightLoadError(
+                        f"unexpected tensor {name!r} in {tensor.origin} for a {config.model_type} model"
+                    )
+                array = place.get()
+                want = shapes[path][len(index) :]
+                got = _oriented(array, place.transpose).shape
+                if got != want:
+                    implied = want[:-2] + want[-2:][::-1] if place.transpose else want
+                    raise WeightLoadError(
+                        f"tensor {name!r} in {tensor.origin} has shape {tuple(array.shape)}, the config implies "
+                        f"{implied}"
+                    )
+                stage.put(path, index, array, shape=shapes[path], transpose=place.transpose)
+                del array  # a dequantized GGUF tensor: free it before the next one
+                filled[path].add(index)
+    missing = [
+        _hf_row_name(path, row)
+        for path in expected
+        for row in np.ndindex(*shapes[path][: depth[path]])
+        if not any(row[:n] in filled[path] for n in range(len(row) + 1))
     ]
     if missing:
         raise WeightLoadError(

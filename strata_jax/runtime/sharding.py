@@ -18,7 +18,21 @@ parameter                              split                       why
 q/k/v biases                           with their columns
 norms, q_norm/k_norm                   replicated                  tiny
 ``embed_tokens`` / ``lm_head``         replicated (default)        see ``VOCAB_PARALLEL``
+MoE ``mlp.experts.*`` ``[E, in, out]``  the expert axis             expert parallel, see below
+MoE ``mlp.shared_expert.*``            as ``gate/up/down_proj``    a dense MLP (qwen2_moe)
+MoE router ``mlp.gate``,               replicated                  ``[D, E]`` / ``[D, 1]``: tiny;
+``mlp.shared_expert_gate``                                         every device routes itself
 =====================================  ==========================  ============================
+
+Mixture of experts (``models/moe.py``): the routed experts are split over the same
+``tp`` axis, ``E / tp`` whole experts per device, whenever the model has experts (no
+separate switch: expert parallel size = tp).  The activations are replicated after
+attention's all-reduce, so every device routes every token (identically), runs only the
+assignments routed to its own experts and adds the shared expert's column/row share;
+one ``psum`` per layer sums the partial outputs, the all-reduce a dense layer's
+``down_proj`` makes.  ``num_experts`` not divisible by tp is refused (``check_model``):
+no replicated fallback.  docs/models.md, "Mixture of experts", says why (vs. an
+all-to-all dispatch).
 
 KV pool ``[L, 2, P, S, H_kv, D]``: split on ``H_kv`` (axis 4); the page-first staging
 of tier transfers ``[n, L, 2, S, H_kv, D]`` too, so a load's ``device_put`` sends each
@@ -59,6 +73,10 @@ def _rules(vocab_parallel: bool) -> tuple[tuple[re.Pattern[str], tuple[str | Non
         (r"self_attn\.o_proj\.kernel$", (t, None)),
         (r"mlp\.(gate|up)_proj\.kernel$", (None, t)),
         (r"mlp\.down_proj\.kernel$", (t, None)),
+        # mixture of experts: whole experts per device; the shared expert as a dense MLP
+        (r"mlp\.experts\.(gate|up|down)_proj\.kernel$", (t, None, None)),
+        (r"mlp\.shared_expert\.(gate|up)_proj\.kernel$", (None, t)),
+        (r"mlp\.shared_expert\.down_proj\.kernel$", (t, None)),
     ]
     if vocab_parallel:
         rules += [(r"embed_tokens\.weight$", (t, None)), (r"lm_head\.kernel$", (None, t))]
@@ -95,11 +113,21 @@ def check_model(config: ModelConfig, tp: int, *, vocab_parallel: bool = VOCAB_PA
             f"tp={tp} exceeds the model's {config.num_kv_heads} KV heads; KV heads are not replicated "
             f"(it would change the cached page layout), use tp <= {config.num_kv_heads}"
         )
-    for name, count in (
-        ("attention heads", config.num_heads),
-        ("KV heads", config.num_kv_heads),
-        ("intermediate size", config.intermediate_size),
-    ):
+    counts = [("attention heads", config.num_heads), ("KV heads", config.num_kv_heads)]
+    if config.moe is None:
+        counts.append(("intermediate size", config.intermediate_size))
+    else:  # every layer is sparse (mixed stacks are refused): the dense width is not used
+        if config.moe.num_experts % tp:
+            divisors = [n for n in range(2, config.moe.num_experts + 1) if config.moe.num_experts % n == 0]
+            raise TensorParallelError(
+                f"tp={tp} does not divide the model's num_experts={config.moe.num_experts}: the experts are "
+                f"split over the tp devices (expert parallel, E/tp whole experts each) and are not replicated; "
+                f"use a tp that divides num_experts ({', '.join(map(str, divisors[:8]))}"
+                f"{', ...' if len(divisors) > 8 else ''})"
+            )
+        if config.moe.shared_expert_intermediate_size:
+            counts.append(("shared_expert_intermediate_size", config.moe.shared_expert_intermediate_size))
+    for name, count in counts:
         if count % tp:
             raise TensorParallelError(f"tp={tp} does not divide the model's {count} {name}")
     if vocab_parallel and config.vocab_size % tp:
