@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU check: GPU-marked kernel tests, the L2->L1 load paths, a real engine on a long
-# document, and a calibrated simulator profile, in at most 8 minutes on one GPU (H200).
+# document, a calibrated simulator profile and a mixture-of-experts model against the CPU,
+# in at most 8 minutes on one GPU (H200).
 #
 # usage: scripts/gpu_check.sh [--dry-run] OUT_DIR
 #
-#   --dry-run   the same steps with tiny shapes on the CPU (JAX_PLATFORMS=cpu; 1.5-2 min on
+#   --dry-run   the same steps with tiny shapes on the CPU (JAX_PLATFORMS=cpu; 2-2.5 min on
 #               2 cores); tests/test_gpu_check.py runs it so the script cannot rot.
 #
 # Installs nothing.  Needs a Python (PYTHON, default python3) with jax (+ its CUDA or ROCm
@@ -14,14 +15,14 @@
 # its XML and the benchmarks their JSON so far; SIGKILL at the limit).  A failing step is
 # recorded and the next still runs.  Expected minutes on one H200 / limit:
 #   devices    0.2 / 0.33  strata-jax info (+ nvidia-smi)                   -> devices.txt
-#   tests      1.7 / 2.17  pytest -m gpu (kernel modules that import without
+#   tests      1.7 / 2.08  pytest -m gpu (kernel modules that import without
 #                          the serve extras)                                 -> tests.xml
 #   transfer   0.7 / 1.0   bench transfer: L2->L1 loads at page sizes 1/16/64, GB/s per path
 #                          (one device_put of a page-first staging buffer; from pinned_host
 #                          jax arrays; per-page copies; the engine's pipelined load) against
 #                          the link's peak (a contiguous 1 GiB copy, pageable and pinned)
 #                                                                            -> transfer.json
-#   roofline   2.0 / 3.08  bench roofline: Llama-3.1-8B width (32 layers, random bf16
+#   roofline   2.0 / 2.83  bench roofline: Llama-3.1-8B width (32 layers, random bf16
 #                          weights), 16K-token document: TTFT cold/L1/L2, prefill MFU,
 #                          decode step ms + HBM utilisation at batch 1/64/256 (1K-token
 #                          contexts), against the device's memory bandwidth and matmul
@@ -29,14 +30,22 @@
 #                                                                            -> roofline.json
 #   calibrate  0.4 / 0.75  strata-jax simulate --calibrate (a profile of this device)
 #                                                                -> calibrated_profile.json
+#   moe        0.6 / 0.75  python -m strata_jax.bench.gpu_check moe: a tiny random qwen2_moe
+#                          (8 experts, top-2, shared expert; float32) through the real engine
+#                          on the GPU, its greedy tokens and logits against the same model on
+#                          jax's CPU backend (a child process, run alongside), decode and
+#                          prefill step ms; then bench moe's layer comparison (Qwen3-30B-A3B
+#                          layer, bf16: ragged_dot experts vs a dense matmul of the same FLOPs
+#                          vs the masked per-expert loop) while its time lasts  -> moe.json
 #   summary    0.0 / 0.17  the numbers a human wants, from the files above   -> summary.txt
-#   total      5.0 / 7.5   (plus at most a few seconds of shell; every step also stops when
+#   total      5.6 / 7.9   (plus at most a few seconds of shell; every step also stops when
 #                          the script's 8 minutes are up)
 #
 # OUT_DIR gets at most 8 files: summary.txt (step status + the numbers a human wants: GB/s
 # per load path and page size vs the link's peak, TTFT cold/L1/L2, decode step ms and HBM %
-# per batch, prefill MFU %, the calibrated profile), devices.txt, log.txt (every step's
-# output), tests.xml, transfer.json, roofline.json, calibrated_profile.json.
+# per batch, prefill MFU %, the calibrated profile, the MoE verdict and times), devices.txt,
+# log.txt (every step's output), tests.xml, transfer.json, roofline.json,
+# calibrated_profile.json, moe.json.
 # Exit status: 0 if every step passed, else 1.
 set -uo pipefail
 
@@ -72,7 +81,7 @@ SUMMARY="$OUT_DIR/summary.txt"
 LOG="$OUT_DIR/log.txt"
 : >"$SUMMARY"
 : >"$LOG"
-rm -f "$OUT_DIR"/{devices.txt,tests.xml,transfer.json,roofline.json,calibrated_profile.json}
+rm -f "$OUT_DIR"/{devices.txt,tests.xml,transfer.json,roofline.json,calibrated_profile.json,moe.json}
 
 step() {  # step NAME LIMIT_S CMD...: output appended to log.txt (devices: to devices.txt as well)
   local name=$1 limit=$2
@@ -116,12 +125,14 @@ if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check --dry-run: tiny shapes on the CPU" | tee -a "$SUMMARY"
   TRANSFER=(--layers 4 --kv-heads 2 --head-dim 64 --dtype float32 --page-sizes 1,16 --total-mb 1 --repeats 3 --peak-mb 8)
   ROOFLINE=(--width tiny --doc-tokens 512 --prefill-chunk 256 --batches 1,2,4 --decode-context 64 --step-reps 3)
-  L_DEVICES=60 L_TESTS=60 L_TRANSFER=45 L_ROOFLINE=150 L_CALIBRATE=45 L_SUMMARY=10
+  MOE=(--dry-run)
+  L_DEVICES=60 L_TESTS=60 L_TRANSFER=45 L_ROOFLINE=120 L_CALIBRATE=45 L_MOE=120 L_SUMMARY=10
 else
   TRANSFER=(--layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --page-sizes 1,16,64 --total-mb 64 --repeats 5 --peak-mb 1024)
   ROOFLINE=(--width llama-3.1-8b --doc-tokens 16384 --prefill-chunk 8192 --batches 1,64,256 --decode-context 1024
     --ttft-repeats 3 --step-reps 10)
-  L_DEVICES=20 L_TESTS=130 L_TRANSFER=60 L_ROOFLINE=185 L_CALIBRATE=45 L_SUMMARY=10  # 450 s = 7.5 min
+  MOE=()
+  L_DEVICES=20 L_TESTS=125 L_TRANSFER=60 L_ROOFLINE=170 L_CALIBRATE=45 L_MOE=45 L_SUMMARY=10  # 475 s = 7.9 min
 fi
 
 devices() {
@@ -140,6 +151,10 @@ step transfer "$L_TRANSFER" "${BENCH[@]}" transfer "${TRANSFER[@]}" --pinned --t
   --json "$OUT_DIR/transfer.json"
 step roofline "$L_ROOFLINE" "${BENCH[@]}" roofline "${ROOFLINE[@]}" --json "$OUT_DIR/roofline.json"
 step calibrate "$L_CALIBRATE" "${CLI[@]}" simulate --calibrate "$OUT_DIR/calibrated_profile.json" --profile h200 --no-progress
+# the MoE step's own time box ends 10 s inside the step's limit (SIGINT at limit - 5 s)
+MOE_BUDGET=$(( (L_MOE < BUDGET_S - SECONDS ? L_MOE : BUDGET_S - SECONDS) - 10 ))
+step moe "$L_MOE" "$PY" -c "$INT; from strata_jax.bench.gpu_check import main; sys.exit(main(sys.argv[1:]))" \
+  moe "$OUT_DIR/moe.json" ${MOE[@]+"${MOE[@]}"} --budget-s "$MOE_BUDGET"
 export SUMMARY_TEXT=$(mktemp)
 step summary "$L_SUMMARY" bash -c 'set -o pipefail; "$PY" -m strata_jax.bench.gpu_check summarize "$OUT_DIR" | tee "$SUMMARY_TEXT"'
 {

@@ -33,6 +33,23 @@ def test_flops_formula_by_hand():
     assert extend_prior(cfg, 1e9, tp=2)[1] == b / 2
 
 
+def test_moe_prior_counts_the_active_experts_not_all_of_them():
+    import dataclasses
+
+    from strata_jax.models.config import ModelConfig, MoEConfig
+
+    dense = ModelConfig("qwen2_moe", 1000, 64, 256, 2, 4, 2, 16)
+    moe = MoEConfig(num_experts=8, num_experts_per_tok=2, expert_intermediate_size=32, norm_topk_prob=True)
+    cfg = dataclasses.replace(dense, moe=moe)
+    attn = 64 * 64 + 2 * 64 * 32 + 64 * 64  # q, k+v, o
+    mlp = 64 * 8 + 2 * 3 * 64 * 32  # router over 8 experts, 2 picked gate/up/down of width 32
+    assert extend_prior(cfg, 1e9)[1] == 2 * 2 * (attn + mlp) / 1e9
+    shared = dataclasses.replace(cfg, moe=dataclasses.replace(moe, shared_expert_intermediate_size=128))
+    assert extend_prior(shared, 1e9)[1] == 2 * 2 * (attn + mlp + 3 * 64 * 128 + 64) / 1e9  # + shared expert, its gate
+    # the intermediate_size of a config whose every layer is sparse is not counted
+    assert extend_prior(dataclasses.replace(cfg, intermediate_size=9999), 1e9) == extend_prior(cfg, 1e9)
+
+
 @pytest.mark.heavy  # a timed real prefill: ~80 s on the 2-core CI machine (`pytest -m heavy` runs it)
 @pytest.mark.slow
 def test_prior_is_within_an_order_of_magnitude_of_a_measured_prefill():

@@ -1,6 +1,7 @@
 """``scripts/gpu_check.sh --dry-run``: every step of the GPU check runs on the CPU with tiny
 shapes, so the script (its steps, flags, result files and summary) cannot rot before the
-first GPU run.  ~1-1.5 min on 2 cores."""
+first GPU run.  ~2-2.5 min on 2 cores.  The MoE step's comparison logic is also checked
+without jax (``compare_moe`` on made-up logits)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("devices", "tests", "transfer", "roofline", "calibrate", "summary")
+STEPS = ("devices", "tests", "transfer", "roofline", "calibrate", "moe", "summary")
 FILES = {
     "summary.txt",
     "devices.txt",
@@ -24,6 +25,7 @@ FILES = {
     "transfer.json",
     "roofline.json",
     "calibrated_profile.json",
+    "moe.json",
 }
 
 
@@ -79,6 +81,9 @@ def test_every_step_passes_and_writes_at_most_8_files(dry_run) -> None:
         "prefill MFU",
         "decode batch",
         "HBM",
+        "MoE",
+        "greedy tokens equal",
+        "grouped/dense",
     ):
         assert text in summary, text
 
@@ -153,3 +158,64 @@ def test_calibrated_profile_is_a_profile_the_simulator_loads(dry_run) -> None:
         "coalesced_efficiency",
     )
     assert load_profile(str(path)).name.startswith("calibrated:")
+
+
+def test_moe_step_serves_the_tiny_moe_model_and_compares_it_with_the_cpu(dry_run) -> None:
+    """On the CPU both sides are the CPU: the engine's tokens equal the child process's (the
+    reference path runs, as it will beside a GPU), the logits exactly; step times and the
+    layer comparison's rates are there."""
+    _, out = dry_run
+    r = json.loads((out / "moe.json").read_text())
+    assert r["errors"] == {} and r["phases"] == ["engine", "layer", "compare"]
+    assert r["model"]["model_type"] == "qwen2_moe" and r["model"]["shared_expert_width"] > 0
+    assert r["compare"]["ok"] and r["compare"]["tokens_equal"]
+    assert [p["prompt_tokens"] for p in r["compare"]["prompts"]] == r["engine"]["prompt_tokens"]
+    assert r["compare"]["max_abs_logit_diff"] <= 1e-4 * r["compare"]["max_abs_logit"]
+    assert r["reference"]["device"]["platform"] == "cpu"
+    _finite_positive(r, "engine.decode_step_ms", "engine.prefill_step_ms", "compare.max_abs_logit", "seconds")
+    assert all(len(tokens) == r["engine"]["new_tokens"] for tokens in r["engine"]["tokens"])
+    layer = r["layer"]
+    # token counts past the step's time box are skipped, not failed (a loaded CPU may get there)
+    assert layer["points"] and [p["tokens"] for p in layer["points"]] + layer["skipped"] == [8, 64]
+    for point in layer["points"]:
+        _finite_positive(
+            point,
+            *("expert_gflops." + path for path in ("grouped", "dense", "loop", "block")),
+            "ratios.grouped_vs_dense",
+            "ratios.grouped_vs_loop",
+        )
+        assert point["rel_err"]["grouped_vs_loop"] < 1e-5
+
+
+def _greedy(tokens: list[list[int]], logits: list[list[float]]) -> dict:
+    return {"prompt_tokens": [2], "tokens": tokens, "logits": [logits]}
+
+
+def test_compare_moe_fails_a_different_token_unless_it_is_a_near_tie() -> None:
+    from strata_jax.bench.gpu_check import MOE_NEAR_TIE, compare_moe
+
+    # prompt of 2 tokens, 3 generated: teacher-forced rows 0..3; row 1 predicts generated token 0
+    logits = [[0.0, 1.0, 5.0], [4.0, 0.0, 1.0], [0.0, 3.0, 1.0], [1.0, 1.0, 2.0]]
+    same = compare_moe(_greedy([[0, 1, 2]], logits), _greedy([[0, 1, 2]], logits))
+    assert same["ok"] and same["tokens_equal"] and same["max_abs_logit_diff"] == 0.0
+    # token 1 differs where the CPU's best two logits are 3 apart: a failure, the rows up to it compared
+    moved = [row[:] for row in logits]
+    moved[3] = [9.0, 9.0, 9.0]  # past the first difference: not compared
+    diff = compare_moe(_greedy([[0, 2, 2]], moved), _greedy([[0, 1, 2]], logits))
+    assert not diff["ok"] and diff["prompts"][0]["first_mismatch"] == 1
+    assert diff["prompts"][0]["ref_top2_gap"] == 2.0 and not diff["prompts"][0]["near_tie"]
+    assert diff["max_abs_logit_diff"] == 0.0
+    # the same difference at a near tie of the CPU's logits passes, reported
+    tied = [row[:] for row in logits]
+    tied[2] = [0.0, 3.0, 3.0 - MOE_NEAR_TIE / 2]
+    near = compare_moe(_greedy([[0, 2, 2]], tied), _greedy([[0, 1, 2]], tied))
+    assert near["ok"] and not near["tokens_equal"] and near["prompts"][0]["near_tie"]
+    # equal tokens but logits off by more than the tolerance: a failure
+    off = [[v + 1.0 for v in row] for row in logits]
+    assert not compare_moe(_greedy([[0, 1, 2]], off), _greedy([[0, 1, 2]], logits))["ok"]
+
+
+def test_summary_reports_a_missing_moe_result(tmp_path) -> None:
+    from strata_jax.bench.gpu_check import summarize
+
+    assert "moe: moe.json: missing" in summarize(tmp_path)

@@ -84,7 +84,7 @@ def test_profile_errors_name_the_file_and_field(tmp_path):
 def test_layerwise_overlap_and_stall_accounting():
     from strata_jax.api import SamplingParams
     from strata_jax.cache.handles import TransferHandle
-    from strata_jax.engine.executor import ExtendWork
+    from strata_jax.engine.executor import ExtendChunk
     from strata_jax.engine.requests import TrackedRequest
     from strata_jax.engine.sinks import CollectingSink
     from strata_jax.sim.executor import SimClock, SimExecutor, SimTimer
@@ -97,7 +97,7 @@ def test_layerwise_overlap_and_stall_accounting():
         h = TransferHandle("load", "a", 600, 0, 0.0)
         h.landed_at = timer.land_time("load", 600, 0, 0.0)
         row = TrackedRequest("a", [1] * 19250, "", SamplingParams(), CollectingSink(), None, 0.0)
-        out = ex.collect(ex.dispatch_extend([ExtendWork(row, [1] * 50, 19200)], [h]))
+        out = ex.collect(ex.dispatch_extend([ExtendChunk(row, [1] * 50, 19200)], [h]))
         compute = cost.extend_seconds([(50, 19200)])
         expect = max(compute, h.landed_at + compute / 32) if layerwise else h.landed_at + compute
         assert out.seconds == pytest.approx(expect)

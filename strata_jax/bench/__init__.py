@@ -32,6 +32,8 @@ BENCHMARKS: dict[str, str] = {
     "prefill": "strata_jax.bench.prefill",
     "prefill-hf": "strata_jax.bench.prefill_hf",
     "roofline": "strata_jax.bench.roofline",
+    "twin": "strata_jax.bench.twin",
+    "moe": "strata_jax.bench.moe",
 }
 
 

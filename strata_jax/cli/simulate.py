@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from strata_jax.cache.config import KV_TIER_FORMATS
+from strata_jax.choices import choose
 from strata_jax.sim import workloads as W
 from strata_jax.sim.host_model import load_host_model
 from strata_jax.sim.model_spec import BUILTIN_MODELS, load_model_spec
@@ -235,7 +237,9 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--loads window needs a model with sliding-window layers; {setup.model.name} has none")
     setups = {
         s.name: dataclasses.replace(
-            setup, tier_format=_variant_of(s.name, formats), window_loads=_variant_of(s.name, loads) == "window"
+            setup,
+            tier_format=choose(_variant_of(s.name, formats), KV_TIER_FORMATS, "--kv-tier-format"),
+            window_loads=_variant_of(s.name, loads) == "window",
         )
         for s in systems
     }

@@ -8,7 +8,10 @@ engine of a process measures the device's matmul rate (a few square products, ~0
 a CPU; later engines reuse it) and derives the prior from the model's FLOPs, counted by
 the functions below (``bench prefill`` counts with them too):
 
-* ``b``: 2 FLOPs per weight per token (attention projections and MLP, all layers);
+* ``b``: 2 FLOPs per weight per token (attention projections and MLP, all layers); of a
+  mixture-of-experts MLP the weights a token multiplies: the router, its
+  ``num_experts_per_tok`` experts and the shared expert with its gate, not the experts it
+  did not pick (the engine's ``MoEBlock`` runs a token through its own experts only);
 * ``c``: 4 FLOPs per head dimension per head per layer per (token, context token) pair
   (scores and the weighted sum);
 * ``a``: the LM head of one sampled row plus a millisecond of launch and host work.
@@ -53,10 +56,22 @@ def device_matmul_rate(dtype_name: str) -> float:
 # ---------------------------------------------------------------------------- model FLOPs
 def projection_flops(config: ModelConfig, tokens: int) -> float:
     """FLOPs of the linear projections of every layer over ``tokens`` tokens: q, k, v, o and
-    gate, up, down (2 per multiply-add; no attention scores, no LM head, no biases)."""
+    gate, up, down (2 per multiply-add; no attention scores, no LM head, no biases).  A
+    mixture-of-experts MLP (``config.moe``) counts what a token multiplies (``mlp_macs``)."""
     h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_token_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
+    per_token_layer = h * q + 2 * h * kv + q * h + mlp_macs(config)
     return 2.0 * tokens * config.num_layers * per_token_layer
+
+
+def mlp_macs(config: ModelConfig) -> int:
+    """Multiply-adds of one layer's MLP for one token: ``3 h I`` dense; with experts the
+    router (``h E``), the ``k`` picked experts (``3 h F`` each) and the shared expert and
+    its gate (``3 h S + h`` when ``S > 0``)."""
+    h, m = config.hidden_size, config.moe
+    if m is None:
+        return 3 * h * config.intermediate_size
+    shared = 3 * h * m.shared_expert_intermediate_size + (h if m.shared_expert_intermediate_size else 0)
+    return h * m.num_experts + m.num_experts_per_tok * 3 * h * m.expert_intermediate_size + shared
 
 
 def attention_flops(config: ModelConfig, start: int, tokens: int) -> float:

@@ -1,12 +1,21 @@
 """``SimCostModel``: how long a step or a transfer takes on a ``HardwareProfile`` for a ``ModelSpec``.
 
 * Extend (prefill) of a batch: FLOPs at the matmul rate (``2 x body params`` per
-  new token, the LM head once per sequence) plus attention over the cached
+  new token: a mixture-of-experts model's active ones, ``ModelSpec.body_params``; the LM
+  head once per sequence) plus attention over the cached
   context (``4 x layers x heads x head_dim`` per attended query-key pair, with
   ``n_i * (ctx_i + n_i / 2)`` pairs for ``n_i`` new tokens on ``ctx_i`` cached ones)
   at the attention rate, plus the step overhead and TP all-reduces.
 * Decode step: the larger of bytes (weights + the KV read of every sequence) over
-  effective HBM bandwidth and FLOPs over the matmul rate, plus overheads.
+  effective HBM bandwidth and FLOPs over the matmul rate, plus overheads (and
+  ``decode_row_s`` per row; an extend step adds ``extend_overhead_s``: both 0 on the GPU
+  profiles, measured on a CPU by ``bench twin``).  The weights read are
+  ``ModelSpec.step_weight_bytes(batch)``: all of a dense model's; of a mixture-of-experts
+  model the non-expert weights and the expected union of the experts the batch's tokens
+  pick (the active weights at batch 1, nearly every expert at large batch).  L1's capacity
+  is what HBM has left after all weights (``weight_bytes``, every expert).  An extend step
+  is priced by its FLOPs alone, dense or MoE, as before: its weight read is not charged
+  (a MoE prefill of ~50 tokens reads nearly every expert once).
 * Host<->device transfers by path: ``naive`` moves every page's K and V of every
   layer as its own copy (``copies x (overhead + copy_bytes / peak)``: ~22% of
   PCIe 5.0 for 64 KiB copies); ``coalesced`` moves one contiguous buffer at
@@ -82,15 +91,17 @@ class SimCostModel:
         if new == 0:
             return 0.0
         linear = (new * self._linear_flops_per_token + seqs * self._head_flops) / self._mm_rate
-        return self._fixed + linear + pairs * self._attn_flops_per_pair / self._attn_rate
+        fixed = self._fixed + self.profile.extend_overhead_s
+        return fixed + linear + pairs * self._attn_flops_per_pair / self._attn_rate
 
     def decode_seconds(self, batch: int, context_tokens: int) -> float:
         """One decode step of ``batch`` sequences reading ``context_tokens`` KV tokens in all."""
         if batch <= 0:
             return 0.0
-        read = self.model.weight_bytes + context_tokens * self.model.kv_bytes_per_token
+        read = self.model.step_weight_bytes(batch) + context_tokens * self.model.kv_bytes_per_token
         flops = batch * (self._linear_flops_per_token + self._head_flops)  # attention is in the KV read
-        return self._fixed + max(read / self._hbm_rate, flops / self._mm_rate)
+        rows = batch * self.profile.decode_row_s
+        return self._fixed + max(read / self._hbm_rate, flops / self._mm_rate) + rows
 
     # -- transfers -----------------------------------------------------------
     def link_seconds(self, num_pages: int, path: str) -> float:

@@ -25,14 +25,18 @@ the step before it (with ``pipeline=False`` it waits for all of it, every step).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 from strata_jax.cache.handles import TransferHandle
-from strata_jax.engine.executor import ExtendWork, SeqRow, StepOutput
+from strata_jax.engine.executor import ExtendChunk, SeqRow, StepOutput
 from strata_jax.sim.cost import SimCostModel
 from strata_jax.sim.host_model import HostModel
+
+_computed = operator.attrgetter("computed")
+_id_and_generated = operator.attrgetter("request_id", "generated")
 
 _NO_SPAN: nullcontext = nullcontext()
 
@@ -192,7 +196,7 @@ class SimExecutor:
     def page_table_changed(self, request_id: str, index: int) -> None:
         return None
 
-    def dispatch_extend(self, work: list[ExtendWork], loads: Sequence[TransferHandle]) -> _SimStep:
+    def dispatch_extend(self, work: list[ExtendChunk[SeqRow]], loads: Sequence[TransferHandle]) -> _SimStep:
         issued = self.clock.t
         start = max(issued, self.gpu_free_at)
         landed = max((h.landed_at for h in loads if h.landed_at is not None), default=start)
@@ -225,7 +229,7 @@ class SimExecutor:
         if self.replay is not None:
             seconds = self.replay.next("decode")
         else:
-            seconds = self.cost.decode_seconds(len(rows), sum(r.computed + 1 for r in rows))
+            seconds = self.cost.decode_seconds(len(rows), sum(map(_computed, rows)) + len(rows))
             if self._slowdown:
                 seconds *= 1 + self._slowdown * min(
                     1.0, self.timer.overlap(start, start + seconds) / max(seconds, 1e-12)
@@ -234,7 +238,7 @@ class SimExecutor:
         self.gpu_free_at = end
         self.stats.decode_s += seconds
         self.stats.decode_steps += 1
-        return _SimStep([(r.request_id, r.generated) for r in rows], start, end)
+        return _SimStep(list(map(_id_and_generated, rows)), start, end)  # C-level loops: once per row per step
 
     def collect(self, pending: _SimStep) -> StepOutput:
         """Wait (in virtual time) for the step to end; its tokens come from ``token_for``."""

@@ -10,7 +10,7 @@ the numbers come from.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
@@ -39,6 +39,10 @@ class HardwareProfile:
     step_overhead_s: fixed device-side cost of one step program (launch, synchronization); the
         engine's host path is the measured host model (``sim/host_model.py``), not this.
     tp_allreduce_s_per_layer: tensor-parallel all-reduce cost per layer per step.
+    extend_overhead_s: a prefill step's fixed cost beyond ``step_overhead_s`` (its program's
+        token bucket, the LM head and sampling); 0 in the GPU profiles, measured by ``bench twin``.
+    decode_row_s: a decode step's cost per row beyond the roofline (sampling, the row's own
+        gathers); 0 in the GPU profiles, measured by ``bench twin`` (a CPU pays milliseconds).
     """
 
     name: str
@@ -59,6 +63,8 @@ class HardwareProfile:
     storage_write_bytes_per_s: float
     step_overhead_s: float
     tp_allreduce_s_per_layer: float
+    extend_overhead_s: float = 0.0
+    decode_row_s: float = 0.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -117,7 +123,8 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     unknown = sorted(set(raw) - names)
     if unknown:
         raise ProfileError(f"hardware profile {path}: unknown field(s) {', '.join(unknown)}")
-    missing = sorted(n for n in names - set(raw) if n != "notes")
+    optional = {f.name for f in fields(HardwareProfile) if f.default is not MISSING}
+    missing = sorted(names - set(raw) - optional)
     if missing:
         raise ProfileError(f"hardware profile {path}: missing field(s) {', '.join(missing)}")
     return HardwareProfile(**raw)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata_jax.api import SamplingParams, StreamChunk
-from strata_jax.cache.config import CacheConfig
+from strata_jax.cache.config import CacheConfig, KVTierFormat, WritePolicy
 from strata_jax.cache.controller import CacheController
 from strata_jax.engine.core import EngineCore
 from strata_jax.engine.requests import TrackedRequest
@@ -47,11 +47,11 @@ class SimSetup:
     page_size: int = 32
     device_tokens: int | None = None
     host_tokens: int | None = None
-    write_policy: str = "write_through"
+    write_policy: WritePolicy = "write_through"
     max_batch_tokens: int = 8192
     host: HostModel | None = None  # the engine's host path per step (None: free)
     pipeline: bool = True  # the engine's loop overlaps the host with the device
-    tier_format: str = "full"  # L2/L3 format: full (bf16), fp8 or int8 (loads and L2 hold the smaller pages)
+    tier_format: KVTierFormat = "full"  # L2/L3 format: full (bf16), fp8 or int8 (loads and L2 hold the smaller pages)
     # A window-aware hierarchy (models with sliding-window layers): loads move only the pages each
     # layer's window needs (sim/cost.py), and L1/L2 hold a cached page at ``cached_share`` of its
     # bytes (None: with window_loads, the workload's, ModelSpec.cached_share over
@@ -182,8 +182,10 @@ def simulate(
     rate: float,
     *,
     progress: Callable[[int], None] | None = None,
+    scheduler_overrides: dict[str, Any] | None = None,
 ) -> RunResult:
     """Run ``requests`` (arrival times already set) through ``system``; returns the run's metrics.
+    ``scheduler_overrides``: ``SchedulerConfig`` fields over the system's (``bench twin``: the engine's).
 
     Warm-up requests (``SimRequest.warmup``) run first, all at t=0, until they drain;
     the measured requests' arrival times then count from that moment, and every
@@ -206,12 +208,17 @@ def simulate(
     finished_at: list[float] = []
     out_tokens = 0
     prompt_tokens = 0
+    reported: dict[str, int] = {}  # cached tokens per tier as the requests' outputs report them
 
     def token_for(rid: str, index: int) -> int:
         return _OUTPUT_BASE + int(rid[1:]) * (1 << 20) + index
 
     core, executor, _ = build_core(
-        system, setup, token_for=token_for, next_arrival=lambda: heap[0][0] if heap else None
+        system,
+        setup,
+        token_for=token_for,
+        next_arrival=lambda: heap[0][0] if heap else None,
+        scheduler_overrides=scheduler_overrides,
     )
     clock = executor.clock
 
@@ -224,7 +231,10 @@ def simulate(
         prompts.pop(i, None)
         if requests[i].warmup:
             return
-        ttft.append(chunk.ttft_s)  # type: ignore[attr-defined]
+        assert chunk.ttft_s is not None  # set on every last chunk
+        ttft.append(chunk.ttft_s)
+        for tier, n in chunk.cached_tokens.items():
+            reported[tier] = reported.get(tier, 0) + n
         finished_at.append(clock.t)
         out_tokens += chunk.completion_tokens
         if progress is not None:
@@ -281,7 +291,11 @@ def simulate(
         simulated_s=clock.t - offset,
         wall_s=time.perf_counter() - wall0,
         extra={
+            "ttft_p90": ttft_sorted[min(len(ttft_sorted) - 1, math.ceil(0.9 * len(ttft_sorted)) - 1)]
+            if ttft_sorted
+            else 0.0,
             "hit_tokens": dict(c.hit_tokens),
+            "reported_cached_tokens": reported,
             "deferrals": c.deferrals,
             "set_asides": c.set_asides,
             "bundle_hits": c.bundle_hits,

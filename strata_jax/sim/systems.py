@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strata_jax.cache.config import Tiers
 from strata_jax.scheduler.config import SchedulerConfig
 
 
@@ -28,7 +29,7 @@ class SystemSpec:
     policy: str = "strata"
     io_path: str = "coalesced"
     layerwise: bool = True
-    tiers: str = "L1+L2"
+    tiers: Tiers = "L1+L2"
     delay_hit: bool = False
     balanced_batch: bool = False
     bubble_filling: bool = False

@@ -86,16 +86,22 @@ def loogle(
     num_requests: int,
     rate: float,
     seed: int,
-    data_dir: Path,
+    data_dir: Path | None = None,
     docs: int = 100,
     distance: str = "max",
     output_len: int = 32,
     max_doc_tokens: int = 120_000,
     warmup: bool = False,
+    shape: list[tuple[int, int, int]] | None = None,
 ) -> list[SimRequest]:
+    """``shape``: (document tokens, questions, mean question tokens) per document instead of
+    the LooGLE data's (``loogle_shape``); ``data_dir`` is then not read."""
     if distance not in CACHE_DISTANCES:
         raise ValueError(f"cache distance must be one of {CACHE_DISTANCES}, got {distance!r}")
-    shape = loogle_shape(data_dir)
+    if shape is None:
+        if data_dir is None:
+            raise ValueError("loogle needs data_dir (the LooGLE documents) or an explicit shape")
+        shape = loogle_shape(data_dir)
     rng = random.Random(seed)
     ids = _Ids()
     documents = []

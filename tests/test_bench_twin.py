@@ -1,0 +1,35 @@
+"""``strata-jax bench twin`` on the embedded tiny model: one trace through the real engine and
+the simulator (calibrated from the engine's own steps), side by side.  Plumbing and the
+agreement of what does not depend on timing (every request finishes on both sides, the
+same tokens hit the cache); the timing agreement on a real model is a benchmark
+(docs/study.md, "The simulator against the engine").  ~40 s on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from strata_jax.bench import run_benchmark
+
+
+def test_twin_runs_one_trace_through_the_engine_and_the_simulator(tmp_path, capsys):
+    out = tmp_path / "twin.json"
+    argv = ["--model", "tiny", "--rates", "2", "--num-requests", "8", "--docs", "2", "--doc-tokens", "192"]
+    argv += ["--max-batch-tokens", "64", "--output-tokens", "4", "--tolerance", "1e9", "--json", str(out)]
+    assert run_benchmark("twin", argv) == 0
+    printed = capsys.readouterr().out
+    assert "engine" in printed and "sim" in printed and "TTFT mean" in printed
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    engine, sim = row["engine"], row["sim"]
+    assert engine["finished"] == sim["finished"] == 8
+    for side in (engine, sim):
+        for key in ("ttft_mean", "ttft_p90", "output_tps", "throughput_rps"):
+            assert math.isfinite(side[key]) and side[key] > 0, (key, side)
+    # What the cache serves does not depend on timing much: the same documents hit on both sides.
+    hits_engine, hits_sim = sum(engine["hit_tokens"].values()), sum(sim["hit_tokens"].values())
+    assert hits_engine > 0 and abs(hits_sim - hits_engine) <= 0.2 * hits_engine, (engine, sim)
+    # The profile came from the engine's own steps, not from the assumed H200.
+    profile = doc["profile"]
+    assert profile["name"] == "this machine, from the engine's own steps"
+    assert profile["matmul_flops_per_s"] < 5e13  # a CPU, not an H200's 989 TFLOP/s
