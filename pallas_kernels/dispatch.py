@@ -40,6 +40,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Literal, get_args
 
 import jax
 
@@ -61,7 +62,10 @@ from pallas_kernels.reference import (
 from pallas_kernels.transfer import gather_pages_pallas, scatter_pages_pallas
 
 ENV_VAR = "STRATA_KERNEL_BACKEND"
-BACKENDS = ("auto", "xla", "reference", "pallas", "interpret")
+# "auto": by platform (the scoped backend and $STRATA_KERNEL_BACKEND may override it)
+KernelBackend = Literal["auto", "xla", "reference", "pallas", "interpret"]
+ConcreteBackend = Literal["xla", "reference", "pallas", "interpret"]  # what "auto" resolves to
+BACKENDS: tuple[KernelBackend, ...] = get_args(KernelBackend)
 _PALLAS_PLATFORMS = ("cuda", "rocm")
 
 
@@ -69,7 +73,7 @@ class UnknownBackendError(ValueError):
     """A kernel backend name that is not one of ``BACKENDS``."""
 
 
-def _validate(name: str, source: str) -> str:
+def _validate(name: str, source: str) -> KernelBackend:
     if name not in BACKENDS:
         raise UnknownBackendError(f"{source}: unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
     return name
@@ -94,7 +98,7 @@ def platform_name() -> str:
     return platform
 
 
-def default_backend_for(platform: str) -> str:
+def default_backend_for(platform: str) -> ConcreteBackend:
     return "pallas" if platform in _PALLAS_PLATFORMS else "xla"
 
 
@@ -113,18 +117,16 @@ def use_backend(backend: str | KernelConfig) -> Iterator[None]:
         _SCOPED_BACKEND.reset(token)
 
 
-def resolve_backend(backend: str | KernelConfig | None = None, platform: str | None = None) -> str:
-    """The concrete backend (``reference``, ``pallas`` or ``interpret``) to use now."""
+def resolve_backend(backend: str | KernelConfig | None = None, platform: str | None = None) -> ConcreteBackend:
+    """The concrete backend (``xla``, ``reference``, ``pallas`` or ``interpret``) to use now."""
     if isinstance(backend, KernelConfig):
         backend = backend.backend
-    if backend is not None and _validate(backend, "backend argument") != "auto":
-        return backend
-    scoped = _SCOPED_BACKEND.get()
-    if scoped != "auto":
-        return scoped
+    for choice, source in ((backend, "backend argument"), (_SCOPED_BACKEND.get(), "use_backend")):
+        if choice is not None and (name := _validate(choice, source)) != "auto":
+            return name
     env = os.environ.get(ENV_VAR, "").strip()
-    if env and _validate(env, f"${ENV_VAR}") != "auto":
-        return env
+    if env and (name := _validate(env, f"${ENV_VAR}")) != "auto":
+        return name
     return default_backend_for(platform or platform_name())
 
 

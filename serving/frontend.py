@@ -14,7 +14,6 @@ errors to their status codes.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import enum
 import logging
 import time
@@ -32,6 +31,7 @@ from strata_jax.api import (
     RequestAbortedError,
     SamplingParams,
     StreamChunk,
+    fan_out,
 )
 
 log = logging.getLogger(__name__)
@@ -43,9 +43,12 @@ class EngineLike(Protocol):
     """What the faces use of ``strata_jax.engine.Engine``."""
 
     model_name: str
-    max_context_tokens: int
-    vocab_size: int
     tokenizer: Any
+
+    @property
+    def max_context_tokens(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
 
     def stream(
         self,
@@ -194,24 +197,12 @@ class Frontend:
         cache_salt: str | None = None,
         request_id: str | None = None,
     ) -> list[AsyncGenerator[StreamChunk, None]]:
-        """``n`` choices of one prompt (OpenAI's ``n``), each a ``stream``: choice 0 runs the
-        prefill, the others follow it (they wait for its pages in the tree instead of
-        recomputing the prompt) with distinct seeds (``SamplingParams.for_choice``).  Only
-        choice 0 computes prompt logprobs (the same for every choice).  With n > 1 choice i
-        has the id ``<request_id>-i`` (a fresh base id when the caller sends none)."""
-        if n == 1:
-            return [self.stream(prompt, params, api=api, cache_salt=cache_salt, request_id=request_id)]
-        base = request_id or f"choice-{uuid.uuid4().hex}"
-        streams = []
-        for i in range(n):
-            p = params.for_choice(i)
-            if i > 0 and p.prompt_logprobs is not None:
-                p = dataclasses.replace(p, prompt_logprobs=None)
-            follows = f"{base}-0" if i > 0 else None
-            streams.append(
-                self.stream(prompt, p, api=api, cache_salt=cache_salt, request_id=f"{base}-{i}", follows=follows)
-            )
-        return streams
+        """``n`` choices of one prompt (OpenAI's ``n``), each a ``stream`` of one of the
+        requests ``strata_jax.api.fan_out`` makes of it (choice 0 prefills, the others follow)."""
+        return [
+            self.stream(prompt, c.params, api=api, cache_salt=cache_salt, request_id=c.request_id, follows=c.follows)
+            for c in fan_out(params, n, request_id)
+        ]
 
     async def stream(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -273,6 +274,9 @@ class StreamChunk:
     cached_tokens: dict[str, int] = field(default_factory=empty_tier_counts)
     logprobs: list[TokenLogprob] | None = None  # for this chunk's token_ids, when asked
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, when asked
+    # on the last chunk: seconds from submission to the first token and to the last
+    ttft_s: float | None = None
+    latency_s: float | None = None
 
 
 # ---------------------------------------------------------------------- request validation
@@ -397,3 +401,36 @@ def check_fits(prompt_tokens: int, max_tokens: int, limits: RequestLimits) -> No
         pages = -(-total // limits.page_size)
         if pages > limits.kv_pages:
             raise PromptTooLongError(f"request needs {pages} KV pages; the device pool has {limits.kv_pages}")
+
+
+# ---------------------------------------------------------------------- n > 1: the choices
+@dataclass(frozen=True)
+class Choice:
+    """One choice of an n > 1 request, as every face and ``Engine.generate_choices`` submit it.
+
+    ``follows``: the request id of choice 0, whose prefill this choice waits for so it
+    decodes over the prompt's pages in the tree instead of recomputing them."""
+
+    index: int
+    params: SamplingParams
+    request_id: str | None
+    follows: str | None
+
+
+def fan_out(params: SamplingParams, n: object, request_id: str | None = None) -> list[Choice]:
+    """OpenAI's ``n``: the requests that make its choices.  Choice 0 is the request as
+    sent and runs the prefill; choice i > 0 follows it with a seed of its own
+    (``SamplingParams.for_choice``) and without prompt logprobs (choice 0's hold for all).
+    With n > 1 choice i has the id ``<request_id>-i`` (a fresh base id when none is given)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+    if n == 1:
+        return [Choice(0, params, request_id, None)]
+    base = request_id or f"choice-{uuid.uuid4().hex}"
+    choices = []
+    for i in range(n):
+        p = params.for_choice(i)
+        if i > 0 and p.prompt_logprobs is not None:
+            p = dataclasses.replace(p, prompt_logprobs=None)
+        choices.append(Choice(i, p, f"{base}-{i}", f"{base}-0" if i > 0 else None))
+    return choices

@@ -77,6 +77,12 @@ class FaultBackend(StorageBackend):
             raise self.exists_error
         return self.inner.batch_exists(keys)
 
+    def read_object(self, key: bytes) -> bytes | None:
+        return self.inner.read_object(key)
+
+    def write_object(self, key: bytes, blob: bytes) -> None:
+        self.inner.write_object(key, blob)
+
     def batch_get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         self.calls["get"] += 1
         self.entered_get.set()

@@ -14,7 +14,7 @@ from pallas_kernels.layout import KVLayout
 from strata_jax.cache.config import CacheConfig, CacheConfigError
 from strata_jax.cache.controller import CacheController, CacheError, CacheFullError
 from strata_jax.cache.pools import bucket
-from strata_jax.cache.storage import MemoryStorage
+from strata_jax.cache.storage import MemoryStorage, StorageBackend
 from strata_jax.cache.storage_file import FileStorage
 
 PAGE_SIZES = [1, 2, 4, 16]
@@ -40,6 +40,13 @@ def _write_device(ctl: CacheController, layout: KVLayout, pages: list[int], data
     staging = np.zeros(layout.page_first_shape(bucket(len(pages))), np.float32)
     staging[: len(pages)] = data
     ctl.device_pool.load_pages(staging, pages)
+
+
+def _stored(store: StorageBackend, key: bytes) -> bytes:
+    """The object under ``key`` as stored (it must be there)."""
+    blob = store.read_object(key)
+    assert blob is not None, key.hex()
+    return blob
 
 
 def _read_device(ctl: CacheController, pages: list[int]) -> np.ndarray:
@@ -201,12 +208,11 @@ def test_corrupt_truncated_and_foreign_objects_are_misses(tmp_path) -> None:
     keys = ctl.match_prefix(tokens).storage_keys
     assert len(keys) == 6
     # page 3 corrupt (one bit), page 4 truncated, page 5 replaced by another key's object
-    p3, p4, p5 = (store._path(k) for k in keys[3:6])
-    blob = bytearray(open(p3, "rb").read())
+    blob = bytearray(_stored(store, keys[3]))
     blob[-1] ^= 1
-    open(p3, "wb").write(bytes(blob))
-    open(p4, "wb").write(open(p4, "rb").read()[:-5])
-    open(p5, "wb").write(open(store._path(keys[0]), "rb").read())
+    store.write_object(keys[3], bytes(blob))
+    store.write_object(keys[4], _stored(store, keys[4])[:-5])
+    store.write_object(keys[5], _stored(store, keys[0]))
     got = store.batch_get(list(keys))
     assert all(g is not None for g in got[:3]) and got[3:] == [None, None, None]
     assert store.stats().corrupt == 3
@@ -229,8 +235,7 @@ def test_prefetch_stops_at_a_corrupt_object(tmp_path) -> None:
     ctl.drain()
     ctl.flush()
     m = ctl.match_prefix(tokens)
-    path = ctl.storage._path(m.storage_keys[5])
-    open(path, "wb").write(b"garbage")
+    ctl.storage.write_object(m.storage_keys[5], b"garbage")
     ctl.lock(m.last_node)
     assert ctl.finish_prefetch(ctl.prefetch(tokens, "", m)) == 10  # pages 0..4 landed
     ctl.unlock(m.last_node)
@@ -477,6 +482,13 @@ class FakeRedis:
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
 
+    def get(self, name: str) -> bytes | None:
+        return self.data.get(name)
+
+    def set(self, name: str, value: bytes) -> bool:
+        self.data[name] = value
+        return True
+
     def pipeline(self, transaction: bool = False):  # noqa: ANN201
         outer = self
 
@@ -523,7 +535,7 @@ def test_redis_backend_contract() -> None:
     keys = [bytes([i]) * 32 for i in range(3)]
     assert store.batch_set(keys, [b"a", b"b", b"c"]) == 3
     assert store.batch_exists(keys + [b"z" * 32]) == 3
-    client.data[store._k(keys[1])] = client.data[store._k(keys[0])]  # foreign object
+    store.write_object(keys[1], _stored(store, keys[0]))  # foreign object
     assert store.batch_get(keys) == [b"a", None, b"c"]
     assert store.stats().corrupt == 1 and store.batch_exists(keys) == 1
     store.clear()

@@ -153,7 +153,7 @@ def test_overload_is_a_clear_error_and_accepted_requests_finish(tmp_path):
         start=False,
     )
     accepted = [engine.submit([1, 2, 3, i], SamplingParams(max_tokens=3)) for i in range(2)]
-    engine._drain_inbox()  # admit them (this engine runs no thread)
+    engine.admit_pending()  # this engine runs no thread
     with pytest.raises(OverloadedError, match="overloaded"):
         engine.submit([9, 9], SamplingParams(max_tokens=3))
     engine.run_until_idle()

@@ -333,8 +333,8 @@ def test_corrupted_scale_and_truncated_object_are_misses(tmp_path, damage):
     _store(ctl, layout, tokens, data)
     ctl.flush()
     keys = ctl.match_prefix(tokens).storage_keys
-    path = ctl.storage._path(ctl.transfers.tier_format.object_key(keys[3]))
-    blob = bytearray(open(path, "rb").read())
+    key = ctl.transfers.tier_format.object_key(keys[3])
+    blob = bytearray(ctl.storage.read_object(key) or b"")
     if damage == "scale":
         blob[-3] ^= 0x40  # a byte of the last scale: the checksum catches it
     elif damage == "truncate":
@@ -346,7 +346,7 @@ def test_corrupted_scale_and_truncated_object_are_misses(tmp_path, damage):
         payload[-4:] = np.float32(np.nan).tobytes()
         blob = bytearray(encode_object(ctl.transfers.tier_format.object_key(keys[3]), bytes(payload)))
         assert len(blob) == HEADER.size + len(payload)
-    open(path, "wb").write(bytes(blob))
+    ctl.storage.write_object(key, bytes(blob))
     got, landed = _from_l3_to_device(ctl, tokens)
     assert landed == 12  # pages 0..2
     ctl.check()
@@ -405,13 +405,12 @@ def test_engine_l3_in_a_quantized_format_is_shared_and_damage_means_cold_tokens(
         def apply(engine):  # noqa: ANN001, ANN202
             ctl = engine.ctl
             key = ctl.transfers.tier_format.object_key(ctl.match_prefix(prompt).storage_keys[page])
-            path = ctl.storage._path(key)
-            blob = bytearray(open(path, "rb").read())
+            blob = bytearray(ctl.storage.read_object(key) or b"")
             if how == "scale":
                 blob[-2] ^= 0x10  # inside the last scale
             else:
                 blob = blob[:-9]
-            open(path, "wb").write(bytes(blob))
+            ctl.storage.write_object(key, bytes(blob))
 
         return apply
 

@@ -68,7 +68,6 @@ def _runner(model, backend: str, pages: int = 64) -> ModelRunner:
         max_batch_tokens=64,
         max_batch_size=4,
         max_context_tokens=256,
-        kv_layer_groups=True,
         kernel_backend=backend,
     )
     layout = KVLayout(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim, 4)
@@ -366,9 +365,7 @@ def test_device_kv_bytes_a_running_request_holds(tmp_path):
     """``cache_stats()["running_device_kv_bytes"]``: a running request holds every page's
     global layers and the local layers of the pages its window still reads (``first_needed_page``
     of the position a page before its next one, to its last page); layer-first, every layer."""
-    import threading
-
-    from strata_jax.engine.sinks import CallbackSink
+    from strata_jax.engine.sinks import CollectingSink
 
     make_hf_model("gemma3", tmp_path / "model", vocab_size=256)  # 4 layers, 1 global; window 16
     layer_page = 2 * 16 * 2 * 32 * 4  # K and V, page 16, 2 KV heads, head_dim 32, float32
@@ -387,7 +384,8 @@ def test_device_kv_bytes_a_running_request_holds(tmp_path):
                 max_batch_size=2,
                 max_context_tokens=512,
                 kv_layer_groups=groups,
-            )
+            ),
+            start=False,
         )
         try:
             ctl = engine.ctl
@@ -400,30 +398,17 @@ def test_device_kv_bytes_a_running_request_holds(tmp_path):
             ctl.unpin_local("r")
             ctl.device_alloc.free(pages)
 
-            first_token, release = threading.Event(), threading.Event()
-
-            def on_chunk(chunk, first_token=first_token, release=release) -> None:  # noqa: ANN001
-                if chunk.token_ids and not first_token.is_set():
-                    first_token.set()
-                    release.wait(60)  # hold the request at its first token while the stats are read
-
-            finished = threading.Event()
-            engine.submit(
-                list(range(1, 201)),
-                SamplingParams(max_tokens=8, ignore_eos=True),
-                sink=CallbackSink(on_chunk, lambda exc, finished=finished: finished.set()),
-            )
-            assert first_token.wait(120)
-            stats_thread_result = {}
-
-            def read_stats(out: dict = stats_thread_result, engine: Engine = engine) -> None:
-                out.update(engine.cache_stats())
-
-            reader = threading.Thread(target=read_stats)
-            reader.start()
-            reader.join(60)  # the engine thread answers while the output thread holds the first token
-            release.set()
-            held[groups] = stats_thread_result["running_device_kv_bytes_by_request"]
+            # Driven step by step on this thread (start=False): the stats are read after the
+            # first token, while the request decodes, whatever the machine's load.
+            sink = CollectingSink()
+            engine.submit(list(range(1, 201)), SamplingParams(max_tokens=8, ignore_eos=True), sink=sink)
+            engine.admit_pending()
+            for _ in range(100):
+                engine.step()
+                if any(c.token_ids for c in sink.chunks):
+                    break
+            assert any(c.token_ids for c in sink.chunks) and not any(c.finished for c in sink.chunks)
+            held[groups] = engine.cache_stats()["running_device_kv_bytes_by_request"]
         finally:
             engine.shutdown()
     # 200 prompt tokens, decoding: 13 pages; grouped keeps 1 or 2 window pages of local KV

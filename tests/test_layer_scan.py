@@ -56,7 +56,7 @@ def _kernel_slices(layer_weights: str) -> list[str]:
         if a.ndim == 3
         for prefix in ("", "1,")
     }
-    text = runner._step.lower(*runner._warmup_args((1, 1)), False).compile().as_text()
+    text = runner.lower_step(1, 1, decode=True).compile().as_text()
     return [line for line in text.splitlines() if "dynamic-slice(" in line and any(f"= {s}" in line for s in shapes)]
 
 

@@ -40,7 +40,7 @@ def test_prompt_and_sample_logprobs_match_hf_log_softmax(models):
     # a is split over two chunks (prompt logprobs across a chunk boundary); b asks for nothing
     targets_a1 = a[1:12]
     seqs = [
-        SeqInput(a[:11], 0, list(range(0, 4)), prompt_logprob_targets=targets_a1, count_sample=False),
+        SeqInput(a[:11], 0, list(range(0, 4)), prompt_logprob_targets=targets_a1, keep_sample=False),
         SeqInput(b, 0, list(range(8, 10))),
     ]
     first = runner.step(seqs)

@@ -43,7 +43,7 @@ def test_choices_share_the_prompt_pages(engine):
         rid = engine.submit(ids, params.for_choice(i), sink=sink, follows=leader)
         leader = leader or rid
         sinks.append((rid, sink))
-    engine._drain_inbox()  # noqa: SLF001
+    engine.admit_pending()
     prefix_tables: dict[str, list[int]] = {}
     peak_pages = 0
     while engine.scheduler.has_work() or engine.core.has_pending_step():

@@ -170,7 +170,6 @@ def grouped_runner_logits(backend: str, groups: bool) -> np.ndarray:
             max_batch_size=2,
             max_context_tokens=96,
             kernel_backend=backend,
-            kv_layer_groups=groups,
         ),
         pool=pool,
     )

@@ -129,9 +129,8 @@ def test_engine_step_lowers_for_gpu_with_every_kernel_in_place(platform, tokens,
             scan_layers=scan_layers,
         ),
     )
-    args = runner.program_arguments(tokens, 1, decode=tokens == 1)
     with gpu_lowering_target(platform):
-        lowered = runner._step.trace(*args, False).lower(lowering_platforms=(platform,))
+        lowered = runner.lower_step(tokens, 1, decode=tokens == 1, platforms=(platform,))
     text = lowered.as_text()
     assert text.count(TRITON_CALL) == (1 if scan_layers else config.num_layers)
     assert ("stablehlo.while" in text) == scan_layers

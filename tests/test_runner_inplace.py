@@ -36,8 +36,7 @@ def test_step_program_never_copies_the_pool(tokens, tp):
         RunnerConfig(page_size=4, num_device_pages=97, max_batch_tokens=32, max_batch_size=2, max_context_tokens=128),
         mesh=mesh,
     )
-    args = runner.program_arguments(tokens, 1, decode=tokens == 1)
-    hlo = runner._step.lower(*args, False).compile().as_text()
+    hlo = runner.lower_step(tokens, 1, decode=tokens == 1).compile().as_text()
     heads = CONFIG.num_kv_heads // tp  # a device's shard of the pool
     pool_shapes = {f"3,2,97,4,{heads},16", f"3,2,388,{heads},16"}  # the pool and its flat-slot view
     pool_lines = [line for line in hlo.splitlines() if any(f"[{s}]" in line for s in pool_shapes)]
@@ -93,14 +92,13 @@ def test_step_program_never_copies_a_pool_with_layer_groups(tokens, tp):
             max_batch_tokens=32,
             max_batch_size=2,
             max_context_tokens=128,
-            kv_layer_groups=True,
         ),
         pool=pool,
         mesh=mesh,
     )
     args = runner.program_arguments(tokens, 1, decode=tokens == 1)
     assert "local_map" in args[-1]
-    hlo = runner._step.lower(*args, False).compile().as_text()
+    hlo = runner.lower_step(tokens, 1, decode=tokens == 1).compile().as_text()
     heads = 2 // tp
     pool_shapes = {f"1,2,291,4,{heads},16", f"1,2,1164,{heads},16"}  # 3 x 97 rows, and a flat-slot view
     pool_lines = [line for line in hlo.splitlines() if any(f"[{s}]" in line for s in pool_shapes)]

@@ -335,7 +335,6 @@ def test_gemma_engine_step_is_one_program_for_local_and_global_layers(platform, 
         max_batch_size=2,
         max_context_tokens=128,
         kv_dtype="bfloat16",
-        kv_layer_groups=groups,
     )
     pool = None
     if groups:
@@ -349,7 +348,7 @@ def test_gemma_engine_step_is_one_program_for_local_and_global_layers(platform, 
     args = runner.program_arguments(5, 1, decode=False)
     assert ("local_map" in args[-1]) == groups
     with gpu_lowering_target(platform):
-        text = runner._step.trace(*args, False).lower(lowering_platforms=(platform,)).as_text()  # noqa: SLF001
+        text = runner.lower_step(5, 1, decode=False, platforms=(platform,)).as_text()
     assert text.count(TRITON_CALL) == 1 and "stablehlo.while" in text
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,22 +59,10 @@ class Store:
         return RedisStorage.from_url(self.redis.url, secret=secret)  # type: ignore[union-attr]
 
     def put(self, store: StorageBackend, key: bytes, blob: bytes) -> None:
-        if isinstance(store, MemoryStorage):
-            store._corrupt_for_test(key, blob)  # noqa: SLF001
-        elif isinstance(store, FileStorage):
-            path = store._path(key)  # noqa: SLF001
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            Path(path).write_bytes(blob)
-        else:
-            store._client.set(store._k(key), blob)  # noqa: SLF001
+        store.write_object(key, blob)
 
     def get(self, store: StorageBackend, key: bytes) -> bytes | None:
-        if isinstance(store, MemoryStorage):
-            return store._objects.get(key)  # noqa: SLF001
-        if isinstance(store, FileStorage):
-            path = Path(store._path(key))  # noqa: SLF001
-            return path.read_bytes() if path.exists() else None
-        return store._client.get(store._k(key))  # noqa: SLF001
+        return store.read_object(key)
 
     def marker(self) -> bytes | None:
         if self.kind == "file":

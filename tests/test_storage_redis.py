@@ -72,8 +72,9 @@ def test_contract_on_a_real_server(server):
     assert store.batch_get(keys[:1]) == [b"a" * 100]
     other = RedisStorage.from_url(server.url)  # a second engine instance sees the same objects
     assert other.batch_get(keys[2:]) == [b"c"]
-    raw = store._client  # noqa: SLF001
-    raw.set(store._k(keys[1]), raw.get(store._k(keys[0])))  # noqa: SLF001  # an object under the wrong key
+    foreign = store.read_object(keys[0])
+    assert foreign is not None
+    store.write_object(keys[1], foreign)  # an object under the wrong key
     assert store.batch_get(keys) == [b"a" * 100, None, b"c"]
     stats = store.stats()
     assert stats.corrupt == 1 and stats.objects == 2  # the foreign object was deleted

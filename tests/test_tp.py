@@ -185,9 +185,8 @@ def test_sharded_step_lowers_for_gpu(platform, monkeypatch):
         ),
         mesh=sharding.make_mesh(2),
     )
-    args = runner.program_arguments(5, 1, decode=False)
     with gpu_lowering_target(platform, mesh_axes={"tp": 2}):
-        text = runner._step.trace(*args, False).lower(lowering_platforms=(platform,)).as_text()
+        text = runner.lower_step(5, 1, decode=False, platforms=(platform,)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1  # one attention kernel in the scanned layer body
     assert "manual_computation" in text  # shard_map: per-shard kernels
     assert "tensor<3x2x97x16x1x16xbf16>" in text  # the per-device pool: 1 of 2 KV heads

@@ -415,15 +415,18 @@ class _Pieces:
         import numpy as np
 
         import pallas_kernels
+        from strata_jax.engine.executor import ExtendChunk
         from strata_jax.runtime.seq_state import RowParams
-        from strata_jax.runtime.step_inputs import ExtendRow, empty_inputs, pack_extend
+        from strata_jax.runtime.step_inputs import empty_inputs, pack_extend
 
         T, B, n = plan.bucket, plan.rows, plan.tokens
         last = plan.start + n == len(self.prompt)
         pages = list(range(-(-(plan.start + n) // self.page_size)))
         self.seqs.write_rows([(self.slot, pages, plan.start, 0, 0, RowParams(min_tokens=0))])
         packed = empty_inputs(T, B, padding_slot=self.seqs.padding_slot, page_size=self.page_size)
-        pack_extend(packed, [ExtendRow(self.slot, self.prompt[plan.start : plan.start + n].tolist(), plan.start, last)])
+        pack_extend(
+            packed, [ExtendChunk(self.slot, self.prompt[plan.start : plan.start + n].tolist(), plan.start, last)]
+        )
         x = {k: jnp.asarray(v) for k, v in packed.items()}
         act = self.random_inputs(T)
         hidden = act["x"]

@@ -178,8 +178,8 @@ def model_config(width: str, layers: int, max_positions: int):
 @contextlib.contextmanager
 def engine_on_random_weights(config, seed: int):
     """While open, ``Engine`` loads a random model of ``config`` (in the engine's dtype) in
-    place of a checkpoint: ``strata_jax.engine.engine.load_model`` is swapped for this run."""
-    from strata_jax.engine import engine as engine_module
+    place of a checkpoint: ``strata_jax.engine.factory.load_model`` is swapped for this run."""
+    from strata_jax.engine import factory as engine_module
     from strata_jax.models.loader import LoadedModel
     from strata_jax.models.weights import random_model
     from strata_jax.tokenizer import ByteTokenizer

@@ -15,6 +15,8 @@ from pathlib import Path
 from strata_jax.api import SamplingParams, StreamChunk
 from strata_jax.bench import workloads
 from strata_jax.bench.workloads import BenchRequest
+from strata_jax.cache.config import TIERS, Tiers
+from strata_jax.choices import choose
 from strata_jax.workload_data import poisson
 
 DESCRIPTION = "serving benchmark: the engine under a workload, per policy / tiers / arrival rate"
@@ -193,7 +195,7 @@ class _Run:
         return max(self.done.values()) - start
 
 
-def run_one(args: argparse.Namespace, policy: str, tiers: str, rate: float, cache_dir: str) -> dict:
+def run_one(args: argparse.Namespace, policy: str, tiers: Tiers, rate: float, cache_dir: str) -> dict:
     from strata_jax.engine import Engine, EngineConfig
 
     config = EngineConfig(
@@ -280,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.rate]
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    tiers_list = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    tiers_list = [choose(t.strip(), TIERS, "--tiers") for t in args.tiers.split(",") if t.strip()]
     cache_dir = tempfile.mkdtemp(prefix="strata-bench-xla-")
     runs = []
     for rate in rates:

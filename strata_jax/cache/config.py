@@ -59,11 +59,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal, get_args
 
-TIERS = ("L1", "L1+L2", "L1+L2+L3")
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout", "cost")
-KV_TIER_FORMATS = ("full", "fp8", "int8")
+if TYPE_CHECKING:  # only the type: importing the config needs no jax
+    from pallas_kernels.dispatch import KernelBackend
+
+Tiers = Literal["L1", "L1+L2", "L1+L2+L3"]
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout", "cost"]
+KVTierFormat = Literal["full", "fp8", "int8"]
+TIERS: tuple[Tiers, ...] = get_args(Tiers)
+WRITE_POLICIES: tuple[WritePolicy, ...] = get_args(WritePolicy)
+PREFETCH_POLICIES: tuple[PrefetchPolicy, ...] = get_args(PrefetchPolicy)
+KV_TIER_FORMATS: tuple[KVTierFormat, ...] = get_args(KVTierFormat)
 MIN_STORAGE_SECRET_BYTES = 16  # 128 bits: HMAC keys shorter than that are guessable
 
 
@@ -84,10 +92,10 @@ class CacheConfig:
     device_tokens: int | None = None
     hicache_ratio: float = 2.0
     host_bytes: int | None = None
-    tiers: str = "L1+L2"
-    write_policy: str = "write_through"
+    tiers: Tiers = "L1+L2"
+    write_policy: WritePolicy = "write_through"
     write_through_threshold: int = 2
-    prefetch_policy: str = "best_effort"
+    prefetch_policy: PrefetchPolicy = "best_effort"
     prefetch_timeout_base_s: float = 1.0
     prefetch_timeout_per_page_s: float = 0.002
     prefetch_min_tokens: int = 256
@@ -104,8 +112,8 @@ class CacheConfig:
     kv_identity: str = ""  # what the KV depends on besides tokens (the engine: weights, dtype, layout); seeds L3 keys
     transfer_chunk_bytes: int = 4 << 20
     storage_probe_ttl_s: float = 0.5
-    kernel_backend: str = "auto"
-    kv_tier_format: str = "full"
+    kernel_backend: KernelBackend = "auto"
+    kv_tier_format: KVTierFormat = "full"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> CacheConfigError:

@@ -60,6 +60,12 @@ class LocalPageMap:
         self._local_of.update(zip(global_ids, pages))
         return pages
 
+    def hand_out_in(self, order: Sequence[int]) -> None:
+        """Hand free pages out in ``order`` (a permutation of all of them; every page free)."""
+        if self._local_of or sorted(order) != list(range(self.num_pages)):
+            raise ValueError("hand_out_in needs every local page free and a permutation of them")
+        self._free = list(reversed(order))
+
     def detach(self, global_ids: Iterable[int]) -> list[int]:
         """Free the local pages of those of ``global_ids`` that have one; returns them."""
         freed = [self._local_of.pop(g) for g in global_ids if g in self._local_of]
@@ -243,9 +249,7 @@ class DeviceLocalPages:
     def hand_out_in(self, order: Sequence[int]) -> None:
         """Hand free local pages out in ``order`` (a permutation of them) instead of ascending:
         for tests, so a local page id differs from its global one."""
-        if self.map.used_pages or sorted(order) != list(range(self.map.num_pages)):
-            raise ValueError("hand_out_in needs every local page free and a permutation of them")
-        self.map._free = list(reversed(order))
+        self.map.hand_out_in(order)
 
     def check(self, used_global: Iterable[int]) -> None:
         """Only allocated global pages have local pages, the array says which, every attached

@@ -210,8 +210,6 @@ def _jitted_transfers(
     """
     key = (backend, sharding, tier_format, grouped)
     if key not in _JITTED:  # a cache of compiled functions, not state: pools stay independent
-        import jax
-
         import pallas_kernels
         from pallas_kernels import grouped as moves
         from pallas_kernels import quant_transfer
@@ -251,27 +249,30 @@ def _jitted_transfers(
         else:
             scatter, gather = scatter_quantized, gather_quantized
 
-        if sharding is None:
-            _JITTED[key] = (jax.jit(scatter, donate_argnums=0), jax.jit(gather))
-        else:
-            ids = jax.sharding.NamedSharding(sharding.mesh, _partition_spec())
-            if tier_format == "full":
-                _JITTED[key] = (
-                    jax.jit(scatter, donate_argnums=0, in_shardings=(sharding, sharding, ids), out_shardings=sharding),
-                    jax.jit(gather, in_shardings=(sharding, ids), out_shardings=sharding),
-                )
-            else:
-                scales = scale_sharding(sharding)
-                _JITTED[key] = (
-                    jax.jit(
-                        scatter,
-                        donate_argnums=0,
-                        in_shardings=(sharding, sharding, scales, ids),
-                        out_shardings=sharding,
-                    ),
-                    jax.jit(gather, in_shardings=(sharding, ids), out_shardings=(sharding, scales)),
-                )
+        _JITTED[key] = _jit_pair(scatter, gather, sharding, tier_format)
     return _JITTED[key]
+
+
+def _jit_pair(
+    scatter: Callable[..., Any], gather: Callable[..., Any], sharding: NamedSharding | None, tier_format: str
+) -> tuple[Wrapped, Wrapped]:
+    """``scatter`` (pool donated) and ``gather`` jitted, placed by ``sharding`` when there is one:
+    pool, staging and gathered pages on it, page ids replicated, scales on their own axis."""
+    import jax
+
+    if sharding is None:
+        return jax.jit(scatter, donate_argnums=0), jax.jit(gather)
+    ids = jax.sharding.NamedSharding(sharding.mesh, _partition_spec())
+    if tier_format == "full":
+        return (
+            jax.jit(scatter, donate_argnums=0, in_shardings=(sharding, sharding, ids), out_shardings=sharding),
+            jax.jit(gather, in_shardings=(sharding, ids), out_shardings=sharding),
+        )
+    scales = scale_sharding(sharding)
+    return (
+        jax.jit(scatter, donate_argnums=0, in_shardings=(sharding, sharding, scales, ids), out_shardings=sharding),
+        jax.jit(gather, in_shardings=(sharding, ids), out_shardings=(sharding, scales)),
+    )
 
 
 def _partition_spec(*parts: str | None) -> PartitionSpec:

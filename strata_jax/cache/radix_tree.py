@@ -4,15 +4,17 @@ Pure Python bookkeeping (no jax, no arrays): the tree stores *page ids* of the
 device pool (L1) and the host pool (L2) plus, lazily, the storage (L3) key of
 every page.  The cache controller owns the allocators and moves the data.
 
-Five modules: ``tree_node.py`` (``TreeNode``, node states, ``PrefixMatch``,
-``InsertResult``, ``TreeError``; re-exported here), this one (the structure:
-match, insert, split, transient life cycle, locks), ``tree_keys.py``
-(``StorageKeys``: each page's L3 key along the hash chain), ``tree_tiers.py``
-(``TierIndex``: what each tier holds; per-tier LRU eviction; ``check_tree``) and
-``tree_window.py`` (where a match may end on a sliding-window model:
-``local_pages`` says which pages kept their local-layer KV).  The tree holds one
-``StorageKeys`` and one ``TierIndex`` and calls the functions of the other
-modules with explicit arguments.
+Seven modules: ``tree_node.py`` (``TreeNode``, node states, ``PrefixMatch``,
+``InsertResult``, ``TreeError``; re-exported here), this one (the structure: the
+walk, match, insert, split, locks), ``tree_match.py`` (what a walk found:
+classification, the window cut, the ``PrefixMatch``/``InsertResult`` of a walk),
+``tree_transient.py`` (``TransientOwners``: each owner's transient nodes),
+``tree_keys.py`` (``StorageKeys``: each page's L3 key along the hash chain),
+``tree_tiers.py`` (``TierIndex``: what each tier holds; per-tier LRU eviction; lock
+counts; ``check_tree``) and ``tree_window.py`` (where a match may end on a
+sliding-window model: ``local_pages`` says which pages kept their local-layer KV).
+The tree holds one ``StorageKeys``, one ``TierIndex`` and one ``TransientOwners``
+and calls the functions of the other modules with explicit arguments.
 
 Match and insert share one walk (``_walk``): it follows the tokens down from the
 namespace's root and yields each node of the path, splitting a node where the
@@ -54,7 +56,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import NamedTuple
 
-from strata_jax.cache import tree_tiers
+from strata_jax.cache import tree_match, tree_tiers
 from strata_jax.cache.tree_keys import StorageKeys
 from strata_jax.cache.tree_node import (
     IN_FLIGHT,
@@ -67,7 +69,8 @@ from strata_jax.cache.tree_node import (
     TreeNode,
 )
 from strata_jax.cache.tree_tiers import TierIndex, TierObserver
-from strata_jax.cache.tree_window import LocalPages, local_codes, window_match
+from strata_jax.cache.tree_transient import TransientOwners
+from strata_jax.cache.tree_window import LocalPages
 
 __all__ = [
     "IN_FLIGHT",
@@ -80,11 +83,6 @@ __all__ = [
     "TreeError",
     "TreeNode",
 ]
-
-# What a match found at each node of its path, in path order (device, then host, then transient).
-_ON_DEVICE = 0
-_HOST_ONLY = 1
-_TRANSIENT = 2
 
 
 class _InsertMode(NamedTuple):
@@ -119,7 +117,7 @@ class HiRadixTree:
         self._keys = StorageKeys(page_size, kv_identity)
         self._tiers = TierIndex()
         self._roots: dict[str, TreeNode] = {}
-        self._transient_by_owner: dict[Hashable, set[TreeNode]] = {}
+        self._transient = TransientOwners()
         self._next_id = 1
         self._clock = 0
 
@@ -182,26 +180,6 @@ class HiRadixTree:
         key = tokens if isinstance(tokens, tuple) else tuple(tokens)
         return key, len(key) - len(key) % self.page_size
 
-    def _shared_tokens(self, node_key: tuple[int, ...], key: tuple[int, ...], pos: int, n: int) -> int:
-        """Tokens (whole pages) that ``node_key`` shares with ``key[pos:n]``; first page known equal.
-
-        Binary search over whole pages with C-speed slice compares (a long prompt
-        leaving a long node costs log(pages) compares, not one per page).
-        """
-        ps = self.page_size
-        limit = min(len(node_key), n - pos)
-        limit -= limit % ps
-        if key[pos : pos + limit] == node_key[:limit]:
-            return limit
-        lo, hi = ps, limit  # pages [0, lo) equal, [0, hi) not
-        while hi - lo > ps:
-            mid = lo + (hi - lo) // ps // 2 * ps
-            if key[pos + lo : pos + mid] == node_key[lo:mid]:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
     def _split(self, node: TreeNode, tokens: int) -> TreeNode:
         """Split ``node`` after ``tokens`` tokens; returns the new upper node.
 
@@ -227,29 +205,18 @@ class HiRadixTree:
         if node.hashes is not None:
             upper.hashes, node.hashes = node.hashes[:pages], node.hashes[pages:]
         self._tiers.track(upper)
-        if node.is_transient:
-            self._transient_by_owner[node.owner].add(upper)
+        self._transient.split(node, upper)
         parent.children[node.key[:ps]] = upper
         node.key = node.key[tokens:]
         node.parent = upper
         upper.children[node.key[:ps]] = node
         return upper
 
-    def _make_ready(self, node: TreeNode) -> None:
-        if node.is_transient:
-            owned = self._transient_by_owner.get(node.owner)
-            if owned is not None:
-                owned.discard(node)
-                if not owned:
-                    del self._transient_by_owner[node.owner]
-            node.state = READY
-            node.owner = None
-
     def _delete(self, node: TreeNode) -> None:
         """Take a node without children out of the tree (its pages were detached first)."""
         assert node.parent is not None and not node.children
         self._tiers.set_storage_backed(node, False)  # the tree forgets it: it no longer vouches for L3's copy
-        self._make_ready(node)
+        self._transient.make_ready(node)
         del node.parent.children[node.key[: self.page_size]]
         node.parent = None
         self._tiers.forget(node)
@@ -276,35 +243,13 @@ class HiRadixTree:
             if hinted and hinted.get(id(child)) == pos:
                 tokens = len(child.key)  # the hint's walk compared these tokens; unchanged since
             else:
-                tokens = self._shared_tokens(child.key, key, pos, n)
+                tokens = tree_match.shared_tokens(child.key, key, pos, n, ps)
                 if tokens < len(child.key):
                     child = self._split(child, tokens)
             if pos < split_at < pos + tokens:
                 child = self._split(child, split_at - pos)
             yield child, pos
             node, pos = child, pos + len(child.key)
-
-    @staticmethod
-    def _hinted_positions(
-        hint: PrefixMatch | InsertResult | None, key: tuple[int, ...], namespace: str, root: TreeNode
-    ) -> dict[int, int]:
-        """Start position of each node of ``hint``'s walk that still hangs where the walk found it.
-
-        A node still below the previous one with the same key length has the same
-        tokens: keys change only by splits, which also re-parent.  Node ids are safe
-        keys: the hint holds the nodes, so no id is reused meanwhile.
-        """
-        if hint is None or hint.walk_tokens is not key or hint.namespace != namespace:
-            return {}
-        out: dict[int, int] = {}
-        node, pos = root, 0
-        for child, klen in zip(hint.walk_path, hint.walk_lens, strict=True):
-            if child.parent is not node or len(child.key) != klen:
-                break
-            out[id(child)] = pos
-            pos += klen
-            node = child
-        return out
 
     # ------------------------------------------------------------------ match
     def match_prefix(
@@ -338,105 +283,12 @@ class HiRadixTree:
         """
         root = self.root(namespace)
         key, n = self._key(tokens)
-        hinted = self._hinted_positions(hint, key, namespace, root)
+        hinted = tree_match.hinted_positions(hint, key, namespace, root)
         path = [node for node, _ in self._walk(root, key, n, hinted)]
-        found = self._classify(path, requester)
+        found = tree_match.classify(path, requester)
         if self.local_pages is not None and self.local_pages.window_pages > 0:
-            self._stop_at_complete_window(path, found, self.local_pages)
-        return self._tally(namespace, root, key, path, found, touch)
-
-    @staticmethod
-    def _classify(path: list[TreeNode], requester: Hashable | None) -> list[int]:
-        """What a match finds at each node of ``path``: ``_ON_DEVICE`` nodes, then
-        ``_HOST_ONLY`` ones, then ``_TRANSIENT`` ones, up to the first node owned by
-        ``requester`` (excluded, and so is the rest of the path)."""
-        found: list[int] = []
-        phase = _ON_DEVICE
-        for node in path:
-            if phase == _ON_DEVICE and node.device is not None:
-                kind = _ON_DEVICE
-            elif phase <= _HOST_ONLY and node.host is not None and node.device is None:
-                kind = _HOST_ONLY
-            elif node.is_transient:
-                if requester is not None and node.owner == requester:
-                    break
-                kind = _TRANSIENT
-            else:  # pragma: no cover - excluded by the invariants
-                raise AssertionError(f"tree invariant broken on the match path at {node!r}")
-            found.append(kind)
-            phase = kind
-        return found
-
-    def _stop_at_complete_window(self, path: list[TreeNode], found: list[int], local: LocalPages) -> None:
-        """Cut the match (``path`` and ``found``, in place) at the longest prefix whose
-        local-layer window is complete (``tree_window``), splitting the node it ends in.
-        A cut data prefix is not followed by transient tokens: the gap is this request's
-        to compute."""
-        data = path[: len(found) - found.count(_TRANSIENT)]
-        codes, device_pages = local_codes(data, local)
-        device, host = window_match(codes, device_pages, local.window_pages)
-        keep = device + host
-        if keep == len(codes):
-            return
-        ps = self.page_size
-        pages = 0
-        for i, node in enumerate(data):
-            npages = len(node.key) // ps
-            if pages + npages > keep:
-                end = i
-                if keep > pages:
-                    path[i] = self._split(node, (keep - pages) * ps)
-                    end = i + 1
-                del path[end:], found[end:]
-                return
-            pages += npages
-        raise AssertionError("window cut beyond the data prefix")  # pragma: no cover
-
-    def _tally(
-        self,
-        namespace: str,
-        root: TreeNode,
-        key: tuple[int, ...],
-        path: list[TreeNode],
-        found: list[int],
-        touch: bool,
-    ) -> PrefixMatch:
-        """The ``PrefixMatch`` of a walk (``path``) and what it found (``found``, maybe shorter)."""
-        now = self._tick() if touch else 0
-        device = host = transient = 0
-        owners: list[Hashable] = []
-        device_pages: list[int] = []
-        last = root
-        for node, kind in zip(path, found, strict=False):  # the path may go on past the requester's nodes
-            if touch:
-                node.last_access = now
-            if kind == _TRANSIENT:
-                transient += len(node.key)
-                if node.owner not in owners:
-                    owners.append(node.owner)
-                continue
-            if kind == _ON_DEVICE:
-                device += len(node.key)
-                assert node.device is not None
-                device_pages.extend(node.device)
-            else:
-                host += len(node.key)
-            if touch:
-                node.hit_count += 1
-            last = node
-        return PrefixMatch(
-            namespace=namespace,
-            device_tokens=device,
-            host_tokens=host,
-            storage_tokens=0,
-            transient_tokens=transient,
-            transient_owners=tuple(owners),
-            device_page_ids=tuple(device_pages),
-            last_node=last,
-            walk_tokens=key,
-            walk_path=tuple(path),
-            walk_lens=tuple(len(node.key) for node in path),
-        )
+            tree_match.window_cut(path, found, self.local_pages, self.page_size, self._split)
+        return tree_match.tally(namespace, root, key, path, found, self._tick() if touch else None)
 
     # ------------------------------------------------------------------ insert
     def insert(
@@ -477,7 +329,7 @@ class HiRadixTree:
         elif host_pages is not None:
             mode = _InsertMode(host_pages, self._adopt_host, self._fill_host_leaf)
         else:
-            mode = _InsertMode((), None, lambda leaf, _pages: self._queue(leaf, owner))
+            mode = _InsertMode((), None, lambda leaf, _pages: self._transient.queue(leaf, owner))
         return self._insert(tokens, namespace, start_page, mode, hint)
 
     def _insert(
@@ -503,7 +355,7 @@ class HiRadixTree:
         path: list[TreeNode] = []
         unused: list[int] = []
         end = 0  # where the walk's last node ends
-        hinted = self._hinted_positions(hint, key, namespace, root)
+        hinted = tree_match.hinted_positions(hint, key, namespace, root)
         for node, pos in self._walk(root, key, n, hinted, split_at=start):
             node.last_access = now
             path.append(node)
@@ -515,7 +367,7 @@ class HiRadixTree:
                 unused.extend(mode.adopt(node, list(mode.pages[(pos - start) // ps : (end - start) // ps])))
         parent = path[-1] if path else root
         if end == n:
-            return self._insert_result(namespace, key, end, unused, (), parent, path)
+            return tree_match.insert_result(namespace, key, end, unused, (), parent, path)
         if end < start:
             raise TreeError("insert with start_page: the prefix before start_page is not cached")
         assert not (mode.brings_data and parent.is_transient), "a data insert leaves no transient node on its path"
@@ -524,34 +376,13 @@ class HiRadixTree:
         parent.children[leaf.key[:ps]] = leaf
         mode.fill_leaf(leaf, list(mode.pages[(end - start) // ps :]))
         path.append(leaf)
-        return self._insert_result(namespace, key, end, unused, (leaf,), leaf, path)
-
-    @staticmethod
-    def _insert_result(
-        namespace: str,
-        key: tuple[int, ...],
-        existing: int,
-        unused: list[int],
-        new_nodes: tuple[TreeNode, ...],
-        last: TreeNode,
-        path: list[TreeNode],
-    ) -> InsertResult:
-        return InsertResult(
-            existing_tokens=existing,
-            unused_pages=tuple(unused),
-            new_nodes=new_nodes,
-            last_node=last,
-            namespace=namespace,
-            walk_tokens=key,
-            walk_path=tuple(path),
-            walk_lens=tuple(len(node.key) for node in path),
-        )
+        return tree_match.insert_result(namespace, key, end, unused, (leaf,), leaf, path)
 
     def _adopt_device(self, node: TreeNode, pages: list[int]) -> list[int]:
         """A device insert at an existing node: without a device copy it adopts ``pages`` and
         is ready; returns the ids it did not adopt (those differing from its own)."""
         if node.device is None:
-            self._make_ready(node)
+            self._transient.make_ready(node)
             self._tiers.attach_device(node, pages)
             return []
         if pages == node.device:  # the usual case: a page table starts with the tree's pages
@@ -563,7 +394,7 @@ class HiRadixTree:
         ready; returns the ids it did not adopt (those differing from its own)."""
         if node.host is None:
             assert node.device is not None or node.is_transient, "ready node without data"
-            self._make_ready(node)
+            self._transient.make_ready(node)
             self._tiers.attach_host(node, pages)
             return []
         if pages == node.host:  # the usual case: a page table starts with the tree's pages
@@ -579,82 +410,32 @@ class HiRadixTree:
     def _fill_host_leaf(self, leaf: TreeNode, pages: list[int]) -> None:
         self._tiers.attach_host(leaf, pages)
 
-    def _queue(self, leaf: TreeNode, owner: Hashable) -> None:
-        """Make a new leaf an ``in_queue`` node of ``owner``."""
-        leaf.state = IN_QUEUE
-        leaf.owner = owner
-        self._transient_by_owner.setdefault(owner, set()).add(leaf)
-
-    # ------------------------------------------------------------------ transient life cycle
+    # ------------------------------------------------------------------ transient life cycle (tree_transient)
     def mark_in_flight(self, owner: Hashable) -> int:
         """Owner's prefill was dispatched: its ``in_queue`` nodes become ``in_flight``; returns tokens."""
         self.version += 1  # what a match returns may change
-        total = 0
-        for node in self._transient_by_owner.get(owner, ()):
-            node.state = IN_FLIGHT
-            total += len(node.key)
-        return total
+        return self._transient.mark_in_flight(owner)
 
     def owned_tokens(self, owner: Hashable) -> int:
         """Tokens of transient nodes still owned by ``owner``."""
-        return sum(len(n.key) for n in self._transient_by_owner.get(owner, ()))
+        return self._transient.owned_tokens(owner)
 
     def remove_transient(self, owner: Hashable) -> int:
-        """Abort: drop ``owner``'s transient nodes; returns tokens removed.
-
-        A node that other requests' transient nodes hang below is handed to the
-        owner of its first child instead of being removed (that request will
-        compute it).
-        """
+        """Abort: drop ``owner``'s transient nodes; returns tokens removed
+        (``tree_transient.TransientOwners.remove``: a node with others' nodes below is handed on)."""
         self.version += 1  # what a match returns may change
-        removed = 0
-        nodes = sorted(self._transient_by_owner.get(owner, ()), key=self._depth, reverse=True)
-        for node in nodes:
-            if node.parent is None or node.owner != owner:
-                continue
-            if node.children:
-                heir = next(iter(node.children.values()))
-                self._transient_by_owner[owner].discard(node)
-                node.owner = heir.owner
-                node.state = heir.state
-                self._transient_by_owner.setdefault(heir.owner, set()).add(node)
-            else:
-                removed += len(node.key)
-                self._delete(node)
-        self._transient_by_owner.pop(owner, None)
-        return removed
-
-    @staticmethod
-    def _depth(node: TreeNode) -> int:
-        d = 0
-        while node.parent is not None:
-            node = node.parent
-            d += 1
-        return d
+        return self._transient.remove(owner, self._delete)
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: TreeNode) -> None:
         """Protect ``node`` and all its ancestors from eviction (counted)."""
         if node.is_transient:
             raise TreeError("lock the deepest ready node (PrefixMatch.last_node), not a transient node")
-        while node.parent is not None:
-            node.lock_ref += 1
-            if node.lock_ref == 1:
-                self._tiers.lock_changed(node, True)
-            node = node.parent
+        tree_tiers.lock_path(self._tiers, node)
 
     def unlock(self, node: TreeNode) -> None:
         """Undo one ``lock(node)``."""
-        x = node
-        while x.parent is not None:
-            if x.lock_ref <= 0:
-                raise TreeError(f"unlock without lock on {x!r}")
-            x = x.parent
-        while node.parent is not None:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._tiers.lock_changed(node, False)
-            node = node.parent
+        tree_tiers.unlock_path(self._tiers, node)
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every non-root node, parents before children."""
@@ -759,7 +540,7 @@ class HiRadixTree:
         tree_tiers.check_tree(
             self.page_size,
             self._roots,
-            self._transient_by_owner,
+            self._transient.by_owner,
             self._tiers,
             ((device_free, device_total, device_reserved), (host_free, host_total, host_reserved)),
         )

@@ -234,6 +234,15 @@ class StorageBackend(ABC):
     def close(self) -> None:  # noqa: B027 - a no-op unless the backend holds a connection
         pass
 
+    # The object under ``key`` exactly as stored (frame, checksum and all), bypassing the
+    # codec: how fault-injection tests and tools damage or copy an object behind the
+    # server's back.  Serving never calls them.
+    @abstractmethod
+    def read_object(self, key: bytes) -> bytes | None: ...
+
+    @abstractmethod
+    def write_object(self, key: bytes, blob: bytes) -> None: ...
+
     # The store marker (module docstring).  Shared backends implement these two; the
     # memory backend has no marker (its store is private to one process).
     def _read_marker(self) -> bytes | None:
@@ -353,7 +362,11 @@ class MemoryStorage(StorageBackend):
                 authenticated=self._codec.secret is not None,
             )
 
-    def _corrupt_for_test(self, key: bytes, blob: bytes) -> None:
+    def read_object(self, key: bytes) -> bytes | None:
+        with self._lock:
+            return self._objects.get(key)
+
+    def write_object(self, key: bytes, blob: bytes) -> None:
         with self._lock:
             self._objects[key] = blob
 

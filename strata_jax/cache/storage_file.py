@@ -82,6 +82,19 @@ class FileStorage(StorageBackend):
         h = key.hex()
         return os.path.join(self._objects_dir, h[:2], h + ".kv")
 
+    def read_object(self, key: bytes) -> bytes | None:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def write_object(self, key: bytes, blob: bytes) -> None:
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(blob)
+
     def _scan(self) -> None:
         found = []
         for sub in os.listdir(self._objects_dir):

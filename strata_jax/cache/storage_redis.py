@@ -88,6 +88,13 @@ class RedisStorage(StorageBackend):
     def _k(self, key: bytes) -> str:
         return self._prefix + key.hex()
 
+    def read_object(self, key: bytes) -> bytes | None:
+        blob: bytes | None = self._client.get(self._k(key))
+        return blob
+
+    def write_object(self, key: bytes, blob: bytes) -> None:
+        self._client.set(self._k(key), blob)
+
     def batch_exists(self, keys: Sequence[bytes]) -> int:
         """Consecutive hits from the start.  One multi-key ``EXISTS`` (a count) settles
         the common all-or-nothing answers; only a partial chain needs a per-key

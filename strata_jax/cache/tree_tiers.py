@@ -29,7 +29,7 @@ import heapq
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 
-from strata_jax.cache.tree_node import READY, TRANSIENT_STATES, TreeNode
+from strata_jax.cache.tree_node import READY, TRANSIENT_STATES, TreeError, TreeNode
 
 # Told of every change of what a tier holds: (stored, tier, node), tier "device", "host" or
 # "storage", always while ``node`` hangs in the tree with its pages (a removal is reported
@@ -126,6 +126,29 @@ class TierIndex:
 
 
 # ---------------------------------------------------------------------- tier views
+def lock_path(tiers: TierIndex, node: TreeNode) -> None:
+    """Count one lock on ``node`` and every ancestor below the root (locked nodes are never evicted)."""
+    while node.parent is not None:
+        node.lock_ref += 1
+        if node.lock_ref == 1:
+            tiers.lock_changed(node, True)
+        node = node.parent
+
+
+def unlock_path(tiers: TierIndex, node: TreeNode) -> None:
+    """Undo one ``lock_path(tiers, node)``; raises ``TreeError`` (changing nothing) without one."""
+    x = node
+    while x.parent is not None:
+        if x.lock_ref <= 0:
+            raise TreeError(f"unlock without lock on {x!r}")
+        x = x.parent
+    while node.parent is not None:
+        node.lock_ref -= 1
+        if node.lock_ref == 0:
+            tiers.lock_changed(node, False)
+        node = node.parent
+
+
 def device_pages_of(node: TreeNode) -> list[int]:
     """Device page ids of the path root -> ``node``, up to its first node without a device copy."""
     parts: list[list[int] | None] = []

@@ -12,8 +12,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from pallas_kernels.dispatch import BACKENDS as KERNEL_BACKENDS
+from pallas_kernels.dispatch import KernelBackend
 from strata_jax.api import InvalidRequestError
-from strata_jax.cache.config import CacheConfig
+from strata_jax.cache.config import CacheConfig, KVTierFormat, PrefetchPolicy, Tiers, WritePolicy
 from strata_jax.runtime.platform import LAYER_WEIGHTS
 from strata_jax.scheduler.config import SchedulerConfig
 
@@ -144,13 +145,13 @@ class EngineConfig:
     model: str = "tiny"
     dtype: str | None = None
     kv_dtype: str | None = None
-    kv_tier_format: str = "full"
+    kv_tier_format: KVTierFormat = "full"
     page_size: int = 16
     device_tokens: int | None = None
-    tiers: str = "L1+L2"
+    tiers: Tiers = "L1+L2"
     hicache_ratio: float = 2.0
-    write_policy: str = "write_through"
-    prefetch_policy: str = "cost"
+    write_policy: WritePolicy = "write_through"
+    prefetch_policy: PrefetchPolicy = "cost"
     prefetch_min_tokens: int = 256
     storage_backend: str = "file"
     storage_dir: str | None = None
@@ -168,7 +169,7 @@ class EngineConfig:
     reuse_executables: bool = True
     show_progress: bool = True
     freeze_gc: bool = True
-    kernel_backend: str = "auto"
+    kernel_backend: KernelBackend = "auto"
     scan_layers: bool = True
     layer_weights: str = "auto"
     kv_layer_groups: bool = False

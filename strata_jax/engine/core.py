@@ -27,6 +27,7 @@ simulator's driver).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Collection
@@ -37,7 +38,7 @@ from strata_jax.api import EngineUnavailableError, InvalidRequestError, Overload
 from strata_jax.cache.controller import CacheController
 from strata_jax.cache.handles import CacheFullError, TransferHandle
 from strata_jax.engine.cache_view import EngineCacheView
-from strata_jax.engine.executor import Executor, ExtendWork
+from strata_jax.engine.executor import Executor, ExtendChunk, SeqRow
 from strata_jax.engine.output import Event, FailEvent, InlineOutput, StopRules, TokenEvent
 from strata_jax.engine.requests import RequestPages, TrackedRequest
 from strata_jax.kv_events.recorder import KVEventRecorder
@@ -287,29 +288,42 @@ class EngineCore:
                 self.pages.pin_prefix(self._tracked[item.request_id], item)
         if plan.evict_device_tokens:
             self.ctl.evict_device(-(-plan.evict_device_tokens // self.page_size))
-        return self._allocate([(req.request_id, req.computed + 1) for req in plan.decode])
+        return self._allocate([(req.request_id, req.computed, req.computed + 1) for req in plan.decode])
 
-    def _allocate(self, work: list[tuple[str, int]]) -> set[str]:
+    def _allocate(self, work: list[tuple[str, int, int]]) -> set[str]:
+        """Device pages for each ``(request id, tokens computed, tokens to hold)``."""
         dropped: set[str] = set()
-        for rid, tokens in work:
+        for rid, computed, tokens in work:
             try:
-                self.pages.ensure_pages(self._tracked[rid], tokens)
+                self.pages.ensure_pages(self._tracked[rid], tokens, computed)
             except CacheFullError as exc:
                 log.error("request %s: %s", rid, exc)
                 self.abort(rid, OverloadedError(f"out of device KV memory: {exc}"))
                 dropped.add(rid)
         return dropped
 
-    def _load_prefixes(self, prefill: list[PrefillItem], loads: list[TransferHandle]) -> set[str]:
-        """Load pinned host-only prefixes L2->L1 (one coalesced transfer each), then pages for the chunks."""
+    def _load_prefixes(
+        self, prefill: list[PrefillItem], loads: list[TransferHandle]
+    ) -> tuple[list[PrefillItem], set[str]]:
+        """Load pinned host-only prefixes L2->L1 (one coalesced transfer each), then pages for
+        the chunks.  Returns the chunks as they will run and the requests that got no pages.
+
+        A first chunk that takes less of its cached prefix than planned (its L3 prefetch did
+        not land, or there was no room to load) computes from there as many tokens as planned,
+        not the whole gap: the plan budgeted device pages for that many (the rest of the
+        prompt comes in later chunks)."""
+        items: list[PrefillItem] = []
         for item in prefill:
             if item.is_first_chunk:
                 handle, taken = self.pages.take_prefix(self._tracked[item.request_id], item)
                 if taken != item.start:
-                    self.scheduler.on_prefix_taken(item.request_id, taken)
+                    end = min(item.end, taken + item.new_tokens)
+                    self.scheduler.on_prefix_taken(item.request_id, taken, end)
+                    item = dataclasses.replace(item, start=taken, end=end)
                 if handle is not None:
                     loads.append(handle)
-        return self._allocate([(item.request_id, item.end) for item in prefill])
+            items.append(item)
+        return items, self._allocate([(item.request_id, item.start, item.end) for item in items])
 
     # ------------------------------------------------------------------ run
     def _run(self, plan: StepPlan, dropped: set[str]) -> InflightStep | None:
@@ -326,12 +340,14 @@ class EngineCore:
             # transfers run while the device decodes; the loads' scatters queue behind it.
             self._dispatch_decode(decode, step)
             with span("load_kv"):
-                dropped |= self._load_prefixes(prefill, loads)
+                prefill, no_pages = self._load_prefixes(prefill, loads)
+            dropped |= no_pages
             prefill = [item for item in prefill if item.request_id not in dropped]
             self._dispatch_extend(prefill, loads, step)
         else:
             with span("load_kv"):
-                dropped |= self._load_prefixes(prefill, loads)
+                prefill, no_pages = self._load_prefixes(prefill, loads)
+            dropped |= no_pages
             prefill = [item for item in prefill if item.request_id not in dropped]
             self._dispatch_extend(prefill, loads, step)
             self._dispatch_decode(decode, step)
@@ -348,14 +364,14 @@ class EngineCore:
         if not prefill:
             return
         with self.executor.span("extend"):
-            work = []
+            work: list[ExtendChunk[SeqRow]] = []
             for item in prefill:
                 t = self._tracked[item.request_id]
                 if item.is_first_chunk:  # (also the first after a retraction)
                     self.executor.open_sequence(t.request_id)
                 tokens = item.request.prefill_tokens[t.computed : item.end]
                 targets = t.prompt_logprob_targets(t.computed, item.end)
-                work.append(ExtendWork(t, tokens, t.computed, item.is_last_chunk, targets))
+                work.append(ExtendChunk(t, tokens, t.computed, item.is_last_chunk, targets))
                 step.extend_items.append((item, t))
             step.extend_landed = all(self.ctl.is_ready(h) for h in loads)  # else its time includes the link's
             step.extend = self.executor.dispatch_extend(work, loads)
@@ -387,11 +403,13 @@ class EngineCore:
             context = 0
             for t in rows:
                 on_done(t.request_id)
-                context += t.computed
+                req = t.req  # read directly: this loop runs once per row per step
+                assert req is not None  # (admitted)
+                context += req.computed
                 if t.grammar is not None:
                     self.scheduler.hold(t.request_id, True)
                     step.holds_rows = True
-                if by_length(t.params, len(t.prompt_ids), t.generated):
+                if by_length(t.params, len(t.prompt_ids), req.generated):
                     self._last_token_dispatched(t)
             step.decode_context = context
         self.counters["decode_steps"] += 1
@@ -458,20 +476,23 @@ class EngineCore:
         self, t: TrackedRequest, token: int, logprob: TokenLogprob | None, now: float, events: list[Event]
     ) -> None:
         p = t.params
-        if not t.output_ids:
+        req = t.req  # read directly: this runs once per row per step
+        assert req is not None  # (admitted)
+        outputs = req.output_token_ids
+        if not outputs:
             t.stream.cached = dict(t.cached)
             t.stream.prompt_logprobs, t.prompt_logprobs = t.prompt_logprobs, None
             if p.max_tokens == 0:  # scoring only: the prefill ran, nothing is generated
                 events.append(TokenEvent(t.stream, None, None, "length", now))
                 self._finish(t)
                 return
-        assert t.req is not None  # (admitted)
-        t.req.add_output(token)
-        if self.rules.by_token(p, token, len(t.output_ids)):
+        outputs.append(token)  # the scheduler's record holds the values (ScheduledRequest.add_output)
+        n = len(outputs)
+        if self.rules.by_token(p, token, n):
             finish = "stop"
         elif t.grammar is not None and t.grammar.advance(token):
             finish = "stop"  # the grammar is complete: nothing else may follow
-        elif t.finishing and len(t.output_ids) == t.generated:
+        elif t.finishing and n == req.generated:
             finish = "length"
         else:
             finish = None

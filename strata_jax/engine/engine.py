@@ -31,10 +31,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import jax
-import jax.numpy as jnp
 
 from strata_jax.api import (
-    MAX_N,
     EngineFailedError,
     EngineUnavailableError,
     InvalidRequestError,
@@ -45,24 +43,20 @@ from strata_jax.api import (
     SamplingParams,
     StreamChunk,
     ValidRequest,
+    fan_out,
     validate_request,
 )
-from strata_jax.cache.controller import CacheController
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.core import EngineCore
+from strata_jax.engine.factory import build_parts
 from strata_jax.engine.output import InlineOutput, ThreadedOutput, collect
 from strata_jax.engine.requests import TrackedRequest
 from strata_jax.engine.sinks import AsyncQueueSink, CollectingSink, OutputSink
 from strata_jax.engine.stats import accounting, cache_stats
-from strata_jax.models.loader import load_model as load_model  # a seam: bench roofline swaps in a random model
 from strata_jax.runtime import compilation_cache, executable_cache
-from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.executable_cache import ExecutableCache
-from strata_jax.runtime.jax_executor import JaxExecutor
-from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, grouped_pool_layout
-from strata_jax.runtime.platform import resolve as resolve_platform
+from strata_jax.runtime.platform import ResolvedPlatform
 from strata_jax.runtime.warmup_progress import WarmupProgress
-from strata_jax.scheduler.cost_model import CostModel, CostPrior
 from strata_jax.scheduler.scheduler import Scheduler
 from strata_jax.tokenizer import IncrementalDetokenizer
 
@@ -92,117 +86,31 @@ class Engine:
         ``output_thread``: deliver outputs from a thread of their own (default: with the
         engine's threads, ``start``); False delivers them in the thread that runs the step."""
         self.config = config = config or EngineConfig()
-        self.platform = resolve_platform(
-            dtype=config.dtype,
-            kv_dtype=config.kv_dtype,
-            kernel_backend=config.kernel_backend,
-            layer_weights=config.layer_weights,
-        )
-        dtype, kv_dtype = self.platform.dtype, self.platform.kv_dtype
         progress = on_progress or WarmupProgress()
         self.compilation_cache_dir = compilation_cache.configure(config.compilation_cache_dir)
         compiles_before = compilation_cache.COUNTER.snapshot()
-        self.mesh = tp_sharding.make_mesh(config.tp) if config.tp > 1 else None  # before loading: fail fast
-        progress.phase("loading model")
-        loaded = load_model(config.model, dtype=jnp.dtype(dtype), show_progress=config.show_progress)
-        tp_sharding.check_model(loaded.config, config.tp)
-        progress.phase("allocating KV pools")
-        self.model_name = loaded.name
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        self.eos_token_ids = loaded.eos_token_ids
-        self.generation_defaults = loaded.generation  # generation_config.json: request defaults
-        self.vocab_size = loaded.config.vocab_size
-        model_limit = loaded.config.max_context_tokens
-        self.max_context_tokens = self.platform.max_context_tokens(model_limit, config.max_context_tokens)
-        if self.max_context_tokens > model_limit:
-            raise InvalidRequestError(f"max_context_tokens={self.max_context_tokens} exceeds the model's {model_limit}")
-
-        from pallas_kernels.layout import KVLayout
-
-        cache_config = config.cache_config(self.max_context_tokens)
-        self.page_size = cache_config.page_size
-        self.limits = RequestLimits(
-            vocab_size=self.vocab_size,
-            max_context_tokens=self.max_context_tokens,
-            kv_pages=cache_config.num_device_pages,
-            page_size=self.page_size,
-        )
-        layout = KVLayout(
-            loaded.config.num_layers, loaded.config.num_kv_heads, loaded.config.head_dim, self.page_size, kv_dtype
-        )
-        if not cache_config.kv_identity:  # L3 keys are this model's, dtype's and layout's only
-            from strata_jax.models.fingerprint import kv_identity
-
-            cache_config = dataclasses.replace(
-                cache_config, kv_identity=kv_identity(loaded.model, loaded.config, str(dtype), layout)
-            )
-        # tp: the L1 pool is split on its KV heads; host pages and L3 objects stay whole pages.
-        pool_device = tp_sharding.pool_sharding(self.mesh) if self.mesh is not None else None
-        grouped = None
-        if config.kv_layer_groups:
-            grouped = grouped_pool_layout(loaded.config, layout, cache_config.num_device_pages, config.kv_local_ratio)
-            _check_local_pages(grouped, loaded.config, config, self.page_size)
-        local_window = max(loaded.config.layer_windows, default=0)
-        host_local_ratio = config.kv_local_ratio if config.kv_host_local_ratio is None else config.kv_host_local_ratio
-        self.ctl = CacheController.on_device(
-            cache_config,
-            layout,
-            device=pool_device,
-            grouped=grouped,
-            local_window=local_window,
-            host_local_ratio=host_local_ratio,
-        )
-        self.runner = ModelRunner(
-            loaded.model,
-            RunnerConfig(
-                page_size=self.page_size,
-                num_device_pages=cache_config.num_device_pages,
-                max_batch_tokens=config.max_batch_tokens,
-                max_batch_size=config.max_batch_size,
-                max_context_tokens=self.max_context_tokens,
-                kv_dtype=kv_dtype,
-                kernel_backend=self.platform.kernel_backend,
-                scan_layers=config.scan_layers,
-                layer_weights=self.platform.layer_weights,
-                max_running=config.resolved_max_running_requests,
-                kv_layer_groups=config.kv_layer_groups,
-                kv_local_ratio=config.kv_local_ratio,
-            ),
-            pool=self.ctl.device_pool,
-            mesh=self.mesh,
-        )
-        from strata_jax.runtime.compute_prior import device_matmul_rate, extend_prior
-
-        self.matmul_flops_per_s = device_matmul_rate(
-            str(jnp.dtype(dtype))
-        )  # the first device (tp: each does its share)
-        local_share, local_window_tokens = 0.0, 0  # (CostPrior's defaults: loads move every layer's KV)
-        if self.ctl.local_pages is not None:  # loads move the windowed layers' KV of the window only
-            grouped_pool = self.ctl.device_pool.grouped
-            assert grouped_pool is not None  # local pages come with a pool in layer groups
-            local_share = grouped_pool.local_share
-            local_window_tokens = self.ctl.local_pages.window_pages * self.page_size
-        cost = CostModel(
-            CostPrior(
-                bytes_per_token=self.ctl.page_bytes / self.page_size,  # what a load moves: the tier format's bytes
-                link_bytes_per_s=self.ctl.link_bandwidth,
-                extend_coeffs=extend_prior(loaded.config, self.matmul_flops_per_s, config.tp),
-                local_share=local_share,
-                local_window_tokens=local_window_tokens,
-            )
-        )
-        self.executor = JaxExecutor(self.runner, eos_token_ids=self.eos_token_ids)
+        parts = build_parts(config, progress)
+        self.settings = settings = parts.settings
+        self.mesh = parts.mesh
+        self.model_name = parts.loaded.name
+        self.model_config = parts.loaded.config
+        self.tokenizer = parts.loaded.tokenizer
+        self.eos_token_ids = parts.loaded.eos_token_ids
+        self.generation_defaults = parts.loaded.generation  # generation_config.json: request defaults
+        self.ctl = parts.ctl
+        self.runner = parts.runner
+        self.matmul_flops_per_s = parts.matmul_flops_per_s
+        self.executor = parts.executor
         threaded_output = start if output_thread is None else output_thread
         self.output = (
             ThreadedOutput(self._stopped_by_output) if threaded_output else InlineOutput(self._stopped_by_output)
         )
         self.core = EngineCore(
-            Scheduler(config.scheduler_config(), cost),
+            Scheduler(settings.scheduler, parts.cost),
             self.ctl,
             self.executor,
             eos_token_ids=self.eos_token_ids,
-            max_context_tokens=self.max_context_tokens,
+            max_context_tokens=settings.max_context_tokens,
             outputs=self.output,
             pipeline=config.pipeline,
         )
@@ -221,29 +129,11 @@ class Engine:
         self.on_fatal: Callable[[BaseException], None] | None = None  # told once, from the engine thread
         self.compiles_at_warmup = 0
         self.executables_reused = 0  # step programs read back whole from the executable cache
-        self.is_ready = False
         self.transfer_compiles_at_warmup = 0
-        if config.warmup:
-            progress.phase("compiling")
-            executables = None
-            if self.compilation_cache_dir is not None and config.reuse_executables:
-                executables = ExecutableCache.open(self.compilation_cache_dir / executable_cache.SUBDIR)
-            self.compiles_at_warmup = self.runner.warmup(
-                show_progress=config.show_progress, progress=progress.programs, executables=executables
-            )
-            self.executables_reused = executables.loaded if executables is not None else 0
-            if executables is not None and executables.not_stored:
-                log.info(
-                    "%d step programs came from the XLA cache and are not kept as executables "
-                    "(XLA:CPU re-serializes those incompletely); later starts read the XLA cache for them",
-                    executables.not_stored,
-                )
-            self.ctl.warmup_transfers()  # or the first L2 hit compiles its scatter while serving
-            self.transfer_compiles_at_warmup = self._transfer_compiles()
         self.extend_step_seconds: dict[int, float] = {}  # prefill_chunk "auto": the measured steps
-        if config.warmup and str(config.prefill_chunk) == "auto":
-            progress.phase("measuring prefill steps")
-            self._tune_prefill_chunk()
+        self.is_ready = False
+        if config.warmup:
+            self._warm_up(progress)
         # XLA programs of the whole start-up (load + warm-up): compiled vs read from the persistent cache.
         self.startup_compiles = compilation_cache.COUNTER.snapshot().minus(compiles_before)
         if config.freeze_gc:
@@ -258,6 +148,30 @@ class Engine:
         if start:
             self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
             self._thread.start()
+
+    def _warm_up(self, progress: WarmupProgress) -> None:
+        """Compile (or read back) every step program and transfer, then, for
+        ``prefill_chunk="auto"``, measure the prefill steps."""
+        config = self.config
+        progress.phase("compiling")
+        executables = None
+        if self.compilation_cache_dir is not None and config.reuse_executables:
+            executables = ExecutableCache.open(self.compilation_cache_dir / executable_cache.SUBDIR)
+        self.compiles_at_warmup = self.runner.warmup(
+            show_progress=config.show_progress, progress=progress.programs, executables=executables
+        )
+        self.executables_reused = executables.loaded if executables is not None else 0
+        if executables is not None and executables.not_stored:
+            log.info(
+                "%d step programs came from the XLA cache and are not kept as executables "
+                "(XLA:CPU re-serializes those incompletely); later starts read the XLA cache for them",
+                executables.not_stored,
+            )
+        self.ctl.warmup_transfers()  # or the first L2 hit compiles its scatter while serving
+        self.transfer_compiles_at_warmup = self._transfer_compiles()
+        if str(config.prefill_chunk) == "auto":
+            progress.phase("measuring prefill steps")
+            self._tune_prefill_chunk()
 
     def _tune_prefill_chunk(self) -> None:
         """``prefill_chunk="auto"``: time a step per extend bucket (before any page is handed
@@ -276,6 +190,26 @@ class Engine:
         log.info(chunk_tuning.describe(seconds, chunk))
 
     # ------------------------------------------------------------------ the parts
+    @property
+    def platform(self) -> ResolvedPlatform:
+        return self.settings.platform
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.settings.max_context_tokens
+
+    @property
+    def page_size(self) -> int:
+        return self.settings.page_size
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.settings.limits
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
@@ -311,19 +245,13 @@ class Engine:
     ) -> list[RequestOutput]:
         """``n`` choices of one prompt (OpenAI's ``n``): one prefill, then n decodes over
         the prompt's pages shared through the tree (choice i > 0 follows choice 0)."""
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
-            raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+        choices = fan_out(params, n)
         valid = self._validate(prompt, params, cache_salt)
         ids = valid.prompt_ids
         sinks = []
-        leader: str | None = None
-        for i in range(n):
+        for c in choices:
             sink = CollectingSink()
-            p = valid.params.for_choice(i)
-            if i > 0 and p.prompt_logprobs is not None:  # the same for every choice: computed once
-                p = dataclasses.replace(p, prompt_logprobs=None)
-            rid = self._submit(dataclasses.replace(valid, params=p), sink, leader)
-            leader = leader or rid
+            rid = self._submit(dataclasses.replace(valid, params=c.params, request_id=c.request_id), sink, c.follows)
             sinks.append((rid, sink))
         outputs = [self._wait_for_output(rid, ids, sink) for rid, sink in sinks]
         for out in outputs[1:]:
@@ -525,6 +453,11 @@ class Engine:
         return self.runner.compile_count
 
     # ------------------------------------------------------------------ driving by hand (start=False)
+    def admit_pending(self) -> None:
+        """Run what the caller's submits and aborts queued for the loop, on the caller's thread
+        (``start=False``; ``step`` and ``run_until_idle`` do it too)."""
+        self._drain_inbox()
+
     def step(self) -> None:
         """One engine step on the caller's thread (engines built with ``start=False``)."""
         self._drain_inbox()
@@ -687,18 +620,3 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
     if len(params_list) != n:
         raise InvalidRequestError(f"{len(params_list)} SamplingParams for {n} prompts")
     return params_list
-
-
-def _check_local_pages(grouped: Any, model_config: Any, config: EngineConfig, page_size: int) -> None:
-    """Refuse a local-layer pool too small for even one request's window and prefill chunk."""
-    from strata_jax.cache.tree_window import window_pages_for
-
-    windows = [w for w in model_config.layer_windows if w > 0]
-    if not windows:
-        return
-    need = window_pages_for(max(windows), page_size) + -(-config.max_batch_tokens // page_size) + 1
-    if grouped.local_pages < need:
-        raise InvalidRequestError(
-            f"kv_local_ratio={config.kv_local_ratio} leaves {grouped.local_pages} local-layer pages; one request's "
-            f"window ({max(windows)} tokens) and prefill chunk ({config.max_batch_tokens} tokens) need {need}"
-        )

@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from strata_jax.api import SamplingParams, TokenLogprob
@@ -74,17 +74,22 @@ class SeqRow(Protocol):
     def grammar(self) -> Any: ...  # a structured output's matcher (its ``mask``), or None
 
 
-@dataclass(frozen=True)
-class ExtendWork:
-    """One request's prefill chunk: ``token_ids`` at positions ``start ..``.
+RowRef = TypeVar("RowRef")
 
+
+@dataclass(frozen=True)
+class ExtendChunk(Generic[RowRef]):
+    """One request's prefill chunk: ``token_ids`` at positions ``start ..`` of ``row``.
+
+    ``row``: the sequence, as the layer addresses it: the engine's ``SeqRow`` (what it
+    hands the executor), the runner's slot index (what the executor packs).
     ``keep_sample``: the token sampled at the last position is kept (False for a
     chunk that is not the prompt's last: the penalty counts skip it).
     ``prompt_logprob_targets``: per new token, the prompt token after it whose
     logprob is wanted (-1: none); None when the request did not ask.
     """
 
-    row: SeqRow
+    row: RowRef
     token_ids: Sequence[int]
     start: int
     keep_sample: bool = True
@@ -106,7 +111,7 @@ class StepOutput:
 class Executor(Protocol):
     def now(self) -> float: ...
 
-    def dispatch_extend(self, work: list[ExtendWork], loads: Sequence[TransferHandle]) -> Any: ...
+    def dispatch_extend(self, work: list[ExtendChunk[SeqRow]], loads: Sequence[TransferHandle]) -> Any: ...
 
     def dispatch_decode(self, rows: Sequence[SeqRow]) -> Any: ...
 

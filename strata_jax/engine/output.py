@@ -169,8 +169,8 @@ class OutputProcessor:
             s.prompt_logprobs = None
         if finish is not None:
             s.done = True
-            chunk.ttft_s = s.first_token_at - s.submitted_at  # type: ignore[attr-defined]
-            chunk.latency_s = ev.at - s.submitted_at  # type: ignore[attr-defined]
+            chunk.ttft_s = s.first_token_at - s.submitted_at
+            chunk.latency_s = ev.at - s.submitted_at
         return chunk
 
 
@@ -242,8 +242,8 @@ def collect(rid: str, chunks: list[StreamChunk]) -> RequestOutput:
         text="".join(c.text for c in chunks),
         finish_reason=last.finish_reason or "abort",
         cached_tokens=dict(last.cached_tokens),
-        ttft_s=getattr(last, "ttft_s", 0.0),
-        latency_s=getattr(last, "latency_s", 0.0),
+        ttft_s=last.ttft_s or 0.0,
+        latency_s=last.latency_s or 0.0,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )

@@ -30,13 +30,12 @@ import numpy as np
 
 from strata_jax.api import SamplingParams
 from strata_jax.cache.handles import TransferHandle
-from strata_jax.engine.executor import ExtendWork, SeqRow, StepOutput
+from strata_jax.engine.executor import ExtendChunk, SeqRow, StepOutput
 from strata_jax.runtime.logits_processors import initial_bias, initial_flags
 from strata_jax.runtime.model_runner import ModelRunner, PendingStep, StepResult
 from strata_jax.runtime.sampling_state import NoFreeSlotError
 from strata_jax.runtime.sampling_step import to_token_logprob
 from strata_jax.runtime.seq_state import RowParams, rng_base_for
-from strata_jax.runtime.step_inputs import ExtendRow
 
 
 @dataclass
@@ -55,7 +54,7 @@ class _Part:
 
     step: PendingStep
     rows: Sequence[SeqRow]
-    pieces: list[ExtendRow] | None = None  # extend: the chunk piece of each row
+    pieces: list[ExtendChunk[int]] | None = None  # extend: the chunk piece of each row
     items: list[int] | None = None  # extend: the work item of each piece
     last: list[bool] | None = None  # extend: the piece ends its work item
 
@@ -207,14 +206,14 @@ class JaxExecutor:
     def begin_step(self, decode_rows: int, prefill_rows: int, prefill_tokens: int) -> None:
         return None
 
-    def dispatch_extend(self, work: list[ExtendWork], loads: Sequence[TransferHandle] = ()) -> _Dispatched:
+    def dispatch_extend(self, work: list[ExtendChunk[SeqRow]], loads: Sequence[TransferHandle] = ()) -> _Dispatched:
         runner = self.runner
         limit_tokens, limit_seqs = runner.config.max_batch_tokens, runner.config.max_batch_size
         self._note_dispatch()
         parts: list[_Part] = []
         pending = [(i, w, list(w.token_ids), w.start) for i, w in enumerate(work)]
         while pending:
-            batch: list[tuple[int, ExtendWork, list[int], int, bool]] = []
+            batch: list[tuple[int, ExtendChunk[SeqRow], list[int], int, bool]] = []
             room, rest = limit_tokens, []
             for i, w, tokens, start in pending:
                 if room <= 0 or len(batch) >= limit_seqs:
@@ -235,9 +234,9 @@ class JaxExecutor:
                 if w.prompt_logprob_targets is not None:
                     first = start - w.start
                     targets = list(w.prompt_logprob_targets[first : first + len(piece)])
-                pieces.append(ExtendRow(slot, piece, start, w.keep_sample and last_piece, targets))
+                pieces.append(ExtendChunk(slot, piece, start, w.keep_sample and last_piece, targets))
             want_lp = any(
-                w.row.params.logprobs is not None and p.count_sample for (_, w, _, _, _), p in zip(batch, pieces)
+                w.row.params.logprobs is not None and p.keep_sample for (_, w, _, _, _), p in zip(batch, pieces)
             )
             step = runner.dispatch_extend(pieces, updates=updates, logprobs=want_lp)
             parts.append(_Part(step, rows, pieces, [i for i, *_ in batch], [b[4] for b in batch]))
@@ -310,7 +309,7 @@ class JaxExecutor:
             p = row.params
             if last:
                 out.tokens[item] = tokens[i]
-                if p.logprobs is not None and piece.count_sample and result.sample_logprobs is not None:
+                if p.logprobs is not None and piece.keep_sample and result.sample_logprobs is not None:
                     out.logprobs[item] = to_token_logprob(result.sample_logprobs, i, tokens[i], p.logprobs)
             if piece.prompt_logprob_targets is not None and result.prompt_logprobs is not None:
                 got = out.prompt_logprobs.setdefault(item, [])

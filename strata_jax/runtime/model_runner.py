@@ -43,6 +43,7 @@ import pallas_kernels
 from pallas_kernels import native as native_kernels
 from pallas_kernels.layout import GroupedPoolLayout, KVLayout
 from pallas_kernels.sharded import use_head_sharding
+from strata_jax.engine.executor import ExtendChunk
 from strata_jax.models.config import ModelConfig
 from strata_jax.models.llama import split_layer_weights, stack_layer_weights
 from strata_jax.runtime import executable_cache, sampling_step
@@ -54,7 +55,6 @@ from strata_jax.runtime.platform import LAYER_WEIGHTS, resolve_layer_weights
 from strata_jax.runtime.sampling_state import SamplingState
 from strata_jax.runtime.seq_state import COUNT_SAMPLE, HOST_TOKEN, RowParams, SeqSlots, after_step
 from strata_jax.runtime.step_inputs import (
-    ExtendRow,
     empty_inputs,
     model_inputs,
     pack_extend,
@@ -82,8 +82,6 @@ class RunnerConfig:
     layer_weights: str = "auto"
     sampling_slots: int = 0  # sequences holding penalty/bias/min_tokens state at once (0: max_batch_size)
     max_running: int = 0  # sequences holding a row of device state at once (0: 4 * max_batch_size)
-    kv_layer_groups: bool = False  # the pool as layer groups (pallas_kernels.layout.GroupedPoolLayout)
-    kv_local_ratio: float = 1.0  # with layer groups: local-layer pages / global-layer pages
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_device_pages", "max_batch_tokens", "max_batch_size", "max_context_tokens"):
@@ -132,7 +130,7 @@ class SeqInput:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_tokens_active: bool = False  # EOS/stop ids masked this step
-    count_sample: bool = True  # the sampled token is kept (False for a chunk that is not the prompt's last)
+    keep_sample: bool = True  # the sampled token is kept (False for a chunk that is not the prompt's last)
     logprobs: bool = False  # return the sampled token's logprob and the top alternatives
     prompt_logprob_targets: list[int] | None = None  # per new token: next prompt token id, -1 for none
 
@@ -195,13 +193,17 @@ def _host_copy(x: jax.Array) -> np.ndarray:
 
 
 class KVPool(Protocol):
-    """What the runner needs of the pool's holder: the array, which every step replaces (donated)."""
+    """What the runner needs of the pool's holder: the array, which every step replaces
+    (donated), and its layer groups (None: every layer holds the same pages)."""
 
     kv: jax.Array
+    grouped: GroupedPoolLayout | None
 
 
 class _OwnPool:
     """Holds the pool array when no cache controller provides one."""
+
+    grouped: GroupedPoolLayout | None = None  # the runner's own pool is full width
 
     def __init__(self, kv: jax.Array):
         self.kv = kv
@@ -243,11 +245,8 @@ class ModelRunner:
         self.native_kernels = native_kernels.status_for(self.kernel_backend)
         self.graphdef, state = nnx.split(model)
         self.mesh = mesh if mesh is not None and mesh.shape[tp_sharding.TP_AXIS] > 1 else None
-        self.grouped = (
-            grouped_pool_layout(model.config, self.layout, config.num_device_pages, config.kv_local_ratio)
-            if config.kv_layer_groups
-            else None
-        )
+        # the pool's owner decides its layer groups (the cache controller's DevicePool)
+        self.grouped: GroupedPoolLayout | None = pool.grouped if pool is not None else None
         pool_shape = (
             self.grouped.pool_shape() if self.grouped else self.layout.device_pool_shape(config.num_device_pages)
         )
@@ -269,10 +268,6 @@ class ModelRunner:
             pool = _OwnPool(jax.jit(zeros, out_shardings=pool_sh)() if self.mesh is not None else zeros())
         elif tuple(pool.kv.shape) != pool_shape:
             raise ValueError(f"pool shape {tuple(pool.kv.shape)} does not match the runner's layout")
-        elif getattr(pool, "grouped", None) != self.grouped:  # same shape, other layer groups: rows would disagree
-            raise ValueError(
-                f"the pool's layer groups {getattr(pool, 'grouped', None)} are not the runner's {self.grouped}"
-            )
         elif self.mesh is not None and not pool.kv.sharding.is_equivalent_to(pool_sh, len(pool_shape)):
             raise ValueError(
                 f"tensor parallel runner needs a pool split on its KV heads ({pool_sh}), got {pool.kv.sharding}"
@@ -453,6 +448,16 @@ class ModelRunner:
             seconds[tokens] = best
         return BucketTimings(context, seconds)
 
+    def lower_step(
+        self, tokens: int, seqs: int, *, decode: bool, platforms: tuple[str, ...] | None = None
+    ) -> jax.stages.Lowered:
+        """The step program of ``program_arguments(tokens, seqs, decode=decode)`` lowered
+        (for this platform, or for ``platforms`` from this host): its HLO, for inspection."""
+        args = self.program_arguments(tokens, seqs, decode=decode)
+        if platforms is None:
+            return self._step.lower(*args, False)
+        return self._step.trace(*args, False).lower(lowering_platforms=platforms)
+
     def program_arguments(self, tokens: int, seqs: int, *, decode: bool) -> tuple:
         """The step program a batch of ``tokens`` new tokens over ``seqs`` sequences runs, as
         the arguments to trace it with (all but ``all_logits``): for lowering it elsewhere."""
@@ -512,7 +517,7 @@ class ModelRunner:
 
     def dispatch_extend(
         self,
-        rows: Sequence[ExtendRow],
+        rows: Sequence[ExtendChunk[int]],
         *,
         updates: np.ndarray | None = None,
         logprobs: bool = False,
@@ -607,7 +612,7 @@ class ModelRunner:
                 x = self._decode_inputs_for(seqs, slots)
                 return self._launch(x, len(seqs), len(seqs), logprobs=any(s.logprobs for s in seqs))
             rows = [
-                ExtendRow(slot, s.token_ids, s.start_pos, s.count_sample, s.prompt_logprob_targets)
+                ExtendChunk(slot, s.token_ids, s.start_pos, s.keep_sample, s.prompt_logprob_targets)
                 for slot, s in zip(slots, seqs)
             ]
             return self.dispatch_extend(rows, logprobs=any(s.logprobs for s in seqs), all_logits=all_logits)
@@ -621,7 +626,7 @@ class ModelRunner:
         n = len(seqs)
         x["slots"][:n] = slots
         x["input_ids"][:n] = [s.token_ids[0] for s in seqs]
-        x["row_bits"][:n] = [HOST_TOKEN | (COUNT_SAMPLE if s.count_sample else 0) for s in seqs]
+        x["row_bits"][:n] = [HOST_TOKEN | (COUNT_SAMPLE if s.keep_sample else 0) for s in seqs]
         return x
 
     def _run_padded(self, inputs: dict, *, all_logits: bool):

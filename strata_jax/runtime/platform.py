@@ -37,16 +37,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal, cast, get_args
 
 from pallas_kernels import dispatch
+from pallas_kernels.dispatch import ConcreteBackend
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 CPU_CONTEXT_CAP = 16384
-DTYPES = ("float32", "bfloat16")
+Dtype = Literal["float32", "bfloat16"]
 # L1 KV may also be float8 e4m3 (vLLM's ``--kv-cache-dtype fp8``): values are clipped to
 # +-448 and stored without scales; attention upcasts them.  "fp8" is an alias.
-KV_DTYPES = (*DTYPES, "float8_e4m3fn")
-LAYER_WEIGHTS = ("auto", "stacked", "per_layer")
+KVDtype = Literal["float32", "bfloat16", "float8_e4m3fn"]
+LayerWeights = Literal["stacked", "per_layer"]  # "auto" resolves to one of them
+DTYPES: tuple[Dtype, ...] = get_args(Dtype)
+KV_DTYPES: tuple[KVDtype, ...] = get_args(KVDtype)
+LAYER_WEIGHTS: tuple[str, ...] = ("auto", *get_args(LayerWeights))
 KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
 
@@ -60,12 +65,12 @@ class PlatformDefaults:
     """What the engine runs with on ``platform`` when the user leaves a field unset."""
 
     platform: str
-    dtype: str
-    kv_dtype: str
-    kernel_backend: str  # a concrete pallas_kernels backend: "pallas", "xla", "reference" or "interpret"
+    dtype: Dtype
+    kv_dtype: KVDtype
+    kernel_backend: ConcreteBackend
     host_memory_kind: str
     max_context_cap: int | None  # None: the model's own limit
-    layer_weights: str  # "stacked" or "per_layer" (RunnerConfig.layer_weights)
+    layer_weights: LayerWeights
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -91,11 +96,13 @@ def defaults_for(platform: str) -> PlatformDefaults:
     )
 
 
-def resolve_layer_weights(choice: str, platform: str | None = None) -> str:
+def resolve_layer_weights(choice: str, platform: str | None = None) -> LayerWeights:
     """``"stacked"`` or ``"per_layer"``: an explicit choice, else (``"auto"``) the platform's default."""
     if choice not in LAYER_WEIGHTS:
         raise ValueError(f"layer_weights must be one of {', '.join(LAYER_WEIGHTS)}, got {choice!r}")
-    return defaults_for(platform or current_platform()).layer_weights if choice == "auto" else choice
+    return (
+        defaults_for(platform or current_platform()).layer_weights if choice == "auto" else cast(LayerWeights, choice)
+    )
 
 
 def current_platform() -> str:
@@ -108,10 +115,10 @@ class ResolvedPlatform:
     """The settings in force: the user's explicit choices, else the platform's defaults."""
 
     defaults: PlatformDefaults
-    dtype: str
-    kv_dtype: str
-    kernel_backend: str  # concrete (after "auto", the scoped backend and $STRATA_KERNEL_BACKEND)
-    layer_weights: str = "stacked"  # concrete: "stacked" or "per_layer"
+    dtype: Dtype
+    kv_dtype: KVDtype
+    kernel_backend: ConcreteBackend  # after "auto", the scoped backend and $STRATA_KERNEL_BACKEND
+    layer_weights: LayerWeights = "stacked"
 
     @property
     def platform(self) -> str:
@@ -143,8 +150,8 @@ def resolve(
     defaults = defaults_for(platform or current_platform())
     return ResolvedPlatform(
         defaults=defaults,
-        dtype=dtype or defaults.dtype,
-        kv_dtype=kv_dtype or defaults.kv_dtype,
+        dtype=dtype if dtype is not None else defaults.dtype,
+        kv_dtype=kv_dtype if kv_dtype is not None else defaults.kv_dtype,
         kernel_backend=dispatch.resolve_backend(kernel_backend, platform=defaults.platform),
         layer_weights=resolve_layer_weights(layer_weights, defaults.platform),
     )

@@ -26,26 +26,15 @@ triples have slot ``S`` too and are dropped.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strata_jax.engine.executor import ExtendChunk
 from strata_jax.models.llama import AttentionMetadata
 from strata_jax.runtime import sampling_step
 from strata_jax.runtime.seq_state import COUNT_SAMPLE, HOST_TOKEN, SeqTables, apply_page_updates, step_keys, step_rows
-
-
-@dataclass(frozen=True)
-class ExtendRow:
-    """One sequence's prompt chunk in an extend step (its slot's row is already written)."""
-
-    slot: int
-    token_ids: Sequence[int]
-    start: int  # tokens of the sequence whose KV precedes this chunk
-    count_sample: bool = True  # keep the sample (the prompt's last chunk)
-    prompt_logprob_targets: Sequence[int] | None = None  # per token, -1 for none
 
 
 def update_capacity(tokens: int, rows: int, page_size: int) -> int:
@@ -77,18 +66,19 @@ def pack_updates(x: dict[str, np.ndarray], updates: np.ndarray | None) -> None:
     x["pt_updates"][: len(updates)] = updates
 
 
-def pack_extend(x: dict[str, np.ndarray], rows: Sequence[ExtendRow]) -> int:
-    """Fill an extend step's arrays; returns the packed token count."""
+def pack_extend(x: dict[str, np.ndarray], rows: Sequence[ExtendChunk[int]]) -> int:
+    """Fill an extend step's arrays from chunks addressed by slot (each slot's row is
+    already written); returns the packed token count."""
     offset = 0
     qs, start, ids, bits, targets = x["query_start"], x["start"], x["input_ids"], x["row_bits"], x["targets"]
     for i, r in enumerate(rows):
         n = len(r.token_ids)
         if n == 0:
             raise ValueError("a sequence in the batch has no new tokens")
-        x["slots"][i] = r.slot
+        x["slots"][i] = r.row
         ids[offset : offset + n] = r.token_ids
         start[i] = r.start
-        bits[i] = COUNT_SAMPLE if r.count_sample else 0
+        bits[i] = COUNT_SAMPLE if r.keep_sample else 0
         if r.prompt_logprob_targets is not None:
             if len(r.prompt_logprob_targets) != n:
                 raise ValueError(f"{len(r.prompt_logprob_targets)} prompt logprob targets for {n} tokens")

@@ -385,16 +385,31 @@ class Scheduler:
             req.output_token_ids.append(token_id)
         return req.status
 
-    def on_prefix_taken(self, request_id: str, tokens: int) -> None:
+    def on_prefix_taken(self, request_id: str, tokens: int, end: int | None = None) -> None:
         """The first chunk in flight of ``request_id`` starts at ``tokens`` (at most its planned
-        start): the engine could take only that much of the cached prefix (the tree held less
-        by then, or there was no room to load it), so the chunk computes the rest too."""
+        start): the engine could take only that much of the cached prefix (a prefetch that did
+        not land, the tree held less by then, or no room to load it).  The chunk computes from
+        there up to ``end`` (at most its planned end; None: the planned end).  What it did not
+        take is not counted as a hit of the tier it was planned from (storage first, then host,
+        then device: the order a prefix is cut)."""
         req = self._live(request_id)
-        if req.status is not _S.PREFILLING or req.inflight_end is None or not 0 <= tokens <= req.computed:
+        planned_end = req.inflight_end
+        if req.status is not _S.PREFILLING or planned_end is None or not 0 <= tokens <= req.computed:
             raise SchedulerStateError(
                 f"request {request_id!r} cannot start its chunk at {tokens} ({req.status.value}, at {req.computed})"
             )
+        if end is not None and not tokens < end <= planned_end:
+            raise SchedulerStateError(f"request {request_id!r}: chunk end {end} outside ({tokens}, {planned_end}]")
+        lost = req.computed - tokens
         req.computed = tokens
+        if end is not None:
+            req.inflight_end = end
+        if req.cached_tokens is not None and req.first_scheduled_round == self._round:
+            for tier in ("storage", "host", "device"):  # the hits _dispatch_prefill counted this round
+                cut = min(lost, req.cached_tokens.get(tier, 0))
+                req.cached_tokens[tier] -= cut
+                self._hits[tier] -= cut
+                lost -= cut
 
     def hold(self, request_id: str, held: bool) -> None:
         """While held, a decoding request is not scheduled: the engine has host work to do
