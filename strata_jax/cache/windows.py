@@ -19,6 +19,8 @@ from strata_jax.cache.local_pages import LocalPagesFull, TreeLocalPages, first_n
 class NoWindows:
     """Every layer of every page is kept: nothing to attach, pin or trim."""
 
+    moves = False  # whether a request's next position moves anything (callers skip ``pin`` when not)
+
     def attach(self, pages: Sequence[int]) -> None:
         return None
 
@@ -47,6 +49,8 @@ class NoWindows:
 class LayerWindows(NoWindows):
     """Where the local KV of each L1 page is (``TreeLocalPages``).  ``flush``: dispatch queued
     backup gathers (they read the local pages their pages had when issued)."""
+
+    moves = True
 
     def __init__(self, local_pages: TreeLocalPages, page_size: int, flush: Callable[[], None]) -> None:
         self._local = local_pages

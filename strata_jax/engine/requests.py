@@ -202,9 +202,11 @@ class RequestPages:
         CacheFullError).  ``computed``: ``t.computed`` when the caller has it at hand (the
         scheduler's record: this runs per decode row per step)."""
         need = -(-tokens // self.page_size) - len(t.page_table)
+        if need <= 0 and not self.ctl.windows.moves:
+            return  # the usual decode row: a slot on its last page, no window to move
         if computed is None:
             computed = t.computed
-        pin = self.ctl.windows.pin  # runs per decode row per step: one call, not two
+        pin = self.ctl.windows.pin
         # layer groups: local KV before this step's window becomes evictable before anything is allocated
         pin(t.request_id, t.page_table, computed)
         if need > 0:

@@ -129,12 +129,17 @@ class Scheduler:
         ):  # take turns: the longest-waiting first (else all run, in arrival order)
             ready.sort(key=lambda r: (r.last_decode_round, r.arrival))
         decodes = ready[: cfg.max_decode_batch_size]
-        decode_need = sum(_decode_page(r, ps) for r in decodes)
+        # one pass over the rows (this runs per decode row per step): their KV length and the
+        # pages their next slots open (a new page where the next slot starts one)
+        seq_lens = [len(r.prompt_token_ids) + r.generated for r in decodes]
+        decode_context = sum(seq_lens)
+        decode_need = ps * sum(1 for n in seq_lens if (n - 1) % ps == 0)
         retracted: list[ScheduledRequest] = []
         while decodes and decode_need > capacity:
             victim = max(decodes, key=lambda r: r.arrival)
             decodes.remove(victim)
             decode_need -= _decode_page(victim, ps)
+            decode_context -= victim.seq_len
             self._retract(victim)
             retracted.append(victim)
 
@@ -196,7 +201,7 @@ class Scheduler:
         # 4. bubble filling: decode first while the prefill batch's load is still in the air.
         est_load = self.cost.load_seconds(batch.load_host, batch.load_storage)
         est_prefill = self.cost.batch_extend_seconds(batch.extend_items()) if batch.items else 0.0
-        est_decode = self.cost.decode_seconds(len(decodes), sum(r.seq_len for r in decodes))
+        est_decode = self.cost.decode_seconds(len(decodes), decode_context)
         unlanded = batch.load_host + batch.load_storage > 0 or any(
             cache.load_pending(i.request_id) for i in batch.items
         )
