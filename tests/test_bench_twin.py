@@ -33,3 +33,24 @@ def test_twin_runs_one_trace_through_the_engine_and_the_simulator(tmp_path, caps
     profile = doc["profile"]
     assert profile["name"] == "this machine, from the engine's own steps"
     assert profile["matmul_flops_per_s"] < 5e13  # a CPU, not an H200's 989 TFLOP/s
+
+
+def test_twin_with_kv_layer_groups_turns_on_windows_on_both_sides(tmp_path):
+    """``--kv-layer-groups`` on a sliding-window model (a random Gemma 3): the engine's pool holds
+    layer groups whose windows move with each request, the simulator loads window-sized pages,
+    and both sides still serve the same documents from the cache."""
+    from hf_reference import make_hf_model
+
+    make_hf_model("gemma3", tmp_path / "model", vocab_size=256)
+    out = tmp_path / "twin.json"
+    argv = ["--model", str(tmp_path / "model"), "--kv-layer-groups", "--rates", "2", "--num-requests", "6"]
+    argv += ["--docs", "2", "--doc-tokens", "192", "--max-batch-tokens", "64", "--output-tokens", "4"]
+    argv += ["--tolerance", "1e9", "--json", str(out)]
+    assert run_benchmark("twin", argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["windows"] == {"engine_moves_windows": True, "sim_window_loads": True, "sim_cached_share": 1.0}
+    (row,) = doc["rows"]
+    engine, sim = row["engine"], row["sim"]
+    assert engine["finished"] == sim["finished"] == 6
+    hits_engine, hits_sim = sum(engine["hit_tokens"].values()), sum(sim["hit_tokens"].values())
+    assert hits_engine > 0 and abs(hits_sim - hits_engine) <= 0.2 * hits_engine, (engine, sim)

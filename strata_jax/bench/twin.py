@@ -446,6 +446,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             base = load_profile(args.profile or "h200")
             setup, system, overrides = engine_sim_setup(engine, base)
+            windows = {  # what --kv-layer-groups turned on, on each side
+                "engine_moves_windows": engine.ctl.windows.moves,
+                "sim_window_loads": setup.window_loads,
+                "sim_cached_share": setup.cached_share,
+            }
             if args.profile:
                 profile = base
             else:
@@ -474,7 +479,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"profile": dataclasses.asdict(profile), "args": vars(args), "rows": rows, "flagged": flagged},
+                {
+                    "profile": dataclasses.asdict(profile),
+                    "args": vars(args),
+                    "windows": windows,
+                    "rows": rows,
+                    "flagged": flagged,
+                },
                 indent=1,
                 default=str,
             )
