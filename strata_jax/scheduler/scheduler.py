@@ -129,16 +129,15 @@ class Scheduler:
         ):  # take turns: the longest-waiting first (else all run, in arrival order)
             ready.sort(key=lambda r: (r.last_decode_round, r.arrival))
         decodes = ready[: cfg.max_decode_batch_size]
-        # one pass over the rows (this runs per decode row per step): their KV length and the
-        # pages their next slots open (a new page where the next slot starts one)
-        seq_lens = [len(r.prompt_token_ids) + r.generated for r in decodes]
+        # the rows' KV lengths read once (this runs per decode row per step)
+        seq_lens = [r.seq_len for r in decodes]
         decode_context = sum(seq_lens)
-        decode_need = ps * sum(1 for n in seq_lens if (n - 1) % ps == 0)
+        decode_need = sum(_decode_page(n, ps) for n in seq_lens)
         retracted: list[ScheduledRequest] = []
         while decodes and decode_need > capacity:
             victim = max(decodes, key=lambda r: r.arrival)
             decodes.remove(victim)
-            decode_need -= _decode_page(victim, ps)
+            decode_need -= _decode_page(victim.seq_len, ps)
             decode_context -= victim.seq_len
             self._retract(victim)
             retracted.append(victim)
@@ -505,6 +504,7 @@ class Scheduler:
         )
 
 
-def _decode_page(req: ScheduledRequest, page_size: int) -> int:
-    """Device tokens a decode step must allocate: a new page when the next KV slot starts one."""
-    return page_size if (req.seq_len - 1) % page_size == 0 else 0
+def _decode_page(seq_len: int, page_size: int) -> int:
+    """Device tokens a decode step of a request holding ``seq_len`` tokens must allocate: a new
+    page when the next KV slot starts one."""
+    return page_size if (seq_len - 1) % page_size == 0 else 0
