@@ -24,6 +24,13 @@ Kernel design (one program per ``(sequence b, row block r, kv head h)``):
   whatever the context length.
 * Online softmax in float32; masked scores are set to a large negative number and
   masked V rows to zero, so NaN-poisoned (never written) slots cannot leak.
+* Learned attention sinks (``sinks``, GPT-OSS: float32 ``[num_q_heads]``) reach the
+  kernel as one more operand, viewed as ``[num_kv_heads, group]``; a program reads the
+  sinks of its rows' query heads (``sinks[h, row % group]``) once, after the KV loop,
+  and folds them into the final normalisation only: ``m' = max(m, s)``,
+  ``out = acc e^(m - m') / (l e^(m - m') + e^(s - m'))``
+  (``reference.normalize_with_sinks``).  Without sinks the operand is absent and the
+  kernel is the plain one, instruction for instruction.
 * Rows past a sequence's end store into a trash row (``num_tokens``) that is sliced
   away; padding tokens (past ``query_start[B]``) come out as zeros.
 
@@ -86,8 +93,8 @@ def _attention_kernel(
     q_ref,
     k_ref,
     v_ref,
-    o_ref,
-    *,
+    *refs,
+    has_sinks: bool,
     group: int,
     block_rows: int,
     block_kv: int,
@@ -100,6 +107,8 @@ def _attention_kernel(
     k_kv: int,
     v_kv: int,
 ):
+    # refs: (sinks_ref, o_ref) with sinks, (o_ref,) without: no sinks, no extra operand.
+    sinks_ref, o_ref = refs if has_sinks else (None, *refs)
     b, rb, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]  # a runtime scalar: one compiled kernel serves every layer of a scan
     q_start = qstart_ref[b]
@@ -174,8 +183,18 @@ def _attention_kernel(
             jnp.full((block_rows,), _NEG, jnp.float32),
             jnp.zeros((block_rows,), jnp.float32),
         )
-        acc, _, row_sum = jax.lax.fori_loop(first_block, n_blocks, body, init)
-        out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
+        acc, row_max, row_sum = jax.lax.fori_loop(first_block, n_blocks, body, init)
+        if sinks_ref is None:
+            out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[:, None]
+        else:
+            # The sink joins the denominator as one more score with no value, once, here:
+            # m' = max(m, s); out = acc e^(m - m') / (l e^(m - m') + e^(s - m')).  A row that
+            # saw no key has m = _NEG (so e^(m - m') = 0) and acc = 0: it gives 0.
+            sink = sinks_ref[h, head_in_group]  # [BR] float32, this row's query head
+            sink_max = jnp.maximum(row_max, sink)
+            scale = jnp.exp(row_max - sink_max)
+            denominator = row_sum * scale + jnp.exp(sink - sink_max)
+            out = acc * jnp.where(denominator > 0, scale / denominator, 0.0)[:, None]
         dest = jnp.where(row_ok, q_start + tok_local, num_tokens)  # trash row for overhang
         o_ref[dest, h, head_in_group, :] = out.astype(o_ref.dtype)
 
@@ -191,6 +210,7 @@ def ragged_paged_attention_pallas(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     max_q_len: int | None = None,
     block_rows: int | None = None,
     block_kv: int = 64,
@@ -201,6 +221,12 @@ def ragged_paged_attention_pallas(
     """Pallas ragged paged attention; same contract as the reference (``sliding_window``
     included: None, an int or a traced int32 scalar, <= 0 = full attention; it reaches
     the kernel as a one-element operand, so windows never cause a recompile).
+
+    ``sinks``: None, or ``[num_q_heads]`` learned attention sinks (GPT-OSS; cast to
+    float32): query head h's softmax denominator gains ``exp(sinks[h])``, as in the
+    reference.  They reach the kernel as an operand (concrete or traced: one compiled
+    kernel serves every layer's sinks), read per query head and applied only in the
+    final normalisation.  ``None`` passes no operand and compiles today's kernel.
 
     Extra static knobs: ``max_q_len`` bounds the new tokens of any one sequence
     (default: all T tokens; pass 1 for a decode-only batch to shrink the grid; a
@@ -227,6 +253,7 @@ def ragged_paged_attention_pallas(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        sinks=sinks,
         max_q_len=max_q_len,
         block_rows=block_rows,
         block_kv=block_kv,
@@ -247,6 +274,7 @@ def ragged_paged_attention_pool_pallas(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     max_q_len: int | None = None,
     block_rows: int | None = None,
     block_kv: int = 64,
@@ -262,6 +290,7 @@ def ragged_paged_attention_pool_pallas(
     the kernel as a one-element operand it reads at run time (Triton has no scalar
     prefetch; with the whole pool as the operand this is the same thing), so one
     compiled kernel serves every layer.  A traced index outside ``[0, L)`` is clipped.
+    ``sinks`` (None or ``[num_q_heads]``): as in ``ragged_paged_attention_pallas``.
     """
     if kv_pool.ndim != 6 or kv_pool.shape[1] != 2:
         raise AttentionShapeError(f"kv_pool must be [L, 2, P, S, H, D], got {kv_pool.shape}")
@@ -290,6 +319,7 @@ def ragged_paged_attention_pool_pallas(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        sinks=sinks,
         max_q_len=max_q_len,
         block_rows=block_rows,
         block_kv=block_kv,
@@ -314,6 +344,7 @@ def _attention_call(
     sm_scale,
     soft_cap,
     sliding_window,
+    sinks,
     max_q_len,
     block_rows,
     block_kv,
@@ -340,6 +371,7 @@ def _attention_call(
         raise AttentionShapeError(
             f"the compiled kernel needs a power-of-two head_dim >= 16, got {head_dim}; use the reference"
         )
+    sink_operand = _sinks_operand(sinks, num_kv_heads, group)
     if num_tokens == 0 or batch == 0:
         return jnp.zeros_like(q)
     window = _window_operand(sliding_window)
@@ -348,6 +380,7 @@ def _attention_call(
     row_blocks = -(-(max_q * group) // block_rows)
     kernel = functools.partial(
         _attention_kernel,
+        has_sinks=sink_operand is not None,
         group=group,
         block_rows=block_rows,
         block_kv=block_kv,
@@ -360,16 +393,7 @@ def _attention_call(
         k_kv=int(k_kv),
         v_kv=int(v_kv),
     )
-    out = pl.pallas_call(
-        kernel,
-        grid=(batch, row_blocks, num_kv_heads),
-        in_specs=[pl.no_block_spec] * 8,
-        out_specs=pl.no_block_spec,
-        out_shape=jax.ShapeDtypeStruct((num_tokens + 1, num_kv_heads, group, head_dim), q.dtype),
-        interpret=interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name="strata_ragged_paged_attention",
-    )(
+    operands = [
         jnp.asarray(layer, jnp.int32).reshape(1),
         window,
         query_start.astype(jnp.int32),
@@ -378,7 +402,19 @@ def _attention_call(
         q4,
         k5,
         v5,
-    )
+    ]
+    if sink_operand is not None:
+        operands.append(sink_operand)
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, row_blocks, num_kv_heads),
+        in_specs=[pl.no_block_spec] * len(operands),
+        out_specs=pl.no_block_spec,
+        out_shape=jax.ShapeDtypeStruct((num_tokens + 1, num_kv_heads, group, head_dim), q.dtype),
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="strata_ragged_paged_attention",
+    )(*operands)
     out = out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
     is_real = jnp.arange(num_tokens) < query_start[batch]
     return jnp.where(is_real[:, None, None], out, jnp.zeros((), out.dtype))
@@ -393,6 +429,23 @@ def _window_operand(sliding_window: int | jax.Array | None) -> jax.Array:
             f"sliding_window must be None, an int or an integer scalar array, got {sliding_window!r}"
         )
     return jnp.asarray(sliding_window, jnp.int32).reshape(1)
+
+
+def _sinks_operand(sinks: jax.Array | None, num_kv_heads: int, group: int) -> jax.Array | None:
+    """Sinks ``[num_q_heads]`` as the kernel's float32 ``[num_kv_heads, group]`` operand
+    (query head ``kv_head * group + g``, the kernel's row layout); None stays None."""
+    if sinks is None:
+        return None
+    num_q_heads = num_kv_heads * group
+    shape = jnp.shape(sinks)
+    if shape != (num_q_heads,):
+        raise AttentionShapeError(
+            f"sinks must be None or [num_q_heads={num_q_heads}] (one per query head), got shape {shape}"
+        )
+    dtype = jnp.result_type(sinks)
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise AttentionShapeError(f"sinks must be real numbers (cast to float32), got dtype {dtype}")
+    return jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group)
 
 
 __all__ = [

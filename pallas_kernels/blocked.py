@@ -24,12 +24,18 @@ flash-attention recurrence in float32.
 attention, so one scanned per-layer array can mix layer kinds): a token at position p
 reads KV positions ``max(0, p - window + 1) .. p``; blocks wholly older than that are
 never read.
+
+``sinks`` (``None`` or float32 ``[num_q_heads]``, GPT-OSS): each query head's learned
+sink logit joins its softmax denominator at the end of the flash loop
+(``reference.normalize_with_sinks``).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.reference import head_sinks, normalize_with_sinks
 
 # Query block sizes, smallest first: a sequence uses the smallest that holds its new
 # tokens (else the largest), so a decode row or a short question does not pay for a
@@ -57,6 +63,7 @@ def blocked_paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     q_blocks: tuple[int, ...] = DEFAULT_Q_BLOCKS,
     kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS,
     decode_kv_block_tokens: int = DEFAULT_DECODE_KV_BLOCK_TOKENS,
@@ -73,6 +80,7 @@ def blocked_paged_attention(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        sinks=sinks,
         q_blocks=q_blocks,
         kv_block_tokens=kv_block_tokens,
         decode_kv_block_tokens=decode_kv_block_tokens,
@@ -91,6 +99,7 @@ def blocked_paged_attention_pool(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     q_blocks: tuple[int, ...] = DEFAULT_Q_BLOCKS,
     kv_block_tokens: int = DEFAULT_KV_BLOCK_TOKENS,
     decode_kv_block_tokens: int = DEFAULT_DECODE_KV_BLOCK_TOKENS,
@@ -112,6 +121,7 @@ def blocked_paged_attention_pool(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        sinks=sinks,
         q_blocks=q_blocks,
         kv_block_tokens=kv_block_tokens,
         decode_kv_block_tokens=decode_kv_block_tokens,
@@ -150,6 +160,7 @@ def _blocked_core(
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | jax.Array | None,
+    sinks: jax.Array | None,
     q_blocks: tuple[int, ...],
     kv_block_tokens: int,
     decode_kv_block_tokens: int,
@@ -159,6 +170,7 @@ def _blocked_core(
     batch, max_pages = page_table.shape
     group = num_q_heads // num_kv_heads
     window = _window_span(sliding_window)
+    sink = head_sinks(sinks, num_kv_heads, group)  # [H, G] or None
     if num_tokens == batch > 1:  # a decode batch of several rows: shorter KV blocks
         kv_block_tokens = min(kv_block_tokens, decode_kv_block_tokens)
 
@@ -193,9 +205,6 @@ def _blocked_core(
         acc = acc * correction[..., None] + value_product(probs)
         return acc, new_max, row_sum
 
-    def finish(acc, row_sum):
-        return acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
-
     q_scaled = q.astype(jnp.float32) * sm_scale
 
     if num_tokens == batch:
@@ -223,8 +232,8 @@ def _blocked_core(
             jnp.full((batch, num_kv_heads, group), -jnp.inf, jnp.float32),
             jnp.zeros((batch, num_kv_heads, group), jnp.float32),
         )
-        acc, _, row_sum, kv_source = jax.lax.fori_loop(start_block, end_block, decode_body, (*init, kv_source))
-        out = finish(acc, row_sum)
+        acc, row_max, row_sum, kv_source = jax.lax.fori_loop(start_block, end_block, decode_body, (*init, kv_source))
+        out = normalize_with_sinks(acc, row_max, row_sum, sink)
         return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype), kv_source
 
     # Extend.  Queries as [kv_head, token, group, dim], padded by a block so a block
@@ -293,8 +302,11 @@ def _blocked_core(
                 )
                 carry = jax.lax.fori_loop(kv_start, interior_lo, kv_body(True), carry)
                 carry = jax.lax.fori_loop(interior_lo, interior_hi, kv_body(False), carry)
-                acc, _, row_sum, src = jax.lax.fori_loop(interior_hi, kv_end, kv_body(True), carry)
-                result = finish(acc, row_sum).reshape(num_kv_heads, rows, group, head_dim)
+                acc, row_max, row_sum, src = jax.lax.fori_loop(interior_hi, kv_end, kv_body(True), carry)
+                row_sink = None if sink is None else jnp.tile(sink, (1, rows))  # [H, rows * G], group fastest
+                result = normalize_with_sinks(acc, row_max, row_sum, row_sink).reshape(
+                    num_kv_heads, rows, group, head_dim
+                )
                 old = jax.lax.dynamic_slice_in_dim(out, start, rows, axis=1)
                 merged = jnp.where(row_valid[None, :, None, None], result, old)
                 return jax.lax.dynamic_update_slice_in_dim(out, merged, start, axis=1), src

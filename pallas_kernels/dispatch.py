@@ -213,15 +213,17 @@ def _attention_backend(head_dim: int, backend: str | KernelConfig | None) -> str
 
 
 def _attention_options(
-    name: str, sm_scale: float, soft_cap: float | None, max_q_len: int | None, sliding_window
+    name: str, sm_scale: float, soft_cap: float | None, max_q_len: int | None, sliding_window, sinks=None
 ) -> dict:
     """Keyword arguments for backend ``name``: only the Pallas kernel takes ``max_q_len``;
-    ``sliding_window`` is passed only when set (``None`` is every backend's default)."""
+    ``sliding_window`` and ``sinks`` are passed only when set (``None`` is every backend's default)."""
     options: dict = {"sm_scale": sm_scale, "soft_cap": soft_cap}
     if name in ("pallas", "interpret"):
         options["max_q_len"] = max_q_len
     if sliding_window is not None:
         options["sliding_window"] = sliding_window
+    if sinks is not None:
+        options["sinks"] = sinks
     return options
 
 
@@ -236,6 +238,7 @@ def ragged_paged_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     max_q_len: int | None = None,
     backend: str | KernelConfig | None = None,
 ) -> jax.Array:
@@ -243,6 +246,8 @@ def ragged_paged_attention(
 
     ``sliding_window`` (None, an int or a traced int32 scalar; <= 0 means full
     attention): a token at position p reads KV positions ``max(0, p - window + 1)..p``.
+    ``sinks`` (None or float32 ``[num_q_heads]``, GPT-OSS): each query head's learned sink
+    logit joins its softmax denominator (``reference.normalize_with_sinks``).
     ``max_q_len`` (static, optional) bounds the new tokens of any one sequence; the
     Pallas kernel uses it to shrink its grid (pass 1 for decode-only batches), the
     others ignore it.  Inside a jitted model step prefer
@@ -252,7 +257,7 @@ def ragged_paged_attention(
     name = _attention_backend(q.shape[-1], backend)
     impl = _IMPLEMENTATIONS["ragged_paged_attention"][name]
     args = (q, k_pages, v_pages, page_table, seq_lens, query_start)
-    return impl(*args, **_attention_options(name, sm_scale, soft_cap, max_q_len, sliding_window))
+    return impl(*args, **_attention_options(name, sm_scale, soft_cap, max_q_len, sliding_window, sinks))
 
 
 def ragged_paged_attention_pool(
@@ -266,6 +271,7 @@ def ragged_paged_attention_pool(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     max_q_len: int | None = None,
     backend: str | KernelConfig | None = None,
 ) -> tuple[jax.Array, jax.Array]:
@@ -273,7 +279,8 @@ def ragged_paged_attention_pool(
 
     ``kv_pool[L, 2, P, S, H, D]`` is the whole layer-first pool, ``layer`` a Python
     int or a traced int32 scalar (the index of a layer scan), ``sliding_window`` as in
-    ``ragged_paged_attention`` (under a scan: this layer's entry of a per-layer array).
+    ``ragged_paged_attention`` (under a scan: this layer's entry of a per-layer array),
+    ``sinks`` too (split with the query heads under tensor parallelism).
     Returns ``(out, kv_pool)`` and the caller continues with the returned
     pool: the XLA backends thread the pool through their block loops (a loop that only
     closed over it would make XLA copy the donated pool every step); the Pallas
@@ -284,15 +291,17 @@ def ragged_paged_attention_pool(
     options = _attention_options(name, sm_scale, soft_cap, max_q_len, None)
     threads_pool = name in ("xla", "reference")
 
-    def call(q, kv_pool, layer, page_table, seq_lens, query_start, window):
+    def call(q, kv_pool, layer, page_table, seq_lens, query_start, window, sinks):
         extra = {} if window is None else {"sliding_window": window}
+        if sinks is not None:
+            extra["sinks"] = sinks
         result = impl(q, kv_pool, layer, page_table, seq_lens, query_start, **options, **extra)
         return result if threads_pool else (result, kv_pool)
 
-    args = (q, kv_pool, layer, page_table, seq_lens, query_start, sliding_window)
-    # Heads: q's axis 1 and the pool's axis 4 (a shard's q heads attend its own KV heads);
-    # the window, like the layer index, is replicated.
-    return sharded.per_head_shard(call, args, (1, 4, None, None, None, None, None), (1, 4))
+    args = (q, kv_pool, layer, page_table, seq_lens, query_start, sliding_window, sinks)
+    # Heads: q's axis 1, the pool's axis 4 (a shard's q heads attend its own KV heads) and
+    # the sinks' axis 0 (one per q head); the window, like the layer index, is replicated.
+    return sharded.per_head_shard(call, args, (1, 4, None, None, None, None, None, 0), (1, 4))
 
 
 __all__ = [

@@ -12,6 +12,13 @@ document and the questions asked about it) take each page in turn, so a shared p
 from memory once.  Measured side by side with the blocked XLA attention (docs/runtime.md):
 decode 0.3-0.7x the time, extend 0.5-0.8x.
 
+Learned attention sinks (GPT-OSS, ``sinks``: float32 ``[num_q_heads]``, the reference's
+``normalize_with_sinks``) are one more operand of both kernels: each query head's sink
+logit joins its softmax denominator in the final normalisation only, so the key loops do
+the same work with or without them.  ``sinks=None`` sends -inf for every head, which
+leaves the results bit for bit what they are without the operand (one program, no
+attribute to switch on).
+
 Building: the sources are compiled with the system C++ compiler (``$CXX``, else ``g++``,
 ``c++`` or ``clang++``) against the FFI headers jaxlib ships, ``-O3 -march=native``, into
 ``$XDG_CACHE_HOME/strata-jax/native`` (``~/.cache/...``), keyed by the source, the flags,
@@ -173,18 +180,27 @@ def _call(
     sliding_window: int | jax.Array | None,
     sm_scale: float,
     soft_cap: float | None,
+    sinks: jax.Array | None,
 ) -> jax.Array:
-    """One kernel's custom call: ``(q, pool, layer, *row_operands, window)`` with the scale
-    and soft cap as attributes; the output has q's shape and dtype.  The kernels' operands
-    differ only in how rows are described (``row_operands``, int32)."""
+    """One kernel's custom call: ``(q, pool, layer, *row_operands, window, sinks)`` with the
+    scale and soft cap as attributes; the output has q's shape and dtype.  The kernels'
+    operands differ only in how rows are described (``row_operands``, int32).  ``sinks``
+    goes as float32 ``[num_q_heads]`` (the kernel checks the count), None as all -inf."""
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
     layer_index = jnp.clip(jnp.asarray(layer, jnp.int32), 0, kv_pool.shape[0] - 1)
+    if sinks is None:  # exp(-inf - max) = 0: the denominator without a sink, exactly
+        sink_logits = jnp.full((q.shape[1],), -jnp.inf, jnp.float32)
+    else:
+        if jnp.shape(sinks) != (q.shape[1],):  # as the reference refuses it, before anything runs
+            raise ValueError(f"sinks must have shape ({q.shape[1]},) (one per query head), got {jnp.shape(sinks)}")
+        sink_logits = jnp.asarray(sinks, jnp.float32).reshape(-1)
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32),
         kv_pool,
         layer_index,
         *(a.astype(jnp.int32) for a in row_operands),
         jnp.maximum(window, 0),
+        sink_logits,
         sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(soft_cap or 0.0),
     )
@@ -202,10 +218,12 @@ def paged_decode_attention_pool(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode-shaped attention (one token per row, ``T == B``) of layer ``layer`` of the
     float32 pool ``[L, 2, P, S, H, D]`` by the native kernel; same contract as
-    ``blocked_paged_attention_pool``.  Raises ``NativeBuildError`` unless ``available()``."""
+    ``blocked_paged_attention_pool``, ``sinks`` (float32 ``[num_q_heads]``) included.
+    Raises ``NativeBuildError`` unless ``available()``."""
     _require()
     num_tokens = q.shape[0]
     if kv_pool.dtype != jnp.float32:
@@ -216,7 +234,7 @@ def paged_decode_attention_pool(
         )
     seq_of_token, kv_len = decode_token_rows(seq_lens, query_start, num_tokens)
     rows = (page_table[seq_of_token], kv_len)
-    return _call(_TARGET, q, kv_pool, layer, rows, sliding_window, sm_scale, soft_cap), kv_pool
+    return _call(_TARGET, q, kv_pool, layer, rows, sliding_window, sm_scale, soft_cap, sinks), kv_pool
 
 
 def paged_extend_attention_pool(
@@ -230,11 +248,13 @@ def paged_extend_attention_pool(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged causal attention of a batch's new tokens (any tokens per row) over layer
     ``layer`` of the float32 pool ``[L, 2, P, S, H, D]`` by the native kernel; same
-    contract as ``blocked_paged_attention_pool``.  ``head_dim`` a multiple of 16;
-    raises ``NativeBuildError`` unless ``available()``."""
+    contract as ``blocked_paged_attention_pool``, ``sinks`` (float32 ``[num_q_heads]``)
+    included.  ``head_dim`` a multiple of 16; raises ``NativeBuildError`` unless
+    ``available()``."""
     _require()
     head_dim = q.shape[2]
     if kv_pool.dtype != jnp.float32:
@@ -244,7 +264,7 @@ def paged_extend_attention_pool(
             f"the native extend attention needs head_dim % {EXTEND_HEAD_DIM_MULTIPLE} == 0, got {head_dim}"
         )
     rows = (page_table, query_start, seq_lens)
-    return _call(_EXTEND_TARGET, q, kv_pool, layer, rows, sliding_window, sm_scale, soft_cap), kv_pool
+    return _call(_EXTEND_TARGET, q, kv_pool, layer, rows, sliding_window, sm_scale, soft_cap, sinks), kv_pool
 
 
 def cpu_paged_attention_pool(
@@ -259,9 +279,9 @@ def cpu_paged_attention_pool(
     """The ``"xla"`` backend's pool attention: on CPU with a float32 pool and the native
     kernels available, decode-shaped calls take the native decode and extends the native
     extend (head_dim a multiple of 16); everything else (other dtypes, other platforms,
-    kernels off) the block-causal XLA attention."""
+    kernels off) the block-causal XLA attention.  ``sinks`` goes to whichever runs."""
     if kv_pool.dtype == jnp.float32 and jax.default_backend() == "cpu" and available():
-        allowed = {k: v for k, v in options.items() if k in ("sm_scale", "soft_cap", "sliding_window")}
+        allowed = {k: v for k, v in options.items() if k in ("sm_scale", "soft_cap", "sliding_window", "sinks")}
         if q.shape[0] == page_table.shape[0]:
             return paged_decode_attention_pool(q, kv_pool, layer, page_table, seq_lens, query_start, **allowed)
         if q.shape[2] % EXTEND_HEAD_DIM_MULTIPLE == 0:

@@ -68,6 +68,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     kv_block_tokens: int = 256,
 ) -> jax.Array:
     """Attention of a ragged batch of new tokens over their paged K/V.
@@ -92,6 +93,9 @@ def ragged_paged_attention_reference(
     ``kv_idx > q_idx - w``); w <= 0 means full attention, so one scanned array can mix
     local and global layers.  KV blocks entirely older than every token's window are
     never read: the block loops start at the first block a token needs.
+    sinks: None, or float32 ``[num_q_heads]`` learned attention sinks (GPT-OSS): head
+    h's softmax denominator gains ``exp(sinks[h])``, a logit that attends to nothing
+    (``normalize_with_sinks``).
 
     Flash-style online softmax over KV blocks of ``kv_block_tokens``; loops run only
     over the blocks that are needed (dynamic trip counts), so a short batch costs
@@ -112,6 +116,7 @@ def ragged_paged_attention_reference(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        sinks=sinks,
         kv_block_tokens=kv_block_tokens,
     )
     return out
@@ -128,6 +133,7 @@ def ragged_paged_attention_pool_reference(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     kv_block_tokens: int = 256,
 ) -> tuple[jax.Array, jax.Array]:
     """``ragged_paged_attention_reference`` reading layer ``layer`` (a Python int or a
@@ -150,6 +156,7 @@ def ragged_paged_attention_pool_reference(
         sm_scale=sm_scale,
         soft_cap=soft_cap,
         sliding_window=sliding_window,
+        sinks=sinks,
         kv_block_tokens=kv_block_tokens,
     )
 
@@ -166,6 +173,7 @@ def _ragged_attention_core(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | jax.Array | None = None,
+    sinks: jax.Array | None = None,
     kv_block_tokens: int = 256,
 ):
     """Shared implementation; ``read_block(kv_source, pages[B_or_T, ppb]) -> (k, v)``.
@@ -243,7 +251,7 @@ def _ragged_attention_core(
             stats = online_softmax(stats, scores, visible, lambda p: jnp.einsum("thgk,tkhd->thgd", p, v_safe))
             return (*stats, src)
 
-        acc, _, row_sum, kv_source = jax.lax.fori_loop(0, num_blocks, block_body, (*init, kv_source))
+        acc, row_max, row_sum, kv_source = jax.lax.fori_loop(0, num_blocks, block_body, (*init, kv_source))
     else:
         # Extend: sequence by sequence, each block of sequence b is gathered once and
         # scored by every token, masked to b's tokens.  Each sequence walks only its own
@@ -275,9 +283,37 @@ def _ragged_attention_core(
 
             return jax.lax.fori_loop(seq_first_blocks[b], seq_blocks[b], block_body, carry)
 
-        acc, _, row_sum, kv_source = jax.lax.fori_loop(0, batch, seq_body, (*init, kv_source))
-    out = acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
+        acc, row_max, row_sum, kv_source = jax.lax.fori_loop(0, batch, seq_body, (*init, kv_source))
+    out = normalize_with_sinks(acc, row_max, row_sum, head_sinks(sinks, num_kv_heads, group))
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype), kv_source
+
+
+def normalize_with_sinks(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array, sink: jax.Array | None) -> jax.Array:
+    """The flash loop's last step: ``acc / row_sum`` (rows that saw nothing give 0).
+
+    ``acc [..., D]``, ``row_max`` and ``row_sum [...]``; ``sink`` (None, or float32
+    broadcastable to ``row_max``: each row's query head's sink logit) joins the
+    denominator as one more score with no value: the running max becomes
+    ``m' = max(row_max, sink)`` and ``out = acc e^(row_max - m') / (row_sum e^(row_max - m')
+    + e^(sink - m'))``, so a row that saw no key (padding) still gives 0 and nothing
+    overflows.  The blocked and Pallas kernels finish the same way.
+    """
+    if sink is None:
+        return acc / jnp.where(row_sum > 0, row_sum, 1.0)[..., None]
+    new_max = jnp.maximum(row_max, sink)
+    scale = jnp.where(jnp.isfinite(row_max), jnp.exp(row_max - new_max), 0.0)
+    denominator = row_sum * scale + jnp.exp(sink - new_max)
+    return acc * jnp.where(row_sum > 0, scale / denominator, 0.0)[..., None]
+
+
+def head_sinks(sinks: jax.Array | None, num_kv_heads: int, group: int) -> jax.Array | None:
+    """Sinks ``[num_q_heads]`` as float32 ``[num_kv_heads, group]`` (query head
+    ``kv_head * group + g``), the layout the flash loops hold their statistics in."""
+    if sinks is None:
+        return None
+    if sinks.shape != (num_kv_heads * group,):
+        raise ValueError(f"sinks must have shape ({num_kv_heads * group},) (one per query head), got {sinks.shape}")
+    return jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group)
 
 
 def _window_start(pos: jax.Array, sliding_window: int | jax.Array, limit: jax.Array) -> jax.Array:

@@ -5,7 +5,8 @@ Batches come from ``test_pallas_attention.make_batch``: unwritten KV slots, padd
 queries and page-table entries past a sequence's pages are NaN / garbage, so reading what
 it should not turns the output into NaN.  Row lengths cross the kernel's query blocks (96
 rows of tokens x GQA group) and its 64-key blocks, with one-token rows (a decode in a
-mixed batch) and empty rows between them.
+mixed batch) and empty rows between them.  Learned attention sinks (GPT-OSS) are checked
+with the decode tests' helpers (tests/test_native_decode.py).
 """
 
 from __future__ import annotations
@@ -14,12 +15,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_native_decode import check_traced_layer_and_window_under_a_scan, nan_pool
+from test_native_decode import (
+    check_no_sinks_equal_minus_inf_sinks,
+    check_sinks_equal_the_reference,
+    check_traced_layer_and_window_under_a_scan,
+    check_traced_sinks_under_a_scan,
+    make_sinks,
+    nan_pool,
+)
 from test_pallas_attention import brute_force, make_batch
 
 from pallas_kernels import dispatch, native
 from pallas_kernels.blocked import blocked_paged_attention_pool
-from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.reference import ragged_paged_attention_pool_reference, ragged_paged_attention_reference
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 
@@ -142,6 +150,89 @@ def test_the_cpu_backend_takes_the_extend_kernel_for_float32_and_whole_tiles(mon
                 jnp.asarray([0, 3]),
                 sm_scale=1.0,
             )
+    finally:
+        monkeypatch.delenv(native.ENV_VAR)
+        native._load.cache_clear()
+    assert native.available()
+
+
+@pytest.mark.parametrize(
+    "page_size,head_dim,heads", [(16, 64, (9, 3)), (8, 32, (4, 4)), (4, 48, (12, 1)), (16, 16, (8, 2))]
+)
+@pytest.mark.parametrize("soft_cap,window", [(None, None), (5.0, None), (None, 7), (5.0, 40)])
+def test_extend_with_sinks_equals_the_reference(page_size, head_dim, heads, soft_cap, window):
+    """GQA groups (up to 12 heads on one KV head), soft cap and window over a mixed batch:
+    a decode row, a fresh prompt, a chunk longer than a query block, an empty row, padding."""
+    check_sinks_equal_the_reference(
+        native.paged_extend_attention_pool,
+        seed=page_size * 100 + head_dim + (window or 0),
+        page_size=page_size,
+        head_dim=head_dim,
+        heads=heads,
+        soft_cap=soft_cap,
+        window=window,
+        q_lens=(1, 37, 130, 0, 5),
+        ctx_lens=(40, 0, 70, 0, 200),
+        pad_tokens=3,
+    )
+
+
+def test_extend_without_sinks_equals_minus_inf_sinks():
+    check_no_sinks_equal_minus_inf_sinks(native.paged_extend_attention_pool, (20, 1, 0, 70), (0, 30, 0, 50), 3)
+
+
+def test_extend_traced_sinks_under_a_scan():
+    check_traced_sinks_under_a_scan(native.paged_extend_attention_pool, (20, 3, 1), (30, 64, 9), pad_tokens=2)
+
+
+def test_extend_sinks_of_the_wrong_size_are_refused():
+    with pytest.raises(ValueError, match=r"sinks must have shape \(2,\) \(one per query head\), got \(3,\)"):
+        native.paged_extend_attention_pool(
+            jnp.zeros((3, 2, 16)),
+            jnp.zeros((1, 2, 2, 4, 1, 16)),
+            0,
+            jnp.zeros((1, 2), jnp.int32),
+            jnp.asarray([3]),
+            jnp.asarray([0, 3]),
+            sm_scale=1.0,
+            sinks=jnp.zeros(3),
+        )[0].block_until_ready()
+
+
+def test_the_cpu_backend_passes_sinks_to_the_extend_kernel_and_the_xla_attention(monkeypatch):
+    """``cpu_paged_attention_pool`` on an extend with sinks: the native extend (a custom
+    call) on a float32 pool, the block-causal XLA attention with the kernels off; both
+    equal the reference."""
+    rng = np.random.default_rng(4)
+    args, _ = make_batch(
+        rng,
+        page_size=16,
+        q_lens=(3, 1, 0),
+        ctx_lens=(9, 20, 0),
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=2,
+        dtype=jnp.float32,
+    )
+    q, k, v, table, seq_lens, qs = args
+    pool, sinks = nan_pool(k, v), make_sinks(rng, 8)
+    options = dict(sm_scale=0.25, soft_cap=5.0, sliding_window=7)
+    n = int(qs[-1])
+
+    def attention(p, s):
+        return native.cpu_paged_attention_pool(q, p, 1, table, seq_lens, qs, sinks=s, **options)[0]
+
+    want = np.asarray(ragged_paged_attention_pool_reference(q, pool, 1, table, seq_lens, qs, sinks=sinks, **options)[0])
+    fn = jax.jit(attention)
+    assert fn.lower(pool, sinks).as_text().count(native._EXTEND_TARGET) == 1
+    np.testing.assert_allclose(np.asarray(fn(pool, sinks))[:n], want[:n], atol=2e-5, rtol=2e-5)
+    monkeypatch.setenv(native.ENV_VAR, "0")
+    native._load.cache_clear()
+    try:
+        fallback = jax.jit(lambda p, s: attention(p, s))  # a new function, traced again: kernels off
+        assert fallback.lower(pool, sinks).as_text().count(native._EXTEND_TARGET) == 0
+        np.testing.assert_allclose(np.asarray(fallback(pool, sinks))[:n], want[:n], atol=2e-5, rtol=2e-5)
     finally:
         monkeypatch.delenv(native.ENV_VAR)
         native._load.cache_clear()

@@ -9,6 +9,7 @@ kernel that reads memory it should not turns the output into NaN and fails.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -19,8 +20,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels import dispatch
-from pallas_kernels.attention import AttentionShapeError, ragged_paged_attention_pallas
-from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.attention import (
+    AttentionShapeError,
+    ragged_paged_attention_pallas,
+    ragged_paged_attention_pool_pallas,
+)
+from pallas_kernels.reference import ragged_paged_attention_pool_reference, ragged_paged_attention_reference
 
 
 def make_batch(rng, *, page_size, q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, pad_tokens, dtype):
@@ -64,9 +69,10 @@ def make_batch(rng, *, page_size, q_lens, ctx_lens, num_q_heads, num_kv_heads, h
     return args, host
 
 
-def brute_force(q, k_pages, v_pages, table, seq_lens, query_start, sm_scale, soft_cap, window=None):
+def brute_force(q, k_pages, v_pages, table, seq_lens, query_start, sm_scale, soft_cap, window=None, sinks=None):
     """Dense per-token softmax attention in float64 NumPy; with ``window`` a token at
-    position p reads positions max(0, p - window + 1)..p only."""
+    position p reads positions max(0, p - window + 1)..p only; with ``sinks[num_q_heads]``
+    head h's denominator gains exp(sinks[h]) (a score with no value)."""
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
     group = num_q_heads // num_kv_heads
@@ -84,8 +90,10 @@ def brute_force(q, k_pages, v_pages, table, seq_lens, query_start, sm_scale, sof
                 s = k[:, h // group] @ q[t, h].astype(np.float64) * sm_scale
                 if soft_cap is not None:
                     s = soft_cap * np.tanh(s / soft_cap)
-                p = np.exp(s - s.max())
-                out[t, h] = (p / p.sum()) @ v[:, h // group]
+                top = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+                p = np.exp(s - top)
+                denominator = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - top))
+                out[t, h] = (p / denominator) @ v[:, h // group]
     return out
 
 
@@ -125,8 +133,9 @@ def test_interpret_equals_reference_and_brute_force(page_size, dtype, soft_cap):
     heads=st.sampled_from([(4, 4), (8, 2), (4, 1), (6, 3)]),
     batch=st.integers(1, 5),
     decode_only=st.booleans(),
+    with_sinks=st.booleans(),
 )
-def test_random_ragged_batches(seed, page_size, heads, batch, decode_only):
+def test_random_ragged_batches(seed, page_size, heads, batch, decode_only, with_sinks):
     rng = np.random.default_rng(seed)
     q_lens = np.ones(batch, int) if decode_only else rng.integers(0, 9, size=batch)
     ctx_lens = rng.integers(0, 70, size=batch)
@@ -144,10 +153,12 @@ def test_random_ragged_batches(seed, page_size, heads, batch, decode_only):
     if args[0].shape[0] == 0:
         return
     max_q = 1 if decode_only else None
-    got = ragged_paged_attention_pallas(*args, sm_scale=0.3, max_q_len=max_q, block_kv=16, interpret=True)
-    ref = ragged_paged_attention_reference(*args, sm_scale=0.3)
+    sinks = make_sinks(rng, heads[0]) if with_sinks else None
+    got = ragged_paged_attention_pallas(*args, sm_scale=0.3, sinks=sinks, max_q_len=max_q, block_kv=16, interpret=True)
+    ref = ragged_paged_attention_reference(*args, sm_scale=0.3, sinks=sinks)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(np.asarray(got), brute_force(*host, 0.3, None), atol=2e-5, rtol=2e-5)
+    want = brute_force(*host, 0.3, None, sinks=None if sinks is None else np.asarray(sinks))
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
 
 
 def test_dispatch_interpret_and_reference_agree():
@@ -309,3 +320,169 @@ def test_traced_layer_index_under_scan_reads_and_writes_each_layer():
             np.testing.assert_allclose(
                 np.asarray(outs[layer]), want, atol=2e-5, rtol=2e-5, err_msg=f"{backend} layer {layer}"
             )
+
+
+# --- learned attention sinks (GPT-OSS) ---------------------------------------------
+
+
+def make_sinks(rng, num_q_heads):
+    """Random float32 sinks [num_q_heads] with a dominating one (+8: most of the head's mass
+    goes to the sink) and vanishing ones (-30, -1e4: the head is plain softmax)."""
+    sinks = rng.normal(0.0, 2.0, size=num_q_heads).astype(np.float32)
+    sinks[0] = 8.0
+    sinks[-1] = -1e4
+    if num_q_heads > 2:
+        sinks[1] = -30.0
+    return jnp.asarray(sinks)
+
+
+def _check_sinks(got, ref, want, host, dtype):
+    got32, ref32 = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert not np.isnan(got32).any()
+    np.testing.assert_allclose(got32, ref32, **_tol(dtype))
+    np.testing.assert_allclose(got32, want, **_tol(dtype))
+    np.testing.assert_array_equal(got32[int(host[5][-1]) :], 0.0)  # padding tokens
+
+
+@pytest.mark.parametrize(
+    ("heads", "page_size", "soft_cap", "window", "dtype"),
+    [
+        ((8, 2), 8, None, None, jnp.float32),  # GQA, full attention
+        ((4, 1), 4, 5.0, 6, jnp.float32),  # MQA, soft cap, sliding window
+        ((4, 2), 16, None, 9, jnp.bfloat16),  # GQA, window, bf16
+    ],
+    ids=("gqa", "mqa-softcap-window", "gqa-window-bf16"),
+)
+def test_sinks_extend_batch_equals_reference_and_brute_force(heads, page_size, soft_cap, window, dtype):
+    """A mixed batch (extend, decode, prefill, padding sequence, padding tokens) with sinks."""
+    rng = np.random.default_rng(page_size * 7 + heads[0])
+    args, host = make_batch(
+        rng,
+        page_size=page_size,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=16,
+        pad_tokens=3,
+        dtype=dtype,
+        q_lens=(5, 1, 3, 0, 9),
+        ctx_lens=(7, 20, 0, 0, 14),
+    )
+    sinks = make_sinks(rng, heads[0])
+    kw = dict(sm_scale=0.25, soft_cap=soft_cap, sliding_window=window, sinks=sinks)
+    got = ragged_paged_attention_pallas(*args, **kw, block_kv=16, interpret=True)
+    ref = ragged_paged_attention_reference(*args, **kw)
+    want = brute_force(*host, 0.25, soft_cap, window=window, sinks=np.asarray(sinks))
+    _check_sinks(got, ref, want, host, dtype)
+
+
+@pytest.mark.parametrize("window", (None, 5))
+def test_sinks_decode_batch(window):
+    """Decode-shaped batch (max_q_len=1, one token per sequence) with GQA, sinks and padding."""
+    rng = np.random.default_rng(11 + (window or 0))
+    args, host = make_batch(
+        rng,
+        page_size=4,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=1,  # with the padding sequence: T == B, like the engine's decode bucket
+        dtype=jnp.float32,
+        q_lens=(1, 1, 0, 1, 1),
+        ctx_lens=(0, 12, 0, 30, 6),
+    )
+    sinks = make_sinks(rng, 8)
+    got = ragged_paged_attention_pallas(
+        *args, sm_scale=0.3, sliding_window=window, sinks=sinks, max_q_len=1, block_kv=16, interpret=True
+    )
+    ref = ragged_paged_attention_reference(*args, sm_scale=0.3, sliding_window=window, sinks=sinks)
+    want = brute_force(*host, 0.3, None, window=window, sinks=np.asarray(sinks))
+    _check_sinks(got, ref, want, host, jnp.float32)
+
+
+def test_sinks_limits_and_no_sinks_program():
+    """Sinks of -1e4 leave plain softmax; +60 sends (almost) all mass to the sink; and
+    ``sinks=None`` is today's kernel: no extra operand reaches the pallas_call."""
+    rng = np.random.default_rng(3)
+    args, _ = make_batch(
+        rng,
+        page_size=8,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=1,
+        dtype=jnp.float32,
+        q_lens=(3, 1),
+        ctx_lens=(5, 9),
+    )
+    run = functools.partial(ragged_paged_attention_pallas, sm_scale=0.25, block_kv=16, interpret=True)
+    plain = np.asarray(run(*args))
+    np.testing.assert_allclose(np.asarray(run(*args, sinks=jnp.full((4,), -1e4))), plain, atol=2e-6, rtol=2e-6)
+    np.testing.assert_allclose(np.asarray(run(*args, sinks=jnp.full((4,), 60.0))), 0.0, atol=1e-20)
+
+    def pallas_operands(**kw):
+        jaxpr = jax.make_jaxpr(lambda *a: run(*a, **kw))(*args)
+        (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+        return len(eqn.invars)
+
+    assert pallas_operands() == 8
+    assert pallas_operands(sinks=jnp.zeros((4,))) == 9
+
+
+def test_sinks_pool_entry_point_with_traced_sinks_and_window():
+    """The whole-pool variant with sinks and window as traced jit arguments (one program
+    serves every layer's sinks) == the pool reference == brute force."""
+    rng = np.random.default_rng(21)
+    layer = 1
+    args, host = make_batch(
+        rng,
+        page_size=8,
+        q_lens=(4, 1, 2),
+        ctx_lens=(11, 30, 0),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=2,
+        dtype=jnp.float32,
+    )
+    q, k, v, table, seq_lens, qs = args
+    pool = jnp.full((2, 2, *k.shape), jnp.nan, k.dtype).at[layer, 0].set(k).at[layer, 1].set(v)
+    sinks = make_sinks(rng, 4)
+
+    @jax.jit
+    def both(sinks, window):
+        kw = dict(sm_scale=0.25, sliding_window=window, sinks=sinks)
+        got = ragged_paged_attention_pool_pallas(q, pool, layer, table, seq_lens, qs, **kw, interpret=True)
+        ref, _ = ragged_paged_attention_pool_reference(q, pool, layer, table, seq_lens, qs, **kw)
+        return got, ref
+
+    for window in (0, 7):  # 0: full attention
+        got, ref = both(sinks, jnp.int32(window))
+        want = brute_force(*host, 0.25, None, window=window or None, sinks=np.asarray(sinks))
+        _check_sinks(got, ref, want, host, jnp.float32)
+
+
+def test_bad_sinks_raise_typed_errors():
+    rng = np.random.default_rng(2)
+    args, _ = make_batch(
+        rng,
+        page_size=4,
+        q_lens=(2,),
+        ctx_lens=(3,),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        pad_tokens=0,
+        dtype=jnp.float32,
+    )
+    for bad in (jnp.zeros((2,)), jnp.zeros((2, 2)), jnp.zeros(()), jnp.zeros((5,))):
+        with pytest.raises(AttentionShapeError, match="sinks"):
+            ragged_paged_attention_pallas(*args, sm_scale=1.0, sinks=bad, interpret=True)
+    q, k, v, table, seq_lens, qs = args
+    pool = jnp.stack([k, v])[None]
+    with pytest.raises(AttentionShapeError, match="sinks"):
+        ragged_paged_attention_pool_pallas(
+            q, pool, 0, table, seq_lens, qs, sm_scale=1.0, sinks=jnp.zeros((8,)), interpret=True
+        )
+    with pytest.raises(AttentionShapeError, match="sinks"):
+        ragged_paged_attention_pallas(*args, sm_scale=1.0, sinks=jnp.zeros((4,), jnp.bool_), interpret=True)

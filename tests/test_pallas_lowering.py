@@ -73,6 +73,81 @@ def test_attention_kernel_lowers(platform, page_size, dtype, soft_cap, max_q_len
     assert TRITON_CALL in _lowered_text(fn, *args, platform=platform)
 
 
+def _triton_operand_counts(text):
+    """Operand count of each Triton custom call in the lowered module's text."""
+    calls = [line for line in text.splitlines() if TRITON_CALL in line and "stablehlo.custom_call" in line]
+    return [len(line.split(TRITON_CALL, 1)[1].split(")", 1)[0].split(",")) for line in calls]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize(
+    "page_size,dtype,soft_cap,max_q_len,window",
+    [
+        (16, jnp.bfloat16, None, 1, None),  # decode
+        (64, jnp.float32, 30.0, None, 128),  # extend, soft cap, sliding window
+        (8, jnp.float16, None, 8, None),
+    ],
+)
+def test_attention_kernel_with_sinks_lowers(platform, page_size, dtype, soft_cap, max_q_len, window):
+    """GPT-OSS sinks ([num_q_heads] float32) reach the kernel as one more operand; without
+    them the call keeps today's eight operands."""
+    num_tokens, batch, pages = 32, 4, 64
+    args = (
+        jax.ShapeDtypeStruct((num_tokens, 32, 128), dtype),
+        jax.ShapeDtypeStruct((pages, page_size, 8, 128), dtype),
+        jax.ShapeDtypeStruct((pages, page_size, 8, 128), dtype),
+        jax.ShapeDtypeStruct((batch, 16), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((batch + 1,), jnp.int32),
+    )
+    sinks = jax.ShapeDtypeStruct((32,), jnp.float32)
+
+    def fn(*a, sinks=None):
+        return ragged_paged_attention_pallas(
+            *a,
+            sm_scale=float(1 / np.sqrt(128)),
+            soft_cap=soft_cap,
+            sliding_window=window,
+            sinks=sinks,
+            max_q_len=max_q_len,
+        )
+
+    text = _lowered_text(lambda *a: fn(*a[:-1], sinks=a[-1]), *args, sinks, platform=platform)
+    assert _triton_operand_counts(text) == [9]
+    assert _triton_operand_counts(_lowered_text(fn, *args, platform=platform)) == [8]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_pool_attention_with_sinks_lowers_in_a_layer_scan(platform):
+    """The pool variant under a layer scan, each layer's sinks and window scanned with it: one
+    Triton call in the loop body, sinks a runtime operand (no recompile per layer)."""
+    pool = jax.ShapeDtypeStruct((4, 2, 64, 16, 8, 64), jnp.bfloat16)
+    args = (
+        jax.ShapeDtypeStruct((32, 64, 64), jnp.bfloat16),
+        pool,
+        jax.ShapeDtypeStruct((4, 16), jnp.int32),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+        jax.ShapeDtypeStruct((5,), jnp.int32),
+        jax.ShapeDtypeStruct((4, 64), jnp.float32),  # per-layer sinks
+        jax.ShapeDtypeStruct((4,), jnp.int32),  # per-layer windows
+    )
+
+    def step(q, kv_pool, table, seq_lens, query_start, sinks, windows):
+        def body(carry, xs):
+            layer, layer_sinks, window = xs
+            out = ragged_paged_attention_pool_pallas(
+                q, kv_pool, layer, table, seq_lens, query_start, sm_scale=0.1, sliding_window=window, sinks=layer_sinks
+            )
+            return carry + out, None
+
+        layers = jnp.arange(4, dtype=jnp.int32)
+        return jax.lax.scan(body, jnp.zeros_like(q), (layers, sinks, windows))[0]
+
+    text = _lowered_text(step, *args, platform=platform)
+    assert "stablehlo.while" in text
+    assert _triton_operand_counts(text) == [9]
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_pool_attention_lowers_without_copying_the_layer(platform):
     """The whole-pool variant hands the pool to the kernel as a reshape (a bitcast), not a slice."""

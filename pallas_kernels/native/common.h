@@ -1,6 +1,7 @@
 // Helpers the native CPU kernels share: 8-float vectors (GCC/Clang vector extensions,
-// AVX on x86, NEON pairs on ARM), a vectorized exp for the online softmax, and a
-// parallel loop over XLA's intra-op thread pool.
+// AVX on x86, NEON pairs on ARM), a vectorized exp for the online softmax, a parallel
+// loop over XLA's intra-op thread pool, and the softmax's final normalisation with the
+// learned attention sinks.
 #pragma once
 
 #include <algorithm>
@@ -64,6 +65,21 @@ inline v8 transpose_sum(const v8* a) {
   return SHUFFLE2(w[0], w[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE2(w[0], w[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+// The factor a row's unnormalized output is multiplied by: 1 / its softmax denominator,
+// the denominator holding the query head's learned sink logit (GPT-OSS) as one more score
+// that attends to no value.  `m`: the row's running max, `l`: its sum of exp(score - m).
+// With m' = max(m, sink): out = acc e^(m - m') / (l e^(m - m') + e^(sink - m')).  Once per
+// row and head, so std::exp (exact at 0 and -inf) rather than exp_nonpositive: a sink of
+// -inf (none) gives e^0 = 1 and e^-inf = 0 exactly, so 1 / l, bit for bit the result
+// without sinks.  A row that saw no key (l = 0: padding, m = -inf) gives 0 whatever the
+// sink, and never computes -inf - -inf.
+inline float sink_normalizer(float m, float l, float sink) {
+  if (!(l > 0.0f)) return 0.0f;
+  const float new_max = std::max(m, sink);
+  const float scale = std::exp(m - new_max);  // 1 unless the sink is the larger
+  return scale / (l * scale + std::exp(sink - new_max));
+}
+
 struct Progress {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -88,28 +104,34 @@ void parallel_for(ffi::ThreadPool& threads, int64_t items, Fn fn) {
   while (progress->done.load(std::memory_order_acquire) < items) std::this_thread::yield();
 }
 
-// The operands every kernel shares: q [T, QH, D], the pool [L, 2, P, S, H, D] and the
-// layer index; its K and V pages [P, S, H, D].
+// The operands every kernel shares: q [T, QH, D], the pool [L, 2, P, S, H, D], the
+// layer index and the sinks [QH]; the layer's K and V pages [P, S, H, D].
 struct PoolLayer {
   int64_t tokens, q_heads, head_dim, pages, page_size, kv_heads;
   const float* k;
   const float* v;
+  const float* sinks;  // one logit per query head; -inf: none (native.py sends -inf for sinks=None)
 };
 
-// Checks q against the pool (ranks, K/V pair, head_dim, GQA group) and the layer index;
-// errors name the kernel.  Each kernel checks its row operands itself.
+// Checks q against the pool (ranks, K/V pair, head_dim, GQA group), the layer index and
+// the sinks (one per query head); errors name the kernel.  Each kernel checks its row
+// operands itself.
 inline ffi::Error pool_layer(const char* kernel, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& pool,
-                             ffi::Buffer<ffi::S32>& layer, PoolLayer& out) {
+                             ffi::Buffer<ffi::S32>& layer, ffi::Buffer<ffi::F32>& sinks, PoolLayer& out) {
   const auto qd = q.dimensions(), pd = pool.dimensions();
   if (qd.size() != 3 || pd.size() != 6 || pd[1] != 2 || pd[5] != qd[2] || qd[1] % pd[4] != 0 ||
       layer.element_count() != 1) {
     return ffi::Error::InvalidArgument(std::string(kernel) + ": operand shapes do not agree");
   }
+  if (int64_t(sinks.element_count()) != qd[1]) {
+    return ffi::Error::InvalidArgument(std::string(kernel) + ": sinks has " + std::to_string(sinks.element_count()) +
+                                       " elements, want one per query head (" + std::to_string(qd[1]) + ")");
+  }
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= pd[0]) return ffi::Error::InvalidArgument(std::string(kernel) + ": layer out of range");
   const int64_t kv_stride = pd[2] * pd[3] * pd[4] * pd[5];
   const float* base = pool.typed_data() + 2 * int64_t(l) * kv_stride;
-  out = {qd[0], qd[1], qd[2], pd[2], pd[3], pd[4], base, base + kv_stride};
+  out = {qd[0], qd[1], qd[2], pd[2], pd[3], pd[4], base, base + kv_stride, sinks.typed_data()};
   return ffi::Error::Success();
 }
 

@@ -10,13 +10,17 @@
 //   table      s32[T, W]                each token's page table
 //   kv_len     s32[T]                   KV positions 0 .. kv_len - 1 exist (0: padding row)
 //   window     s32[]                    > 0: read only the last `window` positions
+//   sinks      f32[QH]                  each query head's learned sink logit (GPT-OSS), one
+//                                       more score in its softmax denominator with no value;
+//                                       -inf: none
 //   attrs      sm_scale, soft_cap (0: none)
 //   out        f32[T, QH, D]
 //
 // Work items are (token, part of its KV range) pairs, shared out over XLA's intra-op
 // thread pool; a token's parts are merged at the end (flash-decoding), so one long row
 // still keeps every core busy.  Vector code uses GCC/Clang vector extensions (8 floats),
-// which compile to AVX on x86 and NEON pairs on ARM.
+// which compile to AVX on x86 and NEON pairs on ARM.  The sinks join only the merge's
+// final normalisation (once per token and head), so the page loop does no extra work.
 #include <vector>
 
 #include "common.h"
@@ -32,6 +36,7 @@ struct Operands {
   const float* v_layer;
   const int32_t* table;
   const int32_t* kv_len;
+  const float* sinks;  // [QH]
   int32_t window;
   float sm_scale, soft_cap;
   int64_t splits;   // each token's KV range is cut into this many page-aligned parts
@@ -186,7 +191,8 @@ void attend_group_part(const Operands& o, const std::vector<int64_t>& members, i
   }
 }
 
-// out[t] = token t's parts merged (the online-softmax combine), normalized.
+// out[t] = token t's parts merged (the online-softmax combine), normalized with each
+// head's sink in the denominator.
 void merge_parts(const Operands& o, float* out, int64_t t) {
   const int64_t QH = o.q_heads, D = o.head_dim;
   for (int64_t qh = 0; qh < QH; ++qh) {
@@ -202,17 +208,17 @@ void merge_parts(const Operands& o, float* out, int64_t t) {
       total += w * o.part_sum[at];
       for (int64_t d = 0; d < D; ++d) y[d] += w * o.part_acc[at * D + d];
     }
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    const float inv = sink_normalizer(m, total, o.sinks[qh]);  // total = 0 (no key): 0
     for (int64_t d = 0; d < D; ++d) y[d] *= inv;
   }
 }
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> pool,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> kv_len,
-                           ffi::Buffer<ffi::S32> window, float sm_scale, float soft_cap,
-                           ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks, float sm_scale,
+                           float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   PoolLayer p;
-  if (ffi::Error e = pool_layer("paged_decode_attention", q, pool, layer, p); e.failure()) return e;
+  if (ffi::Error e = pool_layer("paged_decode_attention", q, pool, layer, sinks, p); e.failure()) return e;
   const auto td = table.dimensions();
   if (td.size() != 2 || td[0] != p.tokens || kv_len.element_count() != p.tokens || window.element_count() != 1) {
     return ffi::Error::InvalidArgument("paged_decode_attention: operand shapes do not agree");
@@ -239,7 +245,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi
   std::vector<float> part_acc(tokens * splits * q_heads * head_dim), part_max(tokens * splits * q_heads),
       part_sum(tokens * splits * q_heads);
   const Operands o{tokens, q_heads, head_dim, p.pages, p.page_size, p.kv_heads, td[1], q.typed_data(), p.k, p.v,
-                   table.typed_data(), kv_len.typed_data(), window.typed_data()[0], sm_scale, soft_cap, splits,
+                   table.typed_data(), kv_len.typed_data(), p.sinks, window.typed_data()[0], sm_scale, soft_cap, splits,
                    part_acc.data(), part_max.data(), part_sum.data()};
   parallel_for(threads, int64_t(groups.size()) * splits,
                [&o, &groups](int64_t item) { attend_group_part(o, groups[item / o.splits], item % o.splits); });
@@ -259,6 +265,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataPagedDecodeAttention, PagedDecodeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // table
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_len
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -13,6 +13,9 @@
 //   seq_lens    s32[B]                   row b's KV length after the step: its n new tokens
 //                                        sit at positions seq_lens[b] - n .. seq_lens[b] - 1
 //   window      s32[]                    > 0: a token at p sees positions p - window + 1 .. p
+//   sinks       f32[QH]                  each query head's learned sink logit (GPT-OSS), one
+//                                        more score in its softmax denominator with no
+//                                        value; -inf: none
 //   attrs       sm_scale, soft_cap (0: none)
 //   out         f32[T, QH, D]            tokens past query_start[B] (padding) get zeros
 //
@@ -22,7 +25,8 @@
 // packs K transposed ([D, KEY_BLOCK]) from the pages; the two products are register-tiled
 // (6 query rows x 16 keys for Q K^T, 6 rows x 16 dims for P V).  V rows are read where
 // they lie.  Key blocks every row of the item sees whole skip the mask.  Requires
-// head_dim % 16 == 0 (native.py sends other shapes to the XLA attention).
+// head_dim % 16 == 0 (native.py sends other shapes to the XLA attention).  The sinks join
+// only the final normalisation of each row, so the key-block loop does no extra work.
 #include <vector>
 
 #include "common.h"
@@ -44,6 +48,7 @@ struct Operands {
   const int32_t* table;
   const int32_t* query_start;
   const int32_t* seq_lens;
+  const float* sinks;  // [QH]
   int32_t window;
   float sm_scale, soft_cap;
   float* out;
@@ -200,8 +205,8 @@ void attend_item(const Operands& o, const Item& it, Scratch& s) {
   }
   for (int64_t i = 0; i < it.tokens; ++i)
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      const float inv = s.row_sum[r] > 0.0f ? 1.0f / s.row_sum[r] : 0.0f;
+      const int64_t r = i * G + g;  // query head it.head * G + g
+      const float inv = sink_normalizer(s.row_max[r], s.row_sum[r], o.sinks[it.head * G + g]);
       float* y = o.out + ((it.first_token + i) * o.q_heads + it.head * G + g) * D;
       for (int64_t e = 0; e < D; ++e) y[e] = s.acc[r * D + e] * inv;
     }
@@ -210,10 +215,10 @@ void attend_item(const Operands& o, const Item& it, Scratch& s) {
 ffi::Error PagedExtendImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> pool,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table,
                            ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> seq_lens,
-                           ffi::Buffer<ffi::S32> window, float sm_scale, float soft_cap,
-                           ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks, float sm_scale,
+                           float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   PoolLayer p;
-  if (ffi::Error e = pool_layer("paged_extend_attention", q, pool, layer, p); e.failure()) return e;
+  if (ffi::Error e = pool_layer("paged_extend_attention", q, pool, layer, sinks, p); e.failure()) return e;
   const auto td = table.dimensions();
   if (td.size() != 2 || p.head_dim % TILE_COLS != 0 || query_start.element_count() != td[0] + 1 ||
       seq_lens.element_count() != td[0] || window.element_count() != 1) {
@@ -223,8 +228,8 @@ ffi::Error PagedExtendImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi
   float* y = out->typed_data();
   std::fill(y, y + tokens * q_heads * p.head_dim, 0.0f);
   const Operands o{tokens, q_heads, p.head_dim, p.pages, p.page_size, kv_heads, td[1], rows, q.typed_data(), p.k, p.v,
-                   table.typed_data(), query_start.typed_data(), seq_lens.typed_data(), window.typed_data()[0],
-                   sm_scale, soft_cap, y};
+                   table.typed_data(), query_start.typed_data(), seq_lens.typed_data(), p.sinks,
+                   window.typed_data()[0], sm_scale, soft_cap, y};
   const int64_t G = q_heads / kv_heads;
   const int64_t block_tokens = std::max<int64_t>(1, (ITEM_ROWS + G - 1) / G);
   std::vector<Item> items;
@@ -262,6 +267,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataPagedExtendAttention, PagedExtendImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start
                                   .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());
