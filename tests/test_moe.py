@@ -306,7 +306,9 @@ def test_row_tiles_equal_each_group_times_its_experts_kernels(rows, seed):
             g = x[start : start + n].astype(np.float64) @ gate[expert]
             want[start : start + n] = (g * _sigmoid(g) * (x[start : start + n] @ up[expert])) @ down[expert]
             start += n
-        got = jax.jit(grouped_mlp.tiles, static_argnums=0)(jax.nn.silu, gate, up, down, x, jnp.asarray(sizes))
+        got = jax.jit(grouped_mlp.tiles, static_argnums=0)(
+            grouped_mlp.silu_gated(jax.nn.silu), gate, up, down, x, jnp.asarray(sizes)
+        )
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
     assert [grouped_mlp.tile_rows(n, 4) for n in (1, 8, 16, 1024, 4096)] == [1, 1, 2, 128, 128]
 

@@ -23,16 +23,17 @@ GPT_OSS = dict(
 )
 
 
-def plain_counts(s: dict[str, int], qk_norm: bool, qkv_bias: bool) -> tuple[int, int, int]:
+def plain_counts(s: dict[str, int], qk_norm: bool, qkv_bias: bool, gpt_oss: bool = False) -> tuple[int, int, int]:
     """(total, active, one expert) parameters: per layer q/k/v/o, two RMSNorms (+ q/k norms),
     q/k/v biases, the router and every (or k) gate/up/down experts; untied embedding and LM
-    head; the final norm."""
+    head; the final norm.  ``gpt_oss``: o_proj's bias, a sink per query head, the router's
+    bias and every expert's gate/up/down biases too."""
     h, hd = s["hidden"], s["head_dim"]
     q, kv = s["q_heads"] * hd, s["kv_heads"] * hd
-    attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if qkv_bias else 0)
+    attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if qkv_bias else 0) + (h + s["q_heads"] if gpt_oss else 0)
     norms = 2 * h + (2 * hd if qk_norm else 0)
-    router = h * s["experts"]
-    expert = 3 * h * s["expert_width"]
+    router = h * s["experts"] + (s["experts"] if gpt_oss else 0)
+    expert = 3 * h * s["expert_width"] + (2 * s["expert_width"] + h if gpt_oss else 0)
     embed = 2 * s["vocab"] * h
     total = s["layers"] * (attention + norms + router + s["experts"] * expert) + embed + h
     active = s["layers"] * (attention + norms + router + s["top_k"] * expert) + embed + h
@@ -59,11 +60,11 @@ def test_qwen3_30b_a3b_counts_match_the_formula_and_the_published_totals():
 
 def test_gpt_oss_120b_counts_match_the_formula_and_the_published_totals():
     spec = load_model_spec("gpt-oss-120b-tp4")
-    total, active, expert = plain_counts(GPT_OSS, qk_norm=False, qkv_bias=True)
+    total, active, expert = plain_counts(GPT_OSS, qk_norm=False, qkv_bias=True, gpt_oss=True)
     assert (spec.total_params, spec.active_params, spec.expert_params) == (total, active, expert)
     assert spec.tp == 4 and spec.moe_layers == 36
     # OpenAI's model card: 116.83B total, 5.13B active (the input embedding not counted active)
-    assert spec.total_params == pytest.approx(116.83e9, rel=0.03)
+    assert round(spec.total_params / 1e9, 2) == 116.83
     assert spec.active_params - 201088 * 2880 == pytest.approx(5.13e9, rel=0.03)
     windows = spec.config.layer_windows
     assert windows[:4] == (128, 0, 128, 0) and windows.count(128) == windows.count(0) == 18
@@ -162,5 +163,10 @@ def test_compute_prior_counts_active_experts_as_the_simulator_does():
         # the prior counts matmul weights only: the simulator's body less norms and biases
         norms = c.num_layers * (2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)) + c.hidden_size
         bias = c.num_layers * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim if c.attention_bias else 0
+        m = c.moe
+        assert m is not None
+        if c.model_type == "gpt_oss":  # o_proj's bias, the sinks, the router's bias, the k active experts' biases
+            per_expert = 2 * m.expert_intermediate_size + c.hidden_size
+            bias += c.num_layers * (c.hidden_size + c.num_heads + m.num_experts + m.num_experts_per_tok * per_expert)
         assert projection_flops(c, 1) == 2 * (spec.body_params - norms - bias)
         assert extend_prior(c, 1e12)[1] == pytest.approx(2 * (spec.body_params - norms - bias) / 1e12)

@@ -27,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *GEMMA_MODEL_TYPES, *MOE_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "dynamic", "longrope")
 # model types users bring that are refused, each with why (docs/models.md, "What is refused")
 UNSERVED_MODEL_TYPES = {
-    "gpt_oss": "its learned attention sinks, clamped SwiGLU with biases and MXFP4 experts are not built yet",
     "deepseek_v2": "multi-head latent attention (a compressed KV) and grouped top-k routing are not built",
     "deepseek_v3": "multi-head latent attention (a compressed KV) and grouped top-k routing are not built",
     "gemma3": "the multimodal Gemma 3 (vision + text); its text-only checkpoints (gemma3_text) are served",
@@ -103,6 +102,27 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts": 8,
         "num_experts_per_tok": 2,
     },
+    "gpt_oss": {  # transformers' (5.25) GptOssConfig
+        "max_position_embeddings": 131072,
+        "rope_theta": 150000.0,
+        "rms_norm_eps": 1e-5,
+        "num_experts": 128,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+    },
+}
+
+
+# transformers' (5.25) GptOssConfig's default rope: yarn, factor 32 over 4,096 positions
+GPT_OSS_DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
 }
 
 
@@ -131,6 +151,13 @@ class MoEConfig:
     norm_topk_prob: bool
     shared_expert_intermediate_size: int = 0
     float32_combine: bool = False
+    # GPT-OSS: the router and every expert projection have biases, and the experts' gated unit
+    # is the clamped SwiGLU ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+    # ``g = min(gate, limit)`` (``swiglu_limit`` None: the plain ``silu(gate) * up``).
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "num_experts_per_tok", "expert_intermediate_size"):
@@ -206,6 +233,10 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     # Mixture of experts: every layer's MLP is this sparse block (None: the dense MLP).
     moe: MoEConfig | None = None
+    # GPT-OSS attention: a learned sink logit per query head joins each softmax's denominator,
+    # and o_proj has a bias as q/k/v do.
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -276,9 +307,13 @@ class ModelConfig:
                 + 3 * m.shared_expert_intermediate_size
                 + (1 if m.shared_expert_intermediate_size else 0)
             )
+            mlp += m.num_experts if m.router_bias else 0
+            mlp += m.num_experts * (2 * m.expert_intermediate_size + self.hidden_size) if m.expert_bias else 0
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         norms = (4 if self.is_gemma else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
+        bias += self.hidden_size if self.attention_out_bias else 0
+        bias += self.num_heads if self.attention_sinks else 0
         return self.num_layers * (attn + mlp + norms + bias) + embed + self.hidden_size
 
     @classmethod
@@ -316,7 +351,10 @@ class ModelConfig:
                 )
         if raw.get("mlp_bias"):
             raise ModelConfigError("mlp_bias=True is not supported")
+        _check_quantization(raw, model_type)
         family = gemma or _MOE_DEFAULTS.get(model_type)  # transformers' defaults of the family, if it has its own
+        if model_type == "gpt_oss" and raw.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"hidden_act={raw.get('hidden_act')!r} is not supported for gpt_oss")
         if model_type == "qwen3_moe" and raw.get("attention_bias"):
             raise ModelConfigError("attention_bias=True is not supported for qwen3_moe (its o_proj would have a bias)")
         hidden = _required_int(raw, "hidden_size")
@@ -327,6 +365,11 @@ class ModelConfig:
         max_pos = int(raw.get("max_position_embeddings", family["max_position_embeddings"] if family else 4096))
         if model_type == "gemma3_text":
             theta, scaling, local_theta = _read_gemma3_rope(raw, max_pos)
+        elif model_type == "gpt_oss" and raw.get("rope_scaling") is None and raw.get("rope_parameters") is None:
+            # transformers' GptOssConfig: yarn when the config.json names no rope
+            with_rope = {**raw, "rope_scaling": GPT_OSS_DEFAULT_ROPE}
+            theta, scaling = _read_rope(with_rope, max_pos, default_theta=family["rope_theta"] if family else 10000.0)
+            local_theta = None
         else:
             theta, scaling = _read_rope(raw, max_pos, default_theta=family["rope_theta"] if family else 10000.0)
             local_theta = None
@@ -364,6 +407,8 @@ class ModelConfig:
             layer_windows=_layer_windows(raw, model_type, layers),
             rope_local_theta=local_theta,
             moe=_read_moe(raw, model_type, layers) if model_type in MOE_MODEL_TYPES else None,
+            attention_sinks=model_type == "gpt_oss",
+            attention_out_bias=model_type == "gpt_oss" and _attention_bias(raw, model_type),
             **extra,
         )
 
@@ -381,6 +426,23 @@ class ModelConfig:
         return cls.from_hf_dict(raw)
 
 
+def _check_quantization(raw: dict[str, Any], model_type: str) -> None:
+    """A quantized checkpoint's ``quantization_config``: only GPT-OSS's MXFP4 experts are read
+    (dequantized at load, ``mxfp4.py``); any other method is refused here, naming it, rather
+    than failing later on tensor names the loader does not know."""
+    quantization = raw.get("quantization_config")
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if model_type == "gpt_oss" and method == "mxfp4":
+        return
+    raise ModelConfigError(
+        f"quantization_config with quant_method={method!r} is not supported: strata-jax loads unquantized "
+        "checkpoints (and GPT-OSS's MXFP4 experts, dequantized at load); use the unquantized checkpoint "
+        "(its dtype is cast at load) or a GGUF file"
+    )
+
+
 def _attention_bias(raw: dict[str, Any], model_type: str) -> bool:
     """q/k/v biases: qwen2 always, qwen2_moe by ``qkv_bias`` (default true), mixtral never
     (transformers' Mixtral ignores ``attention_bias``), the rest by ``attention_bias``."""
@@ -390,6 +452,8 @@ def _attention_bias(raw: dict[str, Any], model_type: str) -> bool:
         return bool(raw.get("qkv_bias", True))
     if model_type == "mixtral":
         return False
+    if model_type == "gpt_oss":  # q/k/v and o, default true (GptOssConfig.attention_bias)
+        return bool(raw.get("attention_bias", True))
     return bool(raw.get("attention_bias", False))
 
 
@@ -411,6 +475,22 @@ def _read_moe(raw: dict[str, Any], model_type: str, num_layers: int) -> MoEConfi
     experts = next((raw[k] for k in ("num_experts", "num_local_experts") if raw.get(k) is not None), None)
     experts = defaults["num_experts"] if experts is None else experts
     top_k = raw.get("num_experts_per_tok", defaults["num_experts_per_tok"])
+    if model_type == "gpt_oss":  # top-k of the router's logits, softmax over those k (= renormalized)
+        alpha = raw.get("swiglu_alpha", defaults["swiglu_alpha"])
+        limit = raw.get("swiglu_limit", defaults["swiglu_limit"])
+        for name, value in (("swiglu_alpha", alpha), ("swiglu_limit", limit)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ModelConfigError(f"{name}={value!r} must be a positive number")
+        return MoEConfig(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            expert_intermediate_size=_required_int(raw, "intermediate_size"),
+            norm_topk_prob=True,
+            router_bias=True,
+            expert_bias=True,
+            swiglu_limit=float(limit),
+            swiglu_alpha=float(alpha),
+        )
     if model_type == "mixtral":
         return MoEConfig(
             num_experts=experts,
@@ -625,6 +705,7 @@ def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tup
       ``sliding_attention``, else the even layers below ``max_window_layers`` (default 28).
     * ``qwen2`` / ``qwen3``: only with ``use_sliding_window``; the layers ``layer_types``
       marks ``sliding_attention``, else layers ``i >= max_window_layers``.
+    * ``gpt_oss``: ``layer_types``, else the even layers (window default 128).
     * ``gemma2`` / ``gemma3_text``: ``layer_types``, else ``sliding_window_pattern``
       (every N-th layer global: 2 for Gemma 2, 6 for Gemma 3).
     Returns ``()`` when no layer has a window.
@@ -654,6 +735,8 @@ def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tup
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
             raise ModelConfigError(f"sliding_window_pattern={pattern!r} must be a positive integer")
         sliding = [bool((i + 1) % pattern) for i in range(num_layers)]
+    elif model_type == "gpt_oss":  # transformers' GptOssConfig: even layers sliding, odd ones full
+        sliding = [bool((i + 1) % 2) for i in range(num_layers)]
     elif model_type == "qwen2_moe":  # transformers' Qwen2MoeConfig: even layers below max_window_layers
         below = int(raw.get("max_window_layers", family["max_window_layers"]))
         sliding = [bool((i + 1) % 2) and i < below for i in range(num_layers)]

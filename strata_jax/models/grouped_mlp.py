@@ -1,5 +1,6 @@
-"""The routed experts' MLP over rows sorted by expert: ``down(act(gate(x)) * up(x))`` with
-row group ``e`` (``group_sizes[e]`` consecutive rows) through expert ``e``'s kernels.
+"""The routed experts' MLP over rows sorted by expert: ``down(glu(gate(x), up(x)))`` with
+row group ``e`` (``group_sizes[e]`` consecutive rows) through expert ``e``'s kernels (and
+biases, GPT-OSS); ``glu`` is ``act(gate) * up`` (``silu_gated``) or GPT-OSS's clamped SwiGLU.
 
 Two ways to compute it, chosen per platform (``method``), both exact grouped work (no row
 through an expert that did not pick it):
@@ -19,9 +20,9 @@ through an expert that did not pick it):
 Rows past ``sum(group_sizes)`` are in no group: their outputs are zero (expert parallelism
 hands a device a buffer whose tail belongs to other devices' experts).
 
-Kernels are ``[E, in, out]`` arrays, or ``LayerKernels`` (per-layer weights under the layer
-scan: the whole computation runs in the ``jax.lax.switch`` branch of the layer, so each
-layer's kernels are read in place).
+Kernels are ``[E, in, out]`` arrays (biases ``[E, out]``), or ``LayerKernels`` (per-layer
+weights under the layer scan: the whole computation runs in the ``jax.lax.switch`` branch
+of the layer, so each layer's kernels are read in place).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ Method = Literal["auto", "ragged_dot", "tiles"]
 METHODS: tuple[Method, ...] = get_args(Method)
 Kernel = jax.Array | LayerKernels  # a kernel as a layer sees it: one array, or picked per layer under the scan
 Activation = Callable[[jax.Array], jax.Array]
+GatedUnit = Callable[[jax.Array, jax.Array], jax.Array]  # (gate projection, up projection) -> hidden
 MAX_TILE_ROWS = 128
 
 _METHOD: contextvars.ContextVar[Method] = contextvars.ContextVar("strata_grouped_mlp", default="auto")
@@ -71,42 +73,59 @@ def resolve_method() -> Literal["ragged_dot", "tiles"]:
     return "tiles"
 
 
+def silu_gated(act: Activation) -> GatedUnit:
+    """The gated unit ``act(gate) * up`` of Llama-style experts."""
+    return lambda gate, up: act(gate) * up
+
+
 def grouped_mlp(
-    act: Activation, gate: Kernel, up: Kernel, down: Kernel, rows: jax.Array, group_sizes: jax.Array
-) -> jax.Array:
-    """``rows [N, D]`` sorted by expert, ``group_sizes [E]`` (summing to at most N) -> ``[N, D]``."""
-    if resolve_method() == "ragged_dot":
-        hidden = act(_ragged(gate, rows, group_sizes)) * _ragged(up, rows, group_sizes)
-        return _ragged(down, hidden, group_sizes)
-    if isinstance(gate, LayerKernels) and isinstance(up, LayerKernels) and isinstance(down, LayerKernels):
-        branches = [partial(_tiles_of_layer, act, i) for i in range(len(gate.per_layer))]
-        per_layer = (gate.per_layer, up.per_layer, down.per_layer)
-        return jax.lax.switch(gate.layer, branches, rows, group_sizes, per_layer)
-    if isinstance(gate, LayerKernels) or isinstance(up, LayerKernels) or isinstance(down, LayerKernels):
-        raise TypeError("the gate, up and down kernels of one layer must all be per layer or all arrays")
-    return tiles(act, gate, up, down, rows, group_sizes)
-
-
-def _ragged(kernel: Kernel, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    if isinstance(kernel, LayerKernels):  # per-layer weights under the layer scan: pick in place, no copy
-        branches = [partial(_ragged_by, i) for i in range(len(kernel.per_layer))]
-        return jax.lax.switch(kernel.layer, branches, x, group_sizes, kernel.per_layer)
-    return jax.lax.ragged_dot(x, kernel, group_sizes)
-
-
-def _ragged_by(index: int, x: jax.Array, group_sizes: jax.Array, kernels: tuple[jax.Array, ...]) -> jax.Array:
-    return jax.lax.ragged_dot(x, kernels[index], group_sizes)
-
-
-def _tiles_of_layer(
-    act: Activation,
-    index: int,
+    glu: GatedUnit,
+    gate: Kernel,
+    up: Kernel,
+    down: Kernel,
     rows: jax.Array,
     group_sizes: jax.Array,
-    per_layer: tuple[tuple[jax.Array, ...], ...],
+    biases: tuple[Kernel, Kernel, Kernel] | None = None,
 ) -> jax.Array:
-    gate, up, down = (kernels[index] for kernels in per_layer)
-    return tiles(act, gate, up, down, rows, group_sizes)
+    """``rows [N, D]`` sorted by expert, ``group_sizes [E]`` (summing to at most N) -> ``[N, D]``:
+    ``down(glu(gate(x), up(x)))`` per row group, plus expert ``e``'s ``biases`` (gate ``[E, F]``,
+    up ``[E, F]``, down ``[E, D]``; GPT-OSS) on its rows when given."""
+    kernels = (gate, up, down) + (biases or ())
+    per_layer = [isinstance(kernel, LayerKernels) for kernel in kernels]
+    if all(per_layer):  # under the layer scan: the whole MLP in the layer's switch branch, kernels read in place
+        layer = gate.layer  # type: ignore[union-attr]
+        branches = [partial(_grouped_of_layer, glu, i) for i in range(len(gate.per_layer))]  # type: ignore[union-attr]
+        tables = tuple(kernel.per_layer for kernel in kernels)  # type: ignore[union-attr]
+        return jax.lax.switch(layer, branches, rows, group_sizes, tables)
+    if any(per_layer):
+        raise TypeError("the kernels and biases of one layer's experts must all be per layer or all arrays")
+    return _grouped(glu, kernels, rows, group_sizes)  # type: ignore[arg-type]
+
+
+def _grouped_of_layer(
+    glu: GatedUnit, index: int, rows: jax.Array, group_sizes: jax.Array, tables: tuple[tuple[jax.Array, ...], ...]
+) -> jax.Array:
+    return _grouped(glu, tuple(table[index] for table in tables), rows, group_sizes)
+
+
+def _grouped(glu: GatedUnit, kernels: tuple[jax.Array, ...], rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``grouped_mlp`` on arrays: ``kernels`` is (gate, up, down) or (gate, up, down, gate bias,
+    up bias, down bias)."""
+    gate, up, down = kernels[:3]
+    biases = kernels[3:] if len(kernels) == 6 else None
+    if resolve_method() == "tiles":
+        return tiles(glu, gate, up, down, rows, group_sizes, biases)
+    sizes = group_sizes.astype(jnp.int32)
+    index = jnp.arange(rows.shape[0], dtype=jnp.int32)
+    in_group = index < jnp.sum(sizes)
+    if biases is None:
+        hidden = glu(jax.lax.ragged_dot(rows, gate, sizes), jax.lax.ragged_dot(rows, up, sizes))
+        return jax.lax.ragged_dot(hidden, down, sizes)
+    expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), index, side="right"), sizes.shape[0] - 1)
+    gate_bias, up_bias, down_bias = (bias[expert] for bias in biases)
+    hidden = glu(jax.lax.ragged_dot(rows, gate, sizes) + gate_bias, jax.lax.ragged_dot(rows, up, sizes) + up_bias)
+    out = jax.lax.ragged_dot(hidden, down, sizes) + down_bias
+    return jnp.where(in_group[:, None], out, jnp.zeros((), out.dtype))  # rows in no group stay zero
 
 
 def tile_rows(num_rows: int, num_experts: int) -> int:
@@ -118,9 +137,16 @@ def tile_rows(num_rows: int, num_experts: int) -> int:
 
 
 def tiles(
-    act: Activation, gate: jax.Array, up: jax.Array, down: jax.Array, rows: jax.Array, group_sizes: jax.Array
+    glu: GatedUnit,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    rows: jax.Array,
+    group_sizes: jax.Array,
+    biases: tuple[jax.Array, ...] | None = None,
 ) -> jax.Array:
-    """The ``"tiles"`` method on ``[E, in, out]`` kernels (module docstring)."""
+    """The ``"tiles"`` method on ``[E, in, out]`` kernels (module docstring), with expert
+    ``biases`` (gate, up, down) when given."""
     n, d = rows.shape
     e = group_sizes.shape[0]
     b = tile_rows(n, e)
@@ -140,8 +166,12 @@ def tiles(
     def tile(t: jax.Array, out: jax.Array) -> jax.Array:
         x = jax.lax.dynamic_slice_in_dim(spread, t * b, b)
         k = tile_expert[t]
-        hidden = act(x @ gate[k]) * (x @ up[k])
-        return jax.lax.dynamic_update_slice_in_dim(out, hidden @ down[k], t * b, 0)
+        if biases is None:
+            hidden = glu(x @ gate[k], x @ up[k])
+            return jax.lax.dynamic_update_slice_in_dim(out, hidden @ down[k], t * b, 0)
+        gate_bias, up_bias, down_bias = biases
+        hidden = glu(x @ gate[k] + gate_bias[k], x @ up[k] + up_bias[k])
+        return jax.lax.dynamic_update_slice_in_dim(out, hidden @ down[k] + down_bias[k], t * b, 0)
 
     init = _varying_as(jnp.zeros((capacity, down.shape[-1]), rows.dtype), gate, up, down, spread)
     out = jax.lax.fori_loop(0, padded_end[-1] // b, tile, init)

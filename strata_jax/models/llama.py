@@ -139,7 +139,7 @@ def _matmul_by(index: int, x: jax.Array, kernels: tuple[jax.Array, ...]) -> jax.
 class Attention(nnx.Module):
     """Self-attention over the paged pool.  ``norm_cls`` builds the q/k norms (``qk_norm``);
     the softmax scale and score soft-cap come from the config (Gemma: ``query_pre_attn_scalar``,
-    ``attn_logit_softcapping``)."""
+    ``attn_logit_softcapping``); GPT-OSS adds per-head sinks and an o_proj bias."""
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float, *, norm_cls: type = RMSNorm):
         c = config
@@ -155,7 +155,11 @@ class Attention(nnx.Module):
         self.v_proj = Linear(
             c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias, dtype=dtype, rngs=rngs, std=std
         )
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False, dtype=dtype, rngs=rngs, std=std)
+        self.o_proj = Linear(
+            c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_out_bias, dtype=dtype, rngs=rngs, std=std
+        )
+        # GPT-OSS: one learned sink logit per query head (``pallas_kernels.reference.normalize_with_sinks``)
+        self.sinks = nnx.Param(jnp.zeros((c.num_heads,), dtype)) if c.attention_sinks else None
         self.q_norm = norm_cls(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
         self.k_norm = norm_cls(c.head_dim, c.rms_norm_eps, dtype) if c.qk_norm else None
 
@@ -192,6 +196,7 @@ class Attention(nnx.Module):
             soft_cap=self.soft_cap,
             max_q_len=1 if decode_only else None,
             sliding_window=window,  # None (no window): the plain causal call
+            sinks=None if self.sinks is None else self.sinks[...].astype(jnp.float32),
         )
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)), kv_pool
 

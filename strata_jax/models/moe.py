@@ -47,7 +47,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from pallas_kernels import sharded
 from strata_jax.models.config import ModelConfig
-from strata_jax.models.grouped_mlp import Kernel, grouped_mlp
+from strata_jax.models.grouped_mlp import Kernel, grouped_mlp, silu_gated
 from strata_jax.models.llama import MLP, LayerKernels, Linear, activation
 
 
@@ -58,9 +58,21 @@ class ExpertLinear(nnx.Module):
     Built like ``Linear``: one key drawn from ``rngs.params`` (``llama.stacked_layers``
     counts on it)."""
 
-    def __init__(self, num_experts: int, d_in: int, d_out: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
+    def __init__(
+        self,
+        num_experts: int,
+        d_in: int,
+        d_out: int,
+        *,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        std: float,
+        bias: bool = False,
+    ):
         shape = (num_experts, d_in, d_out)
         self.kernel = nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype))
+        # GPT-OSS: a bias per expert and output feature (``[E, out]``)
+        self.bias = nnx.Param(jnp.zeros((num_experts, d_out), dtype)) if bias else None
 
 
 def _dense_matmul(kernel: Kernel, x: jax.Array) -> jax.Array:
@@ -68,27 +80,50 @@ def _dense_matmul(kernel: Kernel, x: jax.Array) -> jax.Array:
 
 
 class Experts(nnx.Module):
-    """The routed experts: SiLU-gated MLPs, one ``ExpertLinear`` per projection."""
+    """The routed experts: gated MLPs (SiLU, or GPT-OSS's clamped SwiGLU with biases), one
+    ``ExpertLinear`` per projection."""
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
-        assert config.moe is not None
-        e, h, f = config.moe.num_experts, config.hidden_size, config.moe.expert_intermediate_size
+        moe = config.moe
+        assert moe is not None
+        e, h, f = moe.num_experts, config.hidden_size, moe.expert_intermediate_size
         self.act_name = config.hidden_act
-        self.gate_proj = ExpertLinear(e, h, f, dtype=dtype, rngs=rngs, std=std)
-        self.up_proj = ExpertLinear(e, h, f, dtype=dtype, rngs=rngs, std=std)
-        self.down_proj = ExpertLinear(e, f, h, dtype=dtype, rngs=rngs, std=std)
+        self.swiglu = None if moe.swiglu_limit is None else (moe.swiglu_alpha, moe.swiglu_limit)
+        bias = moe.expert_bias
+        self.gate_proj = ExpertLinear(e, h, f, dtype=dtype, rngs=rngs, std=std, bias=bias)
+        self.up_proj = ExpertLinear(e, h, f, dtype=dtype, rngs=rngs, std=std, bias=bias)
+        self.down_proj = ExpertLinear(e, f, h, dtype=dtype, rngs=rngs, std=std, bias=bias)
 
     def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """``rows [N, D]`` sorted by expert, ``group_sizes [E]`` (summing to N) -> ``[N, D]``."""
         return self.run(self.kernels(), rows, group_sizes)
 
-    def kernels(self) -> tuple[Kernel, Kernel, Kernel]:
-        """The gate, up and down kernels (``[E, in, out]`` or per layer)."""
-        return self.gate_proj.kernel.get_value(), self.up_proj.kernel.get_value(), self.down_proj.kernel.get_value()
+    def kernels(self) -> tuple[Kernel, ...]:
+        """The gate, up and down kernels (``[E, in, out]`` or per layer), then their biases
+        (``[E, out]``) when the experts have them."""
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        kernels = tuple(proj.kernel.get_value() for proj in projections)
+        if self.gate_proj.bias is None:
+            return kernels
+        return kernels + tuple(proj.bias.get_value() for proj in projections)  # type: ignore[union-attr]
 
-    def run(self, kernels: tuple[Kernel, Kernel, Kernel], rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def run(self, kernels: tuple[Kernel, ...], rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """``kernels`` (``kernels()``, or a device's share of them) on ``rows`` grouped by ``group_sizes``."""
-        return grouped_mlp(activation(self.act_name), *kernels, rows, group_sizes)
+        glu = silu_gated(activation(self.act_name)) if self.swiglu is None else clamped_swiglu(*self.swiglu)
+        biases = (kernels[3], kernels[4], kernels[5]) if len(kernels) == 6 else None
+        return grouped_mlp(glu, kernels[0], kernels[1], kernels[2], rows, group_sizes, biases)
+
+
+def clamped_swiglu(alpha: float, limit: float):
+    """GPT-OSS's gated unit: ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = min(gate, limit)`` (transformers' ``GptOssExperts._apply_gate``)."""
+
+    def glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+    return glu
 
 
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
@@ -110,7 +145,7 @@ class MoEBlock(nnx.Module):
         h = config.hidden_size
         self.num_experts, self.top_k = moe.num_experts, moe.num_experts_per_tok
         self.norm_topk_prob, self.float32_combine = moe.norm_topk_prob, moe.float32_combine
-        self.gate = Linear(h, moe.num_experts, bias=False, dtype=dtype, rngs=rngs, std=std)
+        self.gate = Linear(h, moe.num_experts, bias=moe.router_bias, dtype=dtype, rngs=rngs, std=std)
         self.experts = Experts(config, dtype, rngs, std)
         shared = moe.shared_expert_intermediate_size
         self.shared_expert = MLP(config, dtype, rngs, std, intermediate_size=shared) if shared else None
@@ -160,8 +195,12 @@ class MoEBlock(nnx.Module):
             raise ValueError(f"num_experts={self.num_experts} is not divisible by the {n} devices of axis {axis!r}")
         per_device = self.num_experts // n
         tokens, k = x.shape[0], self.top_k
-        experts_spec = PartitionSpec(axis, None, None)  # [E, in, out]: whole experts per device
-        operands = [_kernel_operand(kernel, experts_spec) for kernel in self.experts.kernels()]
+        # whole experts per device: kernels [E, in, out], biases [E, out]
+        expert_kernels = self.experts.kernels()
+        operands = [
+            _kernel_operand(kernel, PartitionSpec(axis, *([None] * (_kernel_ndim(kernel) - 1))))
+            for kernel in expert_kernels
+        ]
         shared = self.shared_expert
         if shared is not None:  # the dense MLP's tp layout: gate/up by columns, down by rows
             columns, rows = PartitionSpec(None, axis), PartitionSpec(axis, None)
@@ -179,14 +218,14 @@ class MoEBlock(nnx.Module):
             rows = order.shape[0]
             # this device's run of sorted rows first; rows past its sum(local_sizes) are in no group
             run = jnp.minimum(offset + jnp.arange(rows, dtype=order.dtype), rows - 1)
-            out = self.experts.run((kernels[0], kernels[1], kernels[2]), x[order[run] // k], local_sizes)
+            out = self.experts.run(tuple(kernels[: len(expert_kernels)]), x[order[run] // k], local_sizes)
             position = slot - offset  # each assignment's row in ``out``, if it is this device's
             mine = (position >= 0) & (position < jnp.sum(local_sizes))
             out = out[jnp.clip(position, 0, rows - 1)].reshape(tokens, k, -1)
             contrib = (out * w[..., None]).astype(x.dtype)
             y = _add_picks(jnp.where(mine.reshape(tokens, k, 1), contrib, jnp.zeros((), x.dtype)))
             if shared is not None and shared_gate is not None:
-                gate, up, down = kernels[3:]
+                gate, up, down = kernels[len(expert_kernels) :]
                 hidden = activation(shared.act_name)(_dense_matmul(gate, x)) * _dense_matmul(up, x)
                 y = y + shared_gate * _dense_matmul(down, hidden)  # a partial sum: the gate is linear in it
             return jax.lax.psum(y, axis)
@@ -222,6 +261,10 @@ def _kernel_operand(kernel: Kernel, spec: PartitionSpec) -> tuple[object, object
     if isinstance(kernel, LayerKernels):
         return (kernel.layer, kernel.per_layer), (PartitionSpec(), tuple(spec for _ in kernel.per_layer))
     return kernel, spec
+
+
+def _kernel_ndim(kernel: Kernel) -> int:
+    return kernel.per_layer[0].ndim if isinstance(kernel, LayerKernels) else kernel.ndim
 
 
 def _local_kernel(value: object) -> Kernel:

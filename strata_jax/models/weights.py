@@ -69,6 +69,11 @@ def hf_name_to_param(name: str) -> tuple[tuple[str, ...], int | None, bool]:
 _MOE_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 _MOE_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _MOE_ROUTER = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(gate|shared_expert_gate)\.weight$")
+# GPT-OSS: the router is mlp.router (with a bias); the experts are fused, laid out [E, in, out],
+# gate and up interleaved along gate_up_proj's last axis (gate = [..., ::2], up = [..., 1::2]),
+# each with a bias; MXFP4 checkpoints store them as _blocks/_scales pairs (mxfp4.py).
+_GPT_OSS_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.router\.(weight|bias)$")
+_GPT_OSS_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 _EXPERT_PROJ = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 _EXPERT_PROJ.update(w1="gate_proj", w3="up_proj", w2="down_proj")  # mixtral's names
 
@@ -91,6 +96,13 @@ def tensor_placements(tensor: NamedTensor, config: ModelConfig) -> list[Placemen
 
     Raises ``WeightLoadError`` for a fused expert tensor whose shape the config does not imply."""
     moe = config.moe
+    if config.model_type == "gpt_oss" and moe is not None:
+        if match := _GPT_OSS_ROUTER.match(tensor.name):
+            leaf = "kernel" if match.group(2) == "weight" else "bias"
+            router = ("model", "layers", "mlp", "gate", leaf)
+            return [Placement(router, (int(match.group(1)),), tensor.get, leaf == "kernel")]
+        if match := _GPT_OSS_EXPERTS.match(tensor.name):
+            return _gpt_oss_expert_placements(tensor, config, int(match.group(1)), match.group(2), bool(match.group(3)))
     if moe is not None:
         if match := _MOE_ROUTER.match(tensor.name):
             router = ("model", "layers", "mlp", match.group(2), "kernel")
@@ -118,6 +130,34 @@ def tensor_placements(tensor: NamedTensor, config: ModelConfig) -> list[Placemen
             ]
     dense_path, dense_layer, transpose = hf_name_to_param(tensor.name)
     return [Placement(dense_path, () if dense_layer is None else (dense_layer,), tensor.get, transpose)]
+
+
+def _gpt_oss_expert_placements(
+    tensor: NamedTensor, config: ModelConfig, layer: int, kind: str, bias: bool
+) -> list[Placement]:
+    """A GPT-OSS expert tensor's placements: ``gate_up_proj [E, D, 2F]`` (its bias ``[E, 2F]``)
+    split into the interleaved gate and up projections, ``down_proj [E, F, D]`` (bias ``[E, D]``)
+    whole; nothing transposed (they are already ``[E, in, out]``)."""
+    assert config.moe is not None
+    e, f, d = config.moe.num_experts, config.moe.expert_intermediate_size, config.hidden_size
+    want = {
+        ("gate_up_proj", False): (e, d, 2 * f),
+        ("gate_up_proj", True): (e, 2 * f),
+        ("down_proj", False): (e, f, d),
+        ("down_proj", True): (e, d),
+    }[(kind, bias)]
+    array = tensor.get()
+    if tuple(array.shape) != want:
+        raise WeightLoadError(
+            f"tensor {tensor.name!r} in {tensor.origin} has shape {tuple(array.shape)}, the config implies {want}"
+        )
+    experts, leaf = ("model", "layers", "mlp", "experts"), "bias" if bias else "kernel"
+    if kind == "down_proj":
+        return [Placement((*experts, "down_proj", leaf), (layer,), lambda: array, False)]
+    return [
+        Placement((*experts, "gate_proj", leaf), (layer,), lambda: array[..., ::2], False),
+        Placement((*experts, "up_proj", leaf), (layer,), lambda: array[..., 1::2], False),
+    ]
 
 
 def _oriented(array: np.ndarray, transpose: bool) -> np.ndarray:
@@ -251,6 +291,10 @@ def load_hf_weights(
     tensors = [
         NamedTensor(name, st.nbytes(name), partial(st.get, name), st.path.name) for name, st in iter_tensors(files)
     ]
+    if config.model_type == "gpt_oss":  # MXFP4 experts: each blocks/scales pair read as one dequantized tensor
+        from strata_jax.models.mxfp4 import merge_mxfp4_pairs  # mxfp4.py imports this module
+
+        tensors = merge_mxfp4_pairs(tensors)
     return load_named_tensors(
         tensors, config, dtype=dtype, show_progress=show_progress, source=str(folder), staging=staging
     )

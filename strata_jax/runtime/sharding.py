@@ -16,9 +16,12 @@ parameter                              split                       why
 ``gate_proj``/``up_proj``              columns                     elementwise SiLU·up per shard
 ``down_proj``                          rows                        partial sums, one all-reduce
 q/k/v biases                           with their columns
+``o_proj`` bias (GPT-OSS)              replicated                  added once, after the all-reduce
+attention ``sinks`` (GPT-OSS)          heads                       one per query head
 norms, q_norm/k_norm                   replicated                  tiny
 ``embed_tokens`` / ``lm_head``         replicated (default)        see ``VOCAB_PARALLEL``
 MoE ``mlp.experts.*`` ``[E, in, out]``  the expert axis             expert parallel, see below
+(their biases ``[E, out]``, GPT-OSS)
 MoE ``mlp.shared_expert.*``            as ``gate/up/down_proj``    a dense MLP (qwen2_moe)
 MoE router ``mlp.gate``,               replicated                  ``[D, E]`` / ``[D, 1]``: tiny;
 ``mlp.shared_expert_gate``                                         every device routes itself
@@ -71,10 +74,12 @@ def _rules(vocab_parallel: bool) -> tuple[tuple[re.Pattern[str], tuple[str | Non
         (r"self_attn\.(q|k|v)_proj\.kernel$", (None, t)),
         (r"self_attn\.(q|k|v)_proj\.bias$", (t,)),
         (r"self_attn\.o_proj\.kernel$", (t, None)),
+        (r"self_attn\.sinks$", (t,)),  # GPT-OSS: one per query head, with its head
         (r"mlp\.(gate|up)_proj\.kernel$", (None, t)),
         (r"mlp\.down_proj\.kernel$", (t, None)),
         # mixture of experts: whole experts per device; the shared expert as a dense MLP
         (r"mlp\.experts\.(gate|up|down)_proj\.kernel$", (t, None, None)),
+        (r"mlp\.experts\.(gate|up|down)_proj\.bias$", (t, None)),  # GPT-OSS: [E, out], with the experts
         (r"mlp\.shared_expert\.(gate|up)_proj\.kernel$", (None, t)),
         (r"mlp\.shared_expert\.down_proj\.kernel$", (t, None)),
     ]

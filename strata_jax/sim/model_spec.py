@@ -106,7 +106,7 @@ BUILTIN_MODELS: dict[str, tuple[ModelConfig, int]] = {
         1,
     ),
     # openai/gpt-oss-120b config.json: layer_types alternate sliding (128 tokens, even layers) and
-    # full attention; 131,072 positions (yarn, factor 32 over 4,096; not priced); q/k/v biases; experts of width
+    # full attention; 131,072 positions (yarn, factor 32 over 4,096; not priced); q/k/v/o biases, sinks; experts of width
     # intermediate_size, softmax over the top 4 (renormalized).  MXFP4 experts held at bf16 (module
     # docstring), hence tp 4.
     "gpt-oss-120b-tp4": (
@@ -123,7 +123,17 @@ BUILTIN_MODELS: dict[str, tuple[ModelConfig, int]] = {
             rope_theta=150000.0,
             attention_bias=True,
             layer_windows=tuple(128 if i % 2 == 0 else 0 for i in range(36)),
-            moe=MoEConfig(num_experts=128, num_experts_per_tok=4, expert_intermediate_size=2880, norm_topk_prob=True),
+            moe=MoEConfig(
+                num_experts=128,
+                num_experts_per_tok=4,
+                expert_intermediate_size=2880,
+                norm_topk_prob=True,
+                router_bias=True,
+                expert_bias=True,
+                swiglu_limit=7.0,
+            ),
+            attention_sinks=True,
+            attention_out_bias=True,
         ),
         4,
     ),
@@ -226,9 +236,13 @@ class ModelSpec:
 
     @property
     def expert_params(self) -> int:
-        """One routed expert of one layer (gate, up and down: ``3 x hidden x expert width``); 0 if dense."""
+        """One routed expert of one layer (gate, up and down: ``3 x hidden x expert width``, plus
+        their biases for GPT-OSS); 0 if dense."""
         m = self.config.moe
-        return 0 if m is None else 3 * self.config.hidden_size * m.expert_intermediate_size
+        if m is None:
+            return 0
+        h, f = self.config.hidden_size, m.expert_intermediate_size
+        return 3 * h * f + (2 * f + h if m.expert_bias else 0)
 
     @property
     def total_params(self) -> int:
