@@ -159,13 +159,17 @@ def test_configs_read_as_transformers_builds_them(hf_models):
     ],
 )
 @pytest.mark.parametrize("family", [transformers.Qwen3MoeConfig, transformers.Qwen2MoeConfig])
-def test_mixed_dense_and_moe_layers_are_refused_naming_the_fields(family, fields, dense):
-    raw = family(**{**QWEN_MOE, **fields}).to_dict()
-    with pytest.raises(ValueError, match="mixed dense/MoE layer stacks are not supported") as info:
-        ModelConfig.from_hf_dict(raw)
-    message = str(info.value)
-    assert isinstance(info.value, ModelConfigError)
-    assert "decoder_sparse_step" in message and "mlp_only_layers" in message and f"layers {dense}" in message
+def test_mixed_dense_and_moe_layers_are_the_ones_transformers_builds(family, fields, dense):
+    """``mlp_only_layers`` / ``decoder_sparse_step``: the dense layers are those whose MLP
+    transformers builds dense, and the parameter count is its model's (tests/test_moe_mixed.py
+    runs them)."""
+    hf_config = family(**{**QWEN_MOE, **fields})
+    config = ModelConfig.from_hf_dict(hf_config.to_dict())
+    assert [i for i, sparse in enumerate(config.layer_is_sparse) if not sparse] == dense
+    assert config.mixed_mlp_layers
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert [i for i, layer in enumerate(hf.model.layers) if not hasattr(layer.mlp, "experts")] == dense
+    assert config.num_parameters == sum(p.numel() for p in hf.parameters())
 
 
 @pytest.mark.parametrize(

@@ -231,8 +231,11 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
-    # Mixture of experts: every layer's MLP is this sparse block (None: the dense MLP).
+    # Mixture of experts: the sparse layers' MLP is this block (None: every layer the dense MLP).
     moe: MoEConfig | None = None
+    # With ``moe``, which layers are sparse (qwen's ``mlp_only_layers`` / ``decoder_sparse_step``);
+    # the others are dense MLPs of ``intermediate_size``.  () = every layer sparse.
+    sparse_layers: tuple[bool, ...] = ()
     # GPT-OSS attention: a learned sink logit per query head joins each softmax's denominator,
     # and o_proj has a bias as q/k/v do.
     attention_sinks: bool = False
@@ -251,6 +254,13 @@ class ModelConfig:
             raise ModelConfigError(
                 f"hidden_act={self.hidden_act!r} is not supported (supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
             )
+        if self.sparse_layers:
+            if self.moe is None or len(self.sparse_layers) != self.num_layers:
+                raise ModelConfigError(
+                    f"sparse_layers needs moe and one entry per layer ({self.num_layers}), got {self.sparse_layers}"
+                )
+            if all(self.sparse_layers) or not any(self.sparse_layers):
+                raise ModelConfigError("sparse_layers must mix sparse and dense layers (() = every layer sparse)")
         scaling = self.rope_scaling
         if scaling.rope_type == "longrope":
             for name in ("short_factor", "long_factor"):
@@ -267,6 +277,18 @@ class ModelConfig:
         """Gemma 2/3 layout: (1 + w) RMSNorm, sqrt(hidden)-scaled embedding, norms around
         attention and MLP (pre/post), always-tied head unless the checkpoint says otherwise."""
         return self.model_type in GEMMA_MODEL_TYPES
+
+    @property
+    def layer_is_sparse(self) -> tuple[bool, ...]:
+        """One entry per layer: True where the MLP is the mixture of experts."""
+        if self.moe is None:
+            return (False,) * self.num_layers
+        return self.sparse_layers or (True,) * self.num_layers
+
+    @property
+    def mixed_mlp_layers(self) -> bool:
+        """A stack mixing dense and sparse MLP layers (``sparse_layers``)."""
+        return bool(self.sparse_layers)
 
     @property
     def has_sliding_window(self) -> bool:
@@ -298,7 +320,8 @@ class ModelConfig:
     @property
     def num_parameters(self) -> int:
         attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        mlp = dense_mlp
         if self.moe is not None:  # every expert (all are held), the router, the shared expert and its gate
             m = self.moe
             mlp = self.hidden_size * (
@@ -314,7 +337,9 @@ class ModelConfig:
         bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
         bias += self.hidden_size if self.attention_out_bias else 0
         bias += self.num_heads if self.attention_sinks else 0
-        return self.num_layers * (attn + mlp + norms + bias) + embed + self.hidden_size
+        sparse = sum(self.layer_is_sparse)
+        mlps = sparse * mlp + (self.num_layers - sparse) * dense_mlp
+        return self.num_layers * (attn + norms + bias) + mlps + embed + self.hidden_size
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -375,6 +400,7 @@ class ModelConfig:
             local_theta = None
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        moe, sparse_layers = _read_moe(raw, model_type, layers) if model_type in MOE_MODEL_TYPES else (None, ())
         extra: dict[str, Any] = {}
         if gemma is not None:
             extra = dict(
@@ -406,7 +432,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             layer_windows=_layer_windows(raw, model_type, layers),
             rope_local_theta=local_theta,
-            moe=_read_moe(raw, model_type, layers) if model_type in MOE_MODEL_TYPES else None,
+            moe=moe,
+            sparse_layers=sparse_layers,
             attention_sinks=model_type == "gpt_oss",
             attention_out_bias=model_type == "gpt_oss" and _attention_bias(raw, model_type),
             **extra,
@@ -457,15 +484,15 @@ def _attention_bias(raw: dict[str, Any], model_type: str) -> bool:
     return bool(raw.get("attention_bias", False))
 
 
-def _read_moe(raw: dict[str, Any], model_type: str, num_layers: int) -> MoEConfig | None:
-    """The sparse MLP of a ``qwen3_moe`` / ``qwen2_moe`` / ``mixtral`` config as transformers
-    (5.25) builds it; None when no layer is sparse (qwen with ``num_experts`` 0, or
-    ``decoder_sparse_step`` past the last layer: every layer is then the dense MLP of
-    ``intermediate_size``, as in transformers).
+def _read_moe(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[MoEConfig | None, tuple[bool, ...]]:
+    """The sparse MLP of a ``qwen3_moe`` / ``qwen2_moe`` / ``mixtral`` / ``gpt_oss`` config as
+    transformers (5.25) builds it, and which layers are sparse (``()``: all); None when no
+    layer is sparse (qwen with ``num_experts`` 0, or ``decoder_sparse_step`` past the last
+    layer: every layer is then the dense MLP of ``intermediate_size``, as in transformers).
 
     qwen: layer ``i`` is sparse iff ``i not in mlp_only_layers and (i + 1) % decoder_sparse_step
-    == 0``; a stack mixing sparse and dense layers is refused (the layer scan needs one
-    parameter structure for every layer).  The expert width is ``moe_intermediate_size``;
+    == 0``, the others dense MLPs of ``intermediate_size`` (``ModelConfig.sparse_layers``).  The
+    expert width is ``moe_intermediate_size``;
     ``norm_topk_prob`` defaults to false (transformers' default for both qwen families).
     mixtral: every layer sparse, the expert width is ``intermediate_size``, the top-k
     probabilities always renormalized and applied in float32.
@@ -481,7 +508,7 @@ def _read_moe(raw: dict[str, Any], model_type: str, num_layers: int) -> MoEConfi
         for name, value in (("swiglu_alpha", alpha), ("swiglu_limit", limit)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ModelConfigError(f"{name}={value!r} must be a positive number")
-        return MoEConfig(
+        gpt_oss = MoEConfig(
             num_experts=experts,
             num_experts_per_tok=top_k,
             expert_intermediate_size=_required_int(raw, "intermediate_size"),
@@ -491,36 +518,31 @@ def _read_moe(raw: dict[str, Any], model_type: str, num_layers: int) -> MoEConfi
             swiglu_limit=float(limit),
             swiglu_alpha=float(alpha),
         )
+        return gpt_oss, ()
     if model_type == "mixtral":
-        return MoEConfig(
+        mixtral = MoEConfig(
             num_experts=experts,
             num_experts_per_tok=top_k,
             expert_intermediate_size=_required_int(raw, "intermediate_size"),
             norm_topk_prob=True,
             float32_combine=True,
         )
+        return mixtral, ()
     if isinstance(experts, int) and not isinstance(experts, bool) and experts == 0:
-        return None  # transformers: every layer the dense MLP
+        return None, ()  # transformers: every layer the dense MLP
     step = raw.get("decoder_sparse_step", 1)
     if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
         raise ModelConfigError(f"decoder_sparse_step={step!r} must be a positive integer")
     mlp_only = raw.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in mlp_only):
         raise ModelConfigError(f"mlp_only_layers={mlp_only!r} must be a list of layer indices")
-    sparse = [i not in mlp_only and (i + 1) % step == 0 for i in range(num_layers)]
+    sparse = tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(num_layers))
     if not any(sparse):
-        return None
-    if not all(sparse):
-        dense = [i for i, s in enumerate(sparse) if not s]
-        raise ModelConfigError(
-            f"mixed dense/MoE layer stacks are not supported yet: decoder_sparse_step={step} and "
-            f"mlp_only_layers={mlp_only} make layers {dense} dense MLPs and the others MoE ({model_type}); "
-            "every layer must be MoE (decoder_sparse_step=1, mlp_only_layers=[])"
-        )
+        return None, ()
     norm = raw.get("norm_topk_prob", False)
     if not isinstance(norm, bool):
         raise ModelConfigError(f"norm_topk_prob={norm!r} must be true or false")
-    return MoEConfig(
+    qwen = MoEConfig(
         num_experts=experts,
         num_experts_per_tok=top_k,
         expert_intermediate_size=raw.get("moe_intermediate_size", defaults["moe_intermediate_size"]),
@@ -531,6 +553,7 @@ def _read_moe(raw: dict[str, Any], model_type: str, num_layers: int) -> MoEConfi
         if model_type == "qwen2_moe"
         else 0,
     )
+    return qwen, (() if all(sparse) else sparse)
 
 
 def _required_int(raw: dict[str, Any], key: str) -> int:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -229,23 +230,68 @@ class MLP(nnx.Module):
         return self.down_proj(activation(self.act_name)(self.gate_proj(x)) * self.up_proj(x))
 
 
+def make_mlp(config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float, *, sparse: bool) -> nnx.Module:
+    """A layer's MLP: the mixture of experts (``sparse``) or the dense gated MLP."""
+    if not sparse:
+        return MLP(config, dtype, rngs, std)
+    from strata_jax.models.moe import MoEBlock  # moe.py imports this module
+
+    return MoEBlock(config, dtype, rngs, std)
+
+
 class DecoderLayer(nnx.Module):
+    """Attention and MLP with their norms.  In a stack mixing dense and sparse MLP layers
+    (``ModelConfig.mixed_mlp_layers``) the layer holds no MLP: the model keeps each kind in its
+    own stack (``MLPLayer``) and the forward passes the layer's one in (``mixed_mlp``)."""
+
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = Attention(config, dtype, rngs, std)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        if config.moe is None:
-            self.mlp: nnx.Module = MLP(config, dtype, rngs, std)
-        else:  # mixture of experts (qwen3_moe, qwen2_moe, mixtral); moe.py imports this module
-            from strata_jax.models.moe import MoEBlock
+        mixed, sparse = config.mixed_mlp_layers, config.moe is not None
+        self.mlp = None if mixed else make_mlp(config, dtype, rngs, std, sparse=sparse)
 
-            self.mlp = MoEBlock(config, dtype, rngs, std)
-
-    def __call__(self, x, positions, inv_freq, kv_pool, layer, meta, window=None):
+    def __call__(self, x, positions, inv_freq, kv_pool, layer, meta, window=None, mlp=None):
         attn_out, kv_pool = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_pool, layer, meta, window)
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + (mlp or self.mlp)(self.post_attention_layernorm(x))
         return x, kv_pool
+
+
+class MLPLayer(nnx.Module):
+    """One layer's MLP of one kind, stacked over the layers of that kind in a mixed stack
+    (``DecoderModel.dense_layers`` / ``moe_layers``); its parameters keep the path
+    ``mlp.<...>`` so checkpoint names and the tensor-parallel rules read as for a layer."""
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float, *, sparse: bool):
+        self.mlp = make_mlp(config, dtype, rngs, std, sparse=sparse)
+
+
+def mixed_layer_values(config: ModelConfig) -> dict[str, np.ndarray]:
+    """``run_stacked_layers``' per-layer values of a mixed stack: ``mlp_sparse`` (1 where the
+    layer's MLP is the mixture of experts) and ``mlp_row`` (its row in that kind's stack);
+    nothing for a uniform stack."""
+    if not config.mixed_mlp_layers:
+        return {}
+    sparse = np.asarray(config.layer_is_sparse, np.int32)
+    rows = np.where(sparse == 1, np.cumsum(sparse) - 1, np.cumsum(1 - sparse) - 1).astype(np.int32)
+    return {"mlp_sparse": sparse, "mlp_row": rows}
+
+
+def _stack_row(stack: nnx.Module, row: int | jax.Array) -> MLPLayer:
+    """Row ``row`` of a stack of ``MLPLayer`` (``stacked_layers``)."""
+    graphdef, state = nnx.split(stack)
+    return cast(MLPLayer, nnx.merge(graphdef, jax.tree.map(lambda a: a[row], state)))
+
+
+def mixed_mlp(dense: nnx.Module, sparse: nnx.Module, is_sparse, row, x: jax.Array) -> jax.Array:
+    """Layer ``row`` of the ``sparse`` (``MLPLayer`` stack) or ``dense`` stack on ``x``: a static
+    pick when the layer is unrolled, else a ``jax.lax.cond`` that runs only the layer's kind."""
+    if isinstance(is_sparse, int | np.integer):
+        return _stack_row(sparse if is_sparse else dense, row).mlp(x)
+    return jax.lax.cond(
+        is_sparse > 0, lambda x: _stack_row(sparse, row).mlp(x), lambda x: _stack_row(dense, row).mlp(x), x
+    )
 
 
 class Embedding(nnx.Module):
@@ -257,14 +303,21 @@ class Embedding(nnx.Module):
 
 
 def stacked_layers(
-    config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float, layer_cls: type = DecoderLayer
+    config: ModelConfig,
+    dtype: jnp.dtype,
+    rngs: nnx.Rngs,
+    std: float,
+    layer_cls: Callable[..., nnx.Module] = DecoderLayer,
+    count: int | None = None,
 ) -> nnx.Module:
-    """One ``layer_cls`` (default ``DecoderLayer``) whose parameters carry a leading ``[num_layers]`` axis.
+    """One ``layer_cls`` (default ``DecoderLayer``) whose parameters carry a leading
+    ``[count]`` axis (default ``num_layers``).
 
     Layer ``i`` draws the same keys it would have drawn as the ``i``-th of a list of
     layers built from ``rngs`` (so a seed gives the same weights as the unstacked model
     always did), and ``rngs`` comes out advanced past all of them.
     """
+    count = config.num_layers if count is None else count
     stream = rngs.params
     base_key, start = stream.key[...], stream.count[...]
     abstract = nnx.eval_shape(lambda: layer_cls(config, dtype, nnx.Rngs(params=0), std))
@@ -280,8 +333,8 @@ def stacked_layers(
         layer_rngs.params.count[...] = start + layer_idx * draws_per_layer
         return nnx.state(layer_cls(config, dtype, layer_rngs, std))
 
-    state = jax.vmap(one)(jnp.arange(config.num_layers, dtype=jnp.uint32))
-    stream.count[...] = start + config.num_layers * draws_per_layer
+    state = jax.vmap(one)(jnp.arange(count, dtype=jnp.uint32))
+    stream.count[...] = start + count * draws_per_layer
     return nnx.merge(graphdef, state)
 
 
@@ -289,6 +342,15 @@ class DecoderModel(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, rngs, std)
         self.layers = stacked_layers(config, dtype, rngs, std)
+        # a mixed stack: each MLP kind stacked over its own layers (``mixed_mlp``)
+        if config.mixed_mlp_layers:
+            sparse = sum(config.layer_is_sparse)
+            dense_cls, sparse_cls = partial(MLPLayer, sparse=False), partial(MLPLayer, sparse=True)
+            dense = config.num_layers - sparse
+            self.dense_layers: nnx.Module | None = stacked_layers(config, dtype, rngs, std, dense_cls, dense)
+            self.moe_layers: nnx.Module | None = stacked_layers(config, dtype, rngs, std, sparse_cls, sparse)
+        else:
+            self.dense_layers = self.moe_layers = None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
@@ -322,9 +384,13 @@ class LlamaForCausalLM(nnx.Module):
 
         def one_layer(layer, carry, values):
             x, kv_pool = carry
-            return layer(x, positions, inv_freq, kv_pool, values["layer"], meta, values.get("window"))
+            mlp = None
+            if "mlp_sparse" in values:
+                dense, sparse = self.model.dense_layers, self.model.moe_layers
+                mlp = partial(mixed_mlp, dense, sparse, values["mlp_sparse"], values["mlp_row"])
+            return layer(x, positions, inv_freq, kv_pool, values["layer"], meta, values.get("window"), mlp=mlp)
 
-        per_layer = layer_window_values(self.config)
+        per_layer = layer_window_values(self.config) | mixed_layer_values(self.config)
         x, kv_pool = run_stacked_layers(
             self.model.layers, (x, kv_pool), per_layer, one_layer, scan_layers=scan_layers, layer_states=layer_states
         )

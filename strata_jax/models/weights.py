@@ -92,9 +92,32 @@ class Placement:
 
 def tensor_placements(tensor: NamedTensor, config: ModelConfig) -> list[Placement]:
     """Where a checkpoint tensor lands: ``hf_name_to_param``'s one place, or for a mixture of
-    experts the router / expert rows (a fused ``gate_up_proj`` fills two parameters).
+    experts the router / expert rows (a fused ``gate_up_proj`` fills two parameters); in a
+    stack mixing dense and sparse MLP layers a layer's MLP goes to its kind's stack
+    (``_mixed_stack_placement``).
 
     Raises ``WeightLoadError`` for a fused expert tensor whose shape the config does not imply."""
+    placements = _placements(tensor, config)
+    if config.mixed_mlp_layers:
+        return [_mixed_stack_placement(place, config) for place in placements]
+    return placements
+
+
+def _mixed_stack_placement(place: Placement, config: ModelConfig) -> Placement:
+    """``model.layers.mlp.<...>`` row ``(layer, ...)`` as ``model.{moe,dense}_layers.mlp.<...>``
+    row ``(the layer's row in its kind's stack, ...)`` (``llama.mixed_layer_values``)."""
+    if place.path[:3] != ("model", "layers", "mlp") or not place.index:
+        return place
+    layer = place.index[0]
+    sparse = config.layer_is_sparse
+    if layer >= len(sparse):
+        return place  # past the last layer: refused by the loader as unexpected
+    row = sum(1 for s in sparse[:layer] if s == sparse[layer])
+    stack = "moe_layers" if sparse[layer] else "dense_layers"
+    return Placement(("model", stack, *place.path[2:]), (row, *place.index[1:]), place.get, place.transpose)
+
+
+def _placements(tensor: NamedTensor, config: ModelConfig) -> list[Placement]:
     moe = config.moe
     if config.model_type == "gpt_oss" and moe is not None:
         if match := _GPT_OSS_ROUTER.match(tensor.name):
@@ -260,21 +283,28 @@ class NamedTensor:
     origin: str
 
 
+_LAYER_STACKS = ("layers", "dense_layers", "moe_layers")  # DecoderModel's stacked modules
+
+
 def _row_depth(path: tuple) -> int:
     """Leading axes of parameter ``path`` that checkpoint tensors index: 2 for the experts'
     kernels (``[layer, expert]``), 1 for other stacked layer parameters, 0 otherwise."""
-    if path[:2] != ("model", "layers"):
+    if path[0] != "model" or len(path) < 2 or path[1] not in _LAYER_STACKS:
         return 0
     return 2 if path[2:4] == ("mlp", "experts") else 1
 
 
-def _hf_row_name(path: tuple, row: tuple[int, ...]) -> str:
+def _hf_row_name(path: tuple, row: tuple[int, ...], config: ModelConfig) -> str:
     """The checkpoint name of row ``row`` of parameter ``path`` (for a missing-tensor error)."""
     if not row:
         return ".".join(map(str, path))
+    layer = row[0]
+    if path[1] in ("dense_layers", "moe_layers"):  # a mixed stack's row: back to its layer
+        kind = path[1] == "moe_layers"
+        layer = [i for i, sparse in enumerate(config.layer_is_sparse) if sparse == kind][row[0]]
     if len(row) == 2:  # an expert: its per-expert name
-        return f"model.layers.{row[0]}.mlp.experts.{row[1]}.{'.'.join(map(str, path[4:]))}"
-    return f"model.layers.{row[0]}.{'.'.join(map(str, path[2:]))}"
+        return f"model.layers.{layer}.mlp.experts.{row[1]}.{'.'.join(map(str, path[4:]))}"
+    return f"model.layers.{layer}.{'.'.join(map(str, path[2:]))}"
 
 
 def load_hf_weights(
@@ -369,7 +399,7 @@ def load_named_tensors(
                 del array  # a dequantized GGUF tensor: free it before the next one
                 filled[path].add(index)
     missing = [
-        _hf_row_name(path, row)
+        _hf_row_name(path, row, config)
         for path in expected
         for row in np.ndindex(*shapes[path][: depth[path]])
         if not any(row[:n] in filled[path] for n in range(len(row) + 1))

@@ -57,16 +57,19 @@ def device_matmul_rate(dtype_name: str) -> float:
 def projection_flops(config: ModelConfig, tokens: int) -> float:
     """FLOPs of the linear projections of every layer over ``tokens`` tokens: q, k, v, o and
     gate, up, down (2 per multiply-add; no attention scores, no LM head, no biases).  A
-    mixture-of-experts MLP (``config.moe``) counts what a token multiplies (``mlp_macs``)."""
+    mixture-of-experts MLP (``config.moe``) counts what a token multiplies (``mlp_macs``), on
+    its sparse layers (``layer_is_sparse``; the others are dense MLPs)."""
     h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_token_layer = h * q + 2 * h * kv + q * h + mlp_macs(config)
-    return 2.0 * tokens * config.num_layers * per_token_layer
+    sparse = sum(config.layer_is_sparse)
+    dense_macs = 3 * h * config.intermediate_size
+    mlps = sparse * mlp_macs(config) + (config.num_layers - sparse) * dense_macs
+    return 2.0 * tokens * (config.num_layers * (h * q + 2 * h * kv + q * h) + mlps)
 
 
 def mlp_macs(config: ModelConfig) -> int:
-    """Multiply-adds of one layer's MLP for one token: ``3 h I`` dense; with experts the
-    router (``h E``), the ``k`` picked experts (``3 h F`` each) and the shared expert and
-    its gate (``3 h S + h`` when ``S > 0``)."""
+    """Multiply-adds of one (sparse, if the model has experts) layer's MLP for one token:
+    ``3 h I`` dense; with experts the router (``h E``), the ``k`` picked experts (``3 h F``
+    each) and the shared expert and its gate (``3 h S + h`` when ``S > 0``)."""
     h, m = config.hidden_size, config.moe
     if m is None:
         return 3 * h * config.intermediate_size

@@ -106,8 +106,8 @@ BUILTIN_MODELS: dict[str, tuple[ModelConfig, int]] = {
         1,
     ),
     # openai/gpt-oss-120b config.json: layer_types alternate sliding (128 tokens, even layers) and
-    # full attention; 131,072 positions (yarn, factor 32 over 4,096; not priced); q/k/v/o biases, sinks; experts of width
-    # intermediate_size, softmax over the top 4 (renormalized).  MXFP4 experts held at bf16 (module
+    # full attention; 131,072 positions (yarn, factor 32 over 4,096; not priced); q/k/v/o biases, sinks; experts of
+    # width intermediate_size, softmax over the top 4 (renormalized).  MXFP4 experts held at bf16 (module
     # docstring), hence tp 4.
     "gpt-oss-120b-tp4": (
         ModelConfig(
@@ -231,8 +231,8 @@ class ModelSpec:
     # -- mixture of experts (the module docstring: held, multiplied, read) ---------------------
     @property
     def moe_layers(self) -> int:
-        """Layers whose MLP is the sparse block (``ModelConfig.moe`` is every layer's)."""
-        return self.config.num_layers if self.config.moe is not None else 0
+        """Layers whose MLP is the sparse block (``ModelConfig.layer_is_sparse``)."""
+        return sum(self.config.layer_is_sparse)
 
     @property
     def expert_params(self) -> int:
