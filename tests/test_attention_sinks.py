@@ -54,9 +54,9 @@ def _sinks(num_q_heads: int, rng) -> np.ndarray:
     return sinks
 
 
-@pytest.mark.parametrize("soft_cap", (None, 5.0))
-@pytest.mark.parametrize("window", (None, 6))
-@pytest.mark.parametrize("page_size", (1, 4))
+@pytest.mark.parametrize(
+    ("page_size", "window", "soft_cap"), [(1, None, None), (4, 6, 5.0), (4, None, 5.0), (1, 6, None)]
+)
 def test_reference_and_blocked_with_sinks_equal_brute_force(page_size, window, soft_cap):
     rng = np.random.default_rng(page_size * 7 + (window or 0) + (soft_cap is None))
     args, host = make_batch(
