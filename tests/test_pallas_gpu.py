@@ -75,6 +75,34 @@ def test_attention_compiled_equals_reference(page_size, dtype, soft_cap):
     np.testing.assert_allclose(got32, np.asarray(want, np.float32), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", (jnp.float32, jnp.bfloat16), ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("window", (None, 128))
+def test_attention_with_sinks_compiled_equals_reference(dtype, window):
+    """GPT-OSS's shapes (64 query heads over 8 KV heads, head_dim 64, alternating 128-token
+    windows): the compiled kernel with learned sinks against the reference."""
+    rng = np.random.default_rng(7)
+    args, _ = make_batch(
+        rng,
+        page_size=16,
+        q_lens=(37, 1, 1, 12, 0, 1),
+        ctx_lens=(100, 300, 5, 0, 0, 1000),
+        num_q_heads=64,
+        num_kv_heads=8,
+        head_dim=64,
+        pad_tokens=5,
+        dtype=dtype,
+    )
+    sinks = jnp.asarray(rng.normal(size=64) * 2, jnp.float32).at[0].set(8.0)
+    options = dict(sm_scale=64**-0.5, sliding_window=window, sinks=sinks)
+    got = ragged_paged_attention_pallas(*args, **options)
+    with jax.default_matmul_precision("highest"):
+        want = ragged_paged_attention_reference(*args, **options)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-4
+    got32 = np.asarray(got, np.float32)
+    assert not np.isnan(got32).any()
+    np.testing.assert_allclose(got32, np.asarray(want, np.float32), atol=tol, rtol=tol)
+
+
 def test_pool_attention_compiled_equals_reference():
     rng = np.random.default_rng(5)
     args, _ = make_batch(
