@@ -51,7 +51,12 @@ FAMILIES = {
         transformers.MixtralConfig,
         dict(BASE, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
     ),
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        dict(BASE, intermediate_size=32, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    ),
 }
+LOADED = ("mixtral", "qwen2moe", "qwen3moe")  # gpt_oss's file is refused (the last test)
 PROMPT = np.random.default_rng(1).integers(0, 49152, size=40).tolist()
 
 
@@ -83,7 +88,7 @@ def convert(smollm2_gguf, tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", LOADED)
 def test_llama_cpp_written_moe_gguf_gives_transformers_logits(convert, family):
     path, hf = convert(family)
     loaded = load_model(str(path), show_progress=False)
@@ -97,3 +102,12 @@ def test_llama_cpp_written_moe_gguf_gives_transformers_logits(convert, family):
 def test_llama_cpp_written_mixtral_gguf_engine_greedy_tokens(convert):
     path, hf = convert("mixtral")
     assert_engine_greedy_matches(str(path), hf, 8)
+
+
+def test_llama_cpp_written_gpt_oss_gguf_is_refused_naming_the_architecture(convert):
+    """GPT-OSS loads from its safetensors folder; its GGUF architecture is refused by name."""
+    from strata_jax.models.gguf_file import GGUFError
+
+    path, _ = convert("gpt_oss")
+    with pytest.raises(GGUFError, match="architecture 'gpt-oss' is not supported"):
+        load_model(str(path), show_progress=False)

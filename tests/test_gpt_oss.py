@@ -431,3 +431,39 @@ def test_other_quantized_checkpoints_are_refused_naming_the_method(method):
     llama.update(model_type="llama", num_hidden_layers=2, quantization_config={"quant_method": "mxfp4"})
     with pytest.raises(ModelConfigError, match="quant_method='mxfp4' is not supported"):
         ModelConfig.from_hf_dict(llama)
+
+
+def test_head_dim_and_kv_heads_default_as_gpt_oss_config_does():
+    raw = {"model_type": "gpt_oss", "vocab_size": 32, "hidden_size": 96, "intermediate_size": 32}
+    raw.update(num_hidden_layers=2, num_attention_heads=16)
+    config = ModelConfig.from_hf_dict(raw)
+    reference = transformers.GptOssConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert (config.head_dim, config.num_kv_heads) == (reference.head_dim, reference.num_key_value_heads) == (64, 8)
+
+
+def test_bfloat16_is_as_close_to_the_float32_reference_as_transformers_bfloat16(models):
+    """The GPU default dtype: strata-jax in bf16 (weights and KV) is within twice transformers'
+    own bf16 error of the float32 logits (RMSNorm scales in float32, as GptOssRMSNorm does)."""
+    folder, hf = models("clamped_4_experts_top2")
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    hf16.config._attn_implementation = "eager"
+    ref = _hf_logits(hf, PROMPT)
+    their_error = np.abs(_hf_logits(hf16.eval(), PROMPT) - ref).max()
+    model = load_model(str(folder), dtype=jnp.bfloat16, show_progress=False).model
+    ours = _runner(model, kv_dtype="bfloat16").step([SeqInput(PROMPT, 0, [0, 1, 2])], all_logits=True).logits
+    assert np.abs(ours - ref).max() <= 2 * their_error + 1e-2
+
+
+@pytest.mark.parametrize("method", ["ragged_dot", "tiles"])
+def test_tp2_runner_logits_with_each_grouped_method(models, method):
+    """tp 2 over per-layer weights (the CPU default: kernels and expert biases picked per layer
+    by a switch), the experts and their biases split over the devices, with the GPU's grouped
+    matmul (``ragged_dot``) and the CPU's row tiles: logits as transformers'."""
+    from strata_jax.runtime import sharding
+
+    folder, hf = models("clamped_4_experts_top2")
+    model = load_model(str(folder), show_progress=False).model
+    with grouped_mlp.use_method(method):  # read while the step is traced
+        runner = _runner(model, mesh=sharding.make_mesh(2))
+        ours = runner.step([SeqInput(PROMPT[:20], 0, [0, 1])], all_logits=True).logits
+    assert np.abs(ours - _hf_logits(hf, PROMPT[:20])).max() <= 1e-4

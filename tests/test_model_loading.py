@@ -165,7 +165,7 @@ def test_truncated_weights_are_a_clear_error(hf_folder, tmp_path):
     "field,value,message",
     [
         ("model_type", "gpt2", "model_type='gpt2' is not supported"),
-        ("model_type", "gpt_oss", "model_type='gpt_oss' is not supported: its learned attention sinks"),
+        ("model_type", "deepseek_v3", "model_type='deepseek_v3' is not supported: multi-head latent attention"),
         ("model_type", "mamba", "not a KV cache the tiers can page"),
         ("hidden_act", "gelu", "hidden_act='gelu'"),
         (

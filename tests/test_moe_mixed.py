@@ -135,3 +135,14 @@ def test_a_missing_dense_layer_tensor_is_named(models, tmp_path):
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(WeightLoadError, match=r"lacks tensors: model\.layers\.2\.mlp\.down_proj\.kernel"):
         load_model(str(folder), show_progress=False)
+
+
+def test_tp_must_divide_the_dense_layers_width():
+    """A mixed stack's dense layers split their MLP by columns: an intermediate size tp does not
+    divide is refused naming it, before any weights move."""
+    from strata_jax.models.config import ModelConfig
+
+    config_cls, fields = CASES["qwen3_moe_first_dense"]
+    config = ModelConfig.from_hf_dict(config_cls(**{**fields, "intermediate_size": 113}).to_dict())
+    with pytest.raises(sharding.TensorParallelError, match="113 intermediate size"):
+        sharding.check_model(config, 2)

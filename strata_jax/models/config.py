@@ -5,7 +5,8 @@ Supported: ``llama`` (rope scaling below), ``mistral``
 ``qwen3`` (per-head q/k RMSNorm), ``gemma2`` (local/global layers, attention and final
 logit soft-capping), ``gemma3_text`` (local/global layers with their own rope
 bases, q/k norm) and the mixture-of-experts families ``qwen3_moe``, ``qwen2_moe`` (shared
-expert) and ``mixtral`` (``MoEConfig``; every layer MoE); GQA; explicit ``head_dim``; tied or
+expert; dense layers by ``mlp_only_layers`` / ``decoder_sparse_step``), ``mixtral`` and
+``gpt_oss`` (attention sinks, biases, clamped SwiGLU experts) (``MoEConfig``); GQA; explicit ``head_dim``; tied or
 untied embeddings.  Both the transformers-4 (``rope_theta`` + ``rope_scaling``) and transformers-5
 (``rope_parameters``) spellings are read.  Rope scaling (``rope_type``): ``default``,
 ``linear``, ``llama3``, ``yarn``, ``longrope`` and ``dynamic`` (NTK), read as transformers
@@ -103,6 +104,8 @@ _MOE_DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
     },
     "gpt_oss": {  # transformers' (5.25) GptOssConfig
+        "num_key_value_heads": 8,
+        "head_dim": 64,
         "max_position_embeddings": 131072,
         "rope_theta": 150000.0,
         "rms_norm_eps": 1e-5,
@@ -132,11 +135,12 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """The sparse MLP of a mixture-of-experts model (``moe.MoEBlock``), the same in every layer.
+    """The sparse MLP of a mixture-of-experts model (``moe.MoEBlock``), the same in every sparse
+    layer (``ModelConfig.sparse_layers``).
 
-    The router (``gate``, no bias) scores ``num_experts`` experts per token; the softmax
+    The router (``gate``; a bias with ``router_bias``) scores ``num_experts`` experts per token; the softmax
     (float32) picks the ``num_experts_per_tok`` best, their probabilities renormalized to sum
-    to one when ``norm_topk_prob`` (qwen: the config's flag; mixtral: always); each picked
+    to one when ``norm_topk_prob`` (qwen: the config's flag; mixtral, gpt_oss: always); each picked
     expert (a SiLU-gated MLP of width ``expert_intermediate_size``) runs on the token and
     their outputs are summed weighted by those probabilities.  ``float32_combine``: the
     expert outputs are multiplied by the float32 weights before the cast back (mixtral); else
@@ -279,6 +283,12 @@ class ModelConfig:
         return self.model_type in GEMMA_MODEL_TYPES
 
     @property
+    def norm_scale_in_float32(self) -> bool:
+        """GPT-OSS: its RMSNorms scale in float32 and cast after (transformers keeps them in
+        float32); the others cast before the scale, as Llama's does."""
+        return self.model_type == "gpt_oss"
+
+    @property
     def layer_is_sparse(self) -> tuple[bool, ...]:
         """One entry per layer: True where the MLP is the mixture of experts."""
         if self.moe is None:
@@ -378,15 +388,13 @@ class ModelConfig:
             raise ModelConfigError("mlp_bias=True is not supported")
         _check_quantization(raw, model_type)
         family = gemma or _MOE_DEFAULTS.get(model_type)  # transformers' defaults of the family, if it has its own
-        if model_type == "gpt_oss" and raw.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"hidden_act={raw.get('hidden_act')!r} is not supported for gpt_oss")
         if model_type == "qwen3_moe" and raw.get("attention_bias"):
             raise ModelConfigError("attention_bias=True is not supported for qwen3_moe (its o_proj would have a bias)")
         hidden = _required_int(raw, "hidden_size")
         heads = _required_int(raw, "num_attention_heads")
         layers = _required_int(raw, "num_hidden_layers")
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or hidden // heads)
+        kv_heads = int(raw.get("num_key_value_heads") or (family or {}).get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or (family or {}).get("head_dim") or hidden // heads)
         max_pos = int(raw.get("max_position_embeddings", family["max_position_embeddings"] if family else 4096))
         if model_type == "gemma3_text":
             theta, scaling, local_theta = _read_gemma3_rope(raw, max_pos)

@@ -93,13 +93,20 @@ class AttentionMetadata:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+    """``weight * x / rms(x)``, normalized in float32.  Llama's casts back to the model's dtype
+    before the scale; ``scale_in_float32`` (GPT-OSS, whose norms transformers keeps in float32)
+    scales in float32 and casts after, as ``GptOssRMSNorm`` does."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype, *, scale_in_float32: bool = False):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
+        self.scale_in_float32 = scale_in_float32
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.scale_in_float32:
+            return (self.weight[...].astype(jnp.float32) * xf).astype(x.dtype)
         return self.weight[...] * xf.astype(x.dtype)
 
 
@@ -245,9 +252,10 @@ class DecoderLayer(nnx.Module):
     own stack (``MLPLayer``) and the forward passes the layer's one in (``mixed_mlp``)."""
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        f32 = config.norm_scale_in_float32
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, scale_in_float32=f32)
         self.self_attn = Attention(config, dtype, rngs, std)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, scale_in_float32=f32)
         mixed, sparse = config.mixed_mlp_layers, config.moe is not None
         self.mlp = None if mixed else make_mlp(config, dtype, rngs, std, sparse=sparse)
 
@@ -351,7 +359,8 @@ class DecoderModel(nnx.Module):
             self.moe_layers: nnx.Module | None = stacked_layers(config, dtype, rngs, std, sparse_cls, sparse)
         else:
             self.dense_layers = self.moe_layers = None
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        f32 = config.norm_scale_in_float32
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, scale_in_float32=f32)
 
 
 class LlamaForCausalLM(nnx.Module):

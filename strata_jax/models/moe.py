@@ -1,14 +1,16 @@
-"""The mixture-of-experts MLP of ``qwen3_moe``, ``qwen2_moe`` and ``mixtral`` (``ModelConfig.moe``).
+"""The mixture-of-experts MLP of ``qwen3_moe``, ``qwen2_moe``, ``mixtral`` and ``gpt_oss`` (``ModelConfig.moe``).
 
-``MoEBlock`` replaces ``DecoderLayer``'s dense MLP when the config has experts.  Per token:
+``MoEBlock`` replaces ``DecoderLayer``'s dense MLP on the config's sparse layers (every layer,
+or those ``ModelConfig.sparse_layers`` marks: ``llama.mixed_mlp``).  Per token:
 
-1. the router (``gate``, a linear layer without bias) scores the ``E`` experts, in the
+1. the router (``gate``, a linear layer; with a bias for GPT-OSS) scores the ``E`` experts, in the
    model's dtype as transformers computes it; softmax, top-k and the optional
    renormalization of the ``k`` picked probabilities run in float32 (``route``);
 2. the ``T * k`` (token, expert) assignments are sorted by expert, so each expert's tokens
    are one contiguous group of rows (``group_sizes[e]`` rows for expert ``e``);
 3. the experts run as grouped matmuls over those rows (row group ``e`` times expert ``e``'s
-   kernels): ``down(silu(gate(x)) * up(x))``, no token through an expert that did not pick
+   kernels): ``down(silu(gate(x)) * up(x))`` (GPT-OSS: the clamped SwiGLU and each
+   projection's per-expert bias, ``clamped_swiglu``), no token through an expert that did not pick
    it (``grouped_mlp``: ``jax.lax.ragged_dot`` on a GPU, where it lowers to a grouped GEMM;
    expert-pure row tiles in a loop on the CPU, where a ragged dot is a masked dense one);
 4. each output row is weighted by its routing probability and put back in (token, pick)

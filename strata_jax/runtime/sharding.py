@@ -119,9 +119,9 @@ def check_model(config: ModelConfig, tp: int, *, vocab_parallel: bool = VOCAB_PA
             f"(it would change the cached page layout), use tp <= {config.num_kv_heads}"
         )
     counts = [("attention heads", config.num_heads), ("KV heads", config.num_kv_heads)]
-    if config.moe is None:
+    if config.moe is None or config.mixed_mlp_layers:  # the dense MLPs split by columns / rows
         counts.append(("intermediate size", config.intermediate_size))
-    else:  # every layer is sparse (mixed stacks are refused): the dense width is not used
+    if config.moe is not None:
         if config.moe.num_experts % tp:
             divisors = [n for n in range(2, config.moe.num_experts + 1) if config.moe.num_experts % n == 0]
             raise TensorParallelError(

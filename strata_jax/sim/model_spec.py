@@ -18,7 +18,7 @@ engine's float32 KV on a CPU: ``bench twin``); ``tier_*`` figures are the L2/L3 
 layer, K/V and KV head, ``strata_jax.cache.tier_format``).  Per-rank figures divide
 heads and weights by ``tp``.
 
-Mixture of experts (``ModelConfig.moe``: every layer's MLP is ``num_experts`` routed experts,
+Mixture of experts (``ModelConfig.moe``: a sparse layer's MLP is ``num_experts`` routed experts,
 ``num_experts_per_tok`` of them per token, plus an optional shared expert) has three weight
 counts, where a dense model has one:
 
