@@ -296,6 +296,13 @@ class ModelConfig:
         return self.sparse_layers or (True,) * self.num_layers
 
     @property
+    def mlp_stack_rows(self) -> tuple[int, ...]:
+        """Each layer's row in the stack of its MLP kind (a mixed stack keeps the dense and the
+        sparse MLPs in two stacks, ``llama.DecoderModel``): its index among the layers of its kind."""
+        sparse = self.layer_is_sparse
+        return tuple(sum(1 for kind in sparse[:layer] if kind == sparse[layer]) for layer in range(self.num_layers))
+
+    @property
     def mixed_mlp_layers(self) -> bool:
         """A stack mixing dense and sparse MLP layers (``sparse_layers``)."""
         return bool(self.sparse_layers)

@@ -116,16 +116,22 @@ def _grouped(glu: GatedUnit, kernels: tuple[jax.Array, ...], rows: jax.Array, gr
     if resolve_method() == "tiles":
         return tiles(glu, gate, up, down, rows, group_sizes, biases)
     sizes = group_sizes.astype(jnp.int32)
-    index = jnp.arange(rows.shape[0], dtype=jnp.int32)
-    in_group = index < jnp.sum(sizes)
     if biases is None:
         hidden = glu(jax.lax.ragged_dot(rows, gate, sizes), jax.lax.ragged_dot(rows, up, sizes))
         return jax.lax.ragged_dot(hidden, down, sizes)
-    expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), index, side="right"), sizes.shape[0] - 1)
+    in_group, expert = row_groups(sizes, rows.shape[0])
     gate_bias, up_bias, down_bias = (bias[expert] for bias in biases)
     hidden = glu(jax.lax.ragged_dot(rows, gate, sizes) + gate_bias, jax.lax.ragged_dot(rows, up, sizes) + up_bias)
     out = jax.lax.ragged_dot(hidden, down, sizes) + down_bias
     return jnp.where(in_group[:, None], out, jnp.zeros((), out.dtype))  # rows in no group stay zero
+
+
+def row_groups(sizes: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """(whether each of ``num_rows`` sorted rows lies in a group, the group (expert) it lies in;
+    rows past ``sum(sizes)`` get the last expert) for int32 group ``sizes [E]``."""
+    index = jnp.arange(num_rows, dtype=jnp.int32)
+    expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), index, side="right"), sizes.shape[0] - 1)
+    return index < jnp.sum(sizes), expert
 
 
 def tile_rows(num_rows: int, num_experts: int) -> int:
@@ -155,8 +161,7 @@ def tiles(
     padded_end = jnp.cumsum(padded)
     start = jnp.cumsum(sizes) - sizes
     index = jnp.arange(n, dtype=jnp.int32)
-    in_group = index < jnp.sum(sizes)
-    expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), index, side="right"), e - 1)
+    in_group, expert = row_groups(sizes, n)
     capacity = -(-(n + e * (b - 1)) // b) * b  # every group padded: the most rows the tiles can hold
     # each row's place in the tiles; rows in no group go nowhere (dropped, read back as zeros)
     place = jnp.where(in_group, padded_end[expert] - padded[expert] + index - start[expert], capacity)

@@ -281,9 +281,10 @@ def mixed_layer_values(config: ModelConfig) -> dict[str, np.ndarray]:
     nothing for a uniform stack."""
     if not config.mixed_mlp_layers:
         return {}
-    sparse = np.asarray(config.layer_is_sparse, np.int32)
-    rows = np.where(sparse == 1, np.cumsum(sparse) - 1, np.cumsum(1 - sparse) - 1).astype(np.int32)
-    return {"mlp_sparse": sparse, "mlp_row": rows}
+    return {
+        "mlp_sparse": np.asarray(config.layer_is_sparse, np.int32),
+        "mlp_row": np.asarray(config.mlp_stack_rows, np.int32),
+    }
 
 
 def _stack_row(stack: nnx.Module, row: int | jax.Array) -> MLPLayer:

@@ -109,11 +109,10 @@ def _mixed_stack_placement(place: Placement, config: ModelConfig) -> Placement:
     if place.path[:3] != ("model", "layers", "mlp") or not place.index:
         return place
     layer = place.index[0]
-    sparse = config.layer_is_sparse
-    if layer >= len(sparse):
+    if layer >= config.num_layers:
         return place  # past the last layer: refused by the loader as unexpected
-    row = sum(1 for s in sparse[:layer] if s == sparse[layer])
-    stack = "moe_layers" if sparse[layer] else "dense_layers"
+    stack = "moe_layers" if config.layer_is_sparse[layer] else "dense_layers"
+    row = config.mlp_stack_rows[layer]
     return Placement(("model", stack, *place.path[2:]), (row, *place.index[1:]), place.get, place.transpose)
 
 
@@ -138,12 +137,7 @@ def _placements(tensor: NamedTensor, config: ModelConfig) -> list[Placement]:
             layer, kind = int(match.group(1)), match.group(2)
             e, f, d = moe.num_experts, moe.expert_intermediate_size, config.hidden_size
             want = (e, 2 * f, d) if kind == "gate_up_proj" else (e, d, f)
-            array = tensor.get()
-            if tuple(array.shape) != want:
-                shape = tuple(array.shape)
-                raise WeightLoadError(
-                    f"tensor {tensor.name!r} in {tensor.origin} has shape {shape}, the config implies {want}"
-                )
+            array = _read_shaped(tensor, want)
             experts = ("model", "layers", "mlp", "experts")
             if kind == "down_proj":
                 return [Placement((*experts, "down_proj", "kernel"), (layer,), lambda: array, True)]
@@ -153,6 +147,16 @@ def _placements(tensor: NamedTensor, config: ModelConfig) -> list[Placement]:
             ]
     dense_path, dense_layer, transpose = hf_name_to_param(tensor.name)
     return [Placement(dense_path, () if dense_layer is None else (dense_layer,), tensor.get, transpose)]
+
+
+def _read_shaped(tensor: NamedTensor, want: tuple[int, ...]) -> np.ndarray:
+    """A fused expert tensor, read; ``WeightLoadError`` naming it unless its shape is ``want``."""
+    array = tensor.get()
+    if tuple(array.shape) != want:
+        raise WeightLoadError(
+            f"tensor {tensor.name!r} in {tensor.origin} has shape {tuple(array.shape)}, the config implies {want}"
+        )
+    return array
 
 
 def _gpt_oss_expert_placements(
@@ -169,11 +173,7 @@ def _gpt_oss_expert_placements(
         ("down_proj", False): (e, f, d),
         ("down_proj", True): (e, d),
     }[(kind, bias)]
-    array = tensor.get()
-    if tuple(array.shape) != want:
-        raise WeightLoadError(
-            f"tensor {tensor.name!r} in {tensor.origin} has shape {tuple(array.shape)}, the config implies {want}"
-        )
+    array = _read_shaped(tensor, want)
     experts, leaf = ("model", "layers", "mlp", "experts"), "bias" if bias else "kernel"
     if kind == "down_proj":
         return [Placement((*experts, "down_proj", leaf), (layer,), lambda: array, False)]
@@ -301,7 +301,11 @@ def _hf_row_name(path: tuple, row: tuple[int, ...], config: ModelConfig) -> str:
     layer = row[0]
     if path[1] in ("dense_layers", "moe_layers"):  # a mixed stack's row: back to its layer
         kind = path[1] == "moe_layers"
-        layer = [i for i, sparse in enumerate(config.layer_is_sparse) if sparse == kind][row[0]]
+        layer = next(
+            i
+            for i, (sparse, stack_row) in enumerate(zip(config.layer_is_sparse, config.mlp_stack_rows))
+            if sparse == kind and stack_row == row[0]
+        )
     if len(row) == 2:  # an expert: its per-expert name
         return f"model.layers.{layer}.mlp.experts.{row[1]}.{'.'.join(map(str, path[4:]))}"
     return f"model.layers.{layer}.{'.'.join(map(str, path[2:]))}"
