@@ -1,7 +1,6 @@
 """Learned attention sinks (GPT-OSS) in the pure-JAX reference and the blocked CPU attention,
-against a float64 brute force written from transformers' eager GPT-OSS attention: the sink
-logit is concatenated to each head's scores, the softmax taken over both and the sink's
-column dropped.
+against the float64 brute force of ``test_pallas_attention`` (as transformers' eager GPT-OSS
+attention: the sink logit joins each head's scores in the softmax and attends to nothing).
 
 The native CPU kernels and the Pallas kernel have their own sink tests
 (``test_native_*.py``, ``test_pallas_attention.py``); this file also runs the dispatch
@@ -14,44 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_pallas_attention import MIXED, make_batch
+from test_pallas_attention import MIXED, brute_force, make_batch, make_sinks
 
 import pallas_kernels
 from pallas_kernels.blocked import blocked_paged_attention
 from pallas_kernels.reference import ragged_paged_attention_reference
 
 SCALE = 0.25
-
-
-def brute_force_with_sinks(q, k_pages, v_pages, table, seq_lens, query_start, sinks, soft_cap=None, window=None):
-    """Dense float64 attention per token and head, the sink as one more logit with no value."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
-    group = num_q_heads // num_kv_heads
-    out = np.zeros((num_tokens, num_q_heads, head_dim))
-    for b in range(len(seq_lens)):
-        q_len = query_start[b + 1] - query_start[b]
-        for i in range(q_len):
-            t, pos = query_start[b] + i, seq_lens[b] - q_len + i
-            first = 0 if window is None else max(0, pos - window + 1)
-            slots = [(table[b, p // page_size], p % page_size) for p in range(first, pos + 1)]
-            k = np.stack([k_pages[pg, off] for pg, off in slots]).astype(np.float64)
-            v = np.stack([v_pages[pg, off] for pg, off in slots]).astype(np.float64)
-            for h in range(num_q_heads):
-                s = k[:, h // group] @ q[t, h].astype(np.float64) * SCALE
-                if soft_cap is not None:
-                    s = soft_cap * np.tanh(s / soft_cap)
-                logits = np.append(s, float(sinks[h]))
-                p = np.exp(logits - logits.max())
-                out[t, h] = (p[:-1] / p.sum()) @ v[:, h // group]
-    return out
-
-
-def _sinks(num_q_heads: int, rng) -> np.ndarray:
-    """Random sinks with one that dominates (+8) and one that vanishes (-30)."""
-    sinks = rng.normal(size=num_q_heads).astype(np.float32)
-    sinks[0], sinks[-1] = 8.0, -30.0
-    return sinks
 
 
 @pytest.mark.parametrize(
@@ -62,8 +30,8 @@ def test_reference_and_blocked_with_sinks_equal_brute_force(page_size, window, s
     args, host = make_batch(
         rng, page_size=page_size, num_q_heads=8, num_kv_heads=2, head_dim=16, pad_tokens=3, dtype=jnp.float32, **MIXED
     )
-    sinks = _sinks(8, rng)
-    expected = brute_force_with_sinks(*host, sinks, soft_cap=soft_cap, window=window)
+    sinks = np.asarray(make_sinks(rng, 8))
+    expected = brute_force(*host, SCALE, soft_cap, window, sinks)
     options = dict(sm_scale=SCALE, soft_cap=soft_cap, sliding_window=window, sinks=jnp.asarray(sinks))
     for name, got in (
         ("reference", ragged_paged_attention_reference(*args, **options)),
@@ -90,8 +58,8 @@ def test_decode_batch_with_sinks_equals_brute_force():
         pad_tokens=0,
         dtype=jnp.float32,
     )
-    sinks = _sinks(4, rng)
-    expected = brute_force_with_sinks(*host, sinks)
+    sinks = np.asarray(make_sinks(rng, 4))
+    expected = brute_force(*host, SCALE, None, sinks=sinks)
     for impl in (ragged_paged_attention_reference, blocked_paged_attention):
         got = np.asarray(impl(*args, sm_scale=SCALE, sinks=jnp.asarray(sinks)))
         np.testing.assert_allclose(got, expected, atol=2e-5, rtol=2e-5, err_msg=impl.__name__)
@@ -122,9 +90,9 @@ def test_pool_dispatch_splits_sinks_with_the_heads_on_a_mesh(backend):
     )
     q, k_pages, v_pages, table, seq_lens, query_start = args
     pool = jnp.stack([k_pages, v_pages])[None]  # [L=1, 2, P, S, H, D]
-    sinks = _sinks(8, rng)
+    sinks = np.array(make_sinks(rng, 8))
     sinks[4] = 6.0  # the second shard's first head: a different value from the first shard's
-    expected = brute_force_with_sinks(*host, sinks, window=9)
+    expected = brute_force(*host, SCALE, None, 9, sinks)
     mesh = Mesh(np.array(devices[:2]), ("tp",))
     with pallas_kernels.sharded.use_head_sharding(mesh), pallas_kernels.use_backend(backend):
         out, _ = jax.jit(

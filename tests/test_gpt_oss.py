@@ -23,11 +23,9 @@ import torch
 import transformers
 from hf_reference import save_random_hf_model
 from safetensors.numpy import load_file, save_file
-from test_moe import _hf_greedy, _hf_logits, _runner
+from test_moe import _hf_greedy, _hf_logits, _runner, assert_greedy_from_every_tier, lazy_models, tier_engine
 
 import pallas_kernels
-from strata_jax.api import SamplingParams
-from strata_jax.engine import Engine, EngineConfig
 from strata_jax.models import grouped_mlp
 from strata_jax.models.config import ModelConfig, ModelConfigError
 from strata_jax.models.loader import load_model
@@ -72,15 +70,7 @@ def save_gpt_oss(folder: Path, seed: int = 3, **fields) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    built: dict[str, tuple[Path, torch.nn.Module]] = {}
-
-    def get(case: str) -> tuple[Path, torch.nn.Module]:
-        if case not in built:
-            folder = tmp_path_factory.mktemp(case)
-            built[case] = (folder, save_gpt_oss(folder, **CASES[case]))
-        return built[case]
-
-    return get
+    return lazy_models(tmp_path_factory, lambda case, folder: save_gpt_oss(folder, **CASES[case]))
 
 
 # ----------------------------------------------------------------------------- config
@@ -213,27 +203,6 @@ def test_every_cpu_attention_path_gives_the_logits(models, backend):
     assert np.abs(without - ref[:30]).max() > 1e-2
 
 
-def _engine(folder: Path, storage_dir: str, tp: int, groups: bool) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=str(folder),
-            tp=tp,
-            kv_layer_groups=groups,
-            kv_local_ratio=0.3 if groups else 1.0,
-            warmup=False,
-            show_progress=False,
-            tiers="L1+L2+L3",
-            page_size=4,
-            device_tokens=512,
-            max_batch_tokens=32,
-            max_batch_size=2,
-            prefetch_policy="wait_complete",
-            prefetch_min_tokens=0,
-            storage_dir=storage_dir,
-        )
-    )
-
-
 @pytest.mark.parametrize(
     "case, tp, groups",
     [
@@ -248,29 +217,15 @@ def test_engine_greedy_tokens_match_transformers_from_every_tier(models, tmp_pat
     layer groups (``kv_layer_groups``) the sliding layers hold a smaller pool, their KV
     outside the running windows is trimmed and the tiers move only the windows a reuse needs."""
     folder, hf = models(case)
-    prompt, n = PROMPT[:37], 8
-    cached = (len(prompt) - 1) // 4 * 4
-    greedy = SamplingParams(max_tokens=n, ignore_eos=True)
-    expected = _hf_greedy(hf, prompt, n)
-    engine = _engine(folder, str(tmp_path / "kv"), tp, groups)
+    prompt = PROMPT[:37]
+    engine = tier_engine(
+        folder, str(tmp_path / "kv"), tp, kv_layer_groups=groups, kv_local_ratio=0.3 if groups else 1.0
+    )
     try:
         assert engine.model_config.layer_windows[:2] == (8, 0)
         assert engine.ctl.windows.moves == groups
         assert (engine.ctl.device_pool.grouped is not None) == groups
-        cold = engine.generate([prompt], greedy)[0]
-        assert list(cold.token_ids) == expected, "cold"
-        l1 = engine.generate([prompt], greedy)[0]
-        assert l1.cached_tokens["device"] == cached
-        assert list(l1.token_ids) == expected, "L1"
-        engine.flush_cache("device")
-        l2 = engine.generate([prompt], greedy)[0]
-        assert l2.cached_tokens["host"] == cached and l2.cached_tokens["device"] == 0
-        assert list(l2.token_ids) == expected, "L2"
-        engine.flush_cache("device")
-        engine.flush_cache("host")
-        l3 = engine.generate([prompt], greedy)[0]
-        assert l3.cached_tokens["storage"] == cached
-        assert list(l3.token_ids) == expected, "L3"
+        assert_greedy_from_every_tier(engine, prompt, _hf_greedy(hf, prompt, 8))
     finally:
         engine.shutdown()
 

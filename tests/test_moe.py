@@ -10,6 +10,7 @@ routing) written here, padding rows included.  ``docs/models.md``, "Mixture of e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -67,19 +68,31 @@ CASES: dict[str, tuple[type, dict]] = {
 PROMPT = np.random.default_rng(1).integers(0, 96, size=48).tolist()  # 3 windows of mixtral_window's 16
 
 
-@pytest.fixture(scope="module")
-def hf_models(tmp_path_factory):
-    """Saved random HF models by case, built on first use: (folder, model)."""
+def lazy_models(
+    tmp_path_factory, build: Callable[[str, Path], torch.nn.Module]
+) -> Callable[[str], tuple[Path, torch.nn.Module]]:
+    """``get(case) -> (folder, model)``: ``build(case, folder)`` saves the case's model in a fresh
+    folder on its first use; later calls return the same pair (a module fixture's cache)."""
     built: dict[str, tuple[Path, torch.nn.Module]] = {}
 
     def get(case: str) -> tuple[Path, torch.nn.Module]:
         if case not in built:
-            config_cls, kwargs = CASES[case]
             folder = tmp_path_factory.mktemp(case)
-            built[case] = (folder, save_random_hf_model(config_cls(**kwargs), folder, seed=3))
+            built[case] = (folder, build(case, folder))
         return built[case]
 
     return get
+
+
+def saved_random_case(cases: dict[str, tuple[type, dict]], seed: int) -> Callable[[str, Path], torch.nn.Module]:
+    """A ``lazy_models`` builder: the random HF model of ``cases[case]`` (config class, fields)."""
+    return lambda case, folder: save_random_hf_model(cases[case][0](**cases[case][1]), folder, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """Saved random HF models by case, built on first use: (folder, model)."""
+    return lazy_models(tmp_path_factory, saved_random_case(CASES, seed=3))
 
 
 def _runner(model, mesh=None, **overrides) -> ModelRunner:
@@ -423,6 +436,48 @@ def assert_engine_greedy_matches(model: str, hf, n: int) -> None:
         engine.shutdown()
     for prompt, result in zip(prompts, results):
         assert list(result.token_ids) == _hf_greedy(hf, prompt, n), model
+
+
+def tier_engine(model: Path, storage_dir: str, tp: int, **overrides) -> Engine:
+    """An ``Engine`` with every tier (L3 under ``storage_dir``), 4-token pages and a prefetch that
+    waits for its pages, on ``tp`` devices; ``overrides`` replace ``EngineConfig`` fields."""
+    fields = dict(
+        model=str(model),
+        tp=tp,
+        warmup=False,
+        show_progress=False,
+        tiers="L1+L2+L3",
+        page_size=4,
+        device_tokens=512,
+        max_batch_tokens=32,
+        max_batch_size=2,
+        prefetch_policy="wait_complete",
+        prefetch_min_tokens=0,
+        storage_dir=storage_dir,
+    )
+    return Engine(EngineConfig(**{**fields, **overrides}))
+
+
+def assert_greedy_from_every_tier(engine: Engine, prompt: list[int], expected: list[int]) -> None:
+    """``prompt`` greedy through ``engine`` (``tier_engine``) cold, then with its whole pages
+    (its last token recomputed) from L1, L2 and L3: every run's tokens are ``expected``."""
+    greedy = SamplingParams(max_tokens=len(expected), ignore_eos=True)
+    cached = (len(prompt) - 1) // 4 * 4
+    cold = engine.generate([prompt], greedy)[0]
+    assert cold.cached_tokens["device"] == cold.cached_tokens["storage"] == 0
+    assert list(cold.token_ids) == expected, "cold"
+    l1 = engine.generate([prompt], greedy)[0]
+    assert l1.cached_tokens["device"] == cached
+    assert list(l1.token_ids) == expected, "L1"
+    engine.flush_cache("device")
+    l2 = engine.generate([prompt], greedy)[0]
+    assert l2.cached_tokens["host"] == cached and l2.cached_tokens["device"] == 0
+    assert list(l2.token_ids) == expected, "L2"
+    engine.flush_cache("device")
+    engine.flush_cache("host")
+    l3 = engine.generate([prompt], greedy)[0]
+    assert l3.cached_tokens["storage"] == cached
+    assert list(l3.token_ids) == expected, "L3"
 
 
 # ----------------------------------------------------------------------------- checkpoint layouts

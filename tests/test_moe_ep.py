@@ -24,10 +24,21 @@ from flax import nnx
 from hf_reference import save_random_hf_model
 from jax.extend import core as jax_core
 from jax.sharding import PartitionSpec as P
-from test_moe import BASE, _hf_greedy, _hf_logits, _moe_config, _runner, brute_force_moe
+from test_moe import (
+    BASE,
+    _hf_greedy,
+    _hf_logits,
+    _moe_config,
+    _runner,
+    assert_greedy_from_every_tier,
+    brute_force_moe,
+    lazy_models,
+    saved_random_case,
+    tier_engine,
+)
 
 from pallas_kernels.sharded import use_head_sharding
-from strata_jax.api import InvalidRequestError, SamplingParams
+from strata_jax.api import InvalidRequestError
 from strata_jax.engine import Engine, EngineConfig
 from strata_jax.models import grouped_mlp
 from strata_jax.models.loader import load_model
@@ -94,16 +105,7 @@ LOGIT_CASES = [
 @pytest.fixture(scope="module")
 def ep_models(tmp_path_factory):
     """Saved random HF models by case, built on first use: (folder, model)."""
-    built: dict = {}
-
-    def get(case: str):
-        if case not in built:
-            config_cls, kwargs = EP_CASES[case]
-            folder = tmp_path_factory.mktemp(case)
-            built[case] = (folder, save_random_hf_model(config_cls(**kwargs), folder, seed=5))
-        return built[case]
-
-    return get
+    return lazy_models(tmp_path_factory, saved_random_case(EP_CASES, seed=5))
 
 
 def _experts(state) -> dict:
@@ -278,25 +280,6 @@ def test_expert_parallel_step_lowers_for_gpu(platform, monkeypatch):
 # ----------------------------------------------------------------------------- the engine
 
 
-def _engine(folder, storage_dir: str, tp: int) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=str(folder),
-            tp=tp,
-            warmup=False,
-            show_progress=False,
-            tiers="L1+L2+L3",
-            page_size=4,
-            device_tokens=512,
-            max_batch_tokens=32,
-            max_batch_size=2,
-            prefetch_policy="wait_complete",
-            prefetch_min_tokens=0,
-            storage_dir=storage_dir,
-        )
-    )
-
-
 @pytest.mark.parametrize(
     "case",
     [
@@ -307,29 +290,12 @@ def _engine(folder, storage_dir: str, tp: int) -> Engine:
 )
 def test_engine_greedy_tokens_at_tp2_match_transformers_from_every_tier(ep_models, tmp_path, case):
     folder, hf = ep_models(case)
-    prompt, n = PROMPT[:37], 8
-    cached = (len(prompt) - 1) // 4 * 4  # whole pages of the prompt, its last token recomputed
-    greedy = SamplingParams(max_tokens=n, ignore_eos=True)
-    expected = _hf_greedy(hf, prompt, n)
-    engine = _engine(folder, str(tmp_path / "kv"), tp=2)
+    prompt = PROMPT[:37]
+    engine = tier_engine(folder, str(tmp_path / "kv"), tp=2)
     try:
         kernel = engine.runner.state[1][0]["mlp"]["experts"]["down_proj"]["kernel"].get_value()  # CPU: per layer
         assert kernel.sharding.spec == P("tp", None, None)
-        cold = engine.generate([prompt], greedy)[0]
-        assert cold.cached_tokens["device"] == cold.cached_tokens["storage"] == 0
-        assert list(cold.token_ids) == expected, "cold"
-        l1 = engine.generate([prompt], greedy)[0]
-        assert l1.cached_tokens["device"] == cached
-        assert list(l1.token_ids) == expected, "L1"
-        engine.flush_cache("device")
-        l2 = engine.generate([prompt], greedy)[0]
-        assert l2.cached_tokens["host"] == cached and l2.cached_tokens["device"] == 0
-        assert list(l2.token_ids) == expected, "L2"
-        engine.flush_cache("device")
-        engine.flush_cache("host")
-        l3 = engine.generate([prompt], greedy)[0]
-        assert l3.cached_tokens["storage"] == cached
-        assert list(l3.token_ids) == expected, "L3"
+        assert_greedy_from_every_tier(engine, prompt, _hf_greedy(hf, prompt, 8))
     finally:
         engine.shutdown()
 

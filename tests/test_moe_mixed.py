@@ -16,13 +16,19 @@ import jax
 import numpy as np
 import pytest
 import transformers
-from hf_reference import save_random_hf_model
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
-from test_moe import BASE, _hf_greedy, _hf_logits, _runner
+from test_moe import (
+    BASE,
+    _hf_greedy,
+    _hf_logits,
+    _runner,
+    assert_greedy_from_every_tier,
+    lazy_models,
+    saved_random_case,
+    tier_engine,
+)
 
-from strata_jax.api import SamplingParams
-from strata_jax.engine import Engine, EngineConfig
 from strata_jax.models.loader import load_model
 from strata_jax.models.weights import WeightLoadError
 from strata_jax.runtime import sharding
@@ -46,16 +52,7 @@ PROMPT = np.random.default_rng(1).integers(0, 96, size=40).tolist()
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    built: dict = {}
-
-    def get(case: str):
-        if case not in built:
-            config_cls, fields = CASES[case]
-            folder = tmp_path_factory.mktemp(case)
-            built[case] = (folder, save_random_hf_model(config_cls(**fields), folder, seed=3))
-        return built[case]
-
-    return get
+    return lazy_models(tmp_path_factory, saved_random_case(CASES, seed=3))
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "stacked", "unrolled"])
@@ -89,38 +86,10 @@ def test_tensor_parallel_splits_both_kinds(models):
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (XLA_FLAGS host device count)")
 def test_engine_greedy_tokens_at_tp2_match_transformers_from_every_tier(models, tmp_path):
     folder, hf = models("qwen3_moe_first_dense")
-    prompt, n = PROMPT[:37], 8
-    cached = (len(prompt) - 1) // 4 * 4
-    greedy = SamplingParams(max_tokens=n, ignore_eos=True)
-    expected = _hf_greedy(hf, prompt, n)
-    engine = Engine(
-        EngineConfig(
-            model=str(folder),
-            tp=2,
-            warmup=False,
-            show_progress=False,
-            tiers="L1+L2+L3",
-            page_size=4,
-            device_tokens=512,
-            max_batch_tokens=32,
-            max_batch_size=2,
-            prefetch_policy="wait_complete",
-            prefetch_min_tokens=0,
-            storage_dir=str(tmp_path / "kv"),
-        )
-    )
+    prompt = PROMPT[:37]
+    engine = tier_engine(folder, str(tmp_path / "kv"), tp=2)
     try:
-        cold = engine.generate([prompt], greedy)[0]
-        assert list(cold.token_ids) == expected, "cold"
-        l1 = engine.generate([prompt], greedy)[0]
-        assert l1.cached_tokens["device"] == cached and list(l1.token_ids) == expected, "L1"
-        engine.flush_cache("device")
-        l2 = engine.generate([prompt], greedy)[0]
-        assert l2.cached_tokens["host"] == cached and list(l2.token_ids) == expected, "L2"
-        engine.flush_cache("device")
-        engine.flush_cache("host")
-        l3 = engine.generate([prompt], greedy)[0]
-        assert l3.cached_tokens["storage"] == cached and list(l3.token_ids) == expected, "L3"
+        assert_greedy_from_every_tier(engine, prompt, _hf_greedy(hf, prompt, 8))
     finally:
         engine.shutdown()
 

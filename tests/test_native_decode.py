@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_pallas_attention import brute_force, make_batch
+from test_pallas_attention import brute_force, make_batch, make_sinks
 
 from pallas_kernels import dispatch, native
 from pallas_kernels.blocked import blocked_paged_attention_pool
@@ -210,16 +210,6 @@ def test_the_cpu_backend_takes_the_decode_kernel_for_decodes(monkeypatch):
         monkeypatch.delenv(native.ENV_VAR)
         native._load.cache_clear()
     assert native.available()
-
-
-def make_sinks(rng, num_q_heads: int) -> jax.Array:
-    """Sink logits, one per query head: random, with +8 on head 0 (the sink takes most of
-    its softmax) and -60 on the last (no visible effect), so heads of one GQA group differ."""
-    sinks = rng.normal(0.0, 2.0, num_q_heads).astype(np.float32)
-    sinks[0] = 8.0
-    if num_q_heads > 1:
-        sinks[-1] = -60.0
-    return jnp.asarray(sinks)
 
 
 def check_sinks_equal_the_reference(

@@ -20,10 +20,9 @@ from test_native_decode import (
     check_sinks_equal_the_reference,
     check_traced_layer_and_window_under_a_scan,
     check_traced_sinks_under_a_scan,
-    make_sinks,
     nan_pool,
 )
-from test_pallas_attention import brute_force, make_batch
+from test_pallas_attention import brute_force, make_batch, make_sinks
 
 from pallas_kernels import dispatch, native
 from pallas_kernels.blocked import blocked_paged_attention_pool
