@@ -2,7 +2,8 @@
 
 Two kernels, the pool attention of the ``"xla"`` backend on CPU (``cpu_paged_attention_pool``
 picks): ``paged_extend_attention_pool`` (``native/paged_extend.cc``) for prefill chunks,
-register-tiled Q K^T and P V over 64-key blocks read from the pages (docs/kernels.md), and
+scores computed transposed (K Q^T) over 96-key blocks read from the pages, the softmax
+across rows in vector lanes, register-tiled in the CPU's widest vectors (docs/kernels.md), and
 ``paged_decode_attention_pool`` (``native/paged_decode.cc``) for decode batches.  The
 block-causal XLA attention (``pallas_kernels.blocked``) copies each KV block of every row
 into a new array before its matmuls (XLA:CPU's gather moves ~6-10 GB/s) and makes several
@@ -28,6 +29,10 @@ milliseconds.  A build takes a few seconds, once.
 ``$STRATA_NATIVE_KERNELS=0`` turns the native kernels off: the ``"xla"`` backend then
 runs the blocked XLA attention.  When they cannot be built (no compiler), the same happens
 and a warning says why, once per process; ``available()`` and ``status()`` say which.
+The extend kernel's vectors are as wide as ``-march=native`` offers (512 bits with
+AVX-512F, else 256); ``$STRATA_NATIVE_VECTOR_BITS=256`` forces the narrower build (and 512
+on a CPU without AVX-512F is refused); ``vector_bits()`` and ``status()`` say which.
+
 Only float32 pools use the kernels (the CPU default), and the extend only head_dim a
 multiple of 16; others take the XLA path.
 """
@@ -56,6 +61,8 @@ SOURCE_DIR = Path(__file__).with_name("native")
 SOURCES = (SOURCE_DIR / "paged_decode.cc", SOURCE_DIR / "paged_extend.cc")
 HEADERS = (SOURCE_DIR / "common.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
+WIDTH_ENV_VAR = "STRATA_NATIVE_VECTOR_BITS"  # 256 forces the AVX2-width code on an AVX-512 CPU
+VECTOR_WIDTHS = (256, 512)
 _TARGET = "strata_paged_decode_attention"
 _SYMBOL = "StrataPagedDecodeAttention"
 _EXTEND_TARGET = "strata_paged_extend_attention"
@@ -97,11 +104,30 @@ def _cpu_identity() -> str:
     return platform.machine() + "\n".join(sorted(set(keep)))
 
 
+def cpu_has_avx512() -> bool:
+    """Whether this CPU offers AVX-512F (what the 512-bit build needs)."""
+    return "avx512f" in _cpu_identity().split()
+
+
+def build_flags() -> tuple[str, ...]:
+    """FLAGS plus the vector width ``$STRATA_NATIVE_VECTOR_BITS`` forces (256 or 512; unset:
+    the widest ``-march=native`` offers, 512 with AVX-512F, else 256)."""
+    forced = os.environ.get(WIDTH_ENV_VAR, "").strip()
+    if not forced:
+        return FLAGS
+    if forced not in {str(bits) for bits in VECTOR_WIDTHS}:
+        raise NativeBuildError(f"${WIDTH_ENV_VAR} must be one of {VECTOR_WIDTHS}, got {forced!r}")
+    if forced == "512" and not cpu_has_avx512():
+        raise NativeBuildError(f"${WIDTH_ENV_VAR}=512 needs a CPU with AVX-512F; this one has none")
+    return (*FLAGS, f"-DSTRATA_VECTOR_BITS={forced}")
+
+
 def library_path(cxx: str) -> Path:
-    """Where the build for this source, compiler, jaxlib and CPU lives."""
+    """Where the build for this source, flags, compiler, jaxlib and CPU lives."""
     key = hashlib.sha256()
     sources = tuple(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    for part in (*sources, " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(), _cpu_identity().encode()):
+    flags = " ".join(build_flags()).encode()
+    for part in (*sources, flags, cxx.encode(), jax.__version__.encode(), _cpu_identity().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / f"strata_native-{key.hexdigest()[:20]}.so"
@@ -118,7 +144,7 @@ def build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # then renamed: concurrent builds never see half a file
     os.close(fd)
-    command = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
+    command = [cxx, *build_flags(), f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     logger.info("compiling the native CPU kernels (once): %s", " ".join(command))
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
@@ -134,18 +160,25 @@ def build() -> Path:
 
 
 @functools.cache
-def _load() -> tuple[bool, str]:
+def _load() -> tuple[bool, str, int]:
     if not enabled_by_env():
-        return False, f"off (${ENV_VAR}=0)"
+        return False, f"off (${ENV_VAR}=0)", 0
     try:
         path = build()
         library = ctypes.cdll.LoadLibrary(str(path))
         for target, symbol in ((_TARGET, _SYMBOL), (_EXTEND_TARGET, _EXTEND_SYMBOL)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+        bits = int(library.strata_native_vector_bits())
     except (NativeBuildError, OSError, AttributeError) as e:
         logger.warning("native CPU kernels unavailable, the XLA decode attention runs instead: %s", e)
-        return False, f"unavailable: {e}"
-    return True, f"on ({path})"
+        return False, f"unavailable: {e}", 0
+    return True, f"on, {bits}-bit vectors ({path})", bits
+
+
+def vector_bits() -> int:
+    """The vector width the loaded build's extend kernel uses (512: AVX-512, 256: AVX2 or
+    NEON pairs); 0 when the kernels are not available."""
+    return _load()[2]
 
 
 def available() -> bool:

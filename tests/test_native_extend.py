@@ -4,12 +4,21 @@ prefill attention on CPU) against the float64 brute force and the block-causal X
 Batches come from ``test_pallas_attention.make_batch``: unwritten KV slots, padding
 queries and page-table entries past a sequence's pages are NaN / garbage, so reading what
 it should not turns the output into NaN.  Row lengths cross the kernel's query blocks (96
-rows of tokens x GQA group) and its 64-key blocks, with one-token rows (a decode in a
-mixed batch) and empty rows between them.  Learned attention sinks (GPT-OSS) are checked
+rows of tokens x GQA group) and its 96-key blocks, with one-token rows (a decode in a
+mixed batch) and empty rows between them.  Both vector widths the build can take (256-bit,
+forced; 512-bit where the CPU has AVX-512) run against the brute force in a subprocess
+each, and the 512-bit build is compiled on any x86 host.  Learned attention sinks (GPT-OSS) are checked
 with the decode tests' helpers (tests/test_native_decode.py).
 """
 
 from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +42,7 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels:
 
 @pytest.mark.parametrize(
     "page_size,head_dim,heads",
-    [(16, 64, (9, 3)), (16, 16, (8, 2)), (8, 32, (4, 4)), (16, 16, (2, 1)), (4, 48, (12, 1))],
+    [(16, 64, (9, 3)), (16, 16, (8, 2)), (8, 32, (4, 4)), (16, 16, (2, 1)), (4, 48, (12, 1)), (16, 256, (4, 1))],
 )
 @pytest.mark.parametrize("soft_cap", (None, 5.0))
 @pytest.mark.parametrize("window", (None, 0, 1, 7, 40))
@@ -236,3 +245,97 @@ def test_the_cpu_backend_passes_sinks_to_the_extend_kernel_and_the_xla_attention
         monkeypatch.delenv(native.ENV_VAR)
         native._load.cache_clear()
     assert native.available()
+
+
+# One mixed batch per shape (SmolLM2's heads, Gemma 3's head_dim 256 on one KV head, a
+# 48-dim head: a 32- and a 16-dim values tile at 512 bits), windows and a soft cap, all
+# crossing 96-key and 96-row blocks; computed in a subprocess that builds the kernels at
+# one vector width, then compared here with the brute force.
+_WIDTH_CASES = (
+    dict(page_size=16, head_dim=64, heads=(9, 3), soft_cap=None, window=None),
+    dict(page_size=16, head_dim=256, heads=(4, 1), soft_cap=None, window=100),
+    dict(page_size=8, head_dim=48, heads=(6, 2), soft_cap=5.0, window=None),
+)
+_WIDTH_SCRIPT = """
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_native_decode import nan_pool
+from test_pallas_attention import make_batch
+import jax.numpy as jnp
+from pallas_kernels import native
+assert native.available(), native.status()
+outputs = {"bits": native.vector_bits()}
+for i, case in enumerate(json.loads(sys.argv[2])):
+    args, _ = make_batch(np.random.default_rng(i), page_size=case["page_size"], q_lens=(1, 150, 0, 40),
+                         ctx_lens=(300, 0, 0, 230), num_q_heads=case["heads"][0], num_kv_heads=case["heads"][1],
+                         head_dim=case["head_dim"], pad_tokens=2, dtype=jnp.float32)
+    q, k, v, table, seq_lens, qs = args
+    got = native.paged_extend_attention_pool(q, nan_pool(k, v), 1, table, seq_lens, qs, sm_scale=0.2,
+                                             soft_cap=case["soft_cap"], sliding_window=case["window"])[0]
+    np.save(sys.argv[3] + f"/{i}.npy", np.asarray(got))
+print(json.dumps(outputs))
+"""
+
+
+@pytest.mark.parametrize("bits", native.VECTOR_WIDTHS)
+def test_each_vector_width_equals_brute_force(bits, tmp_path):
+    """The extend kernel built at 256 bits (forced, as on an AVX2 CPU) and at 512 (AVX-512,
+    where this CPU has it) against the float64 brute force, each in its own process (a
+    process loads one build)."""
+    if bits == 512 and not native.cpu_has_avx512():
+        pytest.skip("this CPU has no AVX-512F: the 512-bit build cannot run here (it is compiled below)")
+    tests_dir = str(Path(__file__).parent)
+    env = {**os.environ, native.WIDTH_ENV_VAR: str(bits)}
+    done = subprocess.run(
+        [sys.executable, "-c", _WIDTH_SCRIPT, tests_dir, json.dumps(_WIDTH_CASES), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["bits"] == bits
+    for i, case in enumerate(_WIDTH_CASES):
+        _, host = make_batch(
+            np.random.default_rng(i),
+            page_size=case["page_size"],
+            q_lens=(1, 150, 0, 40),
+            ctx_lens=(300, 0, 0, 230),
+            num_q_heads=case["heads"][0],
+            num_kv_heads=case["heads"][1],
+            head_dim=case["head_dim"],
+            pad_tokens=2,
+            dtype=jnp.float32,
+        )
+        got = np.load(tmp_path / f"{i}.npy")
+        n = int(host[5][-1])
+        np.testing.assert_array_equal(got[n:], 0.0)
+        want = brute_force(*host, 0.2, case["soft_cap"], case["window"])
+        np.testing.assert_allclose(got[:n], want[:n], atol=2e-5, rtol=2e-5, err_msg=f"{bits}-bit, case {case}")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="AVX-512 is an x86 instruction set")
+def test_the_512_bit_build_compiles_on_any_x86_host(tmp_path):
+    """The AVX-512 code (16-float vectors) compiles whether or not this CPU could run it,
+    so a change cannot break it unseen on AVX2 machines; and forcing it on a CPU without
+    AVX-512F is refused by name."""
+    cxx = native.compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    flags = [f for f in native.FLAGS if f not in ("-shared", "-fPIC")]
+    command = [cxx, *flags, "-mavx512f", "-DSTRATA_VECTOR_BITS=512", f"-I{jax.ffi.include_dir()}", "-c"]
+    for source in native.SOURCES:
+        done = subprocess.run([*command, str(source), "-o", str(tmp_path / (source.stem + ".o"))], capture_output=True)
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+    if not native.cpu_has_avx512():
+        os.environ[native.WIDTH_ENV_VAR] = "512"
+        try:
+            with pytest.raises(native.NativeBuildError, match="needs a CPU with AVX-512F"):
+                native.build_flags()
+        finally:
+            del os.environ[native.WIDTH_ENV_VAR]
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv(native.WIDTH_ENV_VAR, "384")
+        with pytest.raises(native.NativeBuildError, match="must be one of"):
+            native.build_flags()

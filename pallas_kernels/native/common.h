@@ -1,5 +1,6 @@
 // Helpers the native CPU kernels share: 8-float vectors (GCC/Clang vector extensions,
-// AVX on x86, NEON pairs on ARM), a vectorized exp for the online softmax, a parallel
+// AVX on x86, NEON pairs on ARM) and vectors as wide as the CPU's (`vf`: 16 floats where
+// the build targets AVX-512, else 8), a vectorized exp for the online softmax, a parallel
 // loop over XLA's intra-op thread pool, and the softmax's final normalisation with the
 // learned attention sinks.
 #pragma once
@@ -26,33 +27,84 @@ inline v8 load(const float* p) { return *reinterpret_cast<const v8*>(p); }
 inline void store(float* p, v8 x) { *reinterpret_cast<v8*>(p) = x; }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
+// The widest vector the build targets: native.py passes -DSTRATA_VECTOR_BITS=256 to force
+// the AVX2-width code on an AVX-512 CPU (to test it, or where 512-bit code clocks down);
+// otherwise -march=native decides.  strata_native_vector_bits() reports the choice.
+#ifndef STRATA_VECTOR_BITS
+#ifdef __AVX512F__
+#define STRATA_VECTOR_BITS 512
+#else
+#define STRATA_VECTOR_BITS 256
+#endif
+#endif
+constexpr int VF = STRATA_VECTOR_BITS / 32;  // floats per vf
+typedef float vf __attribute__((vector_size(STRATA_VECTOR_BITS / 8), aligned(4)));  // unaligned
+typedef int32_t vfi __attribute__((vector_size(STRATA_VECTOR_BITS / 8)));
+
+inline vf loadf(const float* p) { return *reinterpret_cast<const vf*>(p); }
+inline void storef(float* p, vf x) { *reinterpret_cast<vf*>(p) = x; }
+// Every lane spelled out: one broadcast (`vf{} + x` adds 0 first, since -0.0 + 0 != -0.0,
+// and a lane-by-lane loop compiles to inserts).
+#if STRATA_VECTOR_BITS == 512
+inline vf splatf(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#else
+inline vf splatf(float x) { return vf{x, x, x, x, x, x, x, x}; }
+#endif
+
 #ifdef __clang__
 #define SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, i8v{__VA_ARGS__})
 #endif
 
-// exp(x) for x <= 0 (scores minus their running max), 8 at a time: Cody-Waite range
+// exp(x) for x <= 0 (scores minus their running max), a vector at a time: Cody-Waite range
 // reduction and a degree-6 polynomial (relative error ~2e-7); x below -87 gives ~1e-38.
-inline v8 exp_nonpositive(v8 x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+template <typename V, typename I>
+inline V exp_nonpositive_any(V x) {
+  const V floor = V{} - 87.0f;
+  x = x < floor ? floor : x;
   // round to nearest by adding and subtracting 1.5 * 2^23 (|x log2 e| < 2^22)
-  const v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  v8 r = x - n * 0.693359375f;
+  const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  V r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
-  v8 p = splat(1.9875691500e-4f);
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const i8v bits = (__builtin_convertvector(n, i8v) + 127) << 23;
-  v8 scale;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
 
+// 2^x for x <= 0, a vector at a time: the extend kernel's scores are in base 2 (queries
+// scaled by log2 e), so the range reduction is one rounding, r = x - n in [-1/2, 1/2]
+// exactly, and 2^r a degree-6 polynomial (Chebyshev fit, relative error 1.1e-7): ~14
+// vector operations against exp_nonpositive's ~18.  x below -126 gives 2^-126.
+template <typename V, typename I>
+inline V exp2_nonpositive_any(V x) {
+  const V floor = V{} - 126.0f;
+  x = x < floor ? floor : x;
+  const V n = (x + 12582912.0f) - 12582912.0f;  // round to nearest (|x| < 2^22)
+  const V r = x - n;
+  V p = V{} + 1.5465312753804028e-4f;
+  p = p * r + 1.3395280111581087e-3f;
+  p = p * r + 9.618040174245834e-3f;
+  p = p * r + 5.550340563058853e-2f;
+  p = p * r + 2.4022650718688965e-1f;
+  p = p * r + 6.931471824645996e-1f;
+  p = p * r + 1.0f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+inline v8 exp_nonpositive(v8 x) { return exp_nonpositive_any<v8, i8v>(x); }
+inline vf exp2_nonpositive(vf x) { return exp2_nonpositive_any<vf, vfi>(x); }
 inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
 
 // The lane sums of a[0..7], as one vector (a transpose and add in three rounds).

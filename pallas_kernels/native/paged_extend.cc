@@ -20,13 +20,18 @@
 //   out         f32[T, QH, D]            tokens past query_start[B] (padding) get zeros
 //
 // Work items are (row, KV head, block of query tokens) triples, the most keys first,
-// shared out over XLA's intra-op thread pool.  An item packs its queries as M = tokens x G
-// rows (the GQA group folded into the rows, scaled by sm_scale), and for every key block
-// packs K transposed ([D, KEY_BLOCK]) from the pages; the two products are register-tiled
-// (6 query rows x 16 keys for Q K^T, 6 rows x 16 dims for P V).  V rows are read where
-// they lie.  Key blocks every row of the item sees whole skip the mask.  Requires
-// head_dim % 16 == 0 (native.py sends other shapes to the XLA attention).  The sinks join
-// only the final normalisation of each row, so the key-block loop does no extra work.
+// shared out over XLA's intra-op thread pool.  An item's queries are M = tokens x G rows
+// (the GQA group folded into the rows), packed once, transposed and scaled ([D, M]).  Its
+// keys go by blocks of KEY_BLOCK, and each block's scores are computed transposed,
+// S^T = K Q^T ([keys, M]): K is read where it lies in the pages (one broadcast per key and
+// dim, no packed copy), and the online softmax then runs across the rows in vector lanes
+// (per-lane max, exp and sum, no horizontal reductions).  P V accumulates into [M, D] with
+// V rows read where they lie.  Both products are register-tiled (scores_tile, values_tile)
+// in vectors as wide as the build's (`vf`: AVX-512 or AVX2, common.h).  Key blocks every
+// row of the item sees whole skip the mask; key blocks past the item's last position are
+// never computed.  Requires head_dim % 16 == 0 (native.py sends other shapes to the XLA
+// attention).  The sinks join only the final normalisation of each row, so the key-block
+// loop does no extra work.
 #include <vector>
 
 #include "common.h"
@@ -35,10 +40,11 @@ namespace {
 
 using namespace strata_native;
 
-constexpr int64_t TILE_ROWS = 6;    // query rows per register tile
-constexpr int64_t TILE_COLS = 16;   // keys (Q K^T) or dims (P V) per register tile
-constexpr int64_t KEY_BLOCK = 64;   // keys per block
+constexpr float LOG2E = 1.44269504088896341f, LN2 = 0.693147180559945309f;
+constexpr int64_t KEY_TILE = 6;     // keys per scores tile (x 2 row vectors: 12 accumulators)
+constexpr int64_t KEY_BLOCK = 96;   // keys per block, a multiple of KEY_TILE (48 to 120 measure alike)
 constexpr int64_t ITEM_ROWS = 96;   // query rows (tokens x G) an item aims for
+constexpr int64_t VALUE_ROWS = VF == 16 ? 8 : 4;  // rows per values tile (x 2 vectors of dims); divides VF
 
 struct Operands {
   int64_t tokens, q_heads, head_dim, pages, page_size, kv_heads, width, rows;
@@ -60,153 +66,164 @@ struct Item {
   int64_t key_lo, key_hi;                  // keys any of them sees: key_lo .. key_hi - 1
 };
 
-// Scratch of one item (a thread's, reused across the items it takes).
+// Scratch of one item (a thread's, reused across the items it takes).  m_pad: rows
+// rounded up to whole vectors.
 struct Scratch {
-  std::vector<float> q, kt, scores, acc, row_max, row_sum, correction;
-  std::vector<const float*> v_rows;
+  std::vector<float> qt, st, acc, row_max, row_sum, correction, position, zeros;
+  std::vector<const float*> k_rows, v_rows;
   void fit(int64_t m_pad, int64_t d) {
-    q.assign(m_pad * d, 0.0f);
-    kt.resize(d * KEY_BLOCK);
-    scores.resize(m_pad * KEY_BLOCK);
+    qt.assign(d * m_pad, 0.0f);
+    st.resize(KEY_BLOCK * m_pad);
     acc.assign(m_pad * d, 0.0f);
     row_max.assign(m_pad, -INFINITY);
     row_sum.assign(m_pad, 0.0f);
     correction.resize(m_pad);
+    position.resize(m_pad);
+    zeros.assign(d, 0.0f);
+    k_rows.resize(KEY_BLOCK);
     v_rows.resize(KEY_BLOCK);
   }
 };
 
-// scores[m, j] = q[m, :] . kt[:, j] for rows m0 .. m0 + 5, keys j0 .. j0 + 15.
-inline void qk_tile(const float* q, const float* kt, float* scores, int64_t m0, int64_t j0, int64_t d) {
-  v8 c[TILE_ROWS][2] = {};
+// st[j, m] = k_j . qt[:, m] for keys j0 .. j0 + KEY_TILE - 1 and rows m0 .. m0 + NV * VF - 1.
+template <int NV>
+inline void scores_tile(const float* qt, int64_t m_pad, const float* const* k_rows, float* st, int64_t j0, int64_t m0,
+                        int64_t d) {
+  vf c[KEY_TILE][NV] = {};
+  const float* k[KEY_TILE];
+  for (int64_t t = 0; t < KEY_TILE; ++t) k[t] = k_rows[j0 + t];
   for (int64_t e = 0; e < d; ++e) {
-    const v8 k0 = load(kt + e * KEY_BLOCK + j0), k1 = load(kt + e * KEY_BLOCK + j0 + 8);
-    for (int64_t r = 0; r < TILE_ROWS; ++r) {
-      const v8 qv = splat(q[(m0 + r) * d + e]);
-      c[r][0] += qv * k0;
-      c[r][1] += qv * k1;
+    vf qv[NV];
+    for (int n = 0; n < NV; ++n) qv[n] = loadf(qt + e * m_pad + m0 + n * VF);
+    for (int64_t t = 0; t < KEY_TILE; ++t) {
+      const vf kv = splatf(k[t][e]);
+      for (int n = 0; n < NV; ++n) c[t][n] += kv * qv[n];
     }
   }
-  for (int64_t r = 0; r < TILE_ROWS; ++r) {
-    store(scores + (m0 + r) * KEY_BLOCK + j0, c[r][0]);
-    store(scores + (m0 + r) * KEY_BLOCK + j0 + 8, c[r][1]);
-  }
+  for (int64_t t = 0; t < KEY_TILE; ++t)
+    for (int n = 0; n < NV; ++n) storef(st + (j0 + t) * m_pad + m0 + n * VF, c[t][n]);
 }
 
-// acc[m, e0 .. e0 + 15] = acc[m, ...] * correction[m] + sum_j p[m, j] v[j, e0 ..], rows m0 .. m0 + 5.
-inline void pv_tile(const float* p, const float* const* v_rows, int64_t keys, const float* correction, float* acc,
-                    int64_t m0, int64_t e0, int64_t d) {
-  v8 c[TILE_ROWS][2];
-  for (int64_t r = 0; r < TILE_ROWS; ++r) {
-    const v8 s = splat(correction[m0 + r]);
-    c[r][0] = load(acc + (m0 + r) * d + e0) * s;
-    c[r][1] = load(acc + (m0 + r) * d + e0 + 8) * s;
+// acc[m, e0 .. e0 + DV * VF - 1] = acc[m, ...] * correction[m] + sum_j st[j, m] v_j[e0 ..],
+// rows m0 .. m0 + VALUE_ROWS - 1 (st holds probabilities by now).
+template <int DV>
+inline void values_tile(const float* pt, int64_t m_pad, const float* const* v_rows, int64_t keys,
+                        const float* correction, float* acc, int64_t m0, int64_t e0, int64_t d) {
+  vf c[VALUE_ROWS][DV];
+  for (int64_t r = 0; r < VALUE_ROWS; ++r) {
+    const vf s = splatf(correction[m0 + r]);
+    for (int n = 0; n < DV; ++n) c[r][n] = loadf(acc + (m0 + r) * d + e0 + n * VF) * s;
   }
   for (int64_t j = 0; j < keys; ++j) {
-    const v8 v0 = load(v_rows[j] + e0), v1 = load(v_rows[j] + e0 + 8);
-    for (int64_t r = 0; r < TILE_ROWS; ++r) {
-      const v8 pv = splat(p[(m0 + r) * KEY_BLOCK + j]);
-      c[r][0] += pv * v0;
-      c[r][1] += pv * v1;
+    vf v[DV];
+    for (int n = 0; n < DV; ++n) v[n] = loadf(v_rows[j] + e0 + n * VF);
+    const float* p = pt + j * m_pad + m0;
+    for (int64_t r = 0; r < VALUE_ROWS; ++r) {
+      const vf pv = splatf(p[r]);
+      for (int n = 0; n < DV; ++n) c[r][n] += pv * v[n];
     }
   }
-  for (int64_t r = 0; r < TILE_ROWS; ++r) {
-    store(acc + (m0 + r) * d + e0, c[r][0]);
-    store(acc + (m0 + r) * d + e0 + 8, c[r][1]);
-  }
+  for (int64_t r = 0; r < VALUE_ROWS; ++r)
+    for (int n = 0; n < DV; ++n) storef(acc + (m0 + r) * d + e0 + n * VF, c[r][n]);
 }
 
-// The online-softmax update of rows 0 .. m - 1 for keys key0 .. key0 + keys - 1: scores
-// become probabilities (0 where a row may not look), running max / sum / correction set.
-void softmax_block(const Operands& o, const Item& it, Scratch& s, int64_t m, int64_t key0, int64_t keys) {
-  const int64_t G = o.q_heads / o.kv_heads;
+// The online-softmax update of every row for keys key0 .. key0 + keys - 1, VF rows at a
+// time, in base 2 (scores are log2 e times the logits, so 2^(s - max) = e^(logit - max);
+// the running max is in base-2 units until the final normalisation): the transposed
+// scores become probabilities (exactly 0 where a row may not look),
+// the running max / sum / correction are set.  A row that has seen no key yet keeps max
+// -inf, sum 0 (its correction multiplies a zero accumulator).
+void softmax_block(const Operands& o, const Item& it, Scratch& s, int64_t m_pad, int64_t key0, int64_t keys) {
   const int64_t last_key = key0 + keys - 1;
   // whole: every row sees every key of the block (past the window's edge, before the diagonal)
   const bool whole = last_key <= it.first_pos && (o.window <= 0 || key0 > it.first_pos + it.tokens - 1 - o.window);
-  for (int64_t r = 0; r < m; ++r) {
-    float* sr = s.scores.data() + r * KEY_BLOCK;
-    int64_t lo = 0, hi = keys;  // this row's visible keys in the block
-    if (!whole) {
-      const int64_t pos = it.first_pos + r / G;
-      hi = std::min<int64_t>(keys, pos - key0 + 1);
-      if (o.window > 0) lo = std::max<int64_t>(0, pos - o.window + 1 - key0);
-    }
-    if (hi <= lo) {  // nothing visible in this block: the row's state stands
-      s.correction[r] = 1.0f;
-      std::fill(sr, sr + KEY_BLOCK, 0.0f);
-      continue;
-    }
-    if (o.soft_cap > 0.0f)
-      for (int64_t j = lo; j < hi; ++j) sr[j] = o.soft_cap * std::tanh(sr[j] / o.soft_cap);
-    float block_max = -INFINITY;
-    {
-      int64_t j = lo;
-      if (hi - lo >= 8) {
-        v8 m8 = load(sr + lo);
-        for (j = lo + 8; j + 8 <= hi; j += 8) {
-          const v8 x = load(sr + j);
-          m8 = x > m8 ? x : m8;
-        }
-        for (int i = 0; i < 8; ++i) block_max = std::max(block_max, m8[i]);
+  float* st = s.st.data();
+  if (o.soft_cap > 0.0f)  // queries were scaled without log2 e: cap in natural units, then to base 2
+    for (int64_t i = 0; i < keys * m_pad; ++i) st[i] = o.soft_cap * std::tanh(st[i] / o.soft_cap) * LOG2E;
+  const vf minus_inf = splatf(-INFINITY), zero = {};
+  for (int64_t r0 = 0; r0 < m_pad; r0 += VF) {
+    const vf old_max = loadf(s.row_max.data() + r0);
+    vf block_max = minus_inf;
+    if (whole) {
+      for (int64_t j = 0; j < keys; ++j) {
+        const vf x = loadf(st + j * m_pad + r0);
+        block_max = x > block_max ? x : block_max;
       }
-      for (; j < hi; ++j) block_max = std::max(block_max, sr[j]);
+    } else {  // mask in place: -inf where the key is after the row or before its window
+      const vf pos = loadf(s.position.data() + r0);
+      const vf edge = o.window > 0 ? pos - float(o.window) : minus_inf;  // keys at or before it are out
+      for (int64_t j = 0; j < keys; ++j) {
+        const vf key = splatf(float(key0 + j));
+        vf x = loadf(st + j * m_pad + r0);
+        x = (key <= pos) & (key > edge) ? x : minus_inf;
+        storef(st + j * m_pad + r0, x);
+        block_max = x > block_max ? x : block_max;
+      }
     }
-    const float new_max = std::max(s.row_max[r], block_max);
-    s.correction[r] = exp_nonpositive(s.row_max[r] - new_max);  // row_max = -inf: ~0 times a zero acc
-    s.row_max[r] = new_max;
-    for (int64_t j = 0; j < lo; ++j) sr[j] = 0.0f;
-    int64_t j = lo;
-    v8 sum8 = {};
-    for (; j + 8 <= hi; j += 8) {
-      const v8 p = exp_nonpositive(load(sr + j) - new_max);
-      store(sr + j, p);
-      sum8 += p;
+    const vf new_max = old_max > block_max ? old_max : block_max;
+    const vf base = new_max == minus_inf ? zero : new_max;  // nothing seen yet: no -inf - -inf
+    storef(s.correction.data() + r0, exp2_nonpositive(old_max - base));
+    storef(s.row_max.data() + r0, new_max);
+    vf sum = zero;
+    for (int64_t j = 0; j < keys; ++j) {
+      const vf x = loadf(st + j * m_pad + r0);
+      vf p = exp2_nonpositive(x - base);
+      if (!whole) p = x == minus_inf ? zero : p;
+      storef(st + j * m_pad + r0, p);
+      sum += p;
     }
-    float sum = 0.0f;
-    for (int i = 0; i < 8; ++i) sum += sum8[i];
-    for (; j < hi; ++j) sum += sr[j] = exp_nonpositive(sr[j] - new_max);
-    for (j = hi; j < KEY_BLOCK; ++j) sr[j] = 0.0f;
-    s.row_sum[r] = s.row_sum[r] * s.correction[r] + sum;
+    storef(s.row_sum.data() + r0, loadf(s.row_sum.data() + r0) * loadf(s.correction.data() + r0) + sum);
   }
 }
 
 void attend_item(const Operands& o, const Item& it, Scratch& s) {
   const int64_t G = o.q_heads / o.kv_heads, D = o.head_dim, S = o.page_size, ts = o.kv_heads * D;
-  const int64_t m = it.tokens * G, m_pad = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+  const int64_t m = it.tokens * G, m_pad = (m + VF - 1) / VF * VF;
   s.fit(m_pad, D);
-  for (int64_t i = 0; i < it.tokens; ++i) {  // rows (token, g), scaled; padding rows stay 0
+  // rows (token, g), scaled and transposed; padding rows stay 0.  Scores in base 2 (see
+  // softmax_block), unless a soft cap must first see them in natural units.
+  const float scale = o.soft_cap > 0.0f ? o.sm_scale : o.sm_scale * LOG2E;
+  for (int64_t i = 0; i < it.tokens; ++i) {
     const float* src = o.q + ((it.first_token + i) * o.q_heads + it.head * G) * D;
-    for (int64_t e = 0; e < G * D; ++e) s.q[i * G * D + e] = src[e] * o.sm_scale;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t e = 0; e < D; ++e) s.qt[e * m_pad + i * G + g] = src[g * D + e] * scale;
   }
+  for (int64_t r = 0; r < m_pad; ++r)  // padding rows: the last token's position (finite, never written out)
+    s.position[r] = float(it.first_pos + std::min(r, m - 1) / G);
   const int32_t* table = o.table + it.row * o.width;
   for (int64_t key0 = it.key_lo; key0 < it.key_hi; key0 += KEY_BLOCK) {
     const int64_t keys = std::min<int64_t>(KEY_BLOCK, it.key_hi - key0);
-    const int64_t cols = (keys + TILE_COLS - 1) / TILE_COLS * TILE_COLS;
-    for (int64_t j = 0; j < keys; ++j) {  // K transposed; V rows where they lie
+    const int64_t tiled = (keys + KEY_TILE - 1) / KEY_TILE * KEY_TILE;
+    for (int64_t j = 0; j < keys; ++j) {  // K and V rows where they lie in the pages
       const int64_t pos = key0 + j, page_index = std::min<int64_t>(pos / S, o.width - 1);
       const int64_t page = std::clamp<int64_t>(table[page_index], 0, o.pages - 1);
       const int64_t at = (page * S + pos % S) * ts + it.head * D;
-      const float* k = o.k_layer + at;
-      for (int64_t e = 0; e < D; ++e) s.kt[e * KEY_BLOCK + j] = k[e];
+      s.k_rows[j] = o.k_layer + at;
       s.v_rows[j] = o.v_layer + at;
     }
-    for (int64_t j = keys; j < cols; ++j)
-      for (int64_t e = 0; e < D; ++e) s.kt[e * KEY_BLOCK + j] = 0.0f;
-    for (int64_t m0 = 0; m0 < m_pad; m0 += TILE_ROWS)
-      for (int64_t j0 = 0; j0 < cols; j0 += TILE_COLS) qk_tile(s.q.data(), s.kt.data(), s.scores.data(), m0, j0, D);
-    softmax_block(o, it, s, m, key0, keys);
-    for (int64_t r = m; r < m_pad; ++r) {  // padding rows: keep them finite zeros
-      s.correction[r] = 0.0f;
-      std::fill(s.scores.begin() + r * KEY_BLOCK, s.scores.begin() + (r + 1) * KEY_BLOCK, 0.0f);
+    for (int64_t j = keys; j < tiled; ++j) s.k_rows[j] = s.zeros.data();  // a whole last tile; never read after
+    const float* const* k_rows = s.k_rows.data();
+    int64_t m0 = 0;
+    for (; m0 + 2 * VF <= m_pad; m0 += 2 * VF)
+      for (int64_t j0 = 0; j0 < tiled; j0 += KEY_TILE)
+        scores_tile<2>(s.qt.data(), m_pad, k_rows, s.st.data(), j0, m0, D);
+    if (m0 < m_pad)  // a last single vector of rows
+      for (int64_t j0 = 0; j0 < tiled; j0 += KEY_TILE)
+        scores_tile<1>(s.qt.data(), m_pad, k_rows, s.st.data(), j0, m0, D);
+    softmax_block(o, it, s, m_pad, key0, keys);
+    for (int64_t r0 = 0; r0 < m_pad; r0 += VALUE_ROWS) {
+      int64_t e0 = 0;
+      for (; e0 + 2 * VF <= D; e0 += 2 * VF)
+        values_tile<2>(s.st.data(), m_pad, s.v_rows.data(), keys, s.correction.data(), s.acc.data(), r0, e0, D);
+      for (; e0 < D; e0 += VF)
+        values_tile<1>(s.st.data(), m_pad, s.v_rows.data(), keys, s.correction.data(), s.acc.data(), r0, e0, D);
     }
-    for (int64_t m0 = 0; m0 < m_pad; m0 += TILE_ROWS)
-      for (int64_t e0 = 0; e0 < D; e0 += TILE_COLS)
-        pv_tile(s.scores.data(), s.v_rows.data(), keys, s.correction.data(), s.acc.data(), m0, e0, D);
   }
   for (int64_t i = 0; i < it.tokens; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g;  // query head it.head * G + g
-      const float inv = sink_normalizer(s.row_max[r], s.row_sum[r], o.sinks[it.head * G + g]);
+      const float max = s.row_max[r] * LN2;  // to natural units, as the sink logit
+      const float inv = sink_normalizer(max, s.row_sum[r], o.sinks[it.head * G + g]);
       float* y = o.out + ((it.first_token + i) * o.q_heads + it.head * G + g) * D;
       for (int64_t e = 0; e < D; ++e) y[e] = s.acc[r * D + e] * inv;
     }
@@ -220,7 +237,7 @@ ffi::Error PagedExtendImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi
   PoolLayer p;
   if (ffi::Error e = pool_layer("paged_extend_attention", q, pool, layer, sinks, p); e.failure()) return e;
   const auto td = table.dimensions();
-  if (td.size() != 2 || p.head_dim % TILE_COLS != 0 || query_start.element_count() != td[0] + 1 ||
+  if (td.size() != 2 || p.head_dim % 16 != 0 || query_start.element_count() != td[0] + 1 ||
       seq_lens.element_count() != td[0] || window.element_count() != 1) {
     return ffi::Error::InvalidArgument("paged_extend_attention: operand shapes do not agree");
   }
@@ -256,6 +273,9 @@ ffi::Error PagedExtendImpl(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi
 }
 
 }  // namespace
+
+// The vector width this build's extend kernel uses (native.py's vector_bits(), status()).
+extern "C" int strata_native_vector_bits() { return STRATA_VECTOR_BITS; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataPagedExtendAttention, PagedExtendImpl,
                               ffi::Ffi::Bind()
