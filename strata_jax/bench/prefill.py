@@ -181,6 +181,9 @@ def _measure_engine(args: argparse.Namespace, chunk: int) -> tuple[dict, Engine]
             max_batch_tokens=chunk,
             max_batch_size=args.max_batch_size,
             device_tokens=device_tokens,
+            # the prompt and its one sampled token, past the CPU's default cap of 16K (the
+            # engine refuses more than the model's limit, naming it)
+            max_context_tokens=args.tokens + 1,
         )
     )
     if args.tokens + 1 > engine.max_context_tokens:
