@@ -127,6 +127,48 @@ def test_rows_sharing_a_prefix_and_long_rows_split_across_threads():
     np.testing.assert_allclose(got, xla, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize(
+    "page_size,head_dim,heads",
+    [(16, 64, (9, 3)), (8, 48, (8, 1)), (4, 32, (4, 4)), (16, 256, (4, 1)), (16, 24, (6, 2))],
+)
+@pytest.mark.parametrize("soft_cap,window,with_sinks", [(None, None, False), (5.0, 37, True), (None, 100, False)])
+def test_tokens_on_a_shared_page_are_scored_together(page_size, head_dim, heads, soft_cap, window, with_sinks):
+    """Seven tokens over one document (the tiled path: their query heads in vector lanes,
+    each shared page scored once for all), ending at different slots of the same last
+    shared page (row 4 is row 0 cut short) and at pages of their own, beside a token of its
+    own; windows cut each lane at a different slot.  head_dim 24 takes the per-token path
+    (the tiles need a multiple of 16), head_dim 48 a 32- and a 16-dim values tile at 512
+    bits.  Against the float64 brute force, sinks included."""
+    rng = np.random.default_rng(page_size + head_dim)
+    prefix = 23 * 16 // page_size  # the shared document's pages
+    ctx = (400, 390, 377, 368, 371, 366, 390, 120)
+    args, host = make_batch(
+        rng,
+        page_size=page_size,
+        q_lens=[1] * len(ctx),
+        ctx_lens=ctx,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        pad_tokens=0,
+        dtype=jnp.float32,
+    )
+    q, k, v, table, seq_lens, qs = args
+    k, v, table = np.asarray(k), np.asarray(v), np.asarray(table).copy()
+    for row in range(1, 7):
+        table[row, :prefix] = table[0, :prefix]
+    table[4] = table[0]  # row 4: row 0's pages, 30 positions shorter (same last page, fewer slots)
+    host = (host[0], k, v, table, *host[4:])
+    table = jnp.asarray(table)
+    pool = nan_pool(jnp.asarray(k), jnp.asarray(v))
+    sinks = make_sinks(rng, heads[0]) if with_sinks else None
+    options = dict(sm_scale=0.2, soft_cap=soft_cap, sliding_window=window, sinks=sinks)
+    got = np.asarray(native.paged_decode_attention_pool(q, pool, 1, table, seq_lens, qs, **options)[0])
+    assert not np.isnan(got).any()
+    want = brute_force(*host, 0.2, soft_cap, window, sinks=None if sinks is None else np.asarray(sinks))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
 def check_traced_layer_and_window_under_a_scan(kernel, q_lens, ctx_lens, pad_tokens: int = 0) -> None:
     """Under ``jax.lax.scan`` (the model's layer loop) the layer index and window are
     traced values; each layer reads its own rows of the pool (K and V scaled by 1, 2, 3),

@@ -105,7 +105,80 @@ inline V exp2_nonpositive_any(V x) {
 
 inline v8 exp_nonpositive(v8 x) { return exp_nonpositive_any<v8, i8v>(x); }
 inline vf exp2_nonpositive(vf x) { return exp2_nonpositive_any<vf, vfi>(x); }
+inline vf exp_nonpositive_wide(vf x) { return exp_nonpositive_any<vf, vfi>(x); }
 inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
+
+// Register tiles of the two attention products, shared by the extend kernel and the
+// decode kernel's pages shared by several tokens.  Queries sit in vector lanes: `qt` is
+// [D, m_pad] (rows transposed), scores come out transposed, st[j, m] ([keys, m_pad]).
+
+// st[j, m] = k_j . qt[:, m] for keys j0 .. j0 + KT - 1 (k_rows: each key's D floats where
+// they lie) and rows m0 .. m0 + NV * VF - 1.  KT x NV accumulators (12 or 8).
+template <int KT, int NV>
+inline void scores_tile(const float* qt, int64_t m_pad, const float* const* k_rows, float* st, int64_t j0, int64_t m0,
+                        int64_t d) {
+  vf c[KT][NV] = {};
+  const float* k[KT];
+  for (int t = 0; t < KT; ++t) k[t] = k_rows[j0 + t];
+  for (int64_t e = 0; e < d; ++e) {
+    vf qv[NV];
+    for (int n = 0; n < NV; ++n) qv[n] = loadf(qt + e * m_pad + m0 + n * VF);
+    for (int t = 0; t < KT; ++t) {
+      const vf kv = splatf(k[t][e]);
+      for (int n = 0; n < NV; ++n) c[t][n] += kv * qv[n];
+    }
+  }
+  for (int t = 0; t < KT; ++t)
+    for (int n = 0; n < NV; ++n) storef(st + (j0 + t) * m_pad + m0 + n * VF, c[t][n]);
+}
+
+// Rows per values tile (x 2 vectors of dims: 8 accumulators at 256 bits, 16 at 512); divides VF.
+constexpr int64_t VALUE_ROWS = VF == 16 ? 8 : 4;
+
+// acc_rows[m][e0 .. e0 + DV * VF - 1] = acc_rows[m][...] * correction[m] + sum_j pt[j, m] v_j[e0 ..]
+// for rows m0 .. m0 + VALUE_ROWS - 1 and keys 0 .. keys - 1 (pt: probabilities, [keys, m_pad]).
+template <int DV>
+inline void values_tile(const float* pt, int64_t m_pad, const float* const* v_rows, int64_t keys,
+                        const float* correction, float* const* acc_rows, int64_t m0, int64_t e0) {
+  vf c[VALUE_ROWS][DV];
+  for (int64_t r = 0; r < VALUE_ROWS; ++r) {
+    const vf s = splatf(correction[m0 + r]);
+    for (int n = 0; n < DV; ++n) c[r][n] = loadf(acc_rows[m0 + r] + e0 + n * VF) * s;
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    vf v[DV];
+    for (int n = 0; n < DV; ++n) v[n] = loadf(v_rows[j] + e0 + n * VF);
+    const float* p = pt + j * m_pad + m0;
+    for (int64_t r = 0; r < VALUE_ROWS; ++r) {
+      const vf pv = splatf(p[r]);
+      for (int n = 0; n < DV; ++n) c[r][n] += pv * v[n];
+    }
+  }
+  for (int64_t r = 0; r < VALUE_ROWS; ++r)
+    for (int n = 0; n < DV; ++n) storef(acc_rows[m0 + r] + e0 + n * VF, c[r][n]);
+}
+
+// Every values tile of rows 0 .. m_pad - 1 (a multiple of VF) and dims 0 .. d - 1 (a
+// multiple of 16): 2-vector tiles, then a 1-vector tile for the last 16 dims at 512 bits.
+inline void values_tiles(const float* pt, int64_t m_pad, const float* const* v_rows, int64_t keys,
+                         const float* correction, float* const* acc_rows, int64_t d) {
+  for (int64_t r0 = 0; r0 < m_pad; r0 += VALUE_ROWS) {
+    int64_t e0 = 0;
+    for (; e0 + 2 * VF <= d; e0 += 2 * VF) values_tile<2>(pt, m_pad, v_rows, keys, correction, acc_rows, r0, e0);
+    for (; e0 < d; e0 += VF) values_tile<1>(pt, m_pad, v_rows, keys, correction, acc_rows, r0, e0);
+  }
+}
+
+// Every scores tile of keys 0 .. keys_tiled - 1 (a multiple of KT) and rows 0 .. m_pad - 1.
+template <int KT>
+inline void scores_tiles(const float* qt, int64_t m_pad, const float* const* k_rows, float* st, int64_t keys_tiled,
+                         int64_t d) {
+  int64_t m0 = 0;
+  for (; m0 + 2 * VF <= m_pad; m0 += 2 * VF)
+    for (int64_t j0 = 0; j0 < keys_tiled; j0 += KT) scores_tile<KT, 2>(qt, m_pad, k_rows, st, j0, m0, d);
+  if (m0 < m_pad)  // a last single vector of rows
+    for (int64_t j0 = 0; j0 < keys_tiled; j0 += KT) scores_tile<KT, 1>(qt, m_pad, k_rows, st, j0, m0, d);
+}
 
 // The lane sums of a[0..7], as one vector (a transpose and add in three rounds).
 inline v8 transpose_sum(const v8* a) {

@@ -16,11 +16,15 @@
 //   attrs      sm_scale, soft_cap (0: none)
 //   out        f32[T, QH, D]
 //
-// Work items are (token, part of its KV range) pairs, shared out over XLA's intra-op
-// thread pool; a token's parts are merged at the end (flash-decoding), so one long row
-// still keeps every core busy.  Vector code uses GCC/Clang vector extensions (8 floats),
-// which compile to AVX on x86 and NEON pairs on ARM.  The sinks join only the merge's
-// final normalisation (once per token and head), so the page loop does no extra work.
+// Work items are (group of tokens sharing their first page, part of its KV range) pairs,
+// shared out over XLA's intra-op thread pool; a token's parts are merged at the end
+// (flash-decoding), so one long row still keeps every core busy.  Tokens on the same
+// physical page (a shared document) are scored together as one register-tiled product
+// (attend_shared_run); a token alone on its page takes the matrix-vector path (attend_page).
+// Vector code uses GCC/Clang vector extensions (8 floats on the matrix-vector path, the
+// build's width on the tiled one), which compile to AVX on x86 and NEON pairs on ARM.
+// The sinks join only the merge's final normalisation (once per token and head), so the
+// page loop does no extra work.
 #include <vector>
 
 #include "common.h"
@@ -150,6 +154,144 @@ void attend_page(const Operands& o, int64_t page, int64_t lo, int64_t hi, const 
   }
 }
 
+// Tokens of a group on the same pages (a document several questions share): their query
+// heads of one KV head sit in vector lanes and the pages' slots are scored as one
+// register-tiled product (common.h's scores_tile / values_tile), instead of one
+// matrix-vector product per token.  Lane i * G + g is member rows[i]'s query head
+// h * G + g; each lane's online-softmax state lives where attend_page keeps it (part_max,
+// part_sum, part_acc), so tokens move between the two paths page by page.  Consecutive
+// pages the same members share go as one run of up to SHARED_RUN_KEYS keys, so each
+// lane's accumulator is loaded and stored once per run, not once per page.
+constexpr int64_t SHARED_KEY_TILE = 4;   // keys per scores tile (x 2 row vectors: 8 accumulators)
+constexpr int64_t SHARED_RUN_KEYS = 96;  // keys a run aims for
+
+struct SharedRun {
+  std::vector<int64_t> rows;                         // members (indices into the group) on these pages
+  std::vector<std::pair<int64_t, int64_t>> pages;    // (page, position of its slot 0)
+};
+
+struct SharedScratch {
+  std::vector<int64_t> packed;  // the members whose queries qt holds (repacked when they change)
+  std::vector<float> qt;        // [H][D][m_pad], scaled queries transposed
+  std::vector<float> st, lo, hi, max, sum, correction, zeros, spare;
+  std::vector<int64_t> key_pos;  // the run's keys' positions
+  std::vector<const float*> k_rows, v_rows;
+  std::vector<float*> acc_rows;
+};
+
+// A run of pages shared by members run.rows of a group (each seeing its positions
+// spans[r].first .. spans[r].n - 1), every KV head, folded into their part states.  Only
+// slots some member sees are read (unwritten ones may hold NaN).
+void attend_shared_run(const Operands& o, const std::vector<int64_t>& members, const SharedRun& run,
+                       const std::vector<Span>& spans, const float* qs, int64_t part, SharedScratch& s) {
+  const int64_t QH = o.q_heads, H = o.kv_heads, D = o.head_dim, S = o.page_size, G = QH / H, ts = H * D;
+  const std::vector<int64_t>& rows = run.rows;
+  const int64_t m = int64_t(rows.size()) * G, m_pad = (m + VF - 1) / VF * VF;
+  if (s.packed != rows) {
+    s.packed = rows;
+    s.qt.assign(H * D * m_pad, 0.0f);
+    for (int64_t i = 0; i < int64_t(rows.size()); ++i)
+      for (int64_t qh = 0; qh < QH; ++qh)
+        for (int64_t e = 0; e < D; ++e)
+          s.qt[((qh / G) * D + e) * m_pad + i * G + qh % G] = qs[(rows[i] * QH + qh) * D + e];
+  }
+  s.lo.assign(m_pad, 0.0f);
+  s.hi.assign(m_pad, 0.0f);  // padding lanes see nothing
+  int64_t lo_all = INT64_MAX, hi_all = 0;  // positions some member sees; every lane sees [max lo, min hi)
+  int64_t lo_max = 0, hi_min = INT64_MAX;
+  for (int64_t i = 0; i < int64_t(rows.size()); ++i) {
+    const Span& sp = spans[rows[i]];
+    lo_all = std::min(lo_all, sp.first), hi_all = std::max(hi_all, sp.n);
+    lo_max = std::max(lo_max, sp.first), hi_min = std::min(hi_min, sp.n);
+    for (int64_t g = 0; g < G; ++g) {
+      s.lo[i * G + g] = float(sp.first);
+      s.hi[i * G + g] = float(sp.n);
+    }
+  }
+  s.key_pos.clear();
+  for (const auto& [page, page_pos] : run.pages)  // the run's keys: slots some member sees
+    for (int64_t pos = std::max(page_pos, lo_all); pos < std::min(page_pos + S, hi_all); ++pos)
+      s.key_pos.push_back(pos);
+  const int64_t keys = int64_t(s.key_pos.size());
+  if (keys == 0) return;
+  const bool whole = s.key_pos.front() >= lo_max && s.key_pos.back() < hi_min;  // every lane sees every key
+  const int64_t tiled = (keys + SHARED_KEY_TILE - 1) / SHARED_KEY_TILE * SHARED_KEY_TILE;
+  s.st.resize(tiled * m_pad);
+  s.zeros.assign(D, 0.0f);
+  s.spare.resize((m_pad - m) * D);  // padding lanes' accumulators, never read
+  s.k_rows.resize(tiled);
+  s.v_rows.resize(keys);
+  s.max.resize(m_pad);
+  s.sum.resize(m_pad);
+  s.correction.resize(m_pad);
+  s.acc_rows.resize(m_pad);
+  const vf minus_inf = splatf(-INFINITY), zero = {};
+  for (int64_t h = 0; h < H; ++h) {
+    {
+      int64_t j = 0;
+      for (const auto& [page, page_pos] : run.pages) {
+        const float* k_page = o.k_layer + page * S * ts + h * D;
+        const float* v_page = o.v_layer + page * S * ts + h * D;
+        for (; j < keys && s.key_pos[j] < page_pos + S; ++j) {
+          s.k_rows[j] = k_page + (s.key_pos[j] - page_pos) * ts;
+          s.v_rows[j] = v_page + (s.key_pos[j] - page_pos) * ts;
+        }
+      }
+      for (; j < tiled; ++j) s.k_rows[j] = s.zeros.data();
+    }
+    for (int64_t lane = 0; lane < m_pad; ++lane) {  // the lanes' states, where attend_page keeps them
+      if (lane < m) {
+        const int64_t at = (members[rows[lane / G]] * o.splits + part) * QH + h * G + lane % G;
+        s.max[lane] = o.part_max[at];
+        s.sum[lane] = o.part_sum[at];
+        s.acc_rows[lane] = o.part_acc + at * D;
+      } else {
+        s.max[lane] = -INFINITY;
+        s.sum[lane] = 0.0f;
+        s.acc_rows[lane] = s.spare.data() + (lane - m) * D;
+      }
+    }
+    scores_tiles<SHARED_KEY_TILE>(s.qt.data() + h * D * m_pad, m_pad, s.k_rows.data(), s.st.data(), tiled, D);
+    float* st = s.st.data();
+    if (o.soft_cap > 0.0f)
+      for (int64_t i = 0; i < keys * m_pad; ++i) st[i] = o.soft_cap * std::tanh(st[i] / o.soft_cap);
+    for (int64_t r0 = 0; r0 < m_pad; r0 += VF) {  // the online softmax, a vector of lanes at a time
+      const vf lo = loadf(s.lo.data() + r0), hi = loadf(s.hi.data() + r0), old_max = loadf(s.max.data() + r0);
+      const bool all_see = whole && r0 + VF <= m;  // no padding lane in this vector either
+      vf block_max = minus_inf;
+      for (int64_t j = 0; j < keys; ++j) {
+        vf x = loadf(st + j * m_pad + r0);
+        if (!all_see) {
+          const vf key = splatf(float(s.key_pos[j]));
+          x = (key >= lo) & (key < hi) ? x : minus_inf;
+          storef(st + j * m_pad + r0, x);
+        }
+        block_max = x > block_max ? x : block_max;
+      }
+      const vf new_max = old_max > block_max ? old_max : block_max;
+      const vf base = new_max == minus_inf ? zero : new_max;  // nothing seen yet: no -inf - -inf
+      const vf correction = exp_nonpositive_wide(old_max - base);
+      vf sum = zero;
+      for (int64_t j = 0; j < keys; ++j) {
+        const vf x = loadf(st + j * m_pad + r0);
+        vf p = exp_nonpositive_wide(x - base);
+        if (!all_see) p = x == minus_inf ? zero : p;
+        storef(st + j * m_pad + r0, p);
+        sum += p;
+      }
+      storef(s.correction.data() + r0, correction);
+      storef(s.max.data() + r0, new_max);
+      storef(s.sum.data() + r0, loadf(s.sum.data() + r0) * correction + sum);
+    }
+    values_tiles(st, m_pad, s.v_rows.data(), keys, s.correction.data(), s.acc_rows.data(), D);
+    for (int64_t lane = 0; lane < m; ++lane) {
+      const int64_t at = (members[rows[lane / G]] * o.splits + part) * QH + h * G + lane % G;
+      o.part_max[at] = s.max[lane];
+      o.part_sum[at] = s.sum[lane];
+    }
+  }
+}
+
 // One part of a group's KV range.  A group is the tokens whose first page is the same (a
 // shared prefix: a document and the questions asked about it); at each page index every
 // token of the group takes its page in turn, so a page they share comes from memory once
@@ -176,19 +318,53 @@ void attend_group_part(const Operands& o, const std::vector<int64_t>& members, i
   std::vector<float> qs(rows * QH * D), scores(QH * S);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < QH * D; ++i) qs[r * QH * D + i] = o.q[members[r] * QH * D + i] * o.sm_scale;
+  SharedScratch shared;
+  SharedRun run;  // pages shared by the same members, not yet scored
+  const int64_t run_pages = std::max<int64_t>(1, SHARED_RUN_KEYS / S);
+  auto flush = [&]() {
+    if (!run.pages.empty()) attend_shared_run(o, members, run, spans, qs.data(), part, shared);
+    run.pages.clear();
+  };
+  std::vector<std::pair<int64_t, int64_t>> on_page;  // (page, member) of the members this page index holds
+  std::vector<int64_t> same;
+  const bool tiles = D % 16 == 0;  // the tiles' dims go by 16
   for (int64_t page_index = page_lo; page_index < page_hi; ++page_index) {
     if (page_index + 1 < page_hi && spans[0].n > 0 && page_index + 1 < spans[0].end_page)
       prefetch_page(o, o.table[members[0] * o.width + page_index + 1]);  // on its way while this one is used
+    on_page.clear();
     for (int64_t r = 0; r < rows; ++r) {
       const Span& sp = spans[r];
       if (page_index < sp.first_page || page_index >= sp.end_page) continue;
-      const int64_t t = members[r], page_pos = page_index * S;
-      const int64_t page = o.table[t * o.width + page_index];
+      const int64_t page = o.table[members[r] * o.width + page_index];
       if (page < 0 || page >= o.pages) continue;  // never for a valid table; a stray id reads nothing
-      const int64_t lo = std::max(sp.first, page_pos) - page_pos, hi = std::min<int64_t>(sp.n - page_pos, S);
-      attend_page(o, page, lo, hi, qs.data() + r * QH * D, scores.data(), t * o.splits + part);
+      on_page.emplace_back(page, r);
+    }
+    std::sort(on_page.begin(), on_page.end());
+    const int64_t page_pos = page_index * S;
+    // Members on the same physical page together.  The online softmax does not depend on
+    // the order pages are folded in, so a run may wait while other members' pages go first.
+    for (size_t a = 0; a < on_page.size();) {
+      size_t b = a;
+      same.clear();
+      while (b < on_page.size() && on_page[b].first == on_page[a].first) same.push_back(on_page[b++].second);
+      const int64_t page = on_page[a].first;
+      if (tiles && same.size() >= 2) {
+        if (run.rows != same || int64_t(run.pages.size()) >= run_pages) {
+          flush();
+          run.rows = same;
+        }
+        run.pages.emplace_back(page, page_pos);
+      } else {
+        for (int64_t r : same) {
+          const Span& sp = spans[r];
+          const int64_t lo = std::max(sp.first, page_pos) - page_pos, hi = std::min<int64_t>(sp.n - page_pos, S);
+          attend_page(o, page, lo, hi, qs.data() + r * QH * D, scores.data(), members[r] * o.splits + part);
+        }
+      }
+      a = b;
     }
   }
+  flush();
 }
 
 // out[t] = token t's parts merged (the online-softmax combine), normalized with each

@@ -26,7 +26,7 @@
 // S^T = K Q^T ([keys, M]): K is read where it lies in the pages (one broadcast per key and
 // dim, no packed copy), and the online softmax then runs across the rows in vector lanes
 // (per-lane max, exp and sum, no horizontal reductions).  P V accumulates into [M, D] with
-// V rows read where they lie.  Both products are register-tiled (scores_tile, values_tile)
+// V rows read where they lie.  Both products are register-tiled (common.h's scores_tile, values_tile)
 // in vectors as wide as the build's (`vf`: AVX-512 or AVX2, common.h).  Key blocks every
 // row of the item sees whole skip the mask; key blocks past the item's last position are
 // never computed.  Requires head_dim % 16 == 0 (native.py sends other shapes to the XLA
@@ -44,7 +44,6 @@ constexpr float LOG2E = 1.44269504088896341f, LN2 = 0.693147180559945309f;
 constexpr int64_t KEY_TILE = 6;     // keys per scores tile (x 2 row vectors: 12 accumulators)
 constexpr int64_t KEY_BLOCK = 96;   // keys per block, a multiple of KEY_TILE (48 to 120 measure alike)
 constexpr int64_t ITEM_ROWS = 96;   // query rows (tokens x G) an item aims for
-constexpr int64_t VALUE_ROWS = VF == 16 ? 8 : 4;  // rows per values tile (x 2 vectors of dims); divides VF
 
 struct Operands {
   int64_t tokens, q_heads, head_dim, pages, page_size, kv_heads, width, rows;
@@ -71,6 +70,7 @@ struct Item {
 struct Scratch {
   std::vector<float> qt, st, acc, row_max, row_sum, correction, position, zeros;
   std::vector<const float*> k_rows, v_rows;
+  std::vector<float*> acc_rows;  // row m of acc
   void fit(int64_t m_pad, int64_t d) {
     qt.assign(d * m_pad, 0.0f);
     st.resize(KEY_BLOCK * m_pad);
@@ -82,50 +82,10 @@ struct Scratch {
     zeros.assign(d, 0.0f);
     k_rows.resize(KEY_BLOCK);
     v_rows.resize(KEY_BLOCK);
+    acc_rows.resize(m_pad);
+    for (int64_t m = 0; m < m_pad; ++m) acc_rows[m] = acc.data() + m * d;
   }
 };
-
-// st[j, m] = k_j . qt[:, m] for keys j0 .. j0 + KEY_TILE - 1 and rows m0 .. m0 + NV * VF - 1.
-template <int NV>
-inline void scores_tile(const float* qt, int64_t m_pad, const float* const* k_rows, float* st, int64_t j0, int64_t m0,
-                        int64_t d) {
-  vf c[KEY_TILE][NV] = {};
-  const float* k[KEY_TILE];
-  for (int64_t t = 0; t < KEY_TILE; ++t) k[t] = k_rows[j0 + t];
-  for (int64_t e = 0; e < d; ++e) {
-    vf qv[NV];
-    for (int n = 0; n < NV; ++n) qv[n] = loadf(qt + e * m_pad + m0 + n * VF);
-    for (int64_t t = 0; t < KEY_TILE; ++t) {
-      const vf kv = splatf(k[t][e]);
-      for (int n = 0; n < NV; ++n) c[t][n] += kv * qv[n];
-    }
-  }
-  for (int64_t t = 0; t < KEY_TILE; ++t)
-    for (int n = 0; n < NV; ++n) storef(st + (j0 + t) * m_pad + m0 + n * VF, c[t][n]);
-}
-
-// acc[m, e0 .. e0 + DV * VF - 1] = acc[m, ...] * correction[m] + sum_j st[j, m] v_j[e0 ..],
-// rows m0 .. m0 + VALUE_ROWS - 1 (st holds probabilities by now).
-template <int DV>
-inline void values_tile(const float* pt, int64_t m_pad, const float* const* v_rows, int64_t keys,
-                        const float* correction, float* acc, int64_t m0, int64_t e0, int64_t d) {
-  vf c[VALUE_ROWS][DV];
-  for (int64_t r = 0; r < VALUE_ROWS; ++r) {
-    const vf s = splatf(correction[m0 + r]);
-    for (int n = 0; n < DV; ++n) c[r][n] = loadf(acc + (m0 + r) * d + e0 + n * VF) * s;
-  }
-  for (int64_t j = 0; j < keys; ++j) {
-    vf v[DV];
-    for (int n = 0; n < DV; ++n) v[n] = loadf(v_rows[j] + e0 + n * VF);
-    const float* p = pt + j * m_pad + m0;
-    for (int64_t r = 0; r < VALUE_ROWS; ++r) {
-      const vf pv = splatf(p[r]);
-      for (int n = 0; n < DV; ++n) c[r][n] += pv * v[n];
-    }
-  }
-  for (int64_t r = 0; r < VALUE_ROWS; ++r)
-    for (int n = 0; n < DV; ++n) storef(acc + (m0 + r) * d + e0 + n * VF, c[r][n]);
-}
 
 // The online-softmax update of every row for keys key0 .. key0 + keys - 1, VF rows at a
 // time, in base 2 (scores are log2 e times the logits, so 2^(s - max) = e^(logit - max);
@@ -202,22 +162,9 @@ void attend_item(const Operands& o, const Item& it, Scratch& s) {
       s.v_rows[j] = o.v_layer + at;
     }
     for (int64_t j = keys; j < tiled; ++j) s.k_rows[j] = s.zeros.data();  // a whole last tile; never read after
-    const float* const* k_rows = s.k_rows.data();
-    int64_t m0 = 0;
-    for (; m0 + 2 * VF <= m_pad; m0 += 2 * VF)
-      for (int64_t j0 = 0; j0 < tiled; j0 += KEY_TILE)
-        scores_tile<2>(s.qt.data(), m_pad, k_rows, s.st.data(), j0, m0, D);
-    if (m0 < m_pad)  // a last single vector of rows
-      for (int64_t j0 = 0; j0 < tiled; j0 += KEY_TILE)
-        scores_tile<1>(s.qt.data(), m_pad, k_rows, s.st.data(), j0, m0, D);
+    scores_tiles<KEY_TILE>(s.qt.data(), m_pad, s.k_rows.data(), s.st.data(), tiled, D);
     softmax_block(o, it, s, m_pad, key0, keys);
-    for (int64_t r0 = 0; r0 < m_pad; r0 += VALUE_ROWS) {
-      int64_t e0 = 0;
-      for (; e0 + 2 * VF <= D; e0 += 2 * VF)
-        values_tile<2>(s.st.data(), m_pad, s.v_rows.data(), keys, s.correction.data(), s.acc.data(), r0, e0, D);
-      for (; e0 < D; e0 += VF)
-        values_tile<1>(s.st.data(), m_pad, s.v_rows.data(), keys, s.correction.data(), s.acc.data(), r0, e0, D);
-    }
+    values_tiles(s.st.data(), m_pad, s.v_rows.data(), keys, s.correction.data(), s.acc_rows.data(), D);
   }
   for (int64_t i = 0; i < it.tokens; ++i)
     for (int64_t g = 0; g < G; ++g) {
