@@ -339,3 +339,20 @@ def test_the_512_bit_build_compiles_on_any_x86_host(tmp_path):
         m.setenv(native.WIDTH_ENV_VAR, "384")
         with pytest.raises(native.NativeBuildError, match="must be one of"):
             native.build_flags()
+
+
+def test_the_rate_benchmark_runs_both_kernels(tmp_path):
+    """``scripts/bench_native_rate.py`` on small cases: an extend and both decode layouts,
+    each printing its number (the script the docs' kernel tables come from)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_native_rate.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--rounds", "1", "smollm2@64", "shared@2", "own@2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("extend smollm2@64: ") and "% of the matmul rate" in line for line in lines), lines
+    for case in ("shared@2", "own@2"):
+        assert any(line.startswith(f"decode {case}: ") and line.endswith(")") for line in lines), lines
