@@ -108,6 +108,43 @@ inline vf exp2_nonpositive(vf x) { return exp2_nonpositive_any<vf, vfi>(x); }
 inline vf exp_nonpositive_wide(vf x) { return exp_nonpositive_any<vf, vfi>(x); }
 inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
 
+// The online-softmax update of lanes r0 .. r0 + VF - 1 for `keys` transposed scores
+// st[j * m_pad + r0] (one query row per lane), shared by the extend kernel (Exp = 2^x: its
+// scores are in base 2) and the decode kernel's shared pages (Exp = e^x).  Scores a lane may
+// not look at (sees(j) false in that lane) become exactly 0, the others exp(score - new max);
+// max, sum and correction are the lanes' running state, updated in place.  A lane that has
+// seen no key yet keeps max -inf, sum 0 (its correction multiplies a zero accumulator).
+// all_see: every lane sees every key (no masking work at all).
+template <typename Exp, typename Sees>
+inline void online_softmax_lanes(float* st, int64_t m_pad, int64_t r0, int64_t keys, bool all_see, Sees sees, Exp exp,
+                                 float* max, float* sum, float* correction) {
+  const vf minus_inf = splatf(-INFINITY), zero = {};
+  const vf old_max = loadf(max + r0);
+  vf block_max = minus_inf;
+  for (int64_t j = 0; j < keys; ++j) {
+    vf x = loadf(st + j * m_pad + r0);
+    if (!all_see) {
+      x = sees(j) ? x : minus_inf;
+      storef(st + j * m_pad + r0, x);
+    }
+    block_max = x > block_max ? x : block_max;
+  }
+  const vf new_max = old_max > block_max ? old_max : block_max;
+  const vf base = new_max == minus_inf ? zero : new_max;  // nothing seen yet: no -inf - -inf
+  const vf scale_old = exp(old_max - base);
+  vf block_sum = zero;
+  for (int64_t j = 0; j < keys; ++j) {
+    const vf x = loadf(st + j * m_pad + r0);
+    vf p = exp(x - base);
+    if (!all_see) p = x == minus_inf ? zero : p;
+    storef(st + j * m_pad + r0, p);
+    block_sum += p;
+  }
+  storef(correction + r0, scale_old);
+  storef(max + r0, new_max);
+  storef(sum + r0, loadf(sum + r0) * scale_old + block_sum);
+}
+
 // Register tiles of the two attention products, shared by the extend kernel and the
 // decode kernel's pages shared by several tokens.  Queries sit in vector lanes: `qt` is
 // [D, m_pad] (rows transposed), scores come out transposed, st[j, m] ([keys, m_pad]).

@@ -225,7 +225,7 @@ void attend_shared_run(const Operands& o, const std::vector<int64_t>& members, c
   s.sum.resize(m_pad);
   s.correction.resize(m_pad);
   s.acc_rows.resize(m_pad);
-  const vf minus_inf = splatf(-INFINITY), zero = {};
+  const auto exp = [](vf x) { return exp_nonpositive_wide(x); };
   for (int64_t h = 0; h < H; ++h) {
     {
       int64_t j = 0;
@@ -256,32 +256,14 @@ void attend_shared_run(const Operands& o, const std::vector<int64_t>& members, c
     if (o.soft_cap > 0.0f)
       for (int64_t i = 0; i < keys * m_pad; ++i) st[i] = o.soft_cap * std::tanh(st[i] / o.soft_cap);
     for (int64_t r0 = 0; r0 < m_pad; r0 += VF) {  // the online softmax, a vector of lanes at a time
-      const vf lo = loadf(s.lo.data() + r0), hi = loadf(s.hi.data() + r0), old_max = loadf(s.max.data() + r0);
+      const vf lo = loadf(s.lo.data() + r0), hi = loadf(s.hi.data() + r0);
+      const auto sees = [&](int64_t j) {  // the key is in the lane's span
+        const vf key = splatf(float(s.key_pos[j]));
+        return (key >= lo) & (key < hi);
+      };
       const bool all_see = whole && r0 + VF <= m;  // no padding lane in this vector either
-      vf block_max = minus_inf;
-      for (int64_t j = 0; j < keys; ++j) {
-        vf x = loadf(st + j * m_pad + r0);
-        if (!all_see) {
-          const vf key = splatf(float(s.key_pos[j]));
-          x = (key >= lo) & (key < hi) ? x : minus_inf;
-          storef(st + j * m_pad + r0, x);
-        }
-        block_max = x > block_max ? x : block_max;
-      }
-      const vf new_max = old_max > block_max ? old_max : block_max;
-      const vf base = new_max == minus_inf ? zero : new_max;  // nothing seen yet: no -inf - -inf
-      const vf correction = exp_nonpositive_wide(old_max - base);
-      vf sum = zero;
-      for (int64_t j = 0; j < keys; ++j) {
-        const vf x = loadf(st + j * m_pad + r0);
-        vf p = exp_nonpositive_wide(x - base);
-        if (!all_see) p = x == minus_inf ? zero : p;
-        storef(st + j * m_pad + r0, p);
-        sum += p;
-      }
-      storef(s.correction.data() + r0, correction);
-      storef(s.max.data() + r0, new_max);
-      storef(s.sum.data() + r0, loadf(s.sum.data() + r0) * correction + sum);
+      online_softmax_lanes(st, m_pad, r0, keys, all_see, sees, exp, s.max.data(), s.sum.data(),
+                           s.correction.data());
     }
     values_tiles(st, m_pad, s.v_rows.data(), keys, s.correction.data(), s.acc_rows.data(), D);
     for (int64_t lane = 0; lane < m; ++lane) {

@@ -100,39 +100,17 @@ void softmax_block(const Operands& o, const Item& it, Scratch& s, int64_t m_pad,
   float* st = s.st.data();
   if (o.soft_cap > 0.0f)  // queries were scaled without log2 e: cap in natural units, then to base 2
     for (int64_t i = 0; i < keys * m_pad; ++i) st[i] = o.soft_cap * std::tanh(st[i] / o.soft_cap) * LOG2E;
-  const vf minus_inf = splatf(-INFINITY), zero = {};
+  const vf minus_inf = splatf(-INFINITY);
+  const auto exp2 = [](vf x) { return exp2_nonpositive(x); };
   for (int64_t r0 = 0; r0 < m_pad; r0 += VF) {
-    const vf old_max = loadf(s.row_max.data() + r0);
-    vf block_max = minus_inf;
-    if (whole) {
-      for (int64_t j = 0; j < keys; ++j) {
-        const vf x = loadf(st + j * m_pad + r0);
-        block_max = x > block_max ? x : block_max;
-      }
-    } else {  // mask in place: -inf where the key is after the row or before its window
-      const vf pos = loadf(s.position.data() + r0);
-      const vf edge = o.window > 0 ? pos - float(o.window) : minus_inf;  // keys at or before it are out
-      for (int64_t j = 0; j < keys; ++j) {
-        const vf key = splatf(float(key0 + j));
-        vf x = loadf(st + j * m_pad + r0);
-        x = (key <= pos) & (key > edge) ? x : minus_inf;
-        storef(st + j * m_pad + r0, x);
-        block_max = x > block_max ? x : block_max;
-      }
-    }
-    const vf new_max = old_max > block_max ? old_max : block_max;
-    const vf base = new_max == minus_inf ? zero : new_max;  // nothing seen yet: no -inf - -inf
-    storef(s.correction.data() + r0, exp2_nonpositive(old_max - base));
-    storef(s.row_max.data() + r0, new_max);
-    vf sum = zero;
-    for (int64_t j = 0; j < keys; ++j) {
-      const vf x = loadf(st + j * m_pad + r0);
-      vf p = exp2_nonpositive(x - base);
-      if (!whole) p = x == minus_inf ? zero : p;
-      storef(st + j * m_pad + r0, p);
-      sum += p;
-    }
-    storef(s.row_sum.data() + r0, loadf(s.row_sum.data() + r0) * loadf(s.correction.data() + r0) + sum);
+    const vf pos = loadf(s.position.data() + r0);
+    const vf edge = o.window > 0 ? pos - float(o.window) : minus_inf;  // keys at or before it are out
+    const auto sees = [&](int64_t j) {  // the key is at or before the row and inside its window
+      const vf key = splatf(float(key0 + j));
+      return (key <= pos) & (key > edge);
+    };
+    online_softmax_lanes(st, m_pad, r0, keys, whole, sees, exp2, s.row_max.data(), s.row_sum.data(),
+                         s.correction.data());
   }
 }
 
