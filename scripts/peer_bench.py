@@ -693,9 +693,10 @@ def ratio_cell(a: list[float | None], b: list[float | None], higher_is_better: b
     if ma is None or mb is None or mb == 0:
         return "n/a"
     r = ma / mb
-    ahead = (r > 1) == higher_is_better if r != 1 else None
-    verdict = "tie" if ahead is None else ("ahead" if ahead else "behind")
-    return f"{r:.2f}x ({verdict})"
+    if f"{r:.2f}" == "1.00":  # closer than the cell shows: no winner to name
+        return "1.00x (tie)"
+    ahead = (r > 1) == higher_is_better
+    return f"{r:.2f}x ({'ahead' if ahead else 'behind'})"
 
 
 def print_run(run: Run) -> None:

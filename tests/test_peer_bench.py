@@ -42,6 +42,8 @@ def test_cells_list_every_run_then_the_median():
         ([1.0, 2.0, 3.0], [4.0, 4.0, 4.0], False, "0.50x (ahead)"),  # a time: lower is better
         ([1.0, 2.0, 3.0], [4.0, 4.0, 4.0], True, "0.50x (behind)"),  # a rate: higher is better
         ([4.0], [4.0], True, "1.00x (tie)"),
+        ([4.01], [4.0], False, "1.00x (tie)"),  # 1.0025x: the cell cannot show a winner
+        ([4.1], [4.0], False, "1.02x (behind)"),
         ([None], [4.0], True, "n/a"),
     ],
 )
