@@ -47,7 +47,9 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -504,8 +506,12 @@ class Run:
         vals = [r.ttft_s for r in self.concurrent if r.ttft_s is not None]
         return statistics.mean(vals) if vals else None
 
+    def later_turns(self) -> list[Result]:
+        """The conversations' turns after their first (which computes the document cold)."""
+        return [r for r in self.turns if not r.key.endswith("/t0")]
+
     def later_turn_ttft(self) -> float | None:
-        vals = [r.ttft_s for r in self.turns if r.ttft_s is not None and not r.key.endswith("/t0")]
+        vals = [r.ttft_s for r in self.later_turns() if r.ttft_s is not None]
         return statistics.mean(vals) if vals else None
 
     def all_results(self) -> list[Result]:
@@ -522,25 +528,35 @@ def warm_up(url: str, args: argparse.Namespace, doc: Doc) -> None:
             raise SystemExit(f"warm-up request failed: {r.error}")
 
 
-def run_concurrent(
-    url: str, items: list[tuple[str, list[dict]]], max_tokens: int, timeout: float
-) -> tuple[list[Result], float]:
-    results: list[Result | None] = [None] * len(items)
-    barrier = threading.Barrier(len(items) + 1)
+def at_once(jobs: list[Callable[[float], None]]) -> float:
+    """Run every job in its own thread, all released together; each is handed the common start
+    time (its requests' ``t0``).  Returns the wall time until the last one ended."""
+    barrier = threading.Barrier(len(jobs) + 1)
     t0_box: list[float] = []
 
-    def worker(i: int, key: str, messages: list[dict]) -> None:
+    def start(job: Callable[[float], None]) -> None:
         barrier.wait()
-        results[i] = stream_chat(url, key, messages, max_tokens, True, t0_box[0], timeout)
+        job(t0_box[0])
 
-    threads = [threading.Thread(target=worker, args=(i, k, m), daemon=True) for i, (k, m) in enumerate(items)]
+    threads = [threading.Thread(target=start, args=(job,), daemon=True) for job in jobs]
     for t in threads:
         t.start()
     t0_box.append(time.perf_counter())
     barrier.wait()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0_box[0]
+    return time.perf_counter() - t0_box[0]
+
+
+def run_concurrent(
+    url: str, items: list[tuple[str, list[dict]]], max_tokens: int, timeout: float
+) -> tuple[list[Result], float]:
+    results: list[Result | None] = [None] * len(items)
+
+    def request(i: int, key: str, messages: list[dict], t0: float) -> None:
+        results[i] = stream_chat(url, key, messages, max_tokens, True, t0, timeout)
+
+    wall = at_once([partial(request, i, key, messages) for i, (key, messages) in enumerate(items)])
     return [r for r in results if r is not None], wall
 
 
@@ -558,27 +574,18 @@ def run_conversations(url: str, docs: list[Doc], turns: int, max_tokens: int, ti
     turn's messages are the conversation so far (with the server's own answers) and a new
     question.  A failed turn ends its conversation."""
     results: list[list[Result]] = [[] for _ in docs]
-    barrier = threading.Barrier(len(docs) + 1)
-    t0_box: list[float] = []
 
-    def converse(i: int, doc: Doc) -> None:
-        barrier.wait()
+    def converse(i: int, doc: Doc, t0: float) -> None:
         messages: list[dict] = []
         for t in range(turns):
             messages.append(turn_message(doc, t))
-            r = stream_chat(url, f"turn/{doc.name}/t{t}", list(messages), max_tokens, False, t0_box[0], timeout)
+            r = stream_chat(url, f"turn/{doc.name}/t{t}", list(messages), max_tokens, False, t0, timeout)
             results[i].append(r)
             if r.error:
                 return
             messages.append({"role": "assistant", "content": r.text})
 
-    threads = [threading.Thread(target=converse, args=(i, d), daemon=True) for i, d in enumerate(docs)]
-    for th in threads:
-        th.start()
-    t0_box.append(time.perf_counter())
-    barrier.wait()
-    for th in threads:
-        th.join()
+    at_once([partial(converse, i, doc) for i, doc in enumerate(docs)])
     return [r for rs in results for r in rs]
 
 
@@ -727,7 +734,7 @@ def print_run(run: Run) -> None:
             f"{max(r.prompt_tokens or 0 for r in run.concurrent)} tokens"
         )
     if run.turns:
-        later = [r for r in run.turns if not r.key.endswith("/t0")]
+        later = run.later_turns()
         print(
             f"  later turns  mean TTFT {run.later_turn_ttft() or float('nan'):.3f} s over {len(later)} turns, prompts "
             f"{min(r.prompt_tokens or 0 for r in later) if later else 0}-"

@@ -146,3 +146,19 @@ def test_conversations_carry_their_own_answers_forward():
         assert messages[4] == {"role": "user", "content": f"Question: q{i}a"}
     run = peer.Run("strata", 1, turns=results)
     assert run.later_turn_ttft() is not None
+
+
+def test_the_burst_sends_every_request_and_times_the_whole():
+    EchoChat.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), EchoChat)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        items = [(f"conc/d/q{j}", [{"role": "user", "content": f"q{j}"}]) for j in range(5)]
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        results, wall = peer.run_concurrent(url, items, 4, 10.0)
+    finally:
+        server.shutdown()
+    assert [r.key for r in results] == [key for key, _ in items]  # in the order sent, none lost
+    assert all(r.error is None and r.text == "answer to 1 messages" for r in results)
+    assert sorted(m[0]["content"] for m in EchoChat.seen) == [f"q{j}" for j in range(5)]
+    assert wall >= max(r.first_s + r.total_s for r in results) > 0
