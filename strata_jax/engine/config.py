@@ -17,6 +17,7 @@ from strata_jax.api import InvalidRequestError
 from strata_jax.cache.config import CacheConfig, KVTierFormat, PrefetchPolicy, Tiers, WritePolicy
 from strata_jax.runtime.platform import LAYER_WEIGHTS
 from strata_jax.scheduler.config import SchedulerConfig
+from strata_jax.spec import SpeculativeConfig, parse_speculative_config
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,11 @@ class EngineConfig:
     kv_events_buffer: batches kept for replay.
     data_parallel_rank: this replica's data-parallel rank: written into every event batch
         and added to both KV event ports (as vLLM does).
+    speculative_config: speculative decoding as vLLM's ``--speculative-config`` JSON, e.g.
+        ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``:
+        greedy requests propose tokens by prompt lookup and verify them in one step
+        (``strata_jax.engine.speculation``; output identical to decoding without it).
+        None (default): off.  An unknown field or method is an error naming it.
     tp: tensor-parallel size (default 1): the model and the KV pool are split over the
         first ``tp`` devices (attention heads, KV heads and MLP columns; see
         ``strata_jax.runtime.sharding``).  Must divide the model's attention heads, KV
@@ -183,6 +189,7 @@ class EngineConfig:
     kv_events_buffer: int = 10_000
     data_parallel_rank: int = 0
     tp: int = 1
+    speculative_config: str | None = None
     cache: CacheConfig | None = None
     scheduler: SchedulerConfig | None = None
 
@@ -268,6 +275,14 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"EngineConfig.kernel_backend must be one of {', '.join(KERNEL_BACKENDS)}, got {self.kernel_backend!r}"
             )
+        self.speculative  # noqa: B018 - parsed once here so a bad value fails at construction
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed (None: off)."""
+        if self.speculative_config is None:
+            return None
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def resolved_max_running_requests(self) -> int:

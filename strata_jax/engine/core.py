@@ -41,6 +41,7 @@ from strata_jax.engine.cache_view import EngineCacheView
 from strata_jax.engine.executor import Executor, ExtendChunk, SeqRow
 from strata_jax.engine.output import Event, FailEvent, InlineOutput, StopRules, TokenEvent
 from strata_jax.engine.requests import RequestPages, TrackedRequest
+from strata_jax.engine.speculation import Speculator
 from strata_jax.kv_events.recorder import KVEventRecorder
 from strata_jax.scheduler.plan import PrefillItem, StepPlan
 from strata_jax.scheduler.request import RequestStatus
@@ -71,7 +72,9 @@ class InflightStep:
     decode: Any = None
     decode_rows: list[TrackedRequest] = field(default_factory=list)
     decode_context: int = 0
-    holds_rows: bool = False  # a row waits for its token here before its next step (a grammar's mask)
+    verify: Any = None  # speculating rows' verification (an extend of their last token + proposals)
+    verify_rows: list[tuple[TrackedRequest, list[int]]] = field(default_factory=list)  # (row, its proposal)
+    holds_rows: bool = False  # a row waits for its token here before its next step (a grammar's mask, a proposal)
 
 
 class EngineCore:
@@ -87,10 +90,12 @@ class EngineCore:
         max_context_tokens: int,
         outputs: Any = None,
         pipeline: bool = True,
+        speculator: Speculator | None = None,
     ) -> None:
         """``outputs``: where each step's token events go (``emit(events)``); default: an
         ``InlineOutput`` delivering them in this thread.  ``pipeline``: dispatch step N+1
-        before reading step N's tokens (False: the serial loop)."""
+        before reading step N's tokens (False: the serial loop).  ``speculator``: greedy
+        rows propose tokens and verify them in one step (``engine.speculation``)."""
         self.scheduler = scheduler
         self.ctl = ctl
         self.executor = executor
@@ -99,6 +104,7 @@ class EngineCore:
         self.max_context_tokens = max_context_tokens
         self.rules = StopRules(eos_token_ids, max_context_tokens)
         self.pipeline = pipeline
+        self.speculator = speculator
         self._stops: list[str] = []  # stop strings matched by an inline output side, applied at the next step
         self.outputs = outputs if outputs is not None else InlineOutput(self._stops.append)
         self.pages = RequestPages(ctl)
@@ -331,8 +337,9 @@ class EngineCore:
         span = self.executor.span
         prefill = [item for item in plan.prefill if item.request_id not in dropped]
         decode = [self._tracked[req.request_id] for req in plan.decode if req.request_id not in dropped]
-        if prefill or decode:
-            self.executor.begin_step(len(decode), len(prefill), sum(item.new_tokens for item in prefill))
+        decode, verify = self._split_speculating(decode)
+        if prefill or decode or verify:
+            self.executor.begin_step(len(decode) + len(verify), len(prefill), sum(item.new_tokens for item in prefill))
         step = InflightStep()
         loads: list[TransferHandle] = []
         if plan.decode_first:
@@ -351,14 +358,17 @@ class EngineCore:
             prefill = [item for item in prefill if item.request_id not in dropped]
             self._dispatch_extend(prefill, loads, step)
             self._dispatch_decode(decode, step)
+        # Last, so the extra pages its proposals need come after every page the plan budgeted.
+        self._dispatch_verify(verify, step)
         if self.plan_log is not None:
-            self.plan_log.append(_record(plan, prefill, [t.request_id for t in step.decode_rows]))
+            decoded = [t.request_id for t in step.decode_rows] + [t.request_id for t, _ in step.verify_rows]
+            self.plan_log.append(_record(plan, prefill, decoded))
         for rid in dropped:  # aborted before dispatch: clear the scheduler's in-flight mark
             if any(item.request_id == rid for item in plan.prefill):
                 self.scheduler.on_prefill_dispatched(rid)
             else:
                 self.scheduler.on_decode_dispatched(rid)
-        return step if step.extend is not None or step.decode is not None else None
+        return step if step.extend is not None or step.decode is not None or step.verify is not None else None
 
     def _dispatch_extend(self, prefill: list[PrefillItem], loads: list[TransferHandle], step: InflightStep) -> None:
         if not prefill:
@@ -385,7 +395,7 @@ class EngineCore:
                 if replaced is not None:
                     self.executor.page_table_changed(t.request_id, replaced)
                 self._admit_followers(t)
-                if t.grammar is not None:  # its next mask needs this token: no decode before it is read
+                if t.grammar is not None or self._speculates(t):  # its next mask / proposal needs this token
                     self.scheduler.hold(t.request_id, True)
                     step.holds_rows = True
                 if t.params.max_tokens == 0 or self.rules.by_length(t.params, len(t.prompt_ids), t.generated):
@@ -406,13 +416,93 @@ class EngineCore:
                 req = t.req  # read directly: this loop runs once per row per step
                 assert req is not None  # (admitted)
                 context += req.computed
-                if t.grammar is not None:
-                    self.scheduler.hold(t.request_id, True)
+                if t.grammar is not None or self._speculates(t):
+                    self.scheduler.hold(t.request_id, True)  # its next step needs this token on the host
                     step.holds_rows = True
                 if by_length(t.params, len(t.prompt_ids), req.generated):
                     self._last_token_dispatched(t)
             step.decode_context = context
         self.counters["decode_steps"] += 1
+
+    # ------------------------------------------------------------------ speculation
+    def _speculates(self, t: TrackedRequest) -> bool:
+        return self.speculator is not None and self.speculator.may_speculate(t)
+
+    def _split_speculating(
+        self, rows: list[TrackedRequest]
+    ) -> tuple[list[TrackedRequest], list[tuple[TrackedRequest, list[int]]]]:
+        """The rows that decode as usual, and those that verify a proposal (with it).
+
+        A speculating row is held after each step, so its outputs are all read here.  Its
+        proposal is capped so that every token the step may emit is within ``max_tokens``
+        and the context; a row with no room or no proposal decodes as usual."""
+        spec = self.speculator
+        if spec is None:
+            return rows, []
+        plain: list[TrackedRequest] = []
+        verify: list[tuple[TrackedRequest, list[int]]] = []
+        for t in rows:
+            proposal: list[int] = []
+            if spec.may_speculate(t):
+                # the step emits up to len(proposal) + 1 tokens: the last one may be the request's last
+                room = min(t.params.max_tokens, self.max_context_tokens - len(t.prompt_ids)) - t.generated - 1
+                proposal = spec.propose(t.prompt_ids, t.output_ids, room)
+            if proposal:
+                verify.append((t, proposal))
+            else:
+                plain.append(t)
+        return plain, verify
+
+    def _dispatch_verify(self, rows: list[tuple[TrackedRequest, list[int]]], step: InflightStep) -> None:
+        """Each row's last token and proposal as one extend chunk at its length.
+
+        The plan gave each row a slot for one token; the proposal's positions get pages
+        only from free ones (speculation never evicts cached prefixes nor takes what the
+        plan budgeted for others): a proposal that does not fit is cut to what does."""
+        if not rows:
+            return
+        ps = self.page_size
+        work: list[ExtendChunk[SeqRow]] = []
+        with self.executor.span("verify"):
+            for i, (t, proposal) in enumerate(rows):
+                computed = t.computed
+                room = len(t.page_table) * ps - computed - 1
+                short = len(proposal) - room
+                if short > 0:
+                    extra = -(-short // ps) * ps
+                    if self.ctl.free_device_tokens() >= extra:
+                        try:
+                            self.pages.ensure_pages(t, computed + len(proposal) + 1, computed)
+                        except CacheFullError:
+                            pass
+                    room = len(t.page_table) * ps - computed - 1
+                    proposal = proposal[: max(0, room)]
+                    rows[i] = (t, proposal)
+                work.append(ExtendChunk(t, [t.output_ids[-1], *proposal], computed, False, None, verify=True))
+            step.verify = self.executor.dispatch_extend(work, ())
+            step.verify_rows = rows
+            step.holds_rows = True
+            for t, _ in rows:
+                self.scheduler.on_decode_dispatched(t.request_id)  # (the first token; the rest when read)
+                self.scheduler.hold(t.request_id, True)
+        self.counters["decode_steps"] += 1
+
+    def _accept_verified(self, t: TrackedRequest, tokens: list[int], now: float, events: list[Event]) -> None:
+        """Emit a verification's tokens in order, each through the stop rules; the first was
+        counted at dispatch, each further one is counted as it is accepted."""
+        rid = t.request_id
+        req = t.req
+        assert req is not None  # (admitted)
+        for j, token in enumerate(tokens):
+            if j:
+                self.scheduler.on_draft_accepted(rid)
+            if self.rules.by_length(t.params, len(t.prompt_ids), req.generated):
+                self._last_token_dispatched(t)  # (so _accept ends it by length)
+            self._accept(t, token, None, now, events)
+            if self._tracked.get(rid) is not t:
+                return  # ended (a stop id, EOS, the length): the rest is never shown nor counted
+        self.executor.rewind_row(rid, tokens[-1])  # its length and input token on the device
+        self.scheduler.hold(rid, False)
 
     def _last_token_dispatched(self, t: TrackedRequest) -> None:
         """The token being computed is the request's last (length): the scheduler is done with it."""
@@ -468,6 +558,16 @@ class EngineCore:
             for i, (t, token) in enumerate(zip(step.decode_rows, out.tokens)):
                 if tracked.get(t.request_id) is t:
                     self._accept(t, token, logprobs.get(i) if logprobs else None, now, events)
+        if step.verify is not None:
+            assert self.speculator is not None  # (only it dispatches verifications)
+            out = self.executor.collect(step.verify)
+            now = self.executor.now()
+            for i, (t, proposal) in enumerate(step.verify_rows):
+                if self._tracked.get(t.request_id) is not t:
+                    continue  # aborted or stopped since
+                greedy = out.greedy[i]
+                kept = self.speculator.accepted(proposal, greedy)
+                self._accept_verified(t, greedy[: kept + 1], now, events)
         self._unsent.extend(events)
         if self._inflight is None:
             self._send()
@@ -496,8 +596,8 @@ class EngineCore:
             finish = "length"
         else:
             finish = None
-            if t.grammar is not None:
-                self.scheduler.hold(t.request_id, False)  # its mask for the next token is ready
+            if t.grammar is not None or self._speculates(t):
+                self.scheduler.hold(t.request_id, False)  # its mask / proposal for the next step can be made
         events.append(TokenEvent(t.stream, token, logprob, finish, now))
         if finish is not None:
             self._finish(t)
@@ -638,7 +738,11 @@ def _plan_requests(plan: StepPlan) -> set[str]:
 def _step_requests(step: InflightStep | None) -> set[str]:
     if step is None:
         return set()
-    return {it.request_id for it, _ in step.extend_items} | {t.request_id for t in step.decode_rows}
+    return (
+        {it.request_id for it, _ in step.extend_items}
+        | {t.request_id for t in step.decode_rows}
+        | {t.request_id for t, _ in step.verify_rows}
+    )
 
 
 def _record(plan: StepPlan, prefill: list[PrefillItem], decode: list[str]) -> PlanRecord:

@@ -52,6 +52,7 @@ from strata_jax.engine.factory import build_parts
 from strata_jax.engine.output import InlineOutput, ThreadedOutput, collect
 from strata_jax.engine.requests import TrackedRequest
 from strata_jax.engine.sinks import AsyncQueueSink, CollectingSink, OutputSink
+from strata_jax.engine.speculation import Speculator
 from strata_jax.engine.stats import accounting, cache_stats
 from strata_jax.runtime import compilation_cache, executable_cache
 from strata_jax.runtime.executable_cache import ExecutableCache
@@ -113,6 +114,7 @@ class Engine:
             max_context_tokens=settings.max_context_tokens,
             outputs=self.output,
             pipeline=config.pipeline,
+            speculator=Speculator(config.speculative) if config.speculative is not None else None,
         )
         self.kv_event_publisher = self._start_kv_events(config)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

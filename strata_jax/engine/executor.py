@@ -38,6 +38,9 @@ both.  Contract:
   asked for penalties/logit_bias/min_tokens its per-sequence state (False when none
   is free: the engine parks the request until ``close_sampling_state`` of another);
   an executor without device state accepts and ignores it.
+* ``rewind_row(request_id, last_token)``: a ``verify`` chunk wrote KV and a length past
+  what was accepted; the row's next step reads ``computed`` positions and decodes from
+  ``last_token`` (the executor rewrites the row before it).
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ class ExtendChunk(Generic[RowRef]):
     chunk that is not the prompt's last: the penalty counts skip it).
     ``prompt_logprob_targets``: per new token, the prompt token after it whose
     logprob is wanted (-1: none); None when the request did not ask.
+    ``verify``: a speculative row's check (its last token and the proposed ones): the
+    greedy token after every position comes back (``StepOutput.greedy``), not one sample.
     """
 
     row: RowRef
@@ -94,18 +99,21 @@ class ExtendChunk(Generic[RowRef]):
     start: int
     keep_sample: bool = True
     prompt_logprob_targets: Sequence[int] | None = None
+    verify: bool = False
 
 
 @dataclass
 class StepOutput:
     """Sampled tokens in row order (extend: one per work item), the device seconds of
     the step (None if unknown), the sampled tokens' logprobs by row index for rows
-    that asked, and prompt logprobs by row index (one per new token) for rows that asked."""
+    that asked, prompt logprobs by row index (one per new token) for rows that asked,
+    and for ``verify`` chunks by row index the greedy token after each of their tokens."""
 
     tokens: list[int]
     seconds: float | None
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    greedy: dict[int, list[int]] = field(default_factory=dict)
 
 
 class Executor(Protocol):
@@ -122,6 +130,8 @@ class Executor(Protocol):
     def close_sequence(self, request_id: str) -> None: ...
 
     def page_table_changed(self, request_id: str, index: int) -> None: ...
+
+    def rewind_row(self, request_id: str, last_token: int) -> None: ...
 
     def begin_step(self, decode_rows: int, prefill_rows: int, prefill_tokens: int) -> None: ...
 

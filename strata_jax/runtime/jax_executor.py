@@ -41,11 +41,14 @@ from strata_jax.runtime.seq_state import RowParams, rng_base_for
 @dataclass
 class DeviceRow:
     """A running request's row of device state (``seq_state``): its slot, how many page-table
-    entries the row holds (``synced``), and whether it must be written whole (``dirty``)."""
+    entries the row holds (``synced``), whether it must be written whole (``dirty``), and the
+    input token of its next decode when it is (``last_token``: known after a rewind; a new
+    row's first step is an extend, which does not read it)."""
 
     slot: int
     synced: int = 0
     dirty: bool = True
+    last_token: int = 0
 
 
 @dataclass(eq=False)
@@ -133,6 +136,12 @@ class JaxExecutor:
         if row is not None:
             row.synced = min(row.synced, index)
 
+    def rewind_row(self, request_id: str, last_token: int) -> None:
+        row = self._rows.get(request_id)
+        if row is not None:
+            row.dirty = True
+            row.last_token = last_token
+
     def slot_of(self, request_id: str) -> int | None:
         """The sequence slot a running request holds (None: not running)."""
         row = self._rows.get(request_id)
@@ -179,7 +188,14 @@ class JaxExecutor:
         if rewrite:
             self.runner.seqs.write_rows(
                 [
-                    (dev.slot, row.page_table, row.computed, 0, row.generated, self._row_params(row) if whole else None)
+                    (
+                        dev.slot,
+                        row.page_table,
+                        row.computed,
+                        dev.last_token,
+                        row.generated,
+                        self._row_params(row) if whole else None,
+                    )
                     for row, dev, whole in rewrite
                 ]
             )
@@ -231,10 +247,12 @@ class JaxExecutor:
             pieces = []
             for slot, (_, w, piece, start, last_piece) in zip(slots, batch):
                 targets = None
-                if w.prompt_logprob_targets is not None:
+                if w.verify:  # any target switches on the per-position head; its top id is the greedy token
+                    targets = [0] * len(piece)
+                elif w.prompt_logprob_targets is not None:
                     first = start - w.start
                     targets = list(w.prompt_logprob_targets[first : first + len(piece)])
-                pieces.append(ExtendChunk(slot, piece, start, w.keep_sample and last_piece, targets))
+                pieces.append(ExtendChunk(slot, piece, start, w.keep_sample and last_piece, targets, w.verify))
             want_lp = any(
                 w.row.params.logprobs is not None and p.keep_sample for (_, w, _, _, _), p in zip(batch, pieces)
             )
@@ -311,7 +329,11 @@ class JaxExecutor:
                 out.tokens[item] = tokens[i]
                 if p.logprobs is not None and piece.keep_sample and result.sample_logprobs is not None:
                     out.logprobs[item] = to_token_logprob(result.sample_logprobs, i, tokens[i], p.logprobs)
-            if piece.prompt_logprob_targets is not None and result.prompt_logprobs is not None:
+            if piece.verify:
+                assert result.prompt_logprobs is not None  # (its targets asked for them)
+                top_ids = result.prompt_logprobs[1]
+                out.greedy.setdefault(item, []).extend(top_ids[offset : offset + len(piece.token_ids), 0].tolist())
+            elif piece.prompt_logprob_targets is not None and result.prompt_logprobs is not None:
                 got = out.prompt_logprobs.setdefault(item, [])
                 for j, target in enumerate(piece.prompt_logprob_targets):
                     if target >= 0:

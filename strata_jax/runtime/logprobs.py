@@ -19,15 +19,20 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs / completions logprobs
 
 class TokenLogprobs(NamedTuple):
     chosen: jax.Array  # [N] float32: logprob of tokens[n]
-    top_ids: jax.Array  # [N, K] int32, best first (ties: lowest id first)
+    top_ids: jax.Array  # [N, K] int32, best first by raw logit (ties: lowest id first; [:, 0] is the argmax)
     top_logprobs: jax.Array  # [N, K] float32
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int = MAX_TOP_LOGPROBS) -> TokenLogprobs:
     """Logprob of ``tokens[N]`` under ``logits[N, V]`` and the top-``k`` (static) per row."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    raw = logits.astype(jnp.float32)
+    logp = jax.nn.log_softmax(raw, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logp, min(k, logits.shape[-1]))
+    # Ranked by the raw logits, not by their log-softmax: subtracting the normaliser can round
+    # two close logits to one value and reorder them, and speculative decoding reads
+    # ``top_ids[:, 0]`` as the greedy token, which must be ``argmax`` of the logits exactly.
+    _, top_ids = jax.lax.top_k(raw, min(k, logits.shape[-1]))
+    top_lp = jnp.take_along_axis(logp, top_ids, axis=-1)
     return TokenLogprobs(chosen, top_ids.astype(jnp.int32), top_lp)
 
 

@@ -389,6 +389,18 @@ class Scheduler:
             req.output_token_ids.append(token_id)
         return req.status
 
+    def on_draft_accepted(self, request_id: str, tokens: int = 1) -> None:
+        """A speculative decode (read back) kept ``tokens`` more of its proposed tokens than
+        the one token it was dispatched for: their KV is computed and each was generated."""
+        req = self._live(request_id)
+        if req.status is not _S.DECODING or req.decode_inflight or tokens < 0:
+            raise SchedulerStateError(
+                f"request {request_id!r} cannot accept {tokens} drafted tokens ({req.status.value}, "
+                f"decode in flight: {req.decode_inflight})"
+            )
+        req.computed += tokens
+        req.generated += tokens
+
     def on_prefix_taken(self, request_id: str, tokens: int, end: int | None = None) -> None:
         """The first chunk in flight of ``request_id`` starts at ``tokens`` (at most its planned
         start): the engine could take only that much of the cached prefix (a prefetch that did

@@ -196,6 +196,9 @@ class SimExecutor:
     def page_table_changed(self, request_id: str, index: int) -> None:
         return None
 
+    def rewind_row(self, request_id: str, last_token: int) -> None:
+        return None  # (no device rows; the simulator does not speculate)
+
     def dispatch_extend(self, work: list[ExtendChunk[SeqRow]], loads: Sequence[TransferHandle]) -> _SimStep:
         issued = self.clock.t
         start = max(issued, self.gpu_free_at)

@@ -1,8 +1,7 @@
 """Speculative decoding (issue 38): what proposes the next tokens of a row, and its config.
 
-Pure Python and numpy (no jax): a proposer reads a request's token ids on the host.  The
-verification step that checks proposals on the device is not built yet, so nothing in the
-engine calls these; docs/design.md says where they will plug in.
+Pure Python and numpy (no jax): a proposer reads a request's token ids on the host.
+``strata_jax.engine.speculation`` uses them to verify proposals in the engine's step.
 """
 
 from strata_jax.spec.config import SpeculativeConfig, parse_speculative_config

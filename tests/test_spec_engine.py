@@ -1,0 +1,97 @@
+"""Speculative decoding by prompt lookup inside the engine (issue 38): greedy tokens identical
+to decoding without it, stop rules inside an accepted run, clean accounting."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from strata_jax.api import InvalidRequestError, SamplingParams
+from strata_jax.engine import Engine, EngineConfig
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
+def _engine(spec: str | None) -> Engine:
+    return Engine(
+        EngineConfig(
+            model="tiny",
+            warmup=False,
+            show_progress=False,
+            page_size=16,
+            device_tokens=4096,
+            max_batch_tokens=128,
+            max_batch_size=4,
+            speculative_config=spec,
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def engines():
+    plain, spec = _engine(None), _engine(SPEC)
+    yield plain, spec
+    plain.shutdown()
+    spec.shutdown()
+
+
+def _prompts(seed: int, n: int = 4) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    # repeated spans: the lookup finds them, as in an answer quoting its document
+    return [rng.integers(0, 256, size=24).tolist() * 4 + rng.integers(0, 256, size=5).tolist() for _ in range(n)]
+
+
+def _clean(engine: Engine) -> None:
+    acc = engine.check_accounting()
+    assert acc["locked_nodes"] == 0 and acc["transient_nodes"] == 0
+    assert acc["device_request_pages"] == 0 and acc["live_requests"] == 0
+
+
+def test_greedy_tokens_identical_and_drafts_accepted(engines):
+    plain, spec = engines
+    params = SamplingParams(max_tokens=37, ignore_eos=True)
+    prompts = _prompts(0)
+    before = spec.core.speculator.counters.accepted_tokens
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(len(o.token_ids) == 37 and o.finish_reason == "length" for o in got)
+    c = spec.core.speculator.counters
+    assert c.accepted_tokens > before  # speculation happened and was right
+    assert c.accepted_tokens <= c.draft_tokens and sum(c.accepted_per_position) == c.accepted_tokens
+    _clean(spec)
+    # from the tree (L1) the same again
+    again = spec.generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in want]
+    assert all(o.cached_tokens["device"] > 0 for o in again)
+    _clean(spec)
+
+
+def test_mixed_batch_and_stop_rules_inside_an_accepted_run(engines):
+    plain, spec = engines
+    prompts = _prompts(1, 3)
+    free = plain.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    # a stop id that greedy decoding reaches mid-way: the output ends there, as without speculation
+    stop = free[0].token_ids[11]
+    cases = [
+        SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[stop]),
+        SamplingParams(max_tokens=13, ignore_eos=True),  # the length inside a run
+        SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.3),  # decodes as before, same batch
+    ]
+    want = [plain.generate([p], c)[0] for p, c in zip(prompts, cases)]
+    with ThreadPoolExecutor(len(cases)) as pool:  # submitted together: one batch of both kinds of row
+        got = list(pool.map(lambda pc: spec.generate([pc[0]], pc[1])[0], zip(prompts, cases)))
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
+    assert got[0].finish_reason == "stop" and got[0].token_ids[-1] == stop
+    assert len(got[1].token_ids) == 13
+    _clean(spec)
+
+
+def test_bad_speculative_config_names_the_field():
+    with pytest.raises(InvalidRequestError, match="num_speculative_tokens"):
+        EngineConfig(model="tiny", speculative_config='{"num_speculative_tokens": 0}')
+    with pytest.raises(InvalidRequestError, match="draft_tensor_parallel_size"):
+        EngineConfig(model="tiny", speculative_config='{"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}')
