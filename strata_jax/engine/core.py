@@ -395,7 +395,7 @@ class EngineCore:
                 if replaced is not None:
                     self.executor.page_table_changed(t.request_id, replaced)
                 self._admit_followers(t)
-                if t.grammar is not None or self._speculates(t):  # its next mask / proposal needs this token
+                if self._needs_token_on_host(t):  # its next mask / proposal needs this token
                     self.scheduler.hold(t.request_id, True)
                     step.holds_rows = True
                 if t.params.max_tokens == 0 or self.rules.by_length(t.params, len(t.prompt_ids), t.generated):
@@ -416,8 +416,8 @@ class EngineCore:
                 req = t.req  # read directly: this loop runs once per row per step
                 assert req is not None  # (admitted)
                 context += req.computed
-                if t.grammar is not None or self._speculates(t):
-                    self.scheduler.hold(t.request_id, True)  # its next step needs this token on the host
+                if self._needs_token_on_host(t):
+                    self.scheduler.hold(t.request_id, True)
                     step.holds_rows = True
                 if by_length(t.params, len(t.prompt_ids), req.generated):
                     self._last_token_dispatched(t)
@@ -425,8 +425,10 @@ class EngineCore:
         self.counters["decode_steps"] += 1
 
     # ------------------------------------------------------------------ speculation
-    def _speculates(self, t: TrackedRequest) -> bool:
-        return self.speculator is not None and self.speculator.may_speculate(t)
+    def _needs_token_on_host(self, t: TrackedRequest) -> bool:
+        """Its next step needs its last token read first (a grammar's mask, a proposal): held
+        from each dispatch until that token is read."""
+        return t.grammar is not None or (self.speculator is not None and self.speculator.may_speculate(t))
 
     def _split_speculating(
         self, rows: list[TrackedRequest]
@@ -445,7 +447,7 @@ class EngineCore:
             proposal: list[int] = []
             if spec.may_speculate(t):
                 # the step emits up to len(proposal) + 1 tokens: the last one may be the request's last
-                room = min(t.params.max_tokens, self.max_context_tokens - len(t.prompt_ids)) - t.generated - 1
+                room = self.rules.most_tokens(t.params, len(t.prompt_ids)) - t.generated - 1
                 proposal = spec.propose(t.prompt_ids, t.output_ids, room)
             if proposal:
                 verify.append((t, proposal))
@@ -501,8 +503,7 @@ class EngineCore:
             self._accept(t, token, None, now, events)
             if self._tracked.get(rid) is not t:
                 return  # ended (a stop id, EOS, the length): the rest is never shown nor counted
-        self.executor.rewind_row(rid, tokens[-1])  # its length and input token on the device
-        self.scheduler.hold(rid, False)
+        self.executor.rewind_row(rid, tokens[-1])  # its length and input token on the device (_accept unheld it)
 
     def _last_token_dispatched(self, t: TrackedRequest) -> None:
         """The token being computed is the request's last (length): the scheduler is done with it."""
@@ -596,7 +597,7 @@ class EngineCore:
             finish = "length"
         else:
             finish = None
-            if t.grammar is not None or self._speculates(t):
+            if self._needs_token_on_host(t):
                 self.scheduler.hold(t.request_id, False)  # its mask / proposal for the next step can be made
         events.append(TokenEvent(t.stream, token, logprob, finish, now))
         if finish is not None:

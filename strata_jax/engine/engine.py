@@ -114,7 +114,7 @@ class Engine:
             max_context_tokens=settings.max_context_tokens,
             outputs=self.output,
             pipeline=config.pipeline,
-            speculator=Speculator(config.speculative) if config.speculative is not None else None,
+            speculator=Speculator(speculative) if (speculative := config.speculative) is not None else None,
         )
         self.kv_event_publisher = self._start_kv_events(config)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

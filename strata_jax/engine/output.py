@@ -84,7 +84,11 @@ class StopRules:
 
     def by_length(self, params: SamplingParams, prompt_tokens: int, generated: int) -> bool:
         """Is the ``generated``-th token the last one ``max_tokens`` or the context allow?"""
-        return generated >= params.max_tokens or prompt_tokens + generated >= self.max_context_tokens
+        return generated >= self.most_tokens(params, prompt_tokens)
+
+    def most_tokens(self, params: SamplingParams, prompt_tokens: int) -> int:
+        """The tokens ``max_tokens`` and the context allow a request to generate."""
+        return min(params.max_tokens, self.max_context_tokens - prompt_tokens)
 
 
 class OutputProcessor:
