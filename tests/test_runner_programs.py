@@ -33,6 +33,26 @@ def test_program_grid_at_the_default_budget():
     assert len(runner.program_shapes) == 11
 
 
+def test_speculation_adds_one_verification_program_per_batch_bucket():
+    """k + 1 tokens per row for each decode batch bucket (a token bucket's size is not
+    repeated), sorted so the smallest program holding a verification batch is picked."""
+    runner = ModelRunner(
+        random_model(CONFIG),
+        RunnerConfig(max_batch_tokens=512, max_batch_size=16, num_device_pages=8, verify_tokens_per_row=8),
+    )
+    assert runner.extend_shapes == ((8, 1), (16, 2), (32, 4), (64, 8), (128, 16), (256, 16), (512, 16))
+    runner = ModelRunner(
+        random_model(CONFIG),
+        RunnerConfig(max_batch_tokens=64, max_batch_size=16, num_device_pages=8, verify_tokens_per_row=5),
+    )
+    assert runner.extend_shapes == ((5, 1), (10, 2), (16, 2), (20, 4), (32, 4), (40, 8), (64, 16))
+    assert runner._shape_for(5, 1, decode=False) == (5, 1)
+    assert runner._shape_for(3 * 5, 3, decode=False) == (20, 4)
+    assert runner._shape_for(12, 1, decode=False) == (16, 2)
+    with pytest.raises(ValueError, match="verify_tokens_per_row"):
+        RunnerConfig(verify_tokens_per_row=1)
+
+
 @pytest.mark.parametrize(
     "tokens,maximum,batch,rows",
     [(16, 512, 16, 2), (512, 512, 16, 16), (64, 64, 16, 16), (17, 17, 16, 16), (4, 512, 16, 1)],

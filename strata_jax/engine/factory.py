@@ -104,6 +104,7 @@ def resolve_settings(config: EngineConfig, loaded: LoadedModel, platform: Resolv
             scan_layers=config.scan_layers,
             layer_weights=platform.layer_weights,
             max_running=config.resolved_max_running_requests,
+            verify_tokens_per_row=spec.num_speculative_tokens + 1 if (spec := config.speculative) else 0,
         ),
         scheduler=config.scheduler_config(),
     )
