@@ -28,7 +28,8 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Keys of cache_stats() whose numbers only ever grow (exported as counters).
 _CUMULATIVE = re.compile(
     r"(hit_tokens|evictions|compiles|compiles_after_warmup|recomputed_tokens|deferrals|retractions"
-    r"|steps|prefill_steps|decode_steps|finished|aborted|failed|kv_events_\w+_total|prefetch_(waits|wait_rounds|not_waited))"
+    r"|steps|prefill_steps|decode_steps|finished|aborted|failed|kv_events_\w+_total|prefetch_(waits|wait_rounds|not_waited)"
+    r"|speculation_(drafts|draft_tokens|accepted_tokens|stepped_aside))"
     r"|transfers?_\w+_pages|\w+_bytes_total|(loaded|backed_up|written|prefetched)_bytes"
 )
 _RATES = ("per_s", "gbps", "bandwidth")
@@ -187,6 +188,16 @@ class EngineStatsCollector(Collector):
                 family.add_metric([tier] if tier is not None else [], value)
             except ValueError:  # same name both with and without a tier label: skip the odd one
                 continue
+        per_position = (stats.get("speculation") or {}).get("accepted_per_position")
+        if isinstance(per_position, list):  # vLLM's spec_decode_num_accepted_tokens_per_pos
+            family = CounterMetricFamily(
+                f"{PREFIX}_engine_speculation_accepted_per_position",
+                "Accepted proposed tokens by their position in the proposal (0 first)",
+                labels=["position"],
+            )
+            for position, value in enumerate(per_position):
+                family.add_metric([str(position)], float(value))
+            families[family.name] = family
         moved = transfer_bytes(stats)
         if moved:
             family = CounterMetricFamily(

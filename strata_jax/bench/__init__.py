@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "roofline": "strata_jax.bench.roofline",
     "twin": "strata_jax.bench.twin",
     "moe": "strata_jax.bench.moe",
+    "spec": "strata_jax.bench.spec",
 }
 
 

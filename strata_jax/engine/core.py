@@ -428,30 +428,43 @@ class EngineCore:
     def _needs_token_on_host(self, t: TrackedRequest) -> bool:
         """Its next step needs its last token read first (a grammar's mask, a proposal): held
         from each dispatch until that token is read."""
-        return t.grammar is not None or (self.speculator is not None and self.speculator.may_speculate(t))
+        return t.grammar is not None or (self.speculator is not None and self.speculator.wants_token(t))
 
     def _split_speculating(
         self, rows: list[TrackedRequest]
     ) -> tuple[list[TrackedRequest], list[tuple[TrackedRequest, list[int]]]]:
         """The rows that decode as usual, and those that verify a proposal (with it).
 
-        A speculating row is held after each step, so its outputs are all read here.  Its
+        Only a row whose tokens are all read proposes (a speculating row is held after
+        each step; one coming back from resting may still have a token in flight).  Its
         proposal is capped so that every token the step may emit is within ``max_tokens``
-        and the context; a row with no room or no proposal decodes as usual."""
+        and the context; a row with no room or no proposal decodes as usual, and of those
+        with one, ``Speculator.choose`` picks which verify (the rest step aside)."""
         spec = self.speculator
         if spec is None:
             return rows, []
         plain: list[TrackedRequest] = []
-        verify: list[tuple[TrackedRequest, list[int]]] = []
+        candidates: list[tuple[TrackedRequest, list[int]]] = []
         for t in rows:
             proposal: list[int] = []
-            if spec.may_speculate(t):
+            if spec.wants_token(t) and len(t.output_ids) == t.generated:
                 # the step emits up to len(proposal) + 1 tokens: the last one may be the request's last
                 room = self.rules.most_tokens(t.params, len(t.prompt_ids)) - t.generated - 1
-                proposal = spec.propose(t.prompt_ids, t.output_ids, room)
+                with self.executor.span("propose"):
+                    proposal = spec.propose(t.prompt_ids, t.output_ids, room, t.request_id)
             if proposal:
+                candidates.append((t, proposal))
+            else:
+                plain.append(t)
+        if not candidates:
+            return plain, []
+        chosen = spec.choose(len(plain), [(t.request_id, len(p)) for t, p in candidates])
+        verify: list[tuple[TrackedRequest, list[int]]] = []
+        for (t, proposal), yes in zip(candidates, chosen):
+            if yes:
                 verify.append((t, proposal))
             else:
+                spec.step_aside(t.request_id, proposal)
                 plain.append(t)
         return plain, verify
 
@@ -553,6 +566,8 @@ class EngineCore:
             out = self.executor.collect(step.decode)
             if out.seconds is not None:
                 self.scheduler.cost.observe_decode(len(step.decode_rows), step.decode_context, out.seconds)
+                if self.speculator is not None:
+                    self.speculator.observe_decode(len(step.decode_rows), out.seconds)
             now = self.executor.now()
             tracked = self._tracked
             logprobs = out.logprobs
@@ -562,12 +577,14 @@ class EngineCore:
         if step.verify is not None:
             assert self.speculator is not None  # (only it dispatches verifications)
             out = self.executor.collect(step.verify)
+            if out.seconds is not None:
+                self.speculator.observe_verify(len(step.verify_rows), out.seconds)
             now = self.executor.now()
             for i, (t, proposal) in enumerate(step.verify_rows):
                 if self._tracked.get(t.request_id) is not t:
                     continue  # aborted or stopped since
                 greedy = out.greedy[i]
-                kept = self.speculator.accepted(proposal, greedy)
+                kept = self.speculator.accepted(proposal, greedy, t.request_id)
                 self._accept_verified(t, greedy[: kept + 1], now, events)
         self._unsent.extend(events)
         if self._inflight is None:
@@ -597,7 +614,9 @@ class EngineCore:
             finish = "length"
         else:
             finish = None
-            if self._needs_token_on_host(t):
+            if self.speculator is not None:
+                self.speculator.observe_token(t.request_id, token, t.prompt_ids, outputs)
+            if req.held:  # (whatever decides holding now: a speculator's choice may have changed since)
                 self.scheduler.hold(t.request_id, False)  # its mask / proposal for the next step can be made
         events.append(TokenEvent(t.stream, token, logprob, finish, now))
         if finish is not None:
@@ -624,6 +643,8 @@ class EngineCore:
 
     def _leave(self, t: TrackedRequest) -> None:
         """Give back the request's device state (row, sampling slot)."""
+        if self.speculator is not None:
+            self.speculator.forget(t.request_id)
         self._close_sequence(t)
         self._close_state(t)
 

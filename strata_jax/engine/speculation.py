@@ -15,11 +15,27 @@ temperature > 0 needs rejection sampling (not built), penalties / ``logit_bias``
 mask per position, and logprobs would have to come from the verification's positions.
 Those rows decode as before, in the same step.
 
+Speculating costs a verification program instead of a decode program, and what that
+costs against what it saves differs by machine and batch: on this project's 2-core CPU a
+one-row verification of 8 tokens takes about 2x a one-row decode (a matmul over 8 rows
+is not free there), on a GPU a decode of a small batch is memory-bound and 8 rows cost
+little more than 1.  So each step ``choose`` picks which rows verify from measured step
+times (seconds per decode program and per verification program, by rows bucket) and each
+row's running acceptance, the choice with the most tokens per second of the step.  A row
+that does not verify is still scored: its proposal is compared with the tokens it then
+decodes (``observe_token``), so the acceptance estimate of a row that stepped aside
+keeps up at no cost to the device, and it comes back once its text turns repetitive.
+
+The verification program is padded to k + 1 tokens per row, so a shorter proposal costs
+the same on the device: a row whose acceptance is low steps aside, its proposal is not
+shortened.
+
 Pure Python and numpy (no jax): the engine core and the simulator share this layer.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,13 +61,193 @@ class SpeculationCounters:
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0
 
 
+ACCEPTANCE_WEIGHT = 0.2  # of a new sample in a row's running acceptance (and in the prior)
+STEP_TIME_WEIGHT = 0.2  # of a new step time in its program's running mean
+FIRST_ACCEPTANCE = 1.0  # accepted tokens per proposal a new row is assumed to get, until measured
+
+
+def rows_bucket(rows: int) -> int:
+    """The power of two a program of ``rows`` rows is padded to (the runner's batch buckets)."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def _ema(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
 class Speculator:
-    """Proposals for the rows that may speculate, and the bookkeeping of what they kept."""
+    """Proposals for the rows that may speculate, which of them verify (``choose``), and the
+    bookkeeping of what they kept."""
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.counters = SpeculationCounters(accepted_per_position=[0] * config.num_speculative_tokens)
+        self._acceptance: dict[str, float] = {}  # request id -> running accepted tokens per proposal
+        self._prior = FIRST_ACCEPTANCE  # running acceptance over all rows: a new row's estimate
+        self._found: dict[str, float] = {}  # request id -> running share of lookups that found a proposal
+        self._found_prior = 1.0  # the same over all rows
+        self._shadow: dict[str, tuple[list[int], int]] = {}  # a row that did not verify: its proposal, matched
+        self._decode_s: dict[int, float] = {}  # rows bucket -> running seconds of a decode step
+        self._verify_s: dict[int, float] = {}  # rows bucket -> running seconds of a verification step
+        self._runs: dict[tuple[int, int], int] = {}  # (table, rows bucket) -> steps seen (the first is not kept)
+        self._rest = self.rest_tokens  # what rows stepping aside now rest (1 while measuring a decode)
+        self._resting: dict[str, int] = {}  # request id -> tokens it decodes before it is considered again
+        self._batch = 1  # rows of the last decode step (with the verifications when there were any)
+        self.stepped_aside = 0  # rows with a proposal that the cost decision kept decoding
+
+    # -------------------------------------------------------------- what verifying is worth
+    def acceptance(self, request_id: str) -> float:
+        """Accepted tokens the row's next proposal is expected to get."""
+        return self._acceptance.get(request_id, self._prior)
+
+    def expected_gain(self, request_id: str) -> float:
+        """Accepted tokens the row's next step is expected to get: how often a lookup finds
+        a proposal for it times what a proposal gets.  A row is held for its next step
+        only when this beats the break-even: held without a proposal, it would only lose
+        the host/device overlap."""
+        return self._found.get(request_id, self._found_prior) * self.acceptance(request_id)
+
+    def _record(self, request_id: str, accepted: int) -> None:
+        self._acceptance[request_id] = _ema(self._acceptance.get(request_id), accepted, ACCEPTANCE_WEIGHT)
+        self._prior = _ema(self._prior, accepted, ACCEPTANCE_WEIGHT)
+
+    def observe_decode(self, rows: int, seconds: float) -> None:
+        """A decode step of ``rows`` rows took ``seconds`` on the device."""
+        self._observe(self._decode_s, rows, seconds)
+        self._batch = rows
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        """A verification step of ``rows`` rows took ``seconds`` on the device."""
+        self._observe(self._verify_s, rows, seconds)
+
+    def _observe(self, table: dict[int, float], rows: int, seconds: float) -> None:
+        b = rows_bucket(rows)
+        runs = self._runs[id(table), b] = self._runs.get((id(table), b), 0) + 1
+        if runs > 1 and math.isfinite(seconds) and seconds >= 0:  # a program's first run is an outlier
+            table[b] = _ema(table.get(b), seconds, STEP_TIME_WEIGHT)
+
+    @staticmethod
+    def _seconds(table: dict[int, float], rows: int) -> float:
+        """Seconds of a program of ``rows`` rows (``table`` not empty): its bucket's, else
+        the nearest measured bucket's, scaled up by the rows when it is smaller (a guess
+        until that bucket runs once)."""
+        if rows == 0:
+            return 0.0
+        b = rows_bucket(rows)
+        if b in table:
+            return table[b]
+        near = min(table, key=lambda k: abs(k.bit_length() - b.bit_length()))
+        return table[near] * b / near if b > near else table[near]
+
+    def choose(self, plain_rows: int, candidates: Sequence[tuple[str, int]]) -> list[bool]:
+        """Which ``candidates`` (request id, proposal length) verify this step,
+        beside ``plain_rows`` rows that decode anyway: the choice with the most expected
+        tokens per second of the step (module doc), rows with the best acceptance first.
+
+        Measured first: while the verification of all of them has no measured time (its
+        rows bucket never ran) they all verify; while the decode of all rows has none, they
+        all decode.  Other sizes are estimated from the nearest measured bucket."""
+        n = len(candidates)
+        if n == 0:
+            return []
+        self._batch = plain_rows + n
+        if rows_bucket(n) not in self._verify_s:
+            return [True] * n
+        if rows_bucket(plain_rows + n) not in self._decode_s:
+            self._rest = 1  # only to measure: they are considered again at once
+            return [False] * n
+        self._rest = self.rest_tokens
+        gains = [min(float(length), self.acceptance(rid)) for rid, length in candidates]
+        order = sorted(range(n), key=lambda i: -gains[i])
+        best_count, best_rate = n, -1.0
+        tokens = float(plain_rows + n)  # every row emits one token either way
+        for count in range(n + 1):
+            if count:
+                tokens += gains[order[count - 1]]
+            seconds = self._seconds(self._decode_s, plain_rows + n - count) + self._seconds(self._verify_s, count)
+            rate = tokens / max(seconds, 1e-9)
+            if rate > best_rate:
+                best_count, best_rate = count, rate
+        chosen = [False] * n
+        for i in order[:best_count]:
+            chosen[i] = True
+            self._shadow.pop(candidates[i][0], None)  # (its verification scores it now)
+        return chosen
+
+    def wants_token(self, row: SeqRow) -> bool:
+        """Whether the row's next step needs its last token on the host (for a proposal):
+        it may speculate, is not resting, and its running acceptance is worth a
+        verification in the batch last seen (``break_even``).  Any other row is not held:
+        it decodes with the host and device overlapped like any other row."""
+        if not self.may_speculate(row):
+            return False
+        rid = row.request_id
+        return rid not in self._resting and self.expected_gain(rid) >= self.break_even()
+
+    def break_even(self) -> float:
+        """Accepted tokens per proposal above which verifying every row of a batch as large
+        as the last one gives more tokens per second than decoding it: the measured time
+        of that verification over that decode, less one (0 while either has no measured
+        time: try).  ``choose`` then picks which rows verify, from their own estimates."""
+        b = rows_bucket(self._batch)
+        if b not in self._verify_s or b not in self._decode_s:
+            return 0.0
+        return max(0.0, self._verify_s[b] / max(self._decode_s[b], 1e-9) - 1.0)
+
+    def step_aside(self, request_id: str, proposal: list[int]) -> None:
+        """``choose`` kept the row decoding although it had a proposal: it rests (is not
+        held) for ``rest_tokens`` tokens, or until its proposals start to match, and its
+        proposal is scored against the tokens it decodes."""
+        self.stepped_aside += 1
+        self._resting[request_id] = self._rest
+        self._shadow.setdefault(request_id, (proposal, 0))
+
+    @property
+    def rest_tokens(self) -> int:
+        """Tokens a row that stepped aside decodes before it is considered again: long
+        enough that the step it is held for (to be considered) is a small share."""
+        return 2 * (self.config.num_speculative_tokens + 1)
+
+    def observe_token(self, request_id: str, token: int, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """A token a row that may speculate emitted (``output_ids`` ends with it): scores
+        the proposal in flight for it.  A row that does not verify now (resting, or below
+        the break-even) gets a proposal to score every k + 1 tokens, so its estimate keeps
+        up with its text: one that matches at least a token ends its rest."""
+        shadow = self._shadow.get(request_id)
+        if shadow is not None:
+            proposal, matched = shadow
+            hit = proposal[matched] == token
+            matched += hit
+            if hit and matched < len(proposal):
+                self._shadow[request_id] = (proposal, matched)
+            else:  # a miss, or all of it matched: that is what a verification would have kept
+                del self._shadow[request_id]
+                self._record(request_id, matched)
+                if matched:
+                    self._resting.pop(request_id, None)
+        rest = self._resting.get(request_id)
+        if rest is not None:
+            if rest <= 1:
+                del self._resting[request_id]
+            else:
+                self._resting[request_id] = rest - 1
+        k = self.config.num_speculative_tokens
+        if request_id in self._shadow or (
+            request_id not in self._resting and self.expected_gain(request_id) >= self.break_even()
+        ):
+            return  # being scored, or it proposes for itself next step
+        if len(output_ids) % (k + 1) == 0:
+            proposal = self.propose(prompt_ids, output_ids, k, request_id)
+            if proposal:
+                self._shadow[request_id] = (proposal, 0)
+
+    def forget(self, request_id: str) -> None:
+        """The request left: drop what is kept about it."""
+        self._acceptance.pop(request_id, None)
+        self._found.pop(request_id, None)
+        self._shadow.pop(request_id, None)
+        self._resting.pop(request_id, None)
 
     @staticmethod
     def may_speculate(row: SeqRow) -> bool:
@@ -59,15 +255,23 @@ class Speculator:
         p = row.params
         return p.temperature == 0 and not p.needs_sampling_state and row.grammar is None and p.logprobs is None
 
-    def propose(self, prompt_ids: Sequence[int], output_ids: Sequence[int], limit: int) -> list[int]:
-        """Up to ``min(limit, num_speculative_tokens)`` proposed tokens after the sequence."""
+    def propose(
+        self, prompt_ids: Sequence[int], output_ids: Sequence[int], limit: int, request_id: str | None = None
+    ) -> list[int]:
+        """Up to ``min(limit, num_speculative_tokens)`` proposed tokens after the sequence
+        (whether there were any counts in ``request_id``'s running find rate)."""
         k = min(limit, self.config.num_speculative_tokens)
         if k <= 0 or not output_ids:
             return []
         ids = np.concatenate((np.asarray(prompt_ids, np.int64), np.asarray(output_ids, np.int64)))
-        return [int(token) for token in self.proposer.propose(ids, k)]
+        proposal = [int(token) for token in self.proposer.propose(ids, k)]
+        if request_id is not None:
+            found = 1.0 if proposal else 0.0
+            self._found[request_id] = _ema(self._found.get(request_id), found, ACCEPTANCE_WEIGHT)
+            self._found_prior = _ema(self._found_prior, found, ACCEPTANCE_WEIGHT)
+        return proposal
 
-    def accepted(self, proposal: Sequence[int], greedy: Sequence[int]) -> int:
+    def accepted(self, proposal: Sequence[int], greedy: Sequence[int], request_id: str | None = None) -> int:
         """How many leading proposals equal the target's greedy tokens (``greedy[j]`` follows
         the verification's position ``j``: the last token, then proposal ``j - 1``); counted."""
         if len(greedy) != len(proposal) + 1:
@@ -75,6 +279,8 @@ class Speculator:
         n = 0
         while n < len(proposal) and proposal[n] == greedy[n]:
             n += 1
+        if request_id is not None and proposal:
+            self._record(request_id, n)
         c = self.counters
         if proposal:
             c.drafts += 1

@@ -78,4 +78,22 @@ def cache_stats(engine: Engine) -> dict[str, Any]:
         "device_idle_s": device.idle_s,
         **core.counters,
         **({"kv_events": engine.kv_event_publisher.stats()} if engine.kv_event_publisher is not None else {}),
+        **({"speculation": speculation_stats(core)} if core.speculator is not None else {}),
+    }
+
+
+def speculation_stats(core: EngineCore) -> dict[str, Any]:
+    """vLLM's spec-decode counters (drafts, draft tokens, accepted tokens, accepted per
+    proposal position) and what the cost decision did (rows that stepped aside)."""
+    spec = core.speculator
+    assert spec is not None
+    c = spec.counters
+    return {
+        "drafts": c.drafts,
+        "draft_tokens": c.draft_tokens,
+        "accepted_tokens": c.accepted_tokens,
+        "accepted_per_position": list(c.accepted_per_position),
+        "mean_accepted_length": c.mean_accepted_length,
+        "stepped_aside": spec.stepped_aside,
+        "break_even_accepted_tokens": spec.break_even(),
     }
