@@ -98,15 +98,21 @@ class Speculator:
 
     # -------------------------------------------------------------- what verifying is worth
     def acceptance(self, request_id: str) -> float:
-        """Accepted tokens the row's next proposal is expected to get."""
-        return self._acceptance.get(request_id, self._prior)
+        """Accepted tokens the row's next proposal is expected to get.  A row with no
+        sample yet is given the benefit of the doubt (at least the break-even): its first
+        proposal is tried and measured, whatever other rows' text was like."""
+        got = self._acceptance.get(request_id)
+        return got if got is not None else max(self._prior, self.break_even())
 
     def expected_gain(self, request_id: str) -> float:
         """Accepted tokens the row's next step is expected to get: how often a lookup finds
         a proposal for it times what a proposal gets.  A row is held for its next step
         only when this beats the break-even: held without a proposal, it would only lose
         the host/device overlap."""
-        return self._found.get(request_id, self._found_prior) * self.acceptance(request_id)
+        found = self._found.get(request_id)
+        if found is None and request_id not in self._acceptance:
+            found = 1.0  # (the benefit of the doubt, as in ``acceptance``)
+        return (found if found is not None else self._found_prior) * self.acceptance(request_id)
 
     def _record(self, request_id: str, accepted: int) -> None:
         self._acceptance[request_id] = _ema(self._acceptance.get(request_id), accepted, ACCEPTANCE_WEIGHT)
