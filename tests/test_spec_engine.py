@@ -95,3 +95,23 @@ def test_bad_speculative_config_names_the_field():
         EngineConfig(model="tiny", speculative_config='{"num_speculative_tokens": 0}')
     with pytest.raises(InvalidRequestError, match="draft_tensor_parallel_size"):
         EngineConfig(model="tiny", speculative_config='{"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}')
+
+
+def test_rows_asking_for_logprobs_speculate_with_the_same_logprobs(engines):
+    plain, spec = engines
+    params = SamplingParams(max_tokens=29, ignore_eos=True, logprobs=3)
+    prompts = _prompts(7)
+    before = spec.core.speculator.counters.accepted_tokens
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert spec.core.speculator.counters.accepted_tokens > before  # they did speculate, and kept tokens
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert len(g.logprobs) == len(w.logprobs) == 29
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert a.token_id == b.token_id
+            # another program (an extend, not a decode) over the same logits: equal within rounding
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
+    _clean(spec)

@@ -502,9 +502,17 @@ class EngineCore:
                 self.scheduler.hold(t.request_id, True)
         self.counters["decode_steps"] += 1
 
-    def _accept_verified(self, t: TrackedRequest, tokens: list[int], now: float, events: list[Event]) -> None:
-        """Emit a verification's tokens in order, each through the stop rules; the first was
-        counted at dispatch, each further one is counted as it is accepted."""
+    def _accept_verified(
+        self,
+        t: TrackedRequest,
+        tokens: list[int],
+        logprobs: list[TokenLogprob] | None,
+        now: float,
+        events: list[Event],
+    ) -> None:
+        """Emit a verification's tokens in order, each through the stop rules (with its
+        logprob when the row asked); the first was counted at dispatch, each further one is
+        counted as it is accepted."""
         rid = t.request_id
         req = t.req
         assert req is not None  # (admitted)
@@ -513,7 +521,7 @@ class EngineCore:
                 self.scheduler.on_draft_accepted(rid)
             if self.rules.by_length(t.params, len(t.prompt_ids), req.generated):
                 self._last_token_dispatched(t)  # (so _accept ends it by length)
-            self._accept(t, token, None, now, events)
+            self._accept(t, token, logprobs[j] if logprobs is not None else None, now, events)
             if self._tracked.get(rid) is not t:
                 return  # ended (a stop id, EOS, the length): the rest is never shown nor counted
         self.executor.rewind_row(rid, tokens[-1])  # its length and input token on the device (_accept unheld it)
@@ -585,7 +593,7 @@ class EngineCore:
                     continue  # aborted or stopped since
                 greedy = out.greedy[i]
                 kept = self.speculator.accepted(proposal, greedy, t.request_id)
-                self._accept_verified(t, greedy[: kept + 1], now, events)
+                self._accept_verified(t, greedy[: kept + 1], out.greedy_logprobs.get(i), now, events)
         self._unsent.extend(events)
         if self._inflight is None:
             self._send()

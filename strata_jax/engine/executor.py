@@ -107,13 +107,15 @@ class StepOutput:
     """Sampled tokens in row order (extend: one per work item), the device seconds of
     the step (None if unknown), the sampled tokens' logprobs by row index for rows
     that asked, prompt logprobs by row index (one per new token) for rows that asked,
-    and for ``verify`` chunks by row index the greedy token after each of their tokens."""
+    and for ``verify`` chunks by row index the greedy token after each of their tokens
+    (with its logprob and top alternatives for rows that asked for logprobs)."""
 
     tokens: list[int]
     seconds: float | None
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     greedy: dict[int, list[int]] = field(default_factory=dict)
+    greedy_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # verify rows that asked
 
 
 class Executor(Protocol):

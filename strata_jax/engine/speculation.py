@@ -11,9 +11,11 @@ inserted into the tree, overwritten by the next step (``EngineCore`` keeps that 
 
 Only greedy rows without per-token host or device state speculate: sampling at
 temperature > 0 needs rejection sampling (not built), penalties / ``logit_bias`` /
-``min_tokens`` keep device state per sampled token, a structured output's grammar needs a
-mask per position, and logprobs would have to come from the verification's positions.
-Those rows decode as before, in the same step.
+``min_tokens`` keep device state per sampled token, and a structured output's grammar
+needs a mask per position.  Those rows decode as before, in the same step.  Rows asking
+for logprobs speculate: each emitted token's logprob and top alternatives come from the
+verification's position that chose it (the same log-softmax of the same logits; a
+different program, so equal to a decode's within float rounding).
 
 Speculating costs a verification program instead of a decode program, and what that
 costs against what it saves differs by machine and batch: on this project's 2-core CPU a
@@ -257,9 +259,10 @@ class Speculator:
 
     @staticmethod
     def may_speculate(row: SeqRow) -> bool:
-        """Greedy, and nothing per sampled token besides the token itself (module doc)."""
+        """Greedy, and nothing per sampled token besides the token itself and its logprobs
+        (module doc)."""
         p = row.params
-        return p.temperature == 0 and not p.needs_sampling_state and row.grammar is None and p.logprobs is None
+        return p.temperature == 0 and not p.needs_sampling_state and row.grammar is None
 
     def propose(
         self, prompt_ids: Sequence[int], output_ids: Sequence[int], limit: int, request_id: str | None = None

@@ -331,8 +331,14 @@ class JaxExecutor:
                     out.logprobs[item] = to_token_logprob(result.sample_logprobs, i, tokens[i], p.logprobs)
             if piece.verify:
                 assert result.prompt_logprobs is not None  # (its targets asked for them)
-                top_ids = result.prompt_logprobs[1]
-                out.greedy.setdefault(item, []).extend(top_ids[offset : offset + len(piece.token_ids), 0].tolist())
+                _, top_ids, top_lps = result.prompt_logprobs
+                greedy = top_ids[offset : offset + len(piece.token_ids), 0].tolist()
+                out.greedy.setdefault(item, []).extend(greedy)
+                if p.logprobs is not None:  # the greedy token is the top one: its logprob is the top value
+                    arrays = (top_lps[:, 0], top_ids, top_lps)
+                    out.greedy_logprobs.setdefault(item, []).extend(
+                        to_token_logprob(arrays, offset + j, token, p.logprobs) for j, token in enumerate(greedy)
+                    )
             elif piece.prompt_logprob_targets is not None and result.prompt_logprobs is not None:
                 got = out.prompt_logprobs.setdefault(item, [])
                 for j, target in enumerate(piece.prompt_logprob_targets):
