@@ -1,5 +1,4 @@
-"""The n-gram proposer against a brute force, and --speculative-config parsing (issue 38's
-first piece: nothing in the engine verifies proposals yet)."""
+"""The n-gram proposer against a brute force, and --speculative-config parsing (issue 38)."""
 
 from __future__ import annotations
 
@@ -14,14 +13,17 @@ from strata_jax.spec import NgramProposer, SpeculativeConfig, parse_speculative_
 
 def brute_force(ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """The longest n from max_n down to min_n whose suffix occurs earlier; its most recent
-    earlier occurrence; the (at most k) tokens after it."""
+    earlier occurrence with k tokens after it (else its most recent); the (at most k) tokens
+    after it."""
     for n in range(max_n, min_n - 1, -1):
         if n >= len(ids):
             continue
         suffix = ids[-n:]
-        for start in range(len(ids) - n - 1, -1, -1):  # the most recent first, never the suffix itself
-            if ids[start : start + n] == suffix:
-                return ids[start + n : start + n + k]
+        found = [s for s in range(len(ids) - n - 1, -1, -1) if ids[s : s + n] == suffix]  # most recent first
+        if found:
+            full = [s for s in found if len(ids[s + n : s + n + k]) == k]
+            start = (full or found)[0]
+            return ids[start + n : start + n + k]
     return []
 
 
@@ -43,6 +45,12 @@ def test_a_document_question_copies_the_span_it_is_in():
     ids = doc + [7, 8] + doc[20:25]  # the answer has started copying the document at 120
     assert NgramProposer(2, 4).propose(np.array(ids), 5).tolist() == doc[25:30]
     assert NgramProposer(2, 4).propose(np.array(ids), 100).tolist() == doc[25:] + [7, 8] + doc[20:25]
+
+
+def test_a_run_of_one_token_proposes_k_not_one():
+    ids = [5, 1, 1, 1, 1, 1, 1]  # the latest "1 1" is right before the suffix: one token after it
+    assert NgramProposer(2, 2).propose(np.array(ids), 3).tolist() == [1, 1, 1]
+    assert NgramProposer(2, 2).propose(np.array(ids), 9).tolist() == [1]  # none has 9: the latest
 
 
 def test_longer_matches_win_over_more_recent_short_ones():

@@ -4,10 +4,11 @@
 later).  ``NgramProposer`` is vLLM's ``ngram`` method (prompt lookup decoding): the last n
 tokens of the sequence (prompt and output so far) are looked for earlier in it, longest n
 first from ``prompt_lookup_max`` down to ``prompt_lookup_min``, and the tokens that followed
-the match are proposed.  Among several matches of the same n the most recent wins: answers
-about a document and code edits copy the span they are working through, which the latest
-occurrence tracks best.  The search is a numpy comparison over a sliding window view of the
-ids (no per-token Python loop), O(len * n) per call.
+the match are proposed.  Among several matches of the same n the most recent with k tokens
+after it wins (the most recent of all when none has): answers about a document and code
+edits copy the span they are working through, which the latest occurrence tracks best.
+The search is a numpy comparison over a sliding window view of the ids (no per-token
+Python loop), O(len * n) per call.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class NgramProposer:
             windows = sliding_window_view(ids[: length - 1], n)
             hits = np.flatnonzero((windows == ids[length - n :]).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n  # the most recent match's continuation (at least one token)
+                # the most recent match whose continuation has all k tokens, else the most recent
+                # (a run of one repeated token matches just before the suffix: one token of
+                # continuation, where an earlier match of the same run proposes k)
+                full = hits[hits + n + k <= length]
+                start = int(full[-1] if full.size else hits[-1]) + n
                 return ids[start : start + k].astype(np.int32)
         return np.zeros(0, np.int32)
