@@ -19,8 +19,8 @@ different program, so equal to a decode's within float rounding).
 
 Speculating costs a verification program instead of a decode program, and what that
 costs against what it saves differs by machine and batch: on this project's 2-core CPU a
-one-row verification of 8 tokens takes about 2x a one-row decode (a matmul over 8 rows
-is not free there), on a GPU a decode of a small batch is memory-bound and 8 rows cost
+one-row verification of 8 tokens takes about 3x a one-row decode (a matmul over 8 rows
+is not free there; docs/runtime.md), on a GPU a decode of a small batch is memory-bound and 8 rows cost
 little more than 1.  So each step ``choose`` picks which rows verify from measured step
 times (seconds per decode program and per verification program, by rows bucket) and each
 row's running acceptance, the choice with the most tokens per second of the step.  A row
@@ -77,6 +77,38 @@ def _ema(old: float | None, new: float, weight: float) -> float:
     return new if old is None else old + weight * (new - old)
 
 
+class StepTimes:
+    """Running seconds of one kind of program (decode, verification) by rows bucket.  A
+    program's first run is not kept: it is an outlier (first-use costs on the device)."""
+
+    def __init__(self) -> None:
+        self._mean: dict[int, float] = {}
+        self._runs: dict[int, int] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        b = rows_bucket(rows)
+        self._runs[b] = runs = self._runs.get(b, 0) + 1
+        if runs > 1 and math.isfinite(seconds) and seconds >= 0:
+            self._mean[b] = _ema(self._mean.get(b), seconds, STEP_TIME_WEIGHT)
+
+    def measured(self, rows: int) -> bool:
+        """Whether the bucket of ``rows`` rows has a kept time."""
+        return rows_bucket(rows) in self._mean
+
+    def seconds(self, rows: int) -> float:
+        """Seconds of a program of ``rows`` rows (some bucket measured): its bucket's, else
+        the nearest measured bucket's, scaled up by the rows when it is smaller (a guess
+        until that bucket runs once)."""
+        if rows == 0:
+            return 0.0
+        table = self._mean
+        b = rows_bucket(rows)
+        if b in table:
+            return table[b]
+        near = min(table, key=lambda k: abs(k.bit_length() - b.bit_length()))
+        return table[near] * b / near if b > near else table[near]
+
+
 class Speculator:
     """Proposals for the rows that may speculate, which of them verify (``choose``), and the
     bookkeeping of what they kept."""
@@ -90,9 +122,8 @@ class Speculator:
         self._found: dict[str, float] = {}  # request id -> running share of lookups that found a proposal
         self._found_prior = 1.0  # the same over all rows
         self._shadow: dict[str, tuple[list[int], int]] = {}  # a row that did not verify: its proposal, matched
-        self._decode_s: dict[int, float] = {}  # rows bucket -> running seconds of a decode step
-        self._verify_s: dict[int, float] = {}  # rows bucket -> running seconds of a verification step
-        self._runs: dict[tuple[int, int], int] = {}  # (table, rows bucket) -> steps seen (the first is not kept)
+        self._decode = StepTimes()
+        self._verify = StepTimes()
         self._rest = self.rest_tokens  # what rows stepping aside now rest (1 while measuring a decode)
         self._resting: dict[str, int] = {}  # request id -> tokens it decodes before it is considered again
         self._batch = 1  # rows of the last decode step (with the verifications when there were any)
@@ -122,31 +153,12 @@ class Speculator:
 
     def observe_decode(self, rows: int, seconds: float) -> None:
         """A decode step of ``rows`` rows took ``seconds`` on the device."""
-        self._observe(self._decode_s, rows, seconds)
+        self._decode.observe(rows, seconds)
         self._batch = rows
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         """A verification step of ``rows`` rows took ``seconds`` on the device."""
-        self._observe(self._verify_s, rows, seconds)
-
-    def _observe(self, table: dict[int, float], rows: int, seconds: float) -> None:
-        b = rows_bucket(rows)
-        runs = self._runs[id(table), b] = self._runs.get((id(table), b), 0) + 1
-        if runs > 1 and math.isfinite(seconds) and seconds >= 0:  # a program's first run is an outlier
-            table[b] = _ema(table.get(b), seconds, STEP_TIME_WEIGHT)
-
-    @staticmethod
-    def _seconds(table: dict[int, float], rows: int) -> float:
-        """Seconds of a program of ``rows`` rows (``table`` not empty): its bucket's, else
-        the nearest measured bucket's, scaled up by the rows when it is smaller (a guess
-        until that bucket runs once)."""
-        if rows == 0:
-            return 0.0
-        b = rows_bucket(rows)
-        if b in table:
-            return table[b]
-        near = min(table, key=lambda k: abs(k.bit_length() - b.bit_length()))
-        return table[near] * b / near if b > near else table[near]
+        self._verify.observe(rows, seconds)
 
     def choose(self, plain_rows: int, candidates: Sequence[tuple[str, int]]) -> list[bool]:
         """Which ``candidates`` (request id, proposal length) verify this step,
@@ -160,9 +172,9 @@ class Speculator:
         if n == 0:
             return []
         self._batch = plain_rows + n
-        if rows_bucket(n) not in self._verify_s:
+        if not self._verify.measured(n):
             return [True] * n
-        if rows_bucket(plain_rows + n) not in self._decode_s:
+        if not self._decode.measured(plain_rows + n):
             self._rest = 1  # only to measure: they are considered again at once
             return [False] * n
         self._rest = self.rest_tokens
@@ -173,7 +185,7 @@ class Speculator:
         for count in range(n + 1):
             if count:
                 tokens += gains[order[count - 1]]
-            seconds = self._seconds(self._decode_s, plain_rows + n - count) + self._seconds(self._verify_s, count)
+            seconds = self._decode.seconds(plain_rows + n - count) + self._verify.seconds(count)
             rate = tokens / max(seconds, 1e-9)
             if rate > best_rate:
                 best_count, best_rate = count, rate
@@ -198,10 +210,10 @@ class Speculator:
         as the last one gives more tokens per second than decoding it: the measured time
         of that verification over that decode, less one (0 while either has no measured
         time: try).  ``choose`` then picks which rows verify, from their own estimates."""
-        b = rows_bucket(self._batch)
-        if b not in self._verify_s or b not in self._decode_s:
+        batch = self._batch
+        if not (self._verify.measured(batch) and self._decode.measured(batch)):
             return 0.0
-        return max(0.0, self._verify_s[b] / max(self._decode_s[b], 1e-9) - 1.0)
+        return max(0.0, self._verify.seconds(batch) / max(self._decode.seconds(batch), 1e-9) - 1.0)
 
     def step_aside(self, request_id: str, proposal: list[int]) -> None:
         """``choose`` kept the row decoding although it had a proposal: it rests (is not
