@@ -622,8 +622,9 @@ class EngineCore:
             finish = "length"
         else:
             finish = None
-            if self.speculator is not None:
-                self.speculator.observe_token(t.request_id, token, t.prompt_ids, outputs)
+            spec = self.speculator
+            if spec is not None and spec.may_speculate(t):  # (only rows that may speculate are scored)
+                spec.observe_token(t.request_id, token, t.prompt_ids, outputs)
             if req.held:  # (whatever decides holding now: a speculator's choice may have changed since)
                 self.scheduler.hold(t.request_id, False)  # its mask / proposal for the next step can be made
         events.append(TokenEvent(t.stream, token, logprob, finish, now))
