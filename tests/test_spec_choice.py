@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from test_spec_engine import SPEC, _engine
 
 from strata_jax.api import SamplingParams
-from strata_jax.engine import Engine, EngineConfig
 from strata_jax.engine.speculation import Speculator, rows_bucket
-from strata_jax.spec import SpeculativeConfig
+from strata_jax.spec import parse_speculative_config
 
-CONFIG = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+CONFIG = parse_speculative_config(SPEC)  # the engine tests' config
 
 
 def _measured(decode: dict[int, float], verify: dict[int, float]) -> Speculator:
@@ -136,26 +136,13 @@ class _Flipping(Speculator):
 
 
 def test_rows_flipping_between_held_and_not_finish_with_the_same_tokens():
-    def engine(spec: str | None) -> Engine:
-        return Engine(
-            EngineConfig(
-                model="tiny",
-                warmup=False,
-                show_progress=False,
-                device_tokens=4096,
-                max_batch_tokens=128,
-                max_batch_size=4,
-                speculative_config=spec,
-            )
-        )
-
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, size=20).tolist() * 3 for _ in range(4)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    plain = engine(None)
+    plain = _engine(None)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     plain.shutdown()
-    spec = engine('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}')
+    spec = _engine(SPEC)
     flipping = _Flipping(CONFIG)
     spec._call(lambda: setattr(spec.core, "speculator", flipping))
     try:

@@ -139,19 +139,19 @@ def run(args: argparse.Namespace) -> int:
             mismatched += sum(x.token_ids != y.token_ids for x, y in zip(a, b_out))
         drafts = counters.drafts - before[0]
         accepted = counters.accepted_tokens - before[1]
+        base_rate, spec_rate = statistics.median(rates["base"]), statistics.median(rates["spec"])
         row: dict[str, Any] = {
             "run": name,
             "requests": len(prompts),
-            "base_tokens_per_s": statistics.median(rates["base"]),
-            "spec_tokens_per_s": statistics.median(rates["spec"]),
+            "base_tokens_per_s": base_rate,
+            "spec_tokens_per_s": spec_rate,
             "base_runs": rates["base"],
             "spec_runs": rates["spec"],
             "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
             "verifications": drafts,
             "stepped_aside": speculator.stepped_aside - before[2],
+            "ratio": spec_rate / base_rate if base_rate else 0.0,
         }
-        base_rate, spec_rate = statistics.median(rates["base"]), statistics.median(rates["spec"])
-        row["ratio"] = spec_rate / base_rate if base_rate else 0.0
         rows.append(row)
         print(
             f"  {name:>12}: {row['spec_tokens_per_s']:7.1f} vs {row['base_tokens_per_s']:7.1f} tok/s = "
