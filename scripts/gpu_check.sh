@@ -126,7 +126,7 @@ if [ "$DRY_RUN" = 1 ]; then
   TRANSFER=(--layers 4 --kv-heads 2 --head-dim 64 --dtype float32 --page-sizes 1,16 --total-mb 1 --repeats 3 --peak-mb 8)
   ROOFLINE=(--width tiny --doc-tokens 512 --prefill-chunk 256 --batches 1,2,4 --decode-context 64 --step-reps 3)
   MOE=(--dry-run)
-  L_DEVICES=60 L_TESTS=60 L_TRANSFER=45 L_ROOFLINE=120 L_CALIBRATE=45 L_MOE=120 L_SUMMARY=10
+  L_DEVICES=60 L_TESTS=60 L_TRANSFER=45 L_ROOFLINE=120 L_CALIBRATE=45 L_MOE=200 L_SUMMARY=10  # the tiny MoE engine takes 70 s quiet, over 100 s in a loaded CI
 else
   TRANSFER=(--layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --page-sizes 1,16,64 --total-mb 64 --repeats 5 --peak-mb 1024)
   ROOFLINE=(--width llama-3.1-8b --doc-tokens 16384 --prefill-chunk 8192 --batches 1,64,256 --decode-context 1024

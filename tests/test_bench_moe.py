@@ -23,6 +23,7 @@ from strata_jax.bench.moe import (
     loop_path,
     make_block,
     route_tokens,
+    run_layer_bench,
 )
 from strata_jax.cli import main
 
@@ -79,6 +80,17 @@ def test_no_block_flag_and_bad_arguments(tmp_path):
     for bad in (["--tokens", "0"], ["--tokens", "a,b"], ["--top-k", "9"], ["--repeats", "1"]):
         with pytest.raises(SystemExit):
             main(["bench", "moe", *TINY_FLAGS, *bad])
+
+
+def test_a_passed_deadline_skips_every_count_but_the_first():
+    """The GPU check's time box: on a loaded machine its layer comparison may start after the
+    deadline; the first count still runs (one measured row to report), the rest are skipped."""
+    seen = []
+    report = run_layer_bench(
+        TINY, [2, 5, 9], repeats=2, time_limit_s=0.5, with_block=False, deadline=0.0, on_point=seen.append
+    )
+    assert [p["tokens"] for p in report["points"]] == [2] and report["skipped"] == [5, 9]
+    assert len(seen) == 1 and seen[0] is report
 
 
 @pytest.mark.parametrize("tokens", [1, 37])

@@ -366,8 +366,8 @@ def compare_moe(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
 
 def moe_step(out_json: Path, *, dry_run: bool, budget_s: float) -> int:
     """The MoE step of gpu_check.sh (see the module doc).  Every part is time-boxed by
-    ``budget_s`` from the start: the layer comparison starts no token count after
-    ``budget_s - 8`` s, the CPU reference is waited for until ``budget_s``."""
+    ``budget_s`` from the start: the layer comparison starts no token count but its first
+    after ``budget_s - 8`` s, the CPU reference is waited for until ``budget_s``."""
     t0 = time.perf_counter()
     report: dict[str, Any] = {"budget_s": budget_s, "dry_run": dry_run, "phases": [], "errors": {}}
 

@@ -352,9 +352,10 @@ def run_layer_bench(
     on_point: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The whole report: the device, the shape, one ``measure_point`` row per token count (in
-    order).  ``deadline`` (a ``time.perf_counter()`` value): token counts not started by then
-    are listed under ``skipped`` (the GPU check's time box).  ``on_point`` sees the report
-    after every row (to save what was measured so far)."""
+    order).  ``deadline`` (a ``time.perf_counter()`` value): token counts after the first not
+    started by then are listed under ``skipped`` (the GPU check's time box); the first always
+    runs, so a late start (a loaded machine, a slow engine phase) still yields one measured
+    row.  ``on_point`` sees the report after every row (to save what was measured so far)."""
     import jax
 
     from strata_jax.models import grouped_mlp
@@ -373,7 +374,7 @@ def run_layer_bench(
     }
     block = make_block(shape, seed)
     for count in tokens:
-        if deadline is not None and time.perf_counter() > deadline:
+        if deadline is not None and report["points"] and time.perf_counter() > deadline:
             report["skipped"].append(count)
             continue
         report["points"].append(
