@@ -115,3 +115,86 @@ def test_rows_asking_for_logprobs_speculate_with_the_same_logprobs(engines):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
     _clean(spec)
+
+
+def _always_verify(monkeypatch: pytest.MonkeyPatch, spec: Engine) -> None:
+    """Every row with a proposal verifies: these tests are about what a verification emits,
+    and the cost decision (tested in test_spec_choice) reads step times a loaded machine
+    can tip against verifying at all."""
+    speculator = spec.core.speculator
+    monkeypatch.setattr(speculator, "break_even", lambda: 0.0)
+    monkeypatch.setattr(speculator, "choose", lambda plain, candidates: [True] * len(candidates))
+
+
+def _spent(spec: Engine) -> tuple[int, int]:
+    c = spec.core.speculator.counters
+    return c.accepted_tokens, c.draft_tokens
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        # low temperatures: the tiny random model's draws follow its copying often, not always
+        SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.2, seed=5),
+        SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.15, top_k=8, top_p=0.9, seed=6, logprobs=2),
+        SamplingParams(
+            max_tokens=40,
+            ignore_eos=True,
+            temperature=0.1,
+            seed=7,
+            frequency_penalty=0.05,
+            presence_penalty=0.02,
+            repetition_penalty=1.05,
+            logit_bias={3: 1.5, 17: -2.0},
+        ),
+    ],
+    ids=["temperature", "top-k-top-p-logprobs", "penalties-and-bias"],
+)
+def test_sampled_rows_speculate_and_draw_what_decoding_draws_under_a_seed(engines, params, monkeypatch):
+    """A verification draws each position's token as decoding would (the row's processors over
+    the tokens before it, the PRNG key of that token's number): with a seed, the tokens equal
+    decoding's without speculation, while drafts are accepted and rejected."""
+    plain, spec = engines
+    _always_verify(monkeypatch, spec)
+    prompts = _prompts(3, 3)
+    accepted, drafted = _spent(spec)
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    accepted, drafted = _spent(spec)[0] - accepted, _spent(spec)[1] - drafted
+    assert 0 < accepted < drafted  # both branches of the acceptance ran
+    if params.logprobs:
+        for g, w in zip(got, want):
+            for a, b in zip(g.logprobs, w.logprobs):
+                assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    # the same seed again: the same tokens (the draws do not depend on how many were accepted)
+    assert [o.token_ids for o in spec.generate(prompts, params)] == [o.token_ids for o in want]
+    _clean(spec)
+
+
+def test_min_tokens_holds_a_stop_id_back_until_its_own_position_inside_a_run(engines, monkeypatch):
+    """A stop id the bias makes every position's favourite is masked at each verified
+    position below min_tokens (by that position's own count) and picked at the first one
+    past it, inside a verification: the request stops at exactly min_tokens + 1 tokens, as
+    decoding does."""
+    plain, spec = engines
+    _always_verify(monkeypatch, spec)
+    prompts = _prompts(1, 1)
+    stop = 5
+    params = SamplingParams(max_tokens=40, stop_token_ids=[stop], min_tokens=30, logit_bias={stop: 50.0})
+    verified: list[list[int]] = []
+    accepted_by = spec.core.speculator.accepted
+
+    def record(proposal, picks, request_id=None):
+        verified.append(list(picks))
+        return accepted_by(proposal, picks, request_id)
+
+    monkeypatch.setattr(spec.core.speculator, "accepted", record)
+    want = plain.generate(prompts, params)[0]
+    got = spec.generate(prompts, params)[0]
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+    assert len(want.token_ids) == 31 and want.token_ids[-1] == stop and stop not in want.token_ids[:-1]
+    # the stop was picked at a verification's later position, the ones before it were not
+    assert any(stop in picks and picks.index(stop) > 0 for picks in verified), verified
+    _clean(spec)

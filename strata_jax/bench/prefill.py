@@ -456,7 +456,7 @@ class _Pieces:
                 holder = {"flags": self.sampling_state.flags}
 
                 def sample():
-                    tokens, _, _, holder["flags"] = self._sample(
+                    tokens, _, _, _, holder["flags"] = self._sample(
                         self.state,
                         logits,
                         hidden,

@@ -591,9 +591,9 @@ class EngineCore:
             for i, (t, proposal) in enumerate(step.verify_rows):
                 if self._tracked.get(t.request_id) is not t:
                     continue  # aborted or stopped since
-                greedy = out.greedy[i]
-                kept = self.speculator.accepted(proposal, greedy, t.request_id)
-                self._accept_verified(t, greedy[: kept + 1], out.greedy_logprobs.get(i), now, events)
+                picks = out.picks[i]
+                kept = self.speculator.accepted(proposal, picks, t.request_id)
+                self._accept_verified(t, picks[: kept + 1], out.pick_logprobs.get(i), now, events)
         self._unsent.extend(events)
         if self._inflight is None:
             self._send()

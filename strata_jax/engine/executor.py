@@ -91,7 +91,9 @@ class ExtendChunk(Generic[RowRef]):
     ``prompt_logprob_targets``: per new token, the prompt token after it whose
     logprob is wanted (-1: none); None when the request did not ask.
     ``verify``: a speculative row's check (its last token and the proposed ones): the
-    greedy token after every position comes back (``StepOutput.greedy``), not one sample.
+    target's token after every position comes back (``StepOutput.picks``), not one sample,
+    each picked as decoding would have picked it (greedy, or drawn with the row's
+    processors and its PRNG key for that token's number); never split across steps.
     """
 
     row: RowRef
@@ -107,15 +109,15 @@ class StepOutput:
     """Sampled tokens in row order (extend: one per work item), the device seconds of
     the step (None if unknown), the sampled tokens' logprobs by row index for rows
     that asked, prompt logprobs by row index (one per new token) for rows that asked,
-    and for ``verify`` chunks by row index the greedy token after each of their tokens
+    and for ``verify`` chunks by row index the target's token after each of their tokens
     (with its logprob and top alternatives for rows that asked for logprobs)."""
 
     tokens: list[int]
     seconds: float | None
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
-    greedy: dict[int, list[int]] = field(default_factory=dict)
-    greedy_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # verify rows that asked
+    picks: dict[int, list[int]] = field(default_factory=dict)
+    pick_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # verify rows that asked
 
 
 class Executor(Protocol):

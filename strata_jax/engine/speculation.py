@@ -1,21 +1,28 @@
 """Which decode rows speculate, what they propose, and what a verification kept (issue 38).
 
 A speculating row's decode step is a short extend over ``[its last token, p1 .. pk]``
-(``ExtendChunk.verify``): the target model's greedy token after each of those positions
-comes back, the longest run of proposals equal to them is accepted, and the greedy token
-after that run (the correction, or a bonus token when all k were right) is emitted too.
-So a step emits 1 .. k+1 tokens, each one exactly what greedy decoding would have
-produced: the output does not depend on the proposals, only the number of steps does.
+(``ExtendChunk.verify``): the target model's token after each of those positions comes
+back, picked on the device exactly as decoding would pick it there (``argmax`` for a greedy
+row; for a sampled one the row's processors over the tokens before that position and the
+same draw with the PRNG key of that token's number: ``runtime/verify_sampling.py``).  The
+longest run of proposals equal to the picks is accepted, and the pick after that run (the
+correction, or a bonus token when all k were right) is emitted too.  So a step emits
+1 .. k+1 tokens, each one exactly what decoding would have produced: the output does not
+depend on the proposals, only the number of steps does.  At temperature > 0 this is
+rejection sampling (Leviathan et al.) for a proposal that is a single token: ``pj`` is
+kept with the target's probability of it, and a rejected position's token follows the
+target without ``pj``; and with a seed the tokens equal decoding's without speculation.
 The KV written for rejected positions lies past the request's length: never read, never
 inserted into the tree, overwritten by the next step (``EngineCore`` keeps that true).
 
-Only greedy rows without per-token host or device state speculate: sampling at
-temperature > 0 needs rejection sampling (not built), penalties / ``logit_bias`` /
-``min_tokens`` keep device state per sampled token, and a structured output's grammar
-needs a mask per position.  Those rows decode as before, in the same step.  Rows asking
-for logprobs speculate: each emitted token's logprob and top alternatives come from the
-verification's position that chose it (the same log-softmax of the same logits; a
-different program, so equal to a decode's within float rounding).
+Every row speculates but a structured output's: its grammar would need a mask per
+proposed position, computed on the host from the tokens before it (it decodes as before,
+in the same step).  Sampled rows, penalties, ``logit_bias`` and ``min_tokens`` speculate:
+the picks see the proposed tokens before them as generated, and the picks that are
+emitted are counted in the row's penalty state on the device.  Rows asking for logprobs
+speculate: each emitted token's logprob and top alternatives come from the verification's
+position that chose it (the same log-softmax of the same logits; a different program, so
+equal to a decode's within float rounding).
 
 Speculating costs a verification program instead of a decode program, and what that
 costs against what it saves differs by machine and batch: on this project's 2-core CPU a
@@ -271,10 +278,8 @@ class Speculator:
 
     @staticmethod
     def may_speculate(row: SeqRow) -> bool:
-        """Greedy, and nothing per sampled token besides the token itself and its logprobs
-        (module doc)."""
-        p = row.params
-        return p.temperature == 0 and not p.needs_sampling_state and row.grammar is None
+        """No grammar (module doc)."""
+        return row.grammar is None
 
     def propose(
         self, prompt_ids: Sequence[int], output_ids: Sequence[int], limit: int, request_id: str | None = None
@@ -292,13 +297,13 @@ class Speculator:
             self._found_prior = _ema(self._found_prior, found, ACCEPTANCE_WEIGHT)
         return proposal
 
-    def accepted(self, proposal: Sequence[int], greedy: Sequence[int], request_id: str | None = None) -> int:
-        """How many leading proposals equal the target's greedy tokens (``greedy[j]`` follows
-        the verification's position ``j``: the last token, then proposal ``j - 1``); counted."""
-        if len(greedy) != len(proposal) + 1:
-            raise ValueError(f"{len(greedy)} greedy tokens for {len(proposal)} proposed")
+    def accepted(self, proposal: Sequence[int], picks: Sequence[int], request_id: str | None = None) -> int:
+        """How many leading proposals equal the target's picks (``picks[j]`` follows the
+        verification's position ``j``: the last token, then proposal ``j - 1``); counted."""
+        if len(picks) != len(proposal) + 1:
+            raise ValueError(f"{len(picks)} picks for {len(proposal)} proposed")
         n = 0
-        while n < len(proposal) and proposal[n] == greedy[n]:
+        while n < len(proposal) and proposal[n] == picks[n]:
             n += 1
         if request_id is not None and proposal:
             self._record(request_id, n)

@@ -232,7 +232,8 @@ class JaxExecutor:
             batch: list[tuple[int, ExtendChunk[SeqRow], list[int], int, bool]] = []
             room, rest = limit_tokens, []
             for i, w, tokens, start in pending:
-                if room <= 0 or len(batch) >= limit_seqs:
+                # a verification is never split: its picks follow its tokens within one step
+                if room <= 0 or len(batch) >= limit_seqs or (w.verify and len(tokens) > room):
                     rest.append((i, w, tokens, start))
                     continue
                 piece = tokens[:room]
@@ -330,15 +331,15 @@ class JaxExecutor:
                 if p.logprobs is not None and piece.keep_sample and result.sample_logprobs is not None:
                     out.logprobs[item] = to_token_logprob(result.sample_logprobs, i, tokens[i], p.logprobs)
             if piece.verify:
-                assert result.prompt_logprobs is not None  # (its targets asked for them)
-                _, top_ids, top_lps = result.prompt_logprobs
-                greedy = top_ids[offset : offset + len(piece.token_ids), 0].tolist()
-                out.greedy.setdefault(item, []).extend(greedy)
-                if p.logprobs is not None:  # the greedy token is the top one: its logprob is the top value
-                    arrays = (top_lps[:, 0], top_ids, top_lps)
-                    out.greedy_logprobs.setdefault(item, []).extend(
-                        to_token_logprob(arrays, offset + j, token, p.logprobs) for j, token in enumerate(greedy)
-                    )
+                # (its targets asked for the per-position head; the logprob at a pick is the pick's)
+                assert result.prompt_logprobs is not None and result.verify_picks is not None
+                picks = result.verify_picks[offset : offset + len(piece.token_ids)].tolist()
+                out.picks[item] = picks
+                if p.logprobs is not None:
+                    out.pick_logprobs[item] = [
+                        to_token_logprob(result.prompt_logprobs, offset + j, token, p.logprobs)
+                        for j, token in enumerate(picks)
+                    ]
             elif piece.prompt_logprob_targets is not None and result.prompt_logprobs is not None:
                 got = out.prompt_logprobs.setdefault(item, [])
                 for j, target in enumerate(piece.prompt_logprob_targets):

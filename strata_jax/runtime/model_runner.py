@@ -150,6 +150,8 @@ class StepResult:
     # (chosen [N], top ids [N, K], top logprobs [N, K]) when some sequence asked:
     sample_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # N = sequences
     prompt_logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # N = packed tokens
+    # per packed token of a speculative verification: the target's token after it (verify_sampling)
+    verify_picks: np.ndarray | None = None
 
 
 @dataclass
@@ -162,6 +164,7 @@ class PendingStep:
     num_tokens: int
     sample_logprobs: sampling_step.TokenLogprobs | None = None  # set only when some sequence asked
     prompt_logprobs: sampling_step.TokenLogprobs | None = None
+    verify_picks: jax.Array | None = None  # with prompt_logprobs: a verification's picks [T]
     on_failure: Callable[[Exception], None] | None = None  # told when the step fails on the device
 
     def is_ready(self) -> bool:
@@ -185,6 +188,8 @@ class PendingStep:
             out.sample_logprobs = sampling_step.fetch_logprobs(self.sample_logprobs, self.num_seqs, _host_copy)
         if self.prompt_logprobs is not None:
             out.prompt_logprobs = sampling_step.fetch_logprobs(self.prompt_logprobs, self.num_tokens, _host_copy)
+        if self.verify_picks is not None:
+            out.verify_picks = _host_copy(self.verify_picks)[: self.num_tokens]
         return out
 
 
@@ -323,10 +328,11 @@ class ModelRunner:
                     rep,
                     rep,
                     rep,
+                    rep,
                     pool_sh,
                     rep,
                     rep,
-                ),  # tokens, logits, logprobs x2, pool, flags, tables
+                ),  # tokens, logits, logprobs x2, verification picks, pool, flags, tables
             }
         self._step = jax.jit(
             # all_logits positional-static: jit takes no keyword arguments once in_shardings are set
@@ -339,6 +345,7 @@ class ModelRunner:
                 num_kv_slots=self.num_slots,
                 no_sampling_slot=self.sampling.no_slot,
                 layer_pages=self.grouped.layer_rows() if self.grouped else None,
+                verify_tokens_per_row=config.verify_tokens_per_row,
             ),
             donate_argnums=(1, 3, 4),  # the KV pool, the sampling flags and the sequence tables, updated in place
             static_argnums=(6,),
@@ -568,7 +575,7 @@ class ModelRunner:
         # cache, so the next start compiles it (the failure itself is not hidden).
         discard = None if all_logits else self._reused.get(_program_shape(x))
         try:
-            next_tokens, logits, sample_lp, prompt_lp = self._run_padded(x, all_logits=all_logits)
+            next_tokens, logits, sample_lp, prompt_lp, picks = self._run_padded(x, all_logits=all_logits)
         except jax.errors.JaxRuntimeError as exc:
             if discard is not None:
                 discard(exc)
@@ -580,6 +587,7 @@ class ModelRunner:
             num_tokens,
             sample_logprobs=sample_lp if logprobs else None,
             prompt_logprobs=prompt_lp if prompt_logprobs else None,
+            verify_picks=picks if prompt_logprobs else None,
             on_failure=discard,
         )
 
@@ -655,8 +663,8 @@ class ModelRunner:
         else:
             with pallas_kernels.use_backend(self.kernel_backend):  # in effect when a new shape is traced
                 out = self._step(*args, all_logits)
-        next_tokens, logits, sample_lp, prompt_lp, self.pool.kv, sampling.flags, self.seqs.tables = out
-        return next_tokens, logits, sample_lp, prompt_lp
+        next_tokens, logits, sample_lp, prompt_lp, picks, self.pool.kv, sampling.flags, self.seqs.tables = out
+        return next_tokens, logits, sample_lp, prompt_lp, picks
 
     @property
     def kv_pool(self) -> jax.Array:
@@ -734,6 +742,7 @@ def _forward_step(
     num_kv_slots: int,
     no_sampling_slot: int,
     layer_pages: tuple[tuple[int, int], ...] | None,
+    verify_tokens_per_row: int,
 ):
     state, layer_states = state if isinstance(state, tuple) else (state, None)
     model = nnx.merge(graphdef, state)
@@ -748,9 +757,17 @@ def _forward_step(
     with use_head_sharding(mesh):  # attention and the KV write per shard of the heads (tp)
         hidden, kv_pool = model(input_ids, positions, kv_pool, meta, scan_layers=scan_layers, layer_states=layer_states)
     last_logits = model.logits(hidden[sampling["last_index"]])
-    next_tokens, sample_lp, prompt_lp, flags_table = sampling_step.sample_with_extras(
-        last_logits, hidden, model.logits, sampling, flags_table, bias_table, tables.token_mask
+    num_tokens, num_rows = input_ids.shape[0], inputs["slots"].shape[0]
+    next_tokens, sample_lp, prompt_lp, picks, flags_table = sampling_step.sample_with_extras(
+        last_logits,
+        hidden,
+        model.logits,
+        sampling,
+        flags_table,
+        bias_table,
+        tables.token_mask,
+        verify_picks_per_step=0 if num_tokens == num_rows else min(num_tokens, num_rows * verify_tokens_per_row),
     )
     tables = after_step(tables, inputs["slots"], sampling["kept"], next_tokens, new_lens)
     logits = model.logits(hidden) if all_logits else None
-    return next_tokens, logits, sample_lp, prompt_lp, kv_pool, flags_table, tables
+    return next_tokens, logits, sample_lp, prompt_lp, picks, kv_pool, flags_table, tables

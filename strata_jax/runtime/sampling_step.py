@@ -25,9 +25,17 @@ import numpy as np
 
 from strata_jax.api import TokenLogprob
 from strata_jax.runtime.logits_processors import process_logits, record_sampled
-from strata_jax.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs, hidden_logprobs_if, token_logprobs_if
+from strata_jax.runtime.logprobs import (
+    MAX_TOP_LOGPROBS,
+    TokenLogprobs,
+    empty_logprobs,
+    hidden_logprobs_if,
+    token_logprobs,
+    token_logprobs_if,
+)
 from strata_jax.runtime.sampling import sample_tokens
 from strata_jax.runtime.sampling_state import gather_rows
+from strata_jax.runtime.verify_sampling import verify_picks
 
 MIN_TOKENS_ACTIVE = 1
 COUNT_SAMPLE = 2
@@ -43,12 +51,17 @@ def sample_with_extras(
     flags_table: jax.Array,
     bias_table: jax.Array,
     token_mask: jax.Array | None = None,
-) -> tuple[jax.Array, TokenLogprobs, TokenLogprobs, jax.Array]:
-    """Next tokens [B], their logprobs [B], prompt logprobs [T], the updated flags table.
+    verify_picks_per_step: int = 0,
+) -> tuple[jax.Array, TokenLogprobs, TokenLogprobs, jax.Array, jax.Array]:
+    """Next tokens [B], their logprobs [B], per-position logprobs [T] (prompt logprobs; at a
+    verification's positions, of its picks), a verification's picks [T] (0 elsewhere), the
+    updated flags table.
 
     ``token_mask`` ([S, ceil(V / 32)] int32, one bit per token id): rows with
     ``inputs["constrained"]`` sample only ids whose bit is set in row
     ``inputs["mask_slot"]`` (structured outputs), after the processors.
+    ``verify_picks_per_step`` (static): at most this many verification tokens in a step
+    (``verify_sampling``); 0: the program never verifies (no picks are computed).
     """
     slot, bits, pen = inputs["slot"], inputs["row_bits"], inputs["penalties"]
     held = slot < flags_table.shape[0]
@@ -72,9 +85,48 @@ def sample_with_extras(
     next_tokens = sample_tokens(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["rng_keys"])
     sampled_lp = token_logprobs_if((bits & WANT_LOGPROBS) != 0, last_logits, next_tokens, MAX_TOP_LOGPROBS)
     targets = inputs["targets"]
-    prompt_lp = hidden_logprobs_if(targets >= 0, hidden, head, jnp.maximum(targets, 0), MAX_TOP_LOGPROBS)
+    if verify_picks_per_step:
+        prompt_lp, picks, flags_table = _positions_with_picks(
+            hidden, head, inputs, flags_table, bias_table, verify_picks_per_step
+        )
+    else:
+        prompt_lp = hidden_logprobs_if(targets >= 0, hidden, head, jnp.maximum(targets, 0), MAX_TOP_LOGPROBS)
+        picks = jnp.zeros(targets.shape[0], jnp.int32)
     flags_table = record_sampled(flags_table, slot, next_tokens, held & ((bits & COUNT_SAMPLE) != 0))
-    return next_tokens, sampled_lp, prompt_lp, flags_table
+    return next_tokens, sampled_lp, prompt_lp, picks, flags_table
+
+
+def _positions_with_picks(
+    hidden: jax.Array,
+    head: Callable[[jax.Array], jax.Array],
+    inputs: dict,
+    flags_table: jax.Array,
+    bias_table: jax.Array,
+    num_picks: int,
+) -> tuple[TokenLogprobs, jax.Array, jax.Array]:
+    """Per-position logprobs (prompt logprobs; a verification's picks) and the picks: the
+    head runs over every position once, under a ``lax.cond`` on "any position asked",
+    and the picks' processors and draws under one on "any verification"."""
+    targets = inputs["targets"]
+    verify = inputs["verify"]
+    n = targets.shape[0]
+    k = min(MAX_TOP_LOGPROBS, flags_table.shape[1])
+
+    def positions(flags: jax.Array) -> tuple[TokenLogprobs, jax.Array, jax.Array]:
+        logits = head(hidden)
+        picks, flags = jax.lax.cond(
+            jnp.any(verify),
+            lambda f: verify_picks(logits, inputs, f, bias_table, num_picks),
+            lambda f: (jnp.zeros(n, jnp.int32), f),
+            flags,
+        )
+        chosen = jnp.where(verify, picks, jnp.maximum(targets, 0))  # a pick's logprob is its own
+        return token_logprobs(logits, chosen, k), picks, flags
+
+    def nothing(flags: jax.Array) -> tuple[TokenLogprobs, jax.Array, jax.Array]:
+        return empty_logprobs(n, k), jnp.zeros(n, jnp.int32), flags
+
+    return jax.lax.cond(jnp.any((targets >= 0) | verify), positions, nothing, flags_table)
 
 
 def apply_token_mask(logits: jax.Array, words: jax.Array, rows: jax.Array) -> jax.Array:

@@ -40,6 +40,7 @@ from strata_jax.runtime.buckets import power_of_two_buckets
 
 # per-row bits of a step (``StepInputs.row_bits``)
 COUNT_SAMPLE = 2  # the sampled token is kept (not a prompt chunk that is not the last)
+VERIFY = 4  # extend rows: a speculative verification (the target's token after every position)
 HOST_TOKEN = 8  # decode rows: the input token is ``input_ids[row]``, not the slot's last sample
 
 

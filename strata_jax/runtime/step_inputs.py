@@ -34,7 +34,15 @@ import numpy as np
 from strata_jax.engine.executor import ExtendChunk
 from strata_jax.models.llama import AttentionMetadata
 from strata_jax.runtime import sampling_step
-from strata_jax.runtime.seq_state import COUNT_SAMPLE, HOST_TOKEN, SeqTables, apply_page_updates, step_keys, step_rows
+from strata_jax.runtime.seq_state import (
+    COUNT_SAMPLE,
+    HOST_TOKEN,
+    VERIFY,
+    SeqTables,
+    apply_page_updates,
+    step_keys,
+    step_rows,
+)
 
 
 def update_capacity(tokens: int, rows: int, page_size: int) -> int:
@@ -78,7 +86,7 @@ def pack_extend(x: dict[str, np.ndarray], rows: Sequence[ExtendChunk[int]]) -> i
         x["slots"][i] = r.row
         ids[offset : offset + n] = r.token_ids
         start[i] = r.start
-        bits[i] = COUNT_SAMPLE if r.keep_sample else 0
+        bits[i] = (COUNT_SAMPLE if r.keep_sample else 0) | (VERIFY if r.verify else 0)
         if r.prompt_logprob_targets is not None:
             if len(r.prompt_logprob_targets) != n:
                 raise ValueError(f"{len(r.prompt_logprob_targets)} prompt logprob targets for {n} tokens")
@@ -118,6 +126,7 @@ def model_inputs(
         query_start = jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), jnp.sum(valid, dtype=jnp.int32))
         last_index = jnp.arange(num_rows, dtype=jnp.int32)
         targets = jnp.full(num_tokens, sampling_step.NO_TARGET, jnp.int32)
+        token_offset = jnp.zeros(num_tokens, jnp.int32)
     else:
         query_start = x["query_start"]
         t = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -131,6 +140,7 @@ def model_inputs(
         new_lens = jnp.where(valid & (lengths > 0), x["start"] + lengths, 0)
         last_index = jnp.maximum(query_start[1:] - 1, 0)
         targets = x["targets"]
+        token_offset = t - query_start[row_of_token]
     width = rows["page_table"].shape[1]
     page_index = jnp.minimum(positions // page_size, width - 1)
     page = rows["page_table"][row_of_token, page_index]  # T elements, not T rows
@@ -174,5 +184,13 @@ def model_inputs(
         "kept": kept,
         "constrained": rows["constrained"],
         "mask_slot": rows["mask_slot"],
+        # a speculative verification's tokens (verify_sampling): each drawn as decoding would
+        "verify": token_valid & ((bits[row_of_token] & VERIFY) != 0),
+        "row_of_token": row_of_token,
+        "token_offset": token_offset,
+        "input_ids": input_ids,
+        "sampled": rows["sampled"],
+        "min_tokens": rows["min_tokens"],
+        "rng_base": rows["rng_base"],
     }
     return input_ids, positions, meta, sampling, new_lens, tables
