@@ -93,3 +93,44 @@ def test_greedy_tokens_identical_with_speculation_from_every_tier(smollm2_gguf, 
     assert sum(o.cached_tokens["host"] for o in l2) > 0 and all(o.num_cached_tokens > 0 for o in l2)
     assert sum(o.cached_tokens["storage"] for o in l3) > 0 and all(o.num_cached_tokens > 0 for o in l3)
     assert counters.drafts > 0 and counters.accepted_tokens > 0  # it did speculate, and kept some
+
+
+def test_sampled_tokens_identical_with_speculation_under_a_seed(smollm2_gguf, tmp_path):
+    """At temperature > 0 (with top-p, penalties, a bias), a verification draws each position's
+    token as decoding does: with a seed, the real model's tokens with speculation equal those
+    without it, and drafts are both accepted and rejected."""
+    items = _questions()[:12]
+    cases = [
+        SamplingParams(max_tokens=48, temperature=0.7, top_p=0.9, seed=11),
+        SamplingParams(max_tokens=48, temperature=0.3, top_k=20, seed=12, frequency_penalty=0.2, presence_penalty=0.1),
+        SamplingParams(max_tokens=48, temperature=0.5, seed=13, repetition_penalty=1.1, logit_bias={13: -5.0}),
+    ]
+    plain = _engine(smollm2_gguf, tmp_path / "plain", None)
+    tok = plain.tokenizer
+    prompts = []
+    for document, question in items:
+        msgs = [{"role": "user", "content": f"{document}\n\nQuestion: {question}"}]
+        prompts.append(tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False))
+    try:
+        want = [[o.token_ids for o in plain.generate(prompts, params)] for params in cases]
+    finally:
+        plain.shutdown()
+    spec = _engine(smollm2_gguf, tmp_path / "spec", SPEC)
+    try:
+        speculator = spec.core.speculator
+        # every proposal verifies: what is tested is what a verification emits, not the cost decision
+        speculator.break_even = lambda: 0.0  # type: ignore[method-assign]
+        speculator.choose = lambda plain_rows, candidates: [True] * len(candidates)  # type: ignore[method-assign]
+        got = [[o.token_ids for o in spec.generate(prompts, params)] for params in cases]
+        counters = speculator.counters
+    finally:
+        spec.shutdown()
+    for params, outs, wants in zip(cases, got, want):
+        for i, (o, w) in enumerate(zip(outs, wants)):
+            first = next((j for j, (a, b) in enumerate(zip(o + [-1], w + [-1])) if a != b), None)
+            assert first is None, f"T={params.temperature}, question {i}: first difference at token {first}"
+    assert 0 < counters.accepted_tokens < counters.draft_tokens
+    print(
+        f"sampled: {counters.drafts} drafts, {counters.draft_tokens} proposed, {counters.accepted_tokens} accepted "
+        f"(mean accepted length {counters.accepted_tokens / counters.drafts:.2f})"
+    )
