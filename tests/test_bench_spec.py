@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from strata_jax.bench import run_benchmark
 
 
@@ -36,3 +38,15 @@ def test_bench_spec_runs_every_workload_and_compares_tokens(tmp_path, capsys):
         assert row["mean_accepted_length"] == 0 or 1 <= row["mean_accepted_length"] <= 8
     printed = capsys.readouterr().out
     assert "greedy tokens identical with and without speculation: yes" in printed
+
+
+@pytest.mark.heavy  # ~1 min; the engine-level sampled checks are in test_spec_engine (default suite)
+def test_bench_spec_compares_sampled_tokens_under_a_seed(tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    argv = ["--doc-chars", "400", "--batches", "2", "--burst", "0", "--tokens", "10", "--repeats", "1"]
+    argv += ["--temperature", "0.1", "--seed", "3", "--json", str(out)]
+    assert run_benchmark("spec", argv) == 0
+    assert json.loads(out.read_text())["mismatched_requests"] == 0
+    printed = capsys.readouterr().out
+    assert "temperature 0.1 (seed 3)" in printed
+    assert "sampled (seed 3) tokens identical with and without speculation: yes" in printed

@@ -17,7 +17,8 @@ Reported per workload: decode tokens per second of each engine (the tokens after
 request's first, over the time from the first first token to the last token), their
 ratio (medians over the repeats), the mean accepted length (tokens emitted per
 verification) and the rows that stepped aside, and whether every request's tokens were
-identical with and without speculation (greedy; exit status 1 if not).
+identical with and without speculation (greedy, or sampled at ``--temperature`` under
+``--seed``: a verification draws what decoding draws; exit status 1 if not).
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst", type=int, default=32, help="requests of the burst run (0: none; default 32)")
     parser.add_argument("--tokens", type=int, default=96, help="max_tokens per request (default 96)")
     parser.add_argument("--repeats", type=int, default=2, help="alternations of the two engines (default 2)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (default 0: greedy); tokens are still compared, under --seed",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="every request's sampling seed (default 0)")
     parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
 
 
@@ -111,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("this benchmark needs a model with a tokenizer")
     speculator = spec.core.speculator
     assert speculator is not None  # (its config was given)
-    params = SamplingParams(max_tokens=args.tokens)
+    if args.temperature < 0:
+        raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
+    params = SamplingParams(max_tokens=args.tokens, temperature=args.temperature, seed=args.seed)
     runs: list[tuple[str, list[list[int]]]] = []
     for b in batches:
         for kind in ("copying", "quoting", "free"):
@@ -126,7 +136,10 @@ def run(args: argparse.Namespace) -> int:
         spec.generate(prompts, params)
     rows = []
     mismatched = 0
-    print(f"{args.model}: {args.speculative_config}, max_tokens {args.tokens}, {args.repeats} repeats")
+    print(
+        f"{args.model}: {args.speculative_config}, max_tokens {args.tokens}, temperature {args.temperature}"
+        f" (seed {args.seed}), {args.repeats} repeats"
+    )
     for name, prompts in runs:
         rates: dict[str, list[float]] = {"base": [], "spec": []}
         counters = speculator.counters
@@ -161,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         )
     base.shutdown()
     spec.shutdown()
-    print(f"greedy tokens identical with and without speculation: {'yes' if not mismatched else 'NO'}", end="")
+    kind = "greedy" if args.temperature == 0 else f"sampled (seed {args.seed})"
+    print(f"{kind} tokens identical with and without speculation: {'yes' if not mismatched else 'NO'}", end="")
     print(f" ({mismatched} requests differ)" if mismatched else "")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "mismatched_requests": mismatched}, indent=2) + "\n")
