@@ -74,6 +74,11 @@ def test_config_takes_vllms_fields_and_defaults():
     assert parse_speculative_config({"num_speculative_tokens": 3, "prompt_lookup_min": 2}) == SpeculativeConfig(3, 2, 2)
     both = {"num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     assert parse_speculative_config(both) == SpeculativeConfig(5, 2, 4)
+    draft = parse_speculative_config('{"model": "tiny", "num_speculative_tokens": 3}')
+    assert draft == SpeculativeConfig(3, method="draft_model", model="tiny")
+    explicit = {"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "draft_kv_tokens": 512}
+    want = SpeculativeConfig(2, method="draft_model", model="d", draft_kv_tokens=512)
+    assert parse_speculative_config(explicit) == want
 
 
 @pytest.mark.parametrize(
@@ -88,7 +93,10 @@ def test_config_takes_vllms_fields_and_defaults():
         ('{"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "must not exceed"),
         ('{"num_speculative_tokens": 2, "lookahead": 3}', "unknown field"),
         ('{"method": "eagle", "num_speculative_tokens": 2}', "not implemented"),
-        ('{"model": "some/draft", "num_speculative_tokens": 2}', "not implemented"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs a model path"),
+        ('{"model": "tiny", "num_speculative_tokens": 2, "prompt_lookup_max": 3}', "does not apply to method 'draft"),
+        ('{"num_speculative_tokens": 2, "draft_kv_tokens": 64}', "does not apply to method 'ngram'"),
+        ('{"model": "tiny", "num_speculative_tokens": 2, "draft_kv_tokens": 0}', "draft_kv_tokens must be"),
     ],
 )
 def test_config_errors_name_the_problem(text, message):

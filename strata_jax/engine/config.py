@@ -138,10 +138,13 @@ class EngineConfig:
     data_parallel_rank: this replica's data-parallel rank: written into every event batch
         and added to both KV event ports (as vLLM does).
     speculative_config: speculative decoding as vLLM's ``--speculative-config`` JSON, e.g.
-        ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``:
-        greedy requests propose tokens by prompt lookup and verify them in one step
-        (``strata_jax.engine.speculation``; output identical to decoding without it).
-        None (default): off.  An unknown field or method is an error naming it.
+        ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``
+        (prompt lookup) or ``{"model": "<draft>", "num_speculative_tokens": 4}`` (a draft
+        model with the target's tokenizer; ``draft_kv_tokens``: its KV pool, default four
+        contexts): requests propose tokens and verify them in one step
+        (``strata_jax.engine.speculation``; output identical to decoding without it,
+        sampled rows under their seed too).  None (default): off.  An unknown field or
+        method is an error naming it.
     tp: tensor-parallel size (default 1): the model and the KV pool are split over the
         first ``tp`` devices (attention heads, KV heads and MLP columns; see
         ``strata_jax.runtime.sharding``).  Must divide the model's attention heads, KV

@@ -100,6 +100,7 @@ class Engine:
         self.generation_defaults = parts.loaded.generation  # generation_config.json: request defaults
         self.ctl = parts.ctl
         self.runner = parts.runner
+        self.draft = parts.draft  # speculative decoding's draft model, when the config names one
         self.matmul_flops_per_s = parts.matmul_flops_per_s
         self.executor = parts.executor
         threaded_output = start if output_thread is None else output_thread
@@ -114,7 +115,7 @@ class Engine:
             max_context_tokens=settings.max_context_tokens,
             outputs=self.output,
             pipeline=config.pipeline,
-            speculator=Speculator(speculative) if (speculative := config.speculative) is not None else None,
+            speculator=Speculator(spec, parts.draft) if (spec := config.speculative) is not None else None,
         )
         self.kv_event_publisher = self._start_kv_events(config)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -162,6 +163,9 @@ class Engine:
         self.compiles_at_warmup = self.runner.warmup(
             show_progress=config.show_progress, progress=progress.programs, executables=executables
         )
+        if self.draft is not None:  # or the first proposals compile the draft's programs while serving
+            progress.phase("compiling the draft model")
+            self.compiles_at_warmup += self.draft.runner.warmup(show_progress=config.show_progress)
         self.executables_reused = executables.loaded if executables is not None else 0
         if executables is not None and executables.not_stored:
             log.info(

@@ -28,6 +28,7 @@ from strata_jax.engine.config import EngineConfig
 from strata_jax.models.loader import LoadedModel
 from strata_jax.models.loader import load_model as load_model  # a seam: bench roofline swaps in a random model
 from strata_jax.runtime import sharding as tp_sharding
+from strata_jax.runtime.draft_proposer import DraftModelProposer
 from strata_jax.runtime.jax_executor import JaxExecutor
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, grouped_pool_layout
 from strata_jax.runtime.platform import ResolvedPlatform
@@ -35,6 +36,7 @@ from strata_jax.runtime.platform import resolve as resolve_platform
 from strata_jax.runtime.warmup_progress import WarmupProgress
 from strata_jax.scheduler.config import SchedulerConfig
 from strata_jax.scheduler.cost_model import CostModel, CostPrior
+from strata_jax.spec import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class EngineParts:
     executor: JaxExecutor
     cost: CostModel
     matmul_flops_per_s: float  # the first device's measured rate (tp: each does its share)
+    draft: DraftModelProposer | None = None  # speculative decoding's draft model (method "draft_model")
 
 
 def build_parts(config: EngineConfig, progress: WarmupProgress) -> EngineParts:
@@ -151,6 +154,10 @@ def build_parts(config: EngineConfig, progress: WarmupProgress) -> EngineParts:
     from strata_jax.runtime.compute_prior import device_matmul_rate
 
     matmul_flops_per_s = device_matmul_rate(platform.dtype)
+    draft = None
+    if (spec := config.speculative) is not None and spec.model is not None:
+        progress.phase("loading the draft model")
+        draft = _draft_proposer(spec, config, loaded, settings)
     return EngineParts(
         settings=settings,
         loaded=loaded,
@@ -160,7 +167,52 @@ def build_parts(config: EngineConfig, progress: WarmupProgress) -> EngineParts:
         executor=JaxExecutor(runner, eos_token_ids=loaded.eos_token_ids),
         cost=_cost_model(settings, ctl, loaded, matmul_flops_per_s, config.tp),
         matmul_flops_per_s=matmul_flops_per_s,
+        draft=draft,
     )
+
+
+# a draft must tokenize as the target does: this text's ids are compared (besides the sizes)
+TOKENIZER_PROBE = "The draft's tokens are the target's: 12,345 words, naïve café, <tags> and\n\tindents."
+
+
+def _draft_proposer(
+    spec: SpeculativeConfig, config: EngineConfig, target: LoadedModel, settings: EngineSettings
+) -> DraftModelProposer:
+    """The draft model of ``spec`` on a runner of its own (module ``runtime.draft_proposer``);
+    refused unless it shares the target's vocabulary."""
+    platform = settings.platform
+    assert spec.model is not None  # (method draft_model)
+    draft = load_model(spec.model, dtype=jnp.dtype(platform.dtype), show_progress=config.show_progress)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise InvalidRequestError(
+            f"speculative config: the draft model {spec.model!r} has a vocabulary of {draft.config.vocab_size} "
+            f"tokens, the target {target.config.vocab_size}: a draft must share the target's tokenizer"
+        )
+    if draft.tokenizer is not None and target.tokenizer is not None:
+        ids, want = draft.tokenizer.encode(TOKENIZER_PROBE), target.tokenizer.encode(TOKENIZER_PROBE)
+        if list(ids) != list(want):
+            raise InvalidRequestError(
+                f"speculative config: the draft model {spec.model!r} tokenizes text differently from the target "
+                f"({list(ids)[:8]}... vs {list(want)[:8]}...): a draft must share the target's tokenizer"
+            )
+    max_context = min(settings.max_context_tokens, draft.config.max_context_tokens)
+    page_size = settings.page_size
+    kv_tokens = spec.draft_kv_tokens or 4 * max_context
+    runner = ModelRunner(
+        draft.model,
+        RunnerConfig(
+            page_size=page_size,
+            num_device_pages=max(-(-kv_tokens // page_size), -(-max_context // page_size)),
+            max_batch_tokens=config.max_batch_tokens,
+            max_batch_size=1,  # one sequence per draft step (runtime.draft_proposer)
+            max_context_tokens=max_context,
+            kv_dtype=platform.kv_dtype,
+            kernel_backend=platform.kernel_backend,
+            scan_layers=config.scan_layers,
+            layer_weights=platform.layer_weights,
+        ),
+    )
+    return DraftModelProposer(runner)
 
 
 def _cost_model(

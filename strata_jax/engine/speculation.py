@@ -122,6 +122,8 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
+        if proposer is None and config.method != "ngram":
+            raise ValueError(f"method {config.method!r} needs its proposer (engine.factory builds it)")
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.counters = SpeculationCounters(accepted_per_position=[0] * config.num_speculative_tokens)
         self._acceptance: dict[str, float] = {}  # request id -> running accepted tokens per proposal
@@ -270,7 +272,8 @@ class Speculator:
                 self._shadow[request_id] = (proposal, 0)
 
     def forget(self, request_id: str) -> None:
-        """The request left: drop what is kept about it."""
+        """The request left: drop what is kept about it (here and in the proposer)."""
+        self.proposer.forget(request_id)
         self._acceptance.pop(request_id, None)
         self._found.pop(request_id, None)
         self._shadow.pop(request_id, None)
@@ -290,7 +293,7 @@ class Speculator:
         if k <= 0 or not output_ids:
             return []
         ids = np.concatenate((np.asarray(prompt_ids, np.int64), np.asarray(output_ids, np.int64)))
-        proposal = [int(token) for token in self.proposer.propose(ids, k)]
+        proposal = [int(token) for token in self.proposer.propose(ids, k, request_id)]
         if request_id is not None:
             found = 1.0 if proposal else 0.0
             self._found[request_id] = _ema(self._found.get(request_id), found, ACCEPTANCE_WEIGHT)

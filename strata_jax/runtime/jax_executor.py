@@ -233,7 +233,8 @@ class JaxExecutor:
             room, rest = limit_tokens, []
             for i, w, tokens, start in pending:
                 # a verification is never split: its picks follow its tokens within one step
-                if room <= 0 or len(batch) >= limit_seqs or (w.verify and len(tokens) > room):
+                # (RunnerConfig refuses k + 1 > max_batch_tokens, so an empty batch holds one)
+                if room <= 0 or len(batch) >= limit_seqs or (w.verify and len(tokens) > room and batch):
                     rest.append((i, w, tokens, start))
                     continue
                 piece = tokens[:room]

@@ -101,6 +101,11 @@ class RunnerConfig:
             raise ValueError(
                 f"RunnerConfig.verify_tokens_per_row must be 0 or at least 2, got {self.verify_tokens_per_row}"
             )
+        if self.verify_tokens_per_row > self.max_batch_tokens:
+            raise ValueError(
+                f"RunnerConfig.verify_tokens_per_row ({self.verify_tokens_per_row}) must not exceed "
+                f"max_batch_tokens ({self.max_batch_tokens}): a verification runs in one step"
+            )
         if self.max_running and self.max_running < self.max_batch_size:
             raise ValueError(
                 f"RunnerConfig.max_running ({self.max_running}) must be at least max_batch_size ({self.max_batch_size})"

@@ -1,8 +1,11 @@
 """Proposers: a guess of a row's next tokens, for the target model to verify in one step.
 
-``Proposer`` is the seam (n-gram prompt lookup now; a draft model and EAGLE-style heads
-later).  ``NgramProposer`` is vLLM's ``ngram`` method (prompt lookup decoding): the last n
-tokens of the sequence (prompt and output so far) are looked for earlier in it, longest n
+``Proposer`` is the seam: n-gram prompt lookup here, a draft model in
+``strata_jax.runtime.draft_proposer`` (it holds device state per request: ``request_id``
+names the sequence, ``forget`` drops it); EAGLE-style heads would be a third.
+
+``NgramProposer`` is vLLM's ``ngram`` method (prompt lookup decoding): the last n tokens
+of the sequence (prompt and output so far) are looked for earlier in it, longest n
 first from ``prompt_lookup_max`` down to ``prompt_lookup_min``, and the tokens that followed
 the match are proposed.  Among several matches of the same n the most recent with k tokens
 after it wins (the most recent of all when none has): answers about a document and code
@@ -20,8 +23,13 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 class Proposer(Protocol):
-    def propose(self, token_ids: np.ndarray, k: int) -> np.ndarray:
-        """At most ``k`` proposed next tokens (int32, possibly none) after ``token_ids``."""
+    def propose(self, token_ids: np.ndarray, k: int, request_id: str | None = None) -> np.ndarray:
+        """At most ``k`` proposed next tokens (int32, possibly none) after ``token_ids``, the
+        sequence of request ``request_id`` (None: a sequence of its own, nothing kept)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request left: drop anything kept for it."""
         ...
 
 
@@ -33,7 +41,10 @@ class NgramProposer:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n} and {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, token_ids: np.ndarray, k: int) -> np.ndarray:
+    def forget(self, request_id: str) -> None:
+        return None  # nothing is kept per request
+
+    def propose(self, token_ids: np.ndarray, k: int, request_id: str | None = None) -> np.ndarray:
         ids = np.asarray(token_ids)
         if ids.ndim != 1:
             raise ValueError(f"token_ids must be one sequence, got shape {ids.shape}")
