@@ -36,8 +36,11 @@ def test_bench_spec_runs_every_workload_and_compares_tokens(tmp_path, capsys):
         assert row["base_tokens_per_s"] > 0 and row["spec_tokens_per_s"] > 0
         assert math.isclose(row["ratio"], row["spec_tokens_per_s"] / row["base_tokens_per_s"])
         assert row["mean_accepted_length"] == 0 or 1 <= row["mean_accepted_length"] <= 8
+        assert set(row["idle_dispatches_per_100"]) == {"base", "spec"}
+        assert all(0 <= v <= 100 for v in row["idle_dispatches_per_100"].values())
     printed = capsys.readouterr().out
     assert "greedy tokens identical with and without speculation: yes" in printed
+    assert "idle dispatches per 100" in printed
 
 
 @pytest.mark.heavy  # ~1 min; the engine-level sampled checks are in test_spec_engine (default suite)

@@ -16,9 +16,11 @@ that compiles every program and puts the document in L1):
 Reported per workload: decode tokens per second of each engine (the tokens after each
 request's first, over the time from the first first token to the last token), their
 ratio (medians over the repeats), the mean accepted length (tokens emitted per
-verification) and the rows that stepped aside, and whether every request's tokens were
-identical with and without speculation (greedy, or sampled at ``--temperature`` under
-``--seed``: a verification draws what decoding draws; exit status 1 if not).
+verification), the rows that stepped aside, each engine's idle dispatches (steps
+dispatched when the device had nothing queued: the host path not overlapped) per 100,
+and whether every request's tokens were identical with and without speculation (greedy,
+or sampled at ``--temperature`` under ``--seed``: a verification draws what decoding
+draws; exit status 1 if not).
 """
 
 from __future__ import annotations
@@ -68,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="every request's sampling seed (default 0)")
     parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
+
+
+def _idle(engine: Any) -> tuple[int, int]:
+    """(idle dispatches, dispatches) of the engine's device so far."""
+    device = engine.executor.device
+    return device.idle_dispatches, device.dispatches
 
 
 def decode_tokens_per_s(outs: list[Any]) -> float:
@@ -144,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         rates: dict[str, list[float]] = {"base": [], "spec": []}
         counters = speculator.counters
         before = (counters.drafts, counters.accepted_tokens, speculator.stepped_aside)
+        idle_before = {side: _idle(engine) for side, engine in (("base", base), ("spec", spec))}
         for _ in range(args.repeats):
             a = base.generate(prompts, params)
             b_out = spec.generate(prompts, params)
@@ -153,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
         drafts = counters.drafts - before[0]
         accepted = counters.accepted_tokens - before[1]
         base_rate, spec_rate = statistics.median(rates["base"]), statistics.median(rates["spec"])
+        idle = {}
+        for side, engine in (("base", base), ("spec", spec)):
+            (idle_then, all_then), (idle_now, all_now) = idle_before[side], _idle(engine)
+            idle[side] = 100 * (idle_now - idle_then) / max(1, all_now - all_then)
         row: dict[str, Any] = {
             "run": name,
             "requests": len(prompts),
@@ -164,13 +177,15 @@ def run(args: argparse.Namespace) -> int:
             "verifications": drafts,
             "stepped_aside": speculator.stepped_aside - before[2],
             "ratio": spec_rate / base_rate if base_rate else 0.0,
+            "idle_dispatches_per_100": idle,
         }
         rows.append(row)
         print(
             f"  {name:>12}: {row['spec_tokens_per_s']:7.1f} vs {row['base_tokens_per_s']:7.1f} tok/s = "
             f"{row['ratio']:.2f}x  (runs {', '.join(f'{x:.1f}' for x in rates['spec'])} vs "
             f"{', '.join(f'{x:.1f}' for x in rates['base'])}; mean accepted length {row['mean_accepted_length']:.2f} "
-            f"over {drafts} verifications, {row['stepped_aside']} stepped aside)"
+            f"over {drafts} verifications, {row['stepped_aside']} stepped aside; idle dispatches per 100: "
+            f"{idle['spec']:.0f} vs {idle['base']:.0f})"
         )
     base.shutdown()
     spec.shutdown()
