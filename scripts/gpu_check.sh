@@ -25,8 +25,10 @@
 #   roofline   2.0 / 2.83  bench roofline: Llama-3.1-8B width (32 layers, random bf16
 #                          weights), 16K-token document: TTFT cold/L1/L2, prefill MFU,
 #                          decode step ms + HBM utilisation at batch 1/64/256 (1K-token
-#                          contexts), against the device's memory bandwidth and matmul
-#                          rate measured in the same run
+#                          contexts), a speculative verification of 8 tokens per row at
+#                          batch 1/64 against its decode (the break-even acceptance), against
+#                          the device's memory bandwidth and matmul rate measured in the same
+#                          run
 #                                                                            -> roofline.json
 #   calibrate  0.4 / 0.75  strata-jax simulate --calibrate (a profile of this device)
 #                                                                -> calibrated_profile.json
@@ -124,13 +126,14 @@ TESTS=(tests/test_pallas_gpu.py tests/test_sliding_window.py tests/test_kv_tier_
 if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check --dry-run: tiny shapes on the CPU" | tee -a "$SUMMARY"
   TRANSFER=(--layers 4 --kv-heads 2 --head-dim 64 --dtype float32 --page-sizes 1,16 --total-mb 1 --repeats 3 --peak-mb 8)
-  ROOFLINE=(--width tiny --doc-tokens 512 --prefill-chunk 256 --batches 1,2,4 --decode-context 64 --step-reps 3)
+  ROOFLINE=(--width tiny --doc-tokens 512 --prefill-chunk 256 --batches 1,2,4 --decode-context 64 --step-reps 3
+    --verify-tokens 8 --verify-batches 1,4)
   MOE=(--dry-run)
   L_DEVICES=60 L_TESTS=60 L_TRANSFER=45 L_ROOFLINE=120 L_CALIBRATE=45 L_MOE=200 L_SUMMARY=10  # the tiny MoE engine takes 70 s quiet, over 100 s in a loaded CI
 else
   TRANSFER=(--layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --page-sizes 1,16,64 --total-mb 64 --repeats 5 --peak-mb 1024)
   ROOFLINE=(--width llama-3.1-8b --doc-tokens 16384 --prefill-chunk 8192 --batches 1,64,256 --decode-context 1024
-    --ttft-repeats 3 --step-reps 10)
+    --ttft-repeats 3 --step-reps 10 --verify-tokens 8 --verify-batches 1,64)
   MOE=()
   L_DEVICES=20 L_TESTS=125 L_TRANSFER=60 L_ROOFLINE=170 L_CALIBRATE=45 L_MOE=45 L_SUMMARY=10  # 475 s = 7.9 min
 fi

@@ -84,6 +84,8 @@ def test_every_step_passes_and_writes_at_most_8_files(dry_run) -> None:
         "MoE",
         "greedy tokens equal",
         "grouped/dense",
+        "verification of 4 x 8 tokens",
+        "speculation pays above",
     ):
         assert text in summary, text
 
@@ -143,6 +145,12 @@ def test_roofline_results_have_ttft_per_tier_decode_per_batch_and_mfu(dry_run) -
             r,
             *(row + k for k in ("step_s", "pipelined_step_s", "bytes_per_step", "hbm_bytes_per_s", "hbm_utilisation")),
         )
+    # the speculative verification beside the decode at the batches asked for
+    verified = {b for b, row in r["decode"]["batches"].items() if "verify_step_s" in row}
+    assert verified == {"1", "4"}
+    for batch in verified:
+        _finite_positive(r, f"decode.batches.{batch}.verify_step_s", f"decode.batches.{batch}.verify_over_decode")
+        assert r["decode"]["batches"][batch]["verify_tokens"] == 8
 
 
 def test_calibrated_profile_is_a_profile_the_simulator_loads(dry_run) -> None:

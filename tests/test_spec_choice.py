@@ -124,6 +124,43 @@ def test_step_aside_rests_then_returns():
     assert spec.wants_token(row)
 
 
+def test_a_batch_size_where_every_candidate_was_declined_holds_no_row_for_a_while():
+    """At a load where verifying does not pay, rows held only to be declined would cost every
+    step its host/device overlap: after a decline no row is held at that batch size for a
+    wait that doubles with each decline in a row, and one chosen verification ends it."""
+    # 32 rows: a decode of 32 costs 0.30 s, a verification of 2 rows 0.16 s
+    spec = _measured({32: 0.30, 16: 0.2, 2: 0.05}, {2: 0.16, 32: 1.2})
+    rows = [_row(f"r{i}") for i in range(32)]
+    assert all(spec.wants_token(r) for r in rows[:2])  # fresh rows: the benefit of the doubt
+    waits = []
+    for _ in range(3):
+        assert spec.choose(30, [("r0", 4), ("r1", 4)]) == [False, False]  # 2 tokens each cannot pay
+        steps = 0
+        while not spec.wants_token(rows[5]):  # a row that never stepped aside
+            spec.observe_decode(32, 0.30)
+            steps += 1
+            assert steps <= 1000
+        waits.append(steps)
+    assert waits == [spec.rest_tokens, 2 * spec.rest_tokens, 4 * spec.rest_tokens]
+    # another batch size is not affected
+    assert spec.choose(30, [("r0", 4), ("r1", 4)]) == [False, False]
+    spec.observe_decode(16, 0.2)
+    assert spec.wants_token(rows[5])
+    # a verification chosen in a batch of this size ends its wait: the next decline waits the first wait
+    copying = [f"c{i}" for i in range(32)]
+    for rid in copying:
+        spec.accepted([7] * 4, [7] * 4 + [0], rid)  # these copy: 4 accepted per proposal
+    assert spec.choose(0, [(rid, 4) for rid in copying]) == [True] * 32
+    spec.observe_decode(32, 0.30)
+    assert spec.wants_token(rows[5])
+    assert spec.choose(30, [("r0", 4), ("r1", 4)]) == [False, False]
+    steps = 0
+    while not spec.wants_token(rows[5]):
+        spec.observe_decode(32, 0.30)
+        steps += 1
+    assert steps == spec.rest_tokens
+
+
 class _Flipping(Speculator):
     """A break-even that flips on every call: rows go from held to not held between a
     dispatch and the read of its token (which once left a row held for ever)."""

@@ -22,10 +22,15 @@ of a checkpoint, so nothing is written to disk):
   time per step of ``--step-reps`` steps dispatched back to back (``pipelined``, as the
   engine's loop runs them); **HBM utilisation** = bytes a step must read (the weights,
   less an untied input embedding of which it reads a row per sequence, plus every
-  sequence's KV) / pipelined step time / the measured bandwidth.
+  sequence's KV) / pipelined step time / the measured bandwidth;
+* **verification** (``--verify-tokens`` N > 0): at each batch of ``--verify-batches``, a
+  step of that many rows x N tokens with the logits of every position (a speculative
+  verification of N - 1 proposed tokens), its time over the decode step's: speculative
+  decoding pays where the accepted tokens per verification exceed that ratio less one.
 
 The engine is built with ``warmup=False`` and no compilation cache; the step programs
-the run uses (the prefill chunk's and a page's extend, each batch's decode) are then
+the run uses (the prefill chunk's and a page's extend, each batch's decode and
+verification) are then
 compiled side by side (``ModelRunner.warmup`` over just those shapes), and the warm-up
 document compiles whatever else a request runs (KV transfers), so no timed request
 compiles.  The prefill-chunk and decode measurements run on the engine's ``ModelRunner``
@@ -44,7 +49,7 @@ import os
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-context", type=int, default=1024, help="context tokens of each decoding sequence (default 1024)"
     )
+    parser.add_argument(
+        "--verify-tokens",
+        type=int,
+        default=0,
+        help="also time a speculative verification of this many tokens per row (k + 1) at each batch of "
+        "--verify-batches, beside its decode (0: none; default 0)",
+    )
+    parser.add_argument("--verify-batches", default=None, help="batch sizes of the verifications (default: --batches)")
     parser.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (default 16)")
     parser.add_argument(
         "--ttft-repeats", type=int, default=1, help="documents timed cold/L1/L2 (median kept; default 1)"
@@ -207,12 +220,14 @@ def _tree_bytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def precompile(runner, tokens: list[int], batches: list[int]) -> int:
+def precompile(runner, tokens: list[int], batches: list[int], ragged: Sequence[tuple[int, int]] = ()) -> int:
     """Compile, side by side, the runner's step programs for extends of ``tokens`` new
-    tokens (one sequence) and decodes of ``batches`` sequences: ``ModelRunner.warmup`` over
-    those shapes only (its shape lists narrowed while it runs).  Returns the programs."""
+    tokens (one sequence), extends of ``ragged`` (tokens, rows) and decodes of ``batches``
+    sequences: ``ModelRunner.warmup`` over those shapes only (its shape lists narrowed
+    while it runs).  Returns the programs."""
     decode = {min(s for s in runner.decode_shapes if s[1] >= b) for b in batches}
     extend = {min(s for s in runner.extend_shapes if s[0] >= t) for t in tokens}
+    extend |= {min(s for s in runner.extend_shapes if s[0] >= t and s[1] >= b) for t, b in ragged}
     saved = runner.decode_shapes, runner.extend_shapes
     runner.decode_shapes, runner.extend_shapes = tuple(sorted(decode)), tuple(sorted(extend))
     try:
@@ -268,6 +283,31 @@ def _doc_cycle(engine, ids: list[int]) -> dict:
     return out
 
 
+def _verify_batch(runner, config, batch: int, tokens: int, context: int, page_size: int, reps: int, rng) -> float:
+    """Median seconds of a step of ``batch`` rows x ``tokens`` at ``context``, the logits of
+    every position computed (as a speculative verification's are)."""
+    from strata_jax.runtime.model_runner import SeqInput
+
+    pages_per_seq = -(-(context + tokens) // page_size)
+    high = max(4, min(config.vocab_size, 32000) - 1)
+    seqs = [
+        SeqInput(
+            [int(t) for t in rng.integers(3, high, size=tokens)],
+            context,
+            list(range(i * pages_per_seq, (i + 1) * pages_per_seq)),
+            prompt_logprob_targets=[0] * tokens,
+        )
+        for i in range(batch)
+    ]
+    runner.step(seqs)  # precompiled: the first step only writes the rows' tables
+    sync = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        runner.step(seqs)
+        sync.append(time.perf_counter() - start)
+    return statistics.median(sync)
+
+
 def _decode_batch(runner, config, batch: int, context: int, page_size: int, reps: int, rng) -> dict:
     from strata_jax.runtime.model_runner import SeqInput
 
@@ -308,15 +348,25 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "--prefill-chunk must exceed the largest batch (the engine's max_batch_tokens > max_batch_size)"
         )
+    verify_batches = [int(b) for b in (args.verify_batches or args.batches).split(",") if b.strip()]
+    if args.verify_tokens and not 2 <= args.verify_tokens <= 17:
+        raise SystemExit(f"--verify-tokens must be 0 or 2-17 (k + 1, k at most 16), got {args.verify_tokens}")
+    if args.verify_tokens and not set(verify_batches) <= set(batches):
+        raise SystemExit(f"--verify-batches {verify_batches} must be among --batches {batches}")
+    if not args.verify_tokens:
+        verify_batches = []
+    elif max(verify_batches) * args.verify_tokens > min(args.prefill_chunk, args.doc_tokens):
+        raise SystemExit("a verification of the largest --verify-batches must fit one prefill chunk")
     device = jax.devices()[0]
     on_cpu = device.platform == "cpu"
     layers = args.layers or DEFAULT_LAYERS[args.width]
     ps = args.page_size
     chunk = min(args.prefill_chunk, args.doc_tokens)
     chunk = max(chunk, max(batches) + 1)
-    ctx_limit = -(-(max(args.doc_tokens + ps, 2 * chunk, args.decode_context + 1)) // ps) * ps
+    row_tokens = args.decode_context + max(1, args.verify_tokens)  # a decoding (verifying) row's
+    ctx_limit = -(-(max(args.doc_tokens + ps, 2 * chunk, row_tokens)) // ps) * ps
     config = model_config(args.width, layers, max(131072, ctx_limit))
-    pages_per_seq = -(-(args.decode_context + 1) // ps)
+    pages_per_seq = -(-row_tokens // ps)
     device_tokens = max(max(batches) * pages_per_seq * ps, 4 * (args.doc_tokens + ps))
     host_tokens = 4 * (args.doc_tokens + ps)  # L2: the warm-up and the timed documents, with room
     report = _Report(args.json)
@@ -372,6 +422,11 @@ def run(args: argparse.Namespace) -> int:
                     compilation_cache_dir="none",
                     show_progress=False,
                     freeze_gc=False,
+                    speculative_config=(
+                        f'{{"method": "ngram", "num_speculative_tokens": {args.verify_tokens - 1}}}'
+                        if args.verify_tokens
+                        else None
+                    ),
                 )
             )
         runner = engine.runner
@@ -394,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
     if "engine" in r["phases"]:
         with report.phase("precompile"):  # the engine is idle: nothing submitted yet
             start = time.perf_counter()
-            programs = precompile(runner, [chunk, ps], batches)
+            programs = precompile(runner, [chunk, ps], batches, [(b * args.verify_tokens, b) for b in verify_batches])
             r["precompile"] = {"programs": programs, "seconds": time.perf_counter() - start}
 
         with report.phase("ttft"):
@@ -454,6 +509,12 @@ def run(args: argparse.Namespace) -> int:
                 row["hbm_bytes_per_s"] = read / row["pipelined_step_s"]
                 if peaks:
                     row["hbm_utilisation"] = row["hbm_bytes_per_s"] / peaks["hbm_bytes_per_s"]
+                if batch in verify_batches:
+                    row["verify_tokens"] = args.verify_tokens
+                    row["verify_step_s"] = _verify_batch(
+                        runner, config, batch, args.verify_tokens, args.decode_context, ps, args.step_reps, rng
+                    )
+                    row["verify_over_decode"] = row["verify_step_s"] / row["step_s"]
                 r["decode"]["batches"][str(batch)] = row
     print(format_report(r))
     report.save()
@@ -499,6 +560,12 @@ def format_report(r: dict) -> str:
             f"{row['hbm_bytes_per_s'] / 1e9:.0f} GB/s"
             + ("" if util is None else f" = {100 * util:.0f}% of measured HBM")
         )
+        if "verify_step_s" in row:
+            lines.append(
+                f"  verification of {batch} x {row['verify_tokens']} tokens: {row['verify_step_s'] * 1e3:.2f} ms = "
+                f"{row['verify_over_decode']:.2f}x the decode step (speculation pays above "
+                f"{max(0.0, row['verify_over_decode'] - 1):.2f} accepted tokens per verification)"
+            )
     for name, err in r.get("errors", {}).items():
         lines.append(f"ERROR in {name}: {err}")
     return "\n".join(lines)

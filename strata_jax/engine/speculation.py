@@ -73,6 +73,7 @@ class SpeculationCounters:
 ACCEPTANCE_WEIGHT = 0.2  # of a new sample in a row's running acceptance (and in the prior)
 STEP_TIME_WEIGHT = 0.2  # of a new step time in its program's running mean
 FIRST_ACCEPTANCE = 1.0  # accepted tokens per proposal a new row is assumed to get, until measured
+MAX_DECLINED_STEPS = 512  # the longest a batch size goes without holding a row after declines
 
 
 def rows_bucket(rows: int) -> int:
@@ -137,6 +138,9 @@ class Speculator:
         self._resting: dict[str, int] = {}  # request id -> tokens it decodes before it is considered again
         self._batch = 1  # rows of the last decode step (with the verifications when there were any)
         self.stepped_aside = 0  # rows with a proposal that the cost decision kept decoding
+        self._decode_steps = 0
+        # rows bucket -> (decode step before which no row is held there, that wait's length)
+        self._declined: dict[int, tuple[int, int]] = {}
 
     # -------------------------------------------------------------- what verifying is worth
     def acceptance(self, request_id: str) -> float:
@@ -164,6 +168,7 @@ class Speculator:
         """A decode step of ``rows`` rows took ``seconds`` on the device."""
         self._decode.observe(rows, seconds)
         self._batch = rows
+        self._decode_steps += 1
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         """A verification step of ``rows`` rows took ``seconds`` on the device."""
@@ -202,7 +207,27 @@ class Speculator:
         for i in order[:best_count]:
             chosen[i] = True
             self._shadow.pop(candidates[i][0], None)  # (its verification scores it now)
+        self._note_decision(rows_bucket(plain_rows + n), declined=best_count == 0)
         return chosen
+
+    def _note_decision(self, bucket: int, *, declined: bool) -> None:
+        """After ``choose`` declined every candidate in a batch of this size, no row is held
+        there for a while, twice as long after each decline in a row (up to
+        ``MAX_DECLINED_STEPS`` decode steps); one verification chosen ends it.  A held row
+        loses the host/device overlap, so at a load where verifying does not pay, holding
+        rows only to decline them cost every step its overlap (measured: a burst of 32 on
+        SmolLM2 had 97 of 100 steps dispatched to an idle device, 0.91x the tokens/s)."""
+        if not declined:
+            self._declined.pop(bucket, None)
+            return
+        _, wait = self._declined.get(bucket, (0, self.rest_tokens // 2))
+        wait = min(2 * wait, MAX_DECLINED_STEPS)
+        self._declined[bucket] = (self._decode_steps + wait, wait)
+
+    def _batch_declined(self) -> bool:
+        """Whether batches of the last one's size are waiting after declines (``_note_decision``)."""
+        declined = self._declined.get(rows_bucket(self._batch))
+        return declined is not None and self._decode_steps < declined[0]
 
     def wants_token(self, row: SeqRow) -> bool:
         """Whether the row's next step needs its last token on the host (for a proposal):
@@ -211,8 +236,15 @@ class Speculator:
         it decodes with the host and device overlapped like any other row."""
         if not self.may_speculate(row):
             return False
-        rid = row.request_id
-        return rid not in self._resting and self.expected_gain(rid) >= self.break_even()
+        return self._would_hold(row.request_id)
+
+    def _would_hold(self, request_id: str) -> bool:
+        """Not resting, its batch size not waiting after declines, its gain worth a verification."""
+        return (
+            request_id not in self._resting
+            and not self._batch_declined()
+            and self.expected_gain(request_id) >= self.break_even()
+        )
 
     def break_even(self) -> float:
         """Accepted tokens per proposal above which verifying every row of a batch as large
@@ -262,9 +294,7 @@ class Speculator:
             else:
                 self._resting[request_id] = rest - 1
         k = self.config.num_speculative_tokens
-        if request_id in self._shadow or (
-            request_id not in self._resting and self.expected_gain(request_id) >= self.break_even()
-        ):
+        if request_id in self._shadow or self._would_hold(request_id):
             return  # being scored, or it proposes for itself next step
         if len(output_ids) % (k + 1) == 0:
             proposal = self.propose(prompt_ids, output_ids, k, request_id)

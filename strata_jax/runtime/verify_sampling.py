@@ -61,11 +61,18 @@ def verify_picks(
     first = jnp.maximum(jnp.arange(num_picks) - offset, 0)
 
     # Penalties see the proposed tokens before each position as generated (position j
-    # follows d1 .. dj; position 0's input, the last token, is counted already).
-    proposed = jax.nn.one_hot(ids[at], vocab, dtype=flags_table.dtype) * (valid & (offset > 0))[:, None]
-    seen = jnp.cumsum(proposed, axis=0)
-    flags = gather_rows(flags_table, slot) + (seen - seen[first])
+    # follows d1 .. dj; position 0's input, the last token, is counted already).  Only
+    # penalties read the counts: without them the [P, V] count of proposals is skipped.
     penalties = inputs["penalties"][row]
+    penalised = valid & ((penalties[:, 0] != 1) | (penalties[:, 1] != 0) | (penalties[:, 2] != 0))
+
+    def with_proposals(flags: jax.Array) -> jax.Array:
+        proposed = jax.nn.one_hot(ids[at], vocab, dtype=flags.dtype) * (valid & (offset > 0))[:, None]
+        seen = jnp.cumsum(proposed, axis=0)
+        return flags + (seen - seen[first])
+
+    flags = gather_rows(flags_table, slot)
+    flags = jax.lax.cond(jnp.any(penalised), with_proposals, lambda f: f, flags)
     count = inputs["sampled"][row] + offset  # the token's number: its PRNG step, its min_tokens test
     processed = process_logits(
         logits[at],
