@@ -11,10 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_spec_engine import _always_verify, _clean, _engine, _prompts
+from test_spec_engine import _always_verify, _clean, _engine, _prompts, _spent
 
 from strata_jax.api import InvalidRequestError, SamplingParams
-from strata_jax.engine import Engine, EngineConfig
 from strata_jax.models.checkpoint import save_checkpoint
 from strata_jax.models.loader import tiny_config
 from strata_jax.models.weights import random_model
@@ -32,11 +31,6 @@ def plain():
     engine = _engine(None)
     yield engine
     engine.shutdown()
-
-
-def _spent(spec: Engine) -> tuple[int, int]:
-    c = spec.core.speculator.counters
-    return c.accepted_tokens, c.draft_tokens
 
 
 def test_a_draft_equal_to_the_target_has_every_proposal_accepted(plain, monkeypatch):
@@ -82,19 +76,10 @@ def test_another_draft_model_keeps_the_output_exact(plain, tmp_path, monkeypatch
 
 
 def test_a_short_draft_pool_evicts_the_least_recent_sequence_and_stays_exact(plain, monkeypatch):
-    spec = Engine(
-        EngineConfig(
-            model="tiny",
-            warmup=False,
-            show_progress=False,
-            page_size=16,
-            device_tokens=4096,
-            max_batch_tokens=128,
-            max_batch_size=4,
-            max_context_tokens=256,
-            # 16 pages: one 101-token prompt's sequence and its proposals take 9
-            speculative_config='{"model": "tiny", "num_speculative_tokens": 4, "draft_kv_tokens": 256}',
-        )
+    spec = _engine(
+        # 16 pages: one 101-token prompt's sequence and its proposals take 9
+        '{"model": "tiny", "num_speculative_tokens": 4, "draft_kv_tokens": 256}',
+        max_context_tokens=256,
     )
     try:
         _always_verify(monkeypatch, spec)

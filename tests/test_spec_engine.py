@@ -14,19 +14,18 @@ from strata_jax.engine import Engine, EngineConfig
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 
 
-def _engine(spec: str | None) -> Engine:
-    return Engine(
-        EngineConfig(
-            model="tiny",
-            warmup=False,
-            show_progress=False,
-            page_size=16,
-            device_tokens=4096,
-            max_batch_tokens=128,
-            max_batch_size=4,
-            speculative_config=spec,
-        )
+def _engine(spec: str | None, **overrides) -> Engine:
+    settings = dict(
+        model="tiny",
+        warmup=False,
+        show_progress=False,
+        page_size=16,
+        device_tokens=4096,
+        max_batch_tokens=128,
+        max_batch_size=4,
+        speculative_config=spec,
     )
+    return Engine(EngineConfig(**{**settings, **overrides}))
 
 
 @pytest.fixture(scope="module")

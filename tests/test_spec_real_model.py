@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_spec_engine import _always_verify
 
 from strata_jax.api import SamplingParams
 from strata_jax.engine import Engine, EngineConfig
@@ -56,16 +57,22 @@ def _engine(model: str, storage: Path, spec: str | None) -> Engine:
     )
 
 
+def _chat_prompts(engine: Engine, items: list[tuple[str, str]]) -> list[list[int]]:
+    """Each (document, question) as one user turn through the model's chat template."""
+    tok = engine.tokenizer
+    prompts = []
+    for document, question in items:
+        msgs = [{"role": "user", "content": f"{document}\n\nQuestion: {question}"}]
+        prompts.append(tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False))
+    return prompts
+
+
 def test_greedy_tokens_identical_with_speculation_from_every_tier(smollm2_gguf, tmp_path):
     items = _questions()
     if not (SHARED / "loogle").is_dir():
         print(f"{SHARED / 'loogle'} is not here: {len(items)} questions about the embedded document only")
     plain = _engine(smollm2_gguf, tmp_path / "plain", None)
-    tok = plain.tokenizer
-    prompts = []
-    for document, question in items:
-        msgs = [{"role": "user", "content": f"{document}\n\nQuestion: {question}"}]
-        prompts.append(tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False))
+    prompts = _chat_prompts(plain, items)
     params = SamplingParams(max_tokens=48)
     try:
         want = [o.token_ids for o in plain.generate(prompts, params)]
@@ -95,7 +102,7 @@ def test_greedy_tokens_identical_with_speculation_from_every_tier(smollm2_gguf, 
     assert counters.drafts > 0 and counters.accepted_tokens > 0  # it did speculate, and kept some
 
 
-def test_sampled_tokens_identical_with_speculation_under_a_seed(smollm2_gguf, tmp_path):
+def test_sampled_tokens_identical_with_speculation_under_a_seed(smollm2_gguf, tmp_path, monkeypatch):
     """At temperature > 0 (with top-p, penalties, a bias), a verification draws each position's
     token as decoding does: with a seed, the real model's tokens with speculation equal those
     without it, and drafts are both accepted and rejected."""
@@ -106,11 +113,7 @@ def test_sampled_tokens_identical_with_speculation_under_a_seed(smollm2_gguf, tm
         SamplingParams(max_tokens=48, temperature=0.5, seed=13, repetition_penalty=1.1, logit_bias={13: -5.0}),
     ]
     plain = _engine(smollm2_gguf, tmp_path / "plain", None)
-    tok = plain.tokenizer
-    prompts = []
-    for document, question in items:
-        msgs = [{"role": "user", "content": f"{document}\n\nQuestion: {question}"}]
-        prompts.append(tok.encode(tok.apply_chat_template(msgs), add_special_tokens=False))
+    prompts = _chat_prompts(plain, items)
     try:
         want = [[o.token_ids for o in plain.generate(prompts, params)] for params in cases]
     finally:
@@ -118,9 +121,7 @@ def test_sampled_tokens_identical_with_speculation_under_a_seed(smollm2_gguf, tm
     spec = _engine(smollm2_gguf, tmp_path / "spec", SPEC)
     try:
         speculator = spec.core.speculator
-        # every proposal verifies: what is tested is what a verification emits, not the cost decision
-        speculator.break_even = lambda: 0.0  # type: ignore[method-assign]
-        speculator.choose = lambda plain_rows, candidates: [True] * len(candidates)  # type: ignore[method-assign]
+        _always_verify(monkeypatch, spec)  # what is tested is what a verification emits, not the cost decision
         got = [[o.token_ids for o in spec.generate(prompts, params)] for params in cases]
         counters = speculator.counters
     finally:
