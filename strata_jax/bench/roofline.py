@@ -283,23 +283,34 @@ def _doc_cycle(engine, ids: list[int]) -> dict:
     return out
 
 
-def _verify_batch(runner, config, batch: int, tokens: int, context: int, page_size: int, reps: int, rng) -> float:
-    """Median seconds of a step of ``batch`` rows x ``tokens`` at ``context``, the logits of
-    every position computed (as a speculative verification's are)."""
+def _sequences(config, batch: int, tokens: int, context: int, page_size: int, rng, *, every_position: bool):
+    """``batch`` sequences of ``tokens`` random new tokens each at ``context``, on pages of
+    their own; ``every_position``: the logits of every new token wanted (a verification's)."""
     from strata_jax.runtime.model_runner import SeqInput
 
     pages_per_seq = -(-(context + tokens) // page_size)
     high = max(4, min(config.vocab_size, 32000) - 1)
-    seqs = [
+    return [
         SeqInput(
             [int(t) for t in rng.integers(3, high, size=tokens)],
             context,
             list(range(i * pages_per_seq, (i + 1) * pages_per_seq)),
-            prompt_logprob_targets=[0] * tokens,
+            prompt_logprob_targets=[0] * tokens if every_position else None,
         )
         for i in range(batch)
     ]
+
+
+def _verify_batch(runner, config, batch: int, tokens: int, context: int, page_size: int, reps: int, rng) -> float:
+    """Median seconds of a step of ``batch`` rows x ``tokens`` at ``context``, the logits of
+    every position computed (as a speculative verification's are)."""
+    seqs = _sequences(config, batch, tokens, context, page_size, rng, every_position=True)
     runner.step(seqs)  # precompiled: the first step only writes the rows' tables
+    return _median_step(runner, seqs, reps)
+
+
+def _median_step(runner, seqs, reps: int) -> float:
+    """Median seconds of ``reps`` synchronous steps of ``seqs``."""
     sync = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -309,27 +320,16 @@ def _verify_batch(runner, config, batch: int, tokens: int, context: int, page_si
 
 
 def _decode_batch(runner, config, batch: int, context: int, page_size: int, reps: int, rng) -> dict:
-    from strata_jax.runtime.model_runner import SeqInput
-
-    pages_per_seq = -(-(context + 1) // page_size)
-    high = max(4, min(config.vocab_size, 32000) - 1)
-    seqs = [
-        SeqInput([int(rng.integers(3, high))], context, list(range(i * pages_per_seq, (i + 1) * pages_per_seq)))
-        for i in range(batch)
-    ]
+    seqs = _sequences(config, batch, 1, context, page_size, rng, every_position=False)
     start = time.perf_counter()
     runner.step(seqs)  # precompiled: the first step only writes the rows' tables
     first_s = time.perf_counter() - start
-    sync = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        runner.step(seqs)
-        sync.append(time.perf_counter() - start)
+    step_s = _median_step(runner, seqs, reps)
     start = time.perf_counter()
     pending = [runner.dispatch(seqs) for _ in range(reps)]
     pending[-1].result()
     pipelined = (time.perf_counter() - start) / reps
-    return {"first_step_s": first_s, "step_s": statistics.median(sync), "pipelined_step_s": pipelined}
+    return {"first_step_s": first_s, "step_s": step_s, "pipelined_step_s": pipelined}
 
 
 def run(args: argparse.Namespace) -> int:
