@@ -43,6 +43,7 @@ from strata_jax.models.llama import (
     run_stacked_layers,
     stacked_layers,
 )
+from strata_jax.models.lora import LoraStep
 from strata_jax.models.rope import inverse_frequencies, layer_inverse_frequencies
 
 
@@ -70,10 +71,11 @@ class GemmaDecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype, rngs, std)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype)
 
-    def __call__(self, x, positions, inv_freq, kv_pool, layer, meta, window=None):
-        attn_out, kv_pool = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_pool, layer, meta, window)
+    def __call__(self, x, positions, inv_freq, kv_pool, layer, meta, window=None, lora=None):
+        normed = self.input_layernorm(x)
+        attn_out, kv_pool = self.self_attn(normed, positions, inv_freq, kv_pool, layer, meta, window, lora)
         x = x + self.post_attention_layernorm(attn_out)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), lora))
         return x, kv_pool
 
 
@@ -108,11 +110,14 @@ class GemmaForCausalLM(nnx.Module):
         *,
         scan_layers: bool = True,
         layer_states: Sequence[nnx.State] | None = None,
+        lora: LoraStep | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         config = self.config
         x = self.model.embed_tokens(input_ids)
         x = x * jnp.asarray(config.hidden_size**0.5, jnp.float32).astype(x.dtype)
-        per_layer = layer_window_values(config)
+        per_layer: dict = layer_window_values(config)
+        if lora is not None:
+            per_layer |= lora.per_layer()
         table = layer_inverse_frequencies(config)  # [L, D/2] when local and global rope bases differ
         if table is not None:
             per_layer["inv_freq"] = table
@@ -121,7 +126,9 @@ class GemmaForCausalLM(nnx.Module):
         def one_layer(layer, carry, values):
             x, kv_pool = carry
             inv_freq = values["inv_freq"] if "inv_freq" in values else shared_freq
-            return layer(x, positions, jnp.asarray(inv_freq), kv_pool, values["layer"], meta, values.get("window"))
+            layer_lora = lora.for_layer(values) if lora is not None else None
+            window = values.get("window")
+            return layer(x, positions, jnp.asarray(inv_freq), kv_pool, values["layer"], meta, window, layer_lora)
 
         x, kv_pool = run_stacked_layers(
             self.model.layers, (x, kv_pool), per_layer, one_layer, scan_layers=scan_layers, layer_states=layer_states

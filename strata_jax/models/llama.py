@@ -39,6 +39,7 @@ from flax import nnx
 
 import pallas_kernels
 from strata_jax.models.config import ModelConfig
+from strata_jax.models.lora import LayerLora, LoraStep, project
 from strata_jax.models.rope import apply_rope, inverse_frequencies, rope_application
 
 
@@ -180,13 +181,14 @@ class Attention(nnx.Module):
         layer: int | jax.Array,
         meta: AttentionMetadata,
         window: int | jax.Array | None = None,
+        lora: LayerLora | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """``window``: this layer's sliding window (None: the model has none; a traced
-        int32 under the layer scan, 0 = full attention)."""
+        int32 under the layer scan, 0 = full attention).  ``lora``: the step's adapters."""
         tokens = x.shape[0]
-        q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)
+        q = project(self.q_proj, "q_proj", x, lora).reshape(tokens, self.num_heads, self.head_dim)
+        k = project(self.k_proj, "k_proj", x, lora).reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = project(self.v_proj, "v_proj", x, lora).reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (config.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq, self.rope), apply_rope(k, positions, inv_freq, self.rope)
@@ -206,7 +208,7 @@ class Attention(nnx.Module):
             sliding_window=window,  # None (no window): the plain causal call
             sinks=None if self.sinks is None else self.sinks[...].astype(jnp.float32),
         )
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)), kv_pool
+        return project(self.o_proj, "o_proj", out.reshape(tokens, self.num_heads * self.head_dim), lora), kv_pool
 
 
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
@@ -233,8 +235,9 @@ class MLP(nnx.Module):
         self.up_proj = Linear(h, i, bias=False, dtype=dtype, rngs=rngs, std=std)
         self.down_proj = Linear(i, h, bias=False, dtype=dtype, rngs=rngs, std=std)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(activation(self.act_name)(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, lora: LayerLora | None = None) -> jax.Array:
+        gate, up = project(self.gate_proj, "gate_proj", x, lora), project(self.up_proj, "up_proj", x, lora)
+        return project(self.down_proj, "down_proj", activation(self.act_name)(gate) * up, lora)
 
 
 def make_mlp(config: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, std: float, *, sparse: bool) -> nnx.Module:
@@ -259,10 +262,13 @@ class DecoderLayer(nnx.Module):
         mixed, sparse = config.mixed_mlp_layers, config.moe is not None
         self.mlp = None if mixed else make_mlp(config, dtype, rngs, std, sparse=sparse)
 
-    def __call__(self, x, positions, inv_freq, kv_pool, layer, meta, window=None, mlp=None):
-        attn_out, kv_pool = self.self_attn(self.input_layernorm(x), positions, inv_freq, kv_pool, layer, meta, window)
+    def __call__(self, x, positions, inv_freq, kv_pool, layer, meta, window=None, mlp=None, lora=None):
+        normed = self.input_layernorm(x)
+        attn_out, kv_pool = self.self_attn(normed, positions, inv_freq, kv_pool, layer, meta, window, lora)
         x = x + attn_out
-        x = x + (mlp or self.mlp)(self.post_attention_layernorm(x))
+        normed = self.post_attention_layernorm(x)
+        # LoRA reaches dense MLPs only (adapters on a mixture of experts' MLP are refused at load)
+        x = x + (self.mlp(normed, lora) if isinstance(self.mlp, MLP) and mlp is None else (mlp or self.mlp)(normed))
         return x, kv_pool
 
 
@@ -385,10 +391,11 @@ class LlamaForCausalLM(nnx.Module):
         *,
         scan_layers: bool = True,
         layer_states: Sequence[nnx.State] | None = None,
+        lora: LoraStep | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """``scan_layers``: run the stacked layers under ``jax.lax.scan`` (default) or as an
         unrolled Python loop (XLA then sees one copy per layer), over ``layer_states``
-        when given (``run_stacked_layers``)."""
+        when given (``run_stacked_layers``).  ``lora``: the step's adapters (``models/lora.py``)."""
         x = self.model.embed_tokens(input_ids)
         inv_freq = jnp.asarray(inverse_frequencies(self.config))  # a trace-time constant
 
@@ -398,9 +405,14 @@ class LlamaForCausalLM(nnx.Module):
             if "mlp_sparse" in values:
                 dense, sparse = self.model.dense_layers, self.model.moe_layers
                 mlp = partial(mixed_mlp, dense, sparse, values["mlp_sparse"], values["mlp_row"])
-            return layer(x, positions, inv_freq, kv_pool, values["layer"], meta, values.get("window"), mlp=mlp)
+            layer_lora = lora.for_layer(values) if lora is not None else None
+            return layer(
+                x, positions, inv_freq, kv_pool, values["layer"], meta, values.get("window"), mlp=mlp, lora=layer_lora
+            )
 
-        per_layer = layer_window_values(self.config) | mixed_layer_values(self.config)
+        per_layer: dict = layer_window_values(self.config) | mixed_layer_values(self.config)
+        if lora is not None:
+            per_layer |= lora.per_layer()
         x, kv_pool = run_stacked_layers(
             self.model.layers, (x, kv_pool), per_layer, one_layer, scan_layers=scan_layers, layer_states=layer_states
         )

@@ -51,6 +51,7 @@ from strata_jax.runtime import sharding as tp_sharding
 from strata_jax.runtime.buckets import extend_rows, pick_bucket, power_of_two_buckets
 from strata_jax.runtime.chunk_tuning import BucketTimings
 from strata_jax.runtime.executable_cache import ExecutableCache
+from strata_jax.runtime.lora_bank import LoraBank, step_lora
 from strata_jax.runtime.platform import LAYER_WEIGHTS, resolve_layer_weights
 from strata_jax.runtime.sampling_state import SamplingState
 from strata_jax.runtime.seq_state import COUNT_SAMPLE, HOST_TOKEN, RowParams, SeqSlots, after_step
@@ -86,6 +87,10 @@ class RunnerConfig:
     # decode batch bucket B (0: none).  A verification of one row is 1 + k tokens; on the
     # token buckets alone it would pay for 16 (measured on CPU: 118 ms vs 73 ms at k = 4).
     verify_tokens_per_row: int = 0
+    # LoRA: adapters held on the device at once and their largest rank (0 slots: no LoRA
+    # in the step programs at all; runtime/lora_bank.py)
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         for name in ("page_size", "num_device_pages", "max_batch_tokens", "max_batch_size", "max_context_tokens"):
@@ -146,6 +151,7 @@ class SeqInput:
     keep_sample: bool = True  # the sampled token is kept (False for a chunk that is not the prompt's last)
     logprobs: bool = False  # return the sampled token's logprob and the top alternatives
     prompt_logprob_targets: list[int] | None = None  # per new token: next prompt token id, -1 for none
+    adapter_slot: int = -1  # its LoRA adapter's slot in ``ModelRunner.lora`` (-1: the base model)
 
 
 @dataclass
@@ -292,6 +298,10 @@ class ModelRunner:
             )
         self.pool = pool
         self._replicated = rep
+        self.lora: LoraBank | None = None
+        if config.max_loras:
+            slots, rank = config.max_loras, config.max_lora_rank
+            self.lora = LoraBank(model.config, slots=slots, rank=rank, dtype=_param_dtype(state), mesh=self.mesh)
         self._local_map_version: int | None = None
         self._local_map_array: jax.Array | None = None
         self.token_buckets = power_of_two_buckets(
@@ -327,7 +337,16 @@ class ModelRunner:
         shardings: dict[str, Any] = {}
         if self.mesh is not None:  # explicit: params by the rules, pool by heads, the rest replicated
             shardings = {
-                "in_shardings": (state_sh, pool_sh, rep, rep, rep, rep),  # state, pool, bias, flags, seq tables, inputs
+                # state, pool, bias, flags, seq tables, inputs, LoRA weights
+                "in_shardings": (
+                    state_sh,
+                    pool_sh,
+                    rep,
+                    rep,
+                    rep,
+                    rep,
+                    self.lora.shardings(self.mesh) if self.lora is not None else rep,
+                ),
                 "out_shardings": (
                     rep,
                     rep,
@@ -351,9 +370,10 @@ class ModelRunner:
                 no_sampling_slot=self.sampling.no_slot,
                 layer_pages=self.grouped.layer_rows() if self.grouped else None,
                 verify_tokens_per_row=config.verify_tokens_per_row,
+                lora_rank=config.max_lora_rank,
             ),
             donate_argnums=(1, 3, 4),  # the KV pool, the sampling flags and the sequence tables, updated in place
-            static_argnums=(6,),
+            static_argnums=(7,),
             **shardings,
         )
         self._compiled: dict[tuple[int, int], jax.stages.Compiled] = {}  # (tokens, rows) -> warm-up's program
@@ -441,7 +461,11 @@ class ModelRunner:
     def _warmup_args(self, shape: tuple[int, int]) -> tuple:
         """The step's arguments (all but ``all_logits``) for padded inputs of ``shape``."""
         sampling = self.sampling
-        return (self.state, self.pool.kv, sampling.bias, sampling.flags, self.seqs.tables, self._empty_inputs(*shape))
+        inputs = self._empty_inputs(*shape)
+        return (self.state, self.pool.kv, sampling.bias, sampling.flags, self.seqs.tables, inputs, self._lora_weights())
+
+    def _lora_weights(self) -> dict | None:
+        return self.lora.weights() if self.lora is not None else None
 
     def time_extend_buckets(self, *, min_tokens: int = 64, repeats: int = 2, seed: int = 0) -> BucketTimings:
         """Seconds of one prefill step per extend bucket of at least ``min_tokens`` tokens
@@ -662,7 +686,7 @@ class ModelRunner:
         sampling = self.sampling
         # warm-up compiled the all_logits=False programs; an all_logits step goes through jit
         program = None if all_logits else self._compiled.get(_program_shape(inputs))
-        args = (self.state, self.pool.kv, sampling.bias, sampling.flags, self.seqs.tables, inputs)
+        args = (self.state, self.pool.kv, sampling.bias, sampling.flags, self.seqs.tables, inputs, self._lora_weights())
         if program is not None:
             out = program(*args)
         else:
@@ -728,6 +752,7 @@ def _row_params(s: SeqInput) -> RowParams:
         min_tokens=1,
         want_logprobs=s.logprobs,
         rng_base=s.rng_key,
+        adapter_slot=s.adapter_slot,
     )
 
 
@@ -740,6 +765,7 @@ def _forward_step(
     flags_table,
     tables,
     inputs: dict,
+    lora_weights: dict | None,
     all_logits: bool,
     *,
     scan_layers: bool,
@@ -748,6 +774,7 @@ def _forward_step(
     no_sampling_slot: int,
     layer_pages: tuple[tuple[int, int], ...] | None,
     verify_tokens_per_row: int,
+    lora_rank: int,
 ):
     state, layer_states = state if isinstance(state, tuple) else (state, None)
     model = nnx.merge(graphdef, state)
@@ -760,7 +787,10 @@ def _forward_step(
         layer_pages=layer_pages,
     )
     with use_head_sharding(mesh):  # attention and the KV write per shard of the heads (tp)
-        hidden, kv_pool = model(input_ids, positions, kv_pool, meta, scan_layers=scan_layers, layer_states=layer_states)
+        lora = step_lora(lora_weights, sampling["token_adapter"], lora_rank) if lora_weights is not None else None
+        hidden, kv_pool = model(
+            input_ids, positions, kv_pool, meta, scan_layers=scan_layers, layer_states=layer_states, lora=lora
+        )
     last_logits = model.logits(hidden[sampling["last_index"]])
     num_tokens, num_rows = input_ids.shape[0], inputs["slots"].shape[0]
     next_tokens, sample_lp, prompt_lp, picks, flags_table = sampling_step.sample_with_extras(
@@ -776,3 +806,9 @@ def _forward_step(
     tables = after_step(tables, inputs["slots"], sampling["kept"], next_tokens, new_lens)
     logits = model.logits(hidden) if all_logits else None
     return next_tokens, logits, sample_lp, prompt_lp, picks, kv_pool, flags_table, tables
+
+
+def _param_dtype(state: nnx.State) -> jnp.dtype:
+    """The dtype of the model's weights (the LoRA slots take it)."""
+    leaves = [a for a in jax.tree.leaves(state) if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
+    return max(leaves, key=lambda a: a.size).dtype if leaves else jnp.dtype(jnp.float32)

@@ -14,6 +14,7 @@ program for up to ``K`` rows) and after that only by the jitted step itself:
     want_logprobs [S]    int32   1: return the sampled token's logprob and top alternatives
     rng_base      [S, 2] uint32  the sequence's PRNG key; step ``k`` draws with ``fold_in(key, k)``
     constrained   [S]    int32   1: a grammar constrains the output (structured outputs)
+    adapter_slot  [S]    int32   its LoRA adapter's slot (``runtime/lora_bank.py``), -1: the base model
     token_mask    [S, W] int32   its allowed next tokens, one bit per id (``W = ceil(V / 32)``);
                                  written before every step that samples for it (``write_masks``)
 
@@ -60,6 +61,7 @@ class SeqTables:
     want_logprobs: jax.Array
     rng_base: jax.Array
     constrained: jax.Array
+    adapter_slot: jax.Array
     token_mask: jax.Array
 
     @staticmethod
@@ -79,6 +81,7 @@ class SeqTables:
             want_logprobs=jnp.zeros(s, jnp.int32),
             rng_base=jnp.zeros((s, 2), jnp.uint32),
             constrained=jnp.zeros(s, jnp.int32),
+            adapter_slot=jnp.full(s, -1, jnp.int32),
             token_mask=jnp.full((s, mask_words), -1, jnp.int32),
         )
 
@@ -97,6 +100,7 @@ ROW_FIELDS = (
     "want_logprobs",
     "rng_base",
     "constrained",
+    "adapter_slot",
 )  # what ``write_rows`` writes (the token mask has ``write_masks``)
 
 
@@ -115,6 +119,7 @@ class RowParams:
     want_logprobs: bool = False
     rng_base: tuple[int, int] = (0, 0)
     constrained: bool = False
+    adapter_slot: int = -1  # its LoRA adapter's device slot; -1: the base model
 
 
 def rng_base_for(seed: int | None, request_id: str) -> tuple[int, int]:
@@ -140,6 +145,7 @@ def _row_arrays(k: int, width: int, no_sampling_slot: int) -> dict[str, np.ndarr
         "want_logprobs": np.zeros(k, np.int32),
         "rng_base": np.zeros((k, 2), np.uint32),
         "constrained": np.zeros(k, np.int32),
+        "adapter_slot": np.full(k, -1, np.int32),
     }
 
 
@@ -246,6 +252,7 @@ class SeqSlots:
                 x["want_logprobs"][i] = int(p.want_logprobs)
                 x["rng_base"][i] = p.rng_base
                 x["constrained"][i] = int(p.constrained)
+                x["adapter_slot"][i] = p.adapter_slot
             self.tables = self._write(self.tables, x)
 
     def write_masks(self, slots: list[int], masks: list[np.ndarray]) -> None:
@@ -298,6 +305,7 @@ def step_rows(tables: SeqTables, slots: jax.Array, no_sampling_slot: int) -> dic
         "want_logprobs": jnp.where(valid, tables.want_logprobs[idx], 0),
         "rng_base": tables.rng_base[idx],
         "constrained": valid & (tables.constrained[idx] != 0),
+        "adapter_slot": jnp.where(valid, tables.adapter_slot[idx], -1),
         "mask_slot": idx,
         "valid": valid,
     }
