@@ -304,12 +304,14 @@ class RequestLimits:
 @dataclass(frozen=True)
 class ValidRequest:
     """A request that passed ``validate_request``: token ids, its id (None: the engine
-    names it), its cache namespace (``cache_salt``, "" for none) and its params."""
+    names it), its cache namespace (``cache_salt``, "" for none), its params and the LoRA
+    adapter it names (None: the base model; the engine resolves the name)."""
 
     prompt_ids: list[int]
     request_id: str | None
     namespace: str
     params: SamplingParams
+    lora_name: str | None = None
 
 
 def validate_request(
@@ -320,13 +322,15 @@ def validate_request(
     request_id: object = None,
     cache_salt: object = None,
     tokenizer: Encoder | None = None,
+    lora_name: object = None,
 ) -> ValidRequest:
     """Check everything a user sends with a request; ``InvalidRequestError`` naming the first fault.
 
     ``prompt``: text (encoded with ``tokenizer``; refused without one) or token ids.
     ``params``: a ``SamplingParams`` (None: the defaults).  ``request_id``: None, or a
     non-empty printable string of at most ``MAX_REQUEST_ID_CHARS``.  ``cache_salt``:
-    None, or a string of at most ``MAX_CACHE_SALT_CHARS``.  The prompt plus
+    None, or a string of at most ``MAX_CACHE_SALT_CHARS``.  ``lora_name``: None or a
+    non-empty string (whether it is loaded is the engine's check).  The prompt plus
     ``max_tokens`` must fit in the context (``PromptTooLongError``) and the device pool.
     """
     if params is None:
@@ -335,6 +339,8 @@ def validate_request(
         raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
     rid = check_request_id(request_id) if request_id is not None else None
     namespace = check_cache_salt(cache_salt)
+    if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+        raise InvalidRequestError(f"lora_name must be a non-empty string, got {lora_name!r}")
     checked = check_prompt(prompt, limits.vocab_size)
     if isinstance(checked, str):
         if tokenizer is None:
@@ -344,7 +350,7 @@ def validate_request(
             raise InvalidRequestError("prompt is empty (it encodes to no tokens)")
     check_fits(len(checked), params.max_tokens, limits)
     params.check_vocab(limits.vocab_size)
-    return ValidRequest(checked, rid, namespace, params)
+    return ValidRequest(checked, rid, namespace, params, lora_name)
 
 
 def check_prompt(prompt: object, vocab_size: int) -> str | list[int]:
@@ -386,6 +392,8 @@ def check_cache_salt(cache_salt: object) -> str:
         return ""
     if not isinstance(cache_salt, str) or len(cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
+    if "\x1f" in cache_salt:  # it separates a salt from a LoRA adapter's identity (lora.peft_adapter)
+        raise InvalidRequestError("cache_salt must not contain the control character U+001F")
     return cache_salt
 
 

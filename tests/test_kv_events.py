@@ -237,7 +237,7 @@ def test_a_full_queue_drops_and_counts_never_blocks(tmp_path):
 
     pub = ZmqKVEventPublisher(f"ipc://{tmp_path}/drops", block_size=PAGE, max_queue_batches=1)
     try:
-        events = [("stored", "GPU", [1, 2], None, list(range(2 * PAGE)))]
+        events = [("stored", "GPU", [1, 2], None, list(range(2 * PAGE)), None, None)]
         t0 = time.perf_counter()
         accepted = sum(pub.publish(0.0, events) for _ in range(20_000))
         elapsed = time.perf_counter() - t0

@@ -145,6 +145,13 @@ class EngineConfig:
         (``strata_jax.engine.speculation``; output identical to decoding without it,
         sampled rows under their seed too).  None (default): off.  An unknown field or
         method is an error naming it.
+    max_loras: LoRA adapters held at once (each in its own device slot; 0, the default: no
+        LoRA, and the step programs carry none of its work).  An adapter is loaded at start
+        (``lora_modules``) or at run time (``Engine.load_lora_adapter``); a request names it
+        (``lora_name``).  Loading more than this many is refused until one is unloaded.
+    max_lora_rank: the largest adapter rank the slots hold (default 16); smaller ranks are
+        zero-padded.  The step's LoRA work grows with ``max_loras * max_lora_rank``.
+    lora_modules: adapters loaded at start, ``((name, path), ...)`` of PEFT folders.
     tp: tensor-parallel size (default 1): the model and the KV pool are split over the
         first ``tp`` devices (attention heads, KV heads and MLP columns; see
         ``strata_jax.runtime.sharding``).  Must divide the model's attention heads, KV
@@ -193,6 +200,9 @@ class EngineConfig:
     data_parallel_rank: int = 0
     tp: int = 1
     speculative_config: str | None = None
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
     cache: CacheConfig | None = None
     scheduler: SchedulerConfig | None = None
 
@@ -223,6 +233,14 @@ class EngineConfig:
                 raise InvalidRequestError(
                     f"EngineConfig.{name} must be a ZMQ endpoint (tcp://, ipc:// or inproc://), got {value!r}"
                 )
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_loras" else 1):
+                raise InvalidRequestError(f"EngineConfig.{name} must be a non-negative integer, got {value!r}")
+        if self.lora_modules and len(self.lora_modules) > self.max_loras:
+            raise InvalidRequestError(
+                f"{len(self.lora_modules)} LoRA modules given but max_loras={self.max_loras}: raise max_loras"
+            )
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise InvalidRequestError("EngineConfig.kv_events_replay_endpoint needs kv_events_endpoint")
         if self.max_running_requests is not None:

@@ -205,6 +205,15 @@ class EngineCore:
     def _live_ids(self) -> set[str]:
         return set(self._tracked) | {p.request_id for p in self._parked}
 
+    def reject(self, t: TrackedRequest, exc: BaseException) -> None:
+        """Fail a request that was never admitted (its adapter went away while it was queued)."""
+        self._fail([FailEvent(t.stream, exc)])
+
+    def every_request(self) -> list[TrackedRequest]:
+        """Every live request: running or queued, parked for a sampling slot, or following a leader."""
+        everyone = list(self._tracked.values()) + list(self._parked)
+        return everyone + [f for t in everyone for f in t.followers]
+
     def has_live_requests(self) -> bool:
         return bool(self._tracked)
 

@@ -54,6 +54,8 @@ from strata_jax.engine.requests import TrackedRequest
 from strata_jax.engine.sinks import AsyncQueueSink, CollectingSink, OutputSink
 from strata_jax.engine.speculation import Speculator
 from strata_jax.engine.stats import accounting, cache_stats
+from strata_jax.lora.peft_adapter import adapter_namespace, load_peft_adapter
+from strata_jax.lora.registry import AdapterInUseError, AdapterNotFoundError, AdapterRegistry, LoadedAdapter
 from strata_jax.runtime import compilation_cache, executable_cache
 from strata_jax.runtime.executable_cache import ExecutableCache
 from strata_jax.runtime.platform import ResolvedPlatform
@@ -117,6 +119,7 @@ class Engine:
             pipeline=config.pipeline,
             speculator=Speculator(spec, parts.draft) if (spec := config.speculative) is not None else None,
         )
+        self.adapters = AdapterRegistry(config.max_loras)
         self.kv_event_publisher = self._start_kv_events(config)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._inbox_size = 0  # everything posted and not yet run
@@ -135,6 +138,9 @@ class Engine:
         self.transfer_compiles_at_warmup = 0
         self.extend_step_seconds: dict[int, float] = {}  # prefill_chunk "auto": the measured steps
         self.is_ready = False
+        self._thread: threading.Thread | None = None
+        for name, path in config.lora_modules:
+            self.load_lora_adapter(name, path)
         if config.warmup:
             self._warm_up(progress)
         # XLA programs of the whole start-up (load + warm-up): compiled vs read from the persistent cache.
@@ -147,7 +153,6 @@ class Engine:
             gc.freeze()
         progress.phase("ready")
         self.is_ready = True
-        self._thread: threading.Thread | None = None
         if start:
             self._thread = threading.Thread(target=self._loop, name="strata-engine", daemon=True)
             self._thread.start()
@@ -235,24 +240,33 @@ class Engine:
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         cache_salt: str | None = None,
+        *,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion (concurrently) and return their outputs in order."""
+        """Run prompts to completion (concurrently) and return their outputs in order
+        (``lora_name``: the loaded LoRA adapter they run under; None: the base model)."""
         batch = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(batch))
         sinks = []
-        valid = [self._validate(prompt, p, cache_salt) for prompt, p in zip(batch, params_list)]
+        valid = [self._validate(prompt, p, cache_salt, lora_name) for prompt, p in zip(batch, params_list)]
         for v in valid:
             sink = CollectingSink()
             sinks.append((self._submit(v, sink, None), v.prompt_ids, sink))
         return [self._wait_for_output(rid, ids, sink) for rid, ids, sink in sinks]
 
     def generate_choices(
-        self, prompt: str | Sequence[int], params: SamplingParams, n: int, cache_salt: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        n: int,
+        cache_salt: str | None = None,
+        *,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
         """``n`` choices of one prompt (OpenAI's ``n``): one prefill, then n decodes over
         the prompt's pages shared through the tree (choice i > 0 follows choice 0)."""
         choices = fan_out(params, n)
-        valid = self._validate(prompt, params, cache_salt)
+        valid = self._validate(prompt, params, cache_salt, lora_name)
         ids = valid.prompt_ids
         sinks = []
         for c in choices:
@@ -272,6 +286,7 @@ class Engine:
         cache_salt: str | None = None,
         request_id: str | None = None,
         follows: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Yield a request's chunks as they are produced; closing the iterator aborts it.
 
@@ -279,7 +294,13 @@ class Engine:
         n > 1) whose prefill this one waits for, so it reuses its pages."""
         sink = AsyncQueueSink(asyncio.get_running_loop())
         rid = self.submit(
-            prompt, params or SamplingParams(), cache_salt=cache_salt, request_id=request_id, sink=sink, follows=follows
+            prompt,
+            params or SamplingParams(),
+            cache_salt=cache_salt,
+            request_id=request_id,
+            sink=sink,
+            follows=follows,
+            lora_name=lora_name,
         )
         finished = False
         try:
@@ -305,13 +326,20 @@ class Engine:
         request_id: str | None = None,
         sink: OutputSink | None = None,
         follows: str | None = None,
+        lora_name: str | None = None,
     ) -> str:
         """Validate and queue one request; returns its id.  Raises on bad input or overload.
 
         ``follows`` (n > 1): admit this request only after the prefill of request
         ``follows`` (same prompt) has put the prompt's pages in the tree."""
         valid = validate_request(
-            prompt, params, self.limits, request_id=request_id, cache_salt=cache_salt, tokenizer=self.tokenizer
+            prompt,
+            params,
+            self.limits,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            tokenizer=self.tokenizer,
+            lora_name=lora_name,
         )
         return self._submit(valid, sink, follows)
 
@@ -330,6 +358,7 @@ class Engine:
             )
         params, prompt_ids = valid.params, valid.prompt_ids
         rid = valid.request_id if valid.request_id is not None else f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        adapter = self.adapters.resolve(valid.lora_name) if valid.lora_name is not None else None
         grammar = None
         if params.structured is not None:
             budget = min(params.max_tokens, self.max_context_tokens - len(prompt_ids))
@@ -337,18 +366,23 @@ class Engine:
         tracked = TrackedRequest(
             request_id=rid,
             prompt_ids=prompt_ids,
-            namespace=valid.namespace,
+            # KV computed under an adapter lives in a namespace of its content (never shared with another's)
+            namespace=adapter_namespace(valid.namespace, adapter.identity if adapter is not None else None),
             params=params,
             sink=sink or CollectingSink(),
             detok=IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
             submitted_at=self.executor.now(),
             follows=follows,
             grammar=grammar,
+            adapter=adapter,
         )
 
         def admit() -> None:
             with self._inbox_lock:
                 self._inbox_admits -= 1
+            if adapter is not None and not self.adapters.holds(adapter):  # unloaded while this was queued
+                self.core.reject(tracked, AdapterNotFoundError(f"LoRA adapter {valid.lora_name!r} was unloaded"))
+                return
             self.core.admit(tracked)
 
         with self._inbox_lock:
@@ -380,6 +414,51 @@ class Engine:
 
         self._post(do)
         return done
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora_adapter(self, name: str, path: str) -> LoadedAdapter:
+        """Load the PEFT adapter folder ``path`` as ``name`` (read here, installed between steps).
+
+        Refused (``InvalidRequestError``): LoRA off (``max_loras=0``), a name already loaded or
+        equal to the base model's, every slot held, a folder this engine cannot serve
+        faithfully (``lora.peft_adapter``).  The same content under a second name shares the
+        first one's slot and cached KV."""
+        if self.runner.lora is None:
+            raise InvalidRequestError("LoRA is off: start the engine with max_loras > 0 (--max-loras)")
+        if not isinstance(name, str) or not name or name == self.model_name:
+            raise InvalidRequestError(
+                f"a LoRA adapter needs a non-empty name other than the base model's, got {name!r}"
+            )
+        adapter = load_peft_adapter(name, path, self.model_config, max_rank=self.config.max_lora_rank)
+        bank = self.runner.lora
+
+        def install() -> LoadedAdapter:
+            entry, fresh = self.adapters.add(adapter)
+            if fresh:
+                bank.install(entry.slot, adapter)
+            return entry
+
+        entry = self._call(install)
+        log.info("LoRA adapter %r loaded from %s (slot %d, rank %d)", name, path, entry.slot, adapter.rank)
+        return entry
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload adapter ``name``.  Refused (``AdapterInUseError``) while requests under that
+        name are live: they are never cut short, and the call does not wait for them.  Its
+        cached pages stay until they age out (loading it again finds them)."""
+        bank = self.runner.lora
+
+        def unload() -> None:
+            self.adapters.resolve(name)  # AdapterNotFoundError first
+            busy = [t.request_id for t in self.core.every_request() if t.adapter and t.adapter.adapter.name == name]
+            if busy:
+                raise AdapterInUseError(f"LoRA adapter {name!r} has {len(busy)} live requests; retry when they finish")
+            slot = self.adapters.remove(name)
+            if slot is not None and bank is not None:
+                bank.clear(slot)
+
+        self._call(unload)
+        log.info("LoRA adapter %r unloaded", name)
 
     def cache_stats(self) -> dict[str, Any]:
         return self._call(lambda: cache_stats(self))
@@ -449,7 +528,7 @@ class Engine:
             max_queue_batches=config.kv_events_queue,
             buffer_batches=config.kv_events_buffer,
         )
-        recorder = KVEventRecorder(self.ctl.tree, publisher.publish)
+        recorder = KVEventRecorder(self.ctl.tree, publisher.publish, self.adapters.name_of)
         self.ctl.tree.tier_observer = recorder.observe
         self.core.kv_event_recorder = recorder
         log.info("publishing KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
@@ -478,8 +557,10 @@ class Engine:
             self._drain_inbox()
 
     # ------------------------------------------------------------------ input checks (caller thread)
-    def _validate(self, prompt: object, params: object, cache_salt: object) -> ValidRequest:
-        return validate_request(prompt, params, self.limits, cache_salt=cache_salt, tokenizer=self.tokenizer)
+    def _validate(self, prompt: object, params: object, cache_salt: object, lora_name: object = None) -> ValidRequest:
+        return validate_request(
+            prompt, params, self.limits, cache_salt=cache_salt, tokenizer=self.tokenizer, lora_name=lora_name
+        )
 
     def _wait_for_output(self, rid: str, prompt_ids: list[int], sink: CollectingSink) -> RequestOutput:
         """Block until ``sink``'s request finishes; its output, or the error it failed with."""

@@ -76,6 +76,9 @@ class SeqRow(Protocol):
     @property
     def grammar(self) -> Any: ...  # a structured output's matcher (its ``mask``), or None
 
+    @property
+    def adapter_slot(self) -> int: ...  # its LoRA adapter's device slot, -1 for the base model
+
 
 RowRef = TypeVar("RowRef")
 

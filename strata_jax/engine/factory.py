@@ -107,6 +107,8 @@ def resolve_settings(config: EngineConfig, loaded: LoadedModel, platform: Resolv
             layer_weights=platform.layer_weights,
             max_running=config.resolved_max_running_requests,
             verify_tokens_per_row=spec.num_speculative_tokens + 1 if (spec := config.speculative) else 0,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
         ),
         scheduler=config.scheduler_config(),
     )

@@ -35,6 +35,7 @@ from strata_jax.cache.handles import CacheFullError, PrefetchHandle, TransferHan
 from strata_jax.cache.radix_tree import PrefixMatch, TreeNode
 from strata_jax.engine.output import OutputStream
 from strata_jax.engine.sinks import OutputSink
+from strata_jax.lora.registry import LoadedAdapter
 from strata_jax.scheduler.plan import PrefillItem
 from strata_jax.scheduler.request import ScheduledRequest
 from strata_jax.tokenizer import IncrementalDetokenizer
@@ -82,7 +83,13 @@ class TrackedRequest:
     followers: list[TrackedRequest] = field(default_factory=list)
     prefix_published: bool = False
     grammar: Any = None  # strata_jax.structured.matcher.GrammarState: a structured output's matcher
+    adapter: LoadedAdapter | None = None  # its LoRA adapter (None: the base model)
     stream: OutputStream = field(init=False)
+
+    @property
+    def adapter_slot(self) -> int:
+        """Its LoRA adapter's device slot (-1: the base model)."""
+        return self.adapter.slot if self.adapter is not None else -1
 
     def __post_init__(self) -> None:
         self.stream = OutputStream(

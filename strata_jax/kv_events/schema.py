@@ -3,9 +3,10 @@
 One message on the PUB socket is three frames: the topic, the sequence number (8 bytes,
 big-endian) and a msgpack ``EventBatch``: an array ``[ts, events, data_parallel_rank]``
 whose events are maps tagged ``"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared"``.
-Fields this engine has no use for (LoRA, extra keys, cache-spec groups) are left at their
+Fields this engine has no use for (``lora_id``, cache-spec groups) are left at their
 defaults, which the encoding omits (``lora_id``, ``medium`` and ``lora_name`` have no
-default in vLLM, so they are always written, ``None`` included).
+default in vLLM, so they are always written, ``None`` included).  A LoRA adapter's pages
+carry ``lora_name`` and ``extra_keys`` (``recorder`` module doc).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -52,8 +54,8 @@ def to_struct(raw: tuple[Any, ...], block_size: int) -> BlockStored | BlockRemov
     """One recorder tuple (``recorder`` module doc) as its wire struct."""
     kind = raw[0]
     if kind == "stored":
-        _, medium, hashes, parent, tokens = raw
-        return BlockStored(hashes, parent, tokens, block_size, None, medium, None)
+        _, medium, hashes, parent, tokens, lora_name, extra_keys = raw
+        return BlockStored(hashes, parent, tokens, block_size, None, medium, lora_name, extra_keys)
     if kind == "removed":
         return BlockRemoved(raw[2], raw[1])
     if kind == "cleared":

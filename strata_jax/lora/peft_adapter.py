@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from strata_jax.api import InvalidRequestError
 from strata_jax.models.config import ModelConfig
 from strata_jax.models.safetensors_io import SafetensorsError, SafetensorsFile
 
@@ -34,7 +35,7 @@ MODULES = ATTENTION_MODULES + MLP_MODULES
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight")
 
 
-class AdapterError(ValueError):
+class AdapterError(InvalidRequestError):
     """An adapter that cannot be served faithfully (bad folder, unsupported option, wrong base)."""
 
 
@@ -176,4 +177,13 @@ def adapter_namespace(namespace: str, identity: str | None) -> str:
     """The cache namespace of KV computed under the adapter ``identity`` for the tenant
     ``namespace`` (the base model's KV: ``namespace`` itself).  The tree keeps a subtree per
     namespace and L3 keys are seeded by it, so two adapters never share a page."""
-    return namespace if not identity else f"{namespace}\x1flora:{identity}"
+    return namespace if not identity else f"{namespace}{_ADAPTER_MARK}{identity}"
+
+
+def namespace_adapter(namespace: str) -> str | None:
+    """The adapter identity of a cache namespace (``adapter_namespace``'s inverse), or None."""
+    _, mark, identity = namespace.rpartition(_ADAPTER_MARK)
+    return identity if mark else None
+
+
+_ADAPTER_MARK = "\x1flora:"  # cache_salt may not hold U+001F (api.check_cache_salt)

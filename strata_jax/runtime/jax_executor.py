@@ -161,6 +161,7 @@ class JaxExecutor:
             want_logprobs=p.logprobs is not None,
             rng_base=rng_base_for(p.seed, row.request_id),
             constrained=row.grammar is not None,
+            adapter_slot=row.adapter_slot,
         )
 
     def _sync_rows(self, rows: Sequence[SeqRow], capacity: int) -> tuple[list[int], np.ndarray | None]:

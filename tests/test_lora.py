@@ -1,0 +1,236 @@
+"""LoRA adapters: outputs equal transformers + peft on the same base and adapter, batched
+across adapters, with KV namespaced by the adapter's content in every tier."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hf_reference import hf_logits, make_hf_model
+
+peft = pytest.importorskip("peft", reason="the LoRA references need peft (pip install -e '.[test]')")
+
+from strata_jax.api import InvalidRequestError, SamplingParams  # noqa: E402
+from strata_jax.lora.peft_adapter import AdapterError, load_peft_adapter  # noqa: E402
+from strata_jax.models.loader import load_model  # noqa: E402
+from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput  # noqa: E402
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (rank, alpha, rsLoRA, targets, seed): two ranks, rsLoRA on and off, all seven modules and a subset
+ADAPTERS = {
+    "a8rs": (8, 16, True, ALL_MODULES, 1),
+    "a4": (4, 8, False, ALL_MODULES, 2),
+    "attn": (4, 4, False, ["q_proj", "v_proj", "o_proj"], 3),
+    "mlp16": (16, 32, True, ["gate_proj", "up_proj", "down_proj"], 4),
+}
+
+
+def save_random_adapter(base: torch.nn.Module, folder: Path, rank: int, alpha: float, rslora: bool, targets, seed):
+    """A PEFT adapter of random (non-zero) A and B on ``base``, saved to ``folder``; returns the
+    peft model (the reference) and leaves ``base`` itself unchanged."""
+    import copy
+
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=list(targets), init_lora_weights=False
+    )
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory):
+    """A random GQA model (qwen2: 4 heads, 2 KV heads, qkv bias) and four adapters on it."""
+    root = tmp_path_factory.mktemp("lora")
+    base = make_hf_model("qwen2", root / "base")
+    refs = {name: save_random_adapter(base, root / name, *spec) for name, spec in ADAPTERS.items()}
+    return root, base.eval(), refs
+
+
+def _runner(model, slots: int = 4, rank: int = 16) -> ModelRunner:
+    config = RunnerConfig(
+        page_size=4,
+        num_device_pages=128,
+        max_batch_tokens=128,
+        max_batch_size=8,
+        max_context_tokens=128,
+        max_loras=slots,
+        max_lora_rank=rank,
+    )
+    return ModelRunner(model, config)
+
+
+def test_runner_logits_equal_peft_per_adapter_and_in_one_mixed_step(gqa):
+    root, base, refs = gqa
+    loaded = load_model(str(root / "base"))
+    runner = _runner(loaded.model)
+    assert runner.lora is not None
+    names = list(ADAPTERS)
+    for slot, name in enumerate(names):
+        runner.lora.install(slot, load_peft_adapter(name, root / name, loaded.config, max_rank=16))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, loaded.config.vocab_size, size=n).tolist() for n in (23, 17, 30, 9, 26)]
+    slots = [0, 1, 2, 3, -1]  # four adapters and the base model, one step
+    seqs, next_page = [], 0
+    for ids, slot in zip(prompts, slots):
+        pages = list(range(next_page, next_page + -(-len(ids) // 4)))
+        next_page += len(pages)
+        seqs.append(SeqInput(ids, 0, pages, adapter_slot=slot))
+    logits = runner.step(seqs, all_logits=True).logits
+    offset = 0
+    for ids, slot in zip(prompts, slots):
+        ours = logits[offset : offset + len(ids)]
+        offset += len(ids)
+        with torch.no_grad():
+            ref = hf_logits(base if slot < 0 else refs[names[slot]], ids).numpy()
+            plain = hf_logits(base, ids).numpy()
+        assert np.abs(ours - ref).max() <= 1e-4, names[slot] if slot >= 0 else "base"
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
+        if slot >= 0:
+            assert np.abs(ref - plain).max() > 0.05  # the adapter changes the output: the check can fail
+
+
+def test_reader_identity_follows_content_not_name(gqa, tmp_path):
+    root, _, _ = gqa
+    config = load_model(str(root / "base")).config
+    first = load_peft_adapter("x", root / "a4", config, max_rank=16)
+    shutil.copytree(root / "a4", tmp_path / "renamed")
+    again = load_peft_adapter("y", tmp_path / "renamed", config, max_rank=16)
+    assert again.identity == first.identity
+    spec = json.loads((tmp_path / "renamed" / "adapter_config.json").read_text())
+    spec["lora_alpha"] = 9  # same weights, another scaling: another adapter
+    (tmp_path / "renamed" / "adapter_config.json").write_text(json.dumps(spec))
+    assert load_peft_adapter("y", tmp_path / "renamed", config, max_rank=16).identity != first.identity
+    assert load_peft_adapter("z", root / "a8rs", config, max_rank=16).identity != first.identity
+    assert first.scaling == 8 / 4 and load_peft_adapter("r", root / "a8rs", config, max_rank=16).scaling == 16 / 8**0.5
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_dora": True}, "DoRA"),
+        ({"bias": "lora_only"}, "trained biases"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"rank_pattern": {"q_proj": 2}}, "per-module ranks"),
+        ({"r": 0}, "r=0"),
+        ({"peft_type": "IA3"}, "not LORA"),
+    ],
+)
+def test_reader_refuses_what_it_would_get_wrong(gqa, tmp_path, change, message):
+    root, _, _ = gqa
+    config = load_model(str(root / "base")).config
+    shutil.copytree(root / "a4", tmp_path / "ad")
+    spec = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps(spec | change))
+    with pytest.raises(AdapterError, match=message):
+        load_peft_adapter("ad", tmp_path / "ad", config, max_rank=16)
+
+
+def test_reader_refuses_wrong_base_rank_and_folder(gqa, tmp_path):
+    root, _, _ = gqa
+    config = load_model(str(root / "base")).config
+    with pytest.raises(AdapterError, match="exceeds --max-lora-rank 8"):
+        load_peft_adapter("m", root / "mlp16", config, max_rank=8)
+    import dataclasses
+
+    wider = dataclasses.replace(config, hidden_size=config.hidden_size * 2)
+    with pytest.raises(AdapterError, match="the base model needs"):
+        load_peft_adapter("a", root / "a4", wider, max_rank=16)
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        load_peft_adapter("a", tmp_path, config, max_rank=16)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 4}))
+    with pytest.raises(AdapterError, match="no adapter_model.safetensors"):
+        load_peft_adapter("a", tmp_path, config, max_rank=16)
+    assert issubclass(AdapterError, InvalidRequestError)  # the faces answer 400
+
+
+# ---------------------------------------------------------------------------------------
+# the engine: greedy tokens from every tier, batches, cache identity, load/unload
+
+
+def _engine(root: Path, storage: Path, *, adapters=("a8rs", "a4"), start: bool = True, **overrides):
+    from strata_jax.engine import Engine, EngineConfig
+
+    config = dict(
+        model=str(root / "base"),
+        warmup=False,
+        show_progress=False,
+        page_size=4,
+        tiers="L1+L2+L3",
+        storage_dir=str(storage),
+        device_tokens=1024,
+        max_context_tokens=256,
+        prefetch_min_tokens=0,
+        prefetch_policy="wait_complete",
+        max_loras=4,
+        lora_modules=tuple((name, str(root / name)) for name in adapters),
+    )
+    return Engine(EngineConfig(**(config | overrides)), start=start)
+
+
+def _hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(hf_logits(model, out)[-1].argmax()))
+    return out[len(ids) :]
+
+
+def test_engine_greedy_equals_peft_cold_and_from_every_tier(gqa, tmp_path):
+    root, base, refs = gqa
+    prompt = np.random.default_rng(5).integers(0, 96, size=60).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    want = {name: _hf_greedy(refs[name], prompt, 8) for name in ("a8rs", "a4")}
+    want_base = _hf_greedy(base, prompt, 8)
+    assert want["a8rs"] != want_base or want["a4"] != want_base  # adapters change the answer
+    engine = _engine(root, tmp_path / "l3")
+    try:
+        for name in ("a8rs", "a4"):
+            cold = engine.generate([prompt], params, lora_name=name)[0]
+            assert cold.token_ids == want[name] and cold.num_cached_tokens == 0, name
+            hit = engine.generate([prompt], params, lora_name=name)[0]
+            assert hit.token_ids == want[name] and hit.cached_tokens["device"] > 0, name
+        engine.flush_cache("device")
+        for name in ("a8rs", "a4"):
+            out = engine.generate([prompt], params, lora_name=name)[0]
+            assert out.token_ids == want[name] and out.cached_tokens["host"] > 0, name
+        engine.flush_cache("device")
+        engine.flush_cache("host")
+        for name in ("a8rs", "a4"):
+            out = engine.generate([prompt], params, lora_name=name)[0]
+            assert out.token_ids == want[name] and out.cached_tokens["storage"] > 0, name
+        assert engine.generate([prompt], params)[0].token_ids == want_base  # the base: none of their pages
+        engine.check_accounting()
+    finally:
+        engine.shutdown()
+
+
+def test_batch_of_base_and_four_adapters_gives_every_row_its_own_tokens(gqa, tmp_path):
+    from strata_jax.engine.output import collect
+    from strata_jax.engine.sinks import CollectingSink
+
+    root, base, refs = gqa
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 96, size=n).tolist() for n in (21, 34, 13, 40, 27)]
+    names = [None, "a8rs", "a4", "attn", "mlp16"]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    engine = _engine(root, tmp_path / "l3", adapters=tuple(ADAPTERS), tiers="L1", start=False)
+    try:
+        sinks = [CollectingSink() for _ in prompts]
+        ids = [engine.submit(p, params, lora_name=n, sink=k) for p, n, k in zip(prompts, names, sinks)]
+        engine.run_until_idle()  # admitted together: their prefills share the first step, decodes the rest
+        together = [collect(rid, k.chunks).token_ids for rid, k in zip(ids, sinks)]
+        for p, n, tokens in zip(prompts, names, together):
+            assert tokens == _hf_greedy(base if n is None else refs[n], p, 6), n
+        assert len({tuple(t) for t in together}) > 1
+    finally:
+        engine.shutdown()
