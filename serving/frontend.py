@@ -58,6 +58,7 @@ class EngineLike(Protocol):
         cache_salt: str | None = None,
         request_id: str | None = None,
         follows: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[StreamChunk]: ...  # closing the iterator early aborts the request
     def abort(self, request_id: str) -> object: ...  # queues the abort; never waits for the engine
     def cache_stats(self) -> dict: ...
@@ -174,9 +175,19 @@ class Frontend:
         raise EngineUnavailableError("the server is shutting down")
 
     def check_model(self, name: object) -> None:
-        """Raise ``LookupError`` unless ``name`` is the served model."""
-        if name != self.model_name:
+        """Raise ``LookupError`` unless ``name`` is the served model or one of its LoRA adapters."""
+        if name != self.model_name and name not in self.adapter_names():
             raise LookupError(f"model {name!r} does not exist; this server serves {self.model_name!r}")
+
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters the engine holds (``model`` names one of them)."""
+        adapters = getattr(self._engine, "adapters", None)
+        return [e.adapter.name for e in adapters.listing()] if adapters is not None else []
+
+    def lora_name(self, model: object) -> str | None:
+        """The adapter a request's ``model`` selects: None for the base model (checked first)."""
+        self.check_model(model)
+        return None if model == self.model_name else str(model)
 
     # ---- requests -------------------------------------------------------
     def count_rejected(self, api: str, exc: BaseException) -> None:
@@ -196,11 +207,20 @@ class Frontend:
         api: str,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        lora_name: str | None = None,
     ) -> list[AsyncGenerator[StreamChunk, None]]:
         """``n`` choices of one prompt (OpenAI's ``n``), each a ``stream`` of one of the
         requests ``strata_jax.api.fan_out`` makes of it (choice 0 prefills, the others follow)."""
         return [
-            self.stream(prompt, c.params, api=api, cache_salt=cache_salt, request_id=c.request_id, follows=c.follows)
+            self.stream(
+                prompt,
+                c.params,
+                api=api,
+                cache_salt=cache_salt,
+                request_id=c.request_id,
+                follows=c.follows,
+                lora_name=lora_name,
+            )
             for c in fan_out(params, n, request_id)
         ]
 
@@ -213,6 +233,7 @@ class Frontend:
         cache_salt: str | None = None,
         request_id: str | None = None,
         follows: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """Stream one request's chunks; closing this generator early aborts the request.
 
@@ -248,6 +269,7 @@ class Frontend:
                 cache_salt=cache_salt or None,
                 request_id=rid,
                 follows=follows,
+                lora_name=lora_name,
             )
             last: float | None = None
             async for chunk in engine_stream:

@@ -36,6 +36,7 @@ from strata_jax.api import (
     StepFailedError,
 )
 from strata_jax.cache.storage import StorageError
+from strata_jax.lora.registry import AdapterInUseError, AdapterNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,10 @@ def map_error(exc: BaseException) -> HTTPError:
     """HTTP status for an error raised while serving a request."""
     if isinstance(exc, HTTPError):
         return exc
+    if isinstance(exc, AdapterInUseError):
+        return HTTPError(409, str(exc), "invalid_request_error", "adapter_in_use")
+    if isinstance(exc, AdapterNotFoundError):
+        return HTTPError(404, str(exc), "invalid_request_error", "model_not_found", "model")
     if isinstance(exc, PromptTooLongError):
         return HTTPError(400, str(exc), "invalid_request_error", "context_length_exceeded")
     if isinstance(exc, InvalidRequestError):

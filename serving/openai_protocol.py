@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serving.frontend import TIERS
 from strata_jax.api import MAX_LOGPROBS, MAX_N, InvalidRequestError, SamplingParams
@@ -294,6 +294,19 @@ class ChatCompletionRequest(_CommonRequest):
     def sampling_params(self, max_tokens: int, model_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         params = super().sampling_params(max_tokens, model_defaults)
         return dataclasses.replace(params, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+
+
+class LoadLoraAdapterRequest(_Strict):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 class AdminFlushRequest(_Strict):

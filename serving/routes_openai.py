@@ -12,19 +12,20 @@ disconnect closes the SSE generator, which aborts the engine request.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from serving import openai_logprobs as olp
 from serving import openai_protocol as oai
 from serving import tool_calls
 from serving.frontend import TIERS, EngineLike
-from serving.http_common import INFERENCE_AUTH, HttpContext, http_context, map_error, until_disconnect
+from serving.http_common import ADMIN_AUTH, INFERENCE_AUTH, HttpContext, http_context, map_error, until_disconnect
 from serving.openai_streams import ChoiceTotals, ChunkStream, collect_all, first_item, merged, sse_response
 from strata_jax.api import InvalidRequestError, SamplingParams, StreamChunk, check_prompt
 
@@ -70,6 +71,11 @@ class _Completion:
     engine: EngineLike
     prompts: list[Any]
     params: SamplingParams
+    lora_name: str | None  # the LoRA adapter ``model`` selects (None: the base model)
+
+    @property
+    def model(self) -> str:
+        return self.req.model
 
 
 async def _read_completion(ctx: HttpContext, request: Request) -> _Completion:
@@ -89,7 +95,7 @@ async def _read_completion(ctx: HttpContext, request: Request) -> _Completion:
     params.check_vocab(engine.vocab_size)
     for p in prompts:  # all prompts are checked before any runs: one bad prompt refuses the request
         check_prompt(p, engine.vocab_size)
-    return _Completion(req, engine, prompts, params)
+    return _Completion(req, engine, prompts, params, ctx.frontend.lora_name(req.model))
 
 
 @router.post("/v1/completions", dependencies=INFERENCE_AUTH)
@@ -113,11 +119,12 @@ async def completions(request: Request) -> Response:
                 api="http",
                 cache_salt=req.cache_salt,
                 request_id=req.request_id if len(job.prompts) == 1 else None,
+                lora_name=job.lora_name,
             )
         results = await until_disconnect(request, collect_all(streams))
     except Exception as exc:  # noqa: BLE001 - every failure becomes its HTTP error
         return map_error(exc).response()
-    return JSONResponse(_completion_body(job, results, rid, ctx.frontend.model_name))
+    return JSONResponse(_completion_body(job, results, rid, job.model))
 
 
 def _completion_body(job: _Completion, results: list[ChoiceTotals], rid: str, model: str) -> dict:
@@ -157,11 +164,17 @@ def _completion_body(job: _Completion, results: list[ChoiceTotals], rid: str, mo
 async def _stream_completion(ctx: HttpContext, request: Request, job: _Completion, rid: str) -> Response:
     req, prompt = job.req, job.prompts[0]
     streams = ctx.frontend.stream_choices(
-        prompt, job.params, req.num_choices, api="http", cache_salt=req.cache_salt, request_id=req.request_id
+        prompt,
+        job.params,
+        req.num_choices,
+        api="http",
+        cache_salt=req.cache_salt,
+        request_id=req.request_id,
+        lora_name=job.lora_name,
     )
     chunks = merged(streams)
     first = await until_disconnect(request, first_item(chunks))
-    model, created = ctx.frontend.model_name, int(time.time())
+    model, created = job.model, int(time.time())
     builders = [olp.CompletionLogprobs(_decoder(job.engine), req.logprobs or 0) for _ in streams]
     echo_pending = [bool(req.echo)] * len(streams)
     prompt_ids, echo_text = _echo(job.engine, prompt, req.echo)
@@ -197,6 +210,11 @@ class _Chat:
     prompt_ids: list[int]
     params: SamplingParams
     tools: tool_calls.ToolPlan
+    lora_name: str | None  # the LoRA adapter ``model`` selects (None: the base model)
+
+    @property
+    def model(self) -> str:
+        return self.req.model
 
 
 def _chat_prompt_ids(engine: EngineLike, req: oai.ChatCompletionRequest, tools: tool_calls.ToolPlan) -> list[int]:
@@ -235,7 +253,7 @@ async def _read_chat(ctx: HttpContext, request: Request) -> _Chat:
                 "tool_choice required or a named function cannot be combined with an output constraint"
             )
         params = dataclasses.replace(params, structured=tools.constraint)
-    return _Chat(req, engine, prompt_ids, params, tools)
+    return _Chat(req, engine, prompt_ids, params, tools, ctx.frontend.lora_name(req.model))
 
 
 @router.post("/v1/chat/completions", dependencies=INFERENCE_AUTH)
@@ -255,13 +273,14 @@ async def chat_completions(request: Request) -> Response:
             api="http",
             cache_salt=req.cache_salt,
             request_id=req.request_id,
+            lora_name=job.lora_name,
         )
         if req.stream:
             return await _stream_chat(ctx, request, job, streams, rid)
         results = await until_disconnect(request, collect_all(streams))
     except Exception as exc:  # noqa: BLE001 - every failure becomes its HTTP error
         return map_error(exc).response()
-    return JSONResponse(_chat_body(job, results, rid, ctx.frontend.model_name))
+    return JSONResponse(_chat_body(job, results, rid, job.model))
 
 
 def _chat_message(text: str, finish: str, fmt: Any) -> tuple[dict[str, Any], str]:
@@ -301,7 +320,7 @@ async def _stream_chat(
     req = job.req
     chunks = merged(streams)
     first = await until_disconnect(request, first_item(chunks))
-    model, created = ctx.frontend.model_name, int(time.time())
+    model, created = job.model, int(time.time())
     decode = _decoder(job.engine)
     fmt = job.tools.fmt
     calls = [tool_calls.CallStream(fmt) for _ in streams] if fmt is not None else None
@@ -339,7 +358,49 @@ async def _stream_chat(
 async def models(request: Request) -> JSONResponse:
     frontend = http_context(request).frontend
     engine = frontend.engine_or_none
-    entry: dict[str, Any] = {"id": frontend.model_name, "object": "model", "created": 0, "owned_by": "strata-jax"}
-    if engine is not None:
-        entry["max_model_len"] = engine.max_context_tokens
-    return JSONResponse({"object": "list", "data": [entry] if engine is not None else []})
+    base = frontend.model_name
+    entry: dict[str, Any] = {"id": base, "object": "model", "created": 0, "owned_by": "strata-jax"}
+    if engine is None:
+        return JSONResponse({"object": "list", "data": []})
+    entry["max_model_len"] = engine.max_context_tokens
+    data = [entry]
+    adapters = getattr(engine, "adapters", None)
+    for loaded in adapters.listing() if adapters is not None else []:  # vLLM's shape: root = path, parent = base
+        data.append(
+            entry
+            | {"id": loaded.adapter.name, "root": loaded.adapter.path, "parent": base, "lora_identity": loaded.identity}
+        )
+    return JSONResponse({"object": "list", "data": data})
+
+
+# ---- LoRA adapters at run time (vLLM's routes and bodies) ------------------------------
+@router.post("/v1/load_lora_adapter", dependencies=ADMIN_AUTH)
+async def load_lora_adapter(request: Request) -> Response:
+    """``{"lora_name": ..., "lora_path": ...}``: load a PEFT adapter folder (400 when refused)."""
+    ctx = http_context(request)
+    try:
+        body = await ctx.read_body(request, oai.LoadLoraAdapterRequest)
+        engine = ctx.frontend.engine()
+        loader = getattr(engine, "load_lora_adapter", None)
+        if loader is None:
+            raise InvalidRequestError("this engine does not serve LoRA adapters")
+        await asyncio.to_thread(loader, body.lora_name, body.lora_path)  # reads the folder off the event loop
+    except Exception as exc:  # noqa: BLE001 - every refusal becomes its HTTP error
+        return map_error(exc).response()
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter", dependencies=ADMIN_AUTH)
+async def unload_lora_adapter(request: Request) -> Response:
+    """``{"lora_name": ...}``: unload an adapter; 409 while requests under it run (never waits)."""
+    ctx = http_context(request)
+    try:
+        body = await ctx.read_body(request, oai.UnloadLoraAdapterRequest)
+        engine = ctx.frontend.engine()
+        unloader = getattr(engine, "unload_lora_adapter", None)
+        if unloader is None:
+            raise InvalidRequestError("this engine does not serve LoRA adapters")
+        await asyncio.to_thread(unloader, body.lora_name)
+    except Exception as exc:  # noqa: BLE001 - every refusal becomes its HTTP error
+        return map_error(exc).response()
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

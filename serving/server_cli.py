@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -194,6 +195,20 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="trace from warm-up until shutdown into --profile-dir",
     )
+    srv.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (vLLM's flag): requests select one by its name in `model`; adapters load with "
+        "--lora-modules or POST /v1/load_lora_adapter.  Sets --max-loras to 1 when not given",
+    )
+    srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="PEFT adapter folders to load at start, as name=path or vLLM's JSON "
+        '{"name": ..., "path": ...}; implies --enable-lora, and --max-loras defaults to their count',
+    )
     srv.add_argument("--no-http", action="store_true", help="do not start the HTTP server")
     srv.add_argument("--no-grpc", action="store_true", help="do not start the gRPC server")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
@@ -236,6 +251,30 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def lora_overrides(enable: bool, modules: list[str] | None, max_loras: int | None) -> dict[str, Any]:
+    """EngineConfig fields of ``--enable-lora`` / ``--lora-modules`` (``name=path`` or vLLM's
+    JSON object); ``max_loras`` given on the command line wins, else 1 or the modules' count."""
+    pairs = []
+    for item in modules or []:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path = spec["name"], spec["path"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f'--lora-modules {item!r}: a JSON module needs "name" and "path" ({exc})') from exc
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {item!r}: expected name=path")
+        pairs.append((str(name), str(path)))
+    if not enable and not pairs:
+        return {}
+    out: dict[str, Any] = {"lora_modules": tuple(pairs)}
+    if max_loras is None:
+        out["max_loras"] = max(1, len(pairs))
+    return out
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
@@ -266,6 +305,11 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"strata-jax serve: {exc}", file=sys.stderr)
         return 2
     overrides = engine_overrides(args)
+    try:
+        overrides |= lora_overrides(args.enable_lora, args.lora_modules, overrides.get("max_loras"))
+    except ValueError as exc:
+        print(f"strata-jax serve: {exc}", file=sys.stderr)
+        return 2
     try:
         from strata_jax.engine import Engine, EngineConfig
     except ImportError as exc:

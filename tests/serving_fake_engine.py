@@ -136,9 +136,13 @@ class FakeEngine:
         cache_salt: str | None = None,
         request_id: str | None = None,
         follows: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """As ``Engine.stream``; ``follows`` (another choice of the same prompt) is accepted
-        and needs no waiting here: the fake has no prefill to share."""
+        and needs no waiting here: the fake has no prefill to share.  It holds no LoRA
+        adapters (the faces refuse other model names before they get here)."""
+        if lora_name is not None:
+            raise InvalidRequestError(f"the fake engine has no LoRA adapter {lora_name!r}")
         ids, params = self._validate(prompt, params, request_id, cache_salt)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

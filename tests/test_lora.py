@@ -12,14 +12,14 @@ import pytest
 import torch
 from hf_reference import hf_logits, make_hf_model
 
-peft = pytest.importorskip("peft", reason="the LoRA references need peft (pip install -e '.[test]')")
+pytest.importorskip("peft", reason="the LoRA references need peft (pip install -e '.[test]')")
+from lora_reference import ALL_MODULES, save_random_adapter  # noqa: E402
 
 from strata_jax.api import InvalidRequestError, SamplingParams  # noqa: E402
 from strata_jax.lora.peft_adapter import AdapterError, load_peft_adapter  # noqa: E402
 from strata_jax.models.loader import load_model  # noqa: E402
 from strata_jax.runtime.model_runner import ModelRunner, RunnerConfig, SeqInput  # noqa: E402
 
-ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # (rank, alpha, rsLoRA, targets, seed): two ranks, rsLoRA on and off, all seven modules and a subset
 ADAPTERS = {
     "a8rs": (8, 16, True, ALL_MODULES, 1),
@@ -27,24 +27,6 @@ ADAPTERS = {
     "attn": (4, 4, False, ["q_proj", "v_proj", "o_proj"], 3),
     "mlp16": (16, 32, True, ["gate_proj", "up_proj", "down_proj"], 4),
 }
-
-
-def save_random_adapter(base: torch.nn.Module, folder: Path, rank: int, alpha: float, rslora: bool, targets, seed):
-    """A PEFT adapter of random (non-zero) A and B on ``base``, saved to ``folder``; returns the
-    peft model (the reference) and leaves ``base`` itself unchanged."""
-    import copy
-
-    config = peft.LoraConfig(
-        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=list(targets), init_lora_weights=False
-    )
-    model = peft.get_peft_model(copy.deepcopy(base), config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
-    model.save_pretrained(folder)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
