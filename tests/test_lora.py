@@ -216,3 +216,119 @@ def test_batch_of_base_and_four_adapters_gives_every_row_its_own_tokens(gqa, tmp
         assert len({tuple(t) for t in together}) > 1
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def long_gqa(tmp_path_factory):
+    """A random GQA model with room for a 1,500-token prompt, and two adapters on it."""
+    root = tmp_path_factory.mktemp("lora_long")
+    base = make_hf_model("qwen2", root / "base", max_position_embeddings=2048)
+    for name in ("a8rs", "a4"):
+        save_random_adapter(base, root / name, *ADAPTERS[name])
+    return root
+
+
+def _pages_by_namespace(tree) -> dict[str, dict[str, set[int]]]:
+    out: dict[str, dict[str, set[int]]] = {}
+    for node in tree.iter_nodes():
+        tiers = out.setdefault(node.namespace, {"device": set(), "host": set()})
+        tiers["device"] |= set(node.device or ())
+        tiers["host"] |= set(node.host or ())
+    return out
+
+
+def test_two_adapters_over_one_prompt_share_no_page_in_any_tier_and_a_renamed_load_reads_l3(long_gqa, tmp_path):
+    from strata_jax.cache.hashing import chain_hashes
+    from strata_jax.kv_events.recorder import KVEventRecorder
+    from strata_jax.lora.peft_adapter import adapter_namespace
+
+    root = long_gqa
+    prompt = np.random.default_rng(7).integers(0, 96, size=1500).tolist()
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    common = dict(page_size=16, device_tokens=8192, max_context_tokens=2048, max_batch_tokens=512)
+    engine = _engine(root, tmp_path / "l3", **common)
+    events: list = []
+    recorder = KVEventRecorder(engine.ctl.tree, lambda ts, batch: events.extend(batch), engine.adapters.name_of)
+    engine.ctl.tree.tier_observer = recorder.observe
+    engine.core.kv_event_recorder = recorder
+    try:
+        first = {name: engine.generate([prompt], params, lora_name=name)[0].token_ids for name in ("a8rs", "a4")}
+        engine.generate([prompt], params)  # and the base model
+        engine.check_accounting()
+        identities = {e.adapter.name: e.identity for e in engine.adapters.listing()}
+        namespaces = [adapter_namespace("", identities["a8rs"]), adapter_namespace("", identities["a4"]), ""]
+        pages = _pages_by_namespace(engine.ctl.tree)
+        assert set(namespaces) <= set(pages)
+        for tier in ("device", "host"):
+            held = [pages[ns][tier] for ns in namespaces]
+            assert all(len(h) >= 1500 // 16 for h in held), tier  # each holds the whole prompt
+            assert not (held[0] & held[1]) and not (held[0] & held[2]) and not (held[1] & held[2]), tier
+        store = engine.ctl.store
+        assert store is not None
+        keys = [set(store.object_keys(chain_hashes(engine.ctl.tree.seed(ns), prompt, 16))) for ns in namespaces]
+        for k in keys:
+            assert len(k) == 1500 // 16 and store.backend.batch_exists(sorted(k)) == len(k)
+        assert not (keys[0] & keys[1]) and not (keys[0] & keys[2]) and not (keys[1] & keys[2])
+        stored = [e for e in events if e[0] == "stored"]
+        by_name = {e[5] for e in stored}
+        assert by_name == {"a8rs", "a4", None}
+        for e in stored:
+            if e[5] is not None:
+                assert e[6] == [("lora", identities[e[5]])] * len(e[2])
+            else:
+                assert e[6] is None
+    finally:
+        engine.shutdown()
+    # a second server over the same L3, the adapter loaded under another name: it reads the pages back
+    renamed = _engine(root, tmp_path / "l3", adapters=(), **common)
+    try:
+        renamed.load_lora_adapter("renamed", str(root / "a4"))
+        out = renamed.generate([prompt], params, lora_name="renamed")[0]
+        assert out.token_ids == first["a4"]
+        assert out.cached_tokens["storage"] >= 1488, out.cached_tokens
+    finally:
+        renamed.shutdown()
+
+
+def test_kv_event_with_extra_keys_round_trips_through_vllm_wire_format():
+    import msgspec
+
+    from strata_jax.kv_events.schema import KVEventBatch, to_struct
+
+    raw = ("stored", "GPU", [7, 8], None, list(range(8)), "mine", [("lora", "abc")] * 2)
+    batch = KVEventBatch(1.0, [to_struct(raw, 4)], 0)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KVEventBatch)
+    event = back.events[0]
+    assert event.lora_name == "mine" and [tuple(k) for k in event.extra_keys] == [("lora", "abc")] * 2
+    plain = to_struct(("stored", "GPU", [7], None, list(range(4)), None, None), 4)
+    assert b"extra_keys" not in msgspec.msgpack.encode(plain)  # omitted, as vLLM omits its default
+
+
+def test_engine_refusals(gqa, tmp_path):
+    from strata_jax.engine import Engine, EngineConfig
+    from strata_jax.lora.registry import AdapterConflictError, AdapterNotFoundError
+
+    root, _, _ = gqa
+    engine = _engine(root, tmp_path / "l3", adapters=("a4",), max_loras=1, tiers="L1")
+    try:
+        with pytest.raises(AdapterNotFoundError, match="no LoRA adapter named 'nope'"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1), lora_name="nope")
+        with pytest.raises(AdapterConflictError, match="all 1 LoRA slots are held"):
+            engine.load_lora_adapter("other", str(root / "a8rs"))
+        with pytest.raises(InvalidRequestError, match="other than the base model's"):
+            engine.load_lora_adapter(engine.model_name, str(root / "a8rs"))
+        engine.unload_lora_adapter("a4")
+        assert engine.runner.lora is not None and engine.runner.lora.holds == [None]
+        engine.load_lora_adapter("other", str(root / "a8rs"))  # the freed slot
+        with pytest.raises(InvalidRequestError, match="U\\+001F"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_tokens=1), cache_salt="x\x1flora:abc")
+    finally:
+        engine.shutdown()
+    off = Engine(EngineConfig(model=str(root / "base"), warmup=False, show_progress=False, tiers="L1"))
+    try:
+        with pytest.raises(InvalidRequestError, match="LoRA is off"):
+            off.load_lora_adapter("a", str(root / "a4"))
+    finally:
+        off.shutdown()
+    with pytest.raises(InvalidRequestError, match="raise max_loras"):
+        EngineConfig(max_loras=1, lora_modules=(("a", "x"), ("b", "y")))
