@@ -332,3 +332,25 @@ def test_engine_refusals(gqa, tmp_path):
         off.shutdown()
     with pytest.raises(InvalidRequestError, match="raise max_loras"):
         EngineConfig(max_loras=1, lora_modules=(("a", "x"), ("b", "y")))
+
+
+def test_tensor_parallel_two_gives_the_tokens_of_peft(gqa, tmp_path):
+    """tp=2 splits the adapters like the layers they modify (B by columns for q/k/v/gate/up,
+    A by rows for o/down): greedy tokens equal peft's, for every adapter and the base, cold
+    and from L2."""
+    root, base, refs = gqa
+    prompt = np.random.default_rng(8).integers(0, 96, size=45).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    engine = _engine(root, tmp_path / "l3", adapters=tuple(ADAPTERS), tp=2, tiers="L1+L2")
+    try:
+        assert engine.runner.lora is not None
+        assert "tp" in str(engine.runner.lora.b["q_proj"].sharding.spec)
+        for name in (*ADAPTERS, None):
+            want = _hf_greedy(base if name is None else refs[name], prompt, 6)
+            assert engine.generate([prompt], params, lora_name=name)[0].token_ids == want, name
+        engine.flush_cache("device")
+        for name in ADAPTERS:
+            out = engine.generate([prompt], params, lora_name=name)[0]
+            assert out.token_ids == _hf_greedy(refs[name], prompt, 6) and out.cached_tokens["host"] > 0, name
+    finally:
+        engine.shutdown()
