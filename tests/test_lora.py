@@ -81,6 +81,64 @@ def test_runner_logits_equal_peft_per_adapter_and_in_one_mixed_step(gqa):
             assert np.abs(ref - plain).max() > 0.05  # the adapter changes the output: the check can fail
 
 
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [2, 2, 2],  # one adapter, the bucket's fourth row padding: that adapter's columns only
+        [1, -1],  # an adapter beside a base row: every slot's columns, masked per token
+        [-1, -1, -1],  # base rows only: no LoRA work at all
+    ],
+)
+def test_runner_steps_of_one_adapter_mixed_and_none_equal_peft(gqa, slots):
+    root, base, refs = gqa
+    loaded = load_model(str(root / "base"))
+    runner = _runner(loaded.model)
+    assert runner.lora is not None
+    names = list(ADAPTERS)
+    for slot, name in enumerate(names):
+        runner.lora.install(slot, load_peft_adapter(name, root / name, loaded.config, max_rank=16))
+    rng = np.random.default_rng(len(slots))
+    prompts = [rng.integers(0, loaded.config.vocab_size, size=n).tolist() for n in (11, 14, 9)[: len(slots)]]
+    seqs = [
+        SeqInput(ids, 0, list(range(8 * i, 8 * i + 4)), adapter_slot=s)
+        for i, (ids, s) in enumerate(zip(prompts, slots))
+    ]
+    logits = runner.step(seqs, all_logits=True).logits
+    offset = 0
+    for ids, slot in zip(prompts, slots):
+        with torch.no_grad():
+            ref = hf_logits(base if slot < 0 else refs[names[slot]], ids).numpy()
+        assert np.abs(logits[offset : offset + len(ids)] - ref).max() <= 1e-4, slot
+        offset += len(ids)
+    decode = [SeqInput([5], len(ids), s.page_ids, adapter_slot=s.adapter_slot) for ids, s in zip(prompts, seqs)]
+    nxt = runner.step(decode, all_logits=True).logits  # a decode step in the same mode
+    for i, (ids, slot) in enumerate(zip(prompts, slots)):
+        with torch.no_grad():
+            ref = hf_logits(base if slot < 0 else refs[names[slot]], [*ids, 5]).numpy()[-1]
+        assert np.abs(nxt[i] - ref).max() <= 1e-4, slot
+
+
+def test_step_mode_against_brute_force():
+    import itertools
+
+    import jax.numpy as jnp
+
+    from strata_jax.models.lora import MIXED, NONE, SINGLE, step_mode
+
+    for tokens in itertools.product([-2, -1, 0, 1, 3], repeat=4):
+        adapters = {t for t in tokens if t >= 0}
+        if not adapters:
+            want = NONE
+        elif len(adapters) == 1 and -1 not in tokens:
+            want = SINGLE
+        else:
+            want = MIXED
+        mode, slot = step_mode(jnp.asarray(tokens, jnp.int32))
+        assert int(mode) == want, tokens
+        if want == SINGLE:
+            assert int(slot) == adapters.pop(), tokens
+
+
 def test_reader_identity_follows_content_not_name(gqa, tmp_path):
     root, _, _ = gqa
     config = load_model(str(root / "base")).config

@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "twin": "strata_jax.bench.twin",
     "moe": "strata_jax.bench.moe",
     "spec": "strata_jax.bench.spec",
+    "lora": "strata_jax.bench.lora",
 }
 
 

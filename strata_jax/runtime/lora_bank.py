@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strata_jax.lora.peft_adapter import ATTENTION_MODULES, MODULES, LoraAdapter, module_shape
 from strata_jax.models.config import ModelConfig
-from strata_jax.models.lora import LoraStep, token_mask
+from strata_jax.models.lora import LoraStep, step_mode, token_mask
 from strata_jax.runtime.sharding import TP_AXIS
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -108,7 +108,9 @@ class LoraBank:
 
 
 def step_lora(weights: dict[str, dict[str, jax.Array]], token_slot: jax.Array, rank: int) -> LoraStep:
-    """Inside the step: the ``LoraStep`` of tokens whose adapter slots are ``token_slot`` (-1: none)."""
+    """Inside the step: the ``LoraStep`` of tokens whose adapter slots are ``token_slot``
+    (-1: the base model, -2: padding)."""
     any_a = next(iter(weights["a"].values()))
     slots = any_a.shape[2] // rank
-    return LoraStep(token_mask(token_slot, slots, rank), weights["a"], weights["b"])
+    mode, slot = step_mode(token_slot)
+    return LoraStep(token_mask(token_slot, slots, rank), mode, slot, weights["a"], weights["b"], rank)

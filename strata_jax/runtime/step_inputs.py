@@ -192,7 +192,7 @@ def model_inputs(
         "sampled": rows["sampled"],
         "min_tokens": rows["min_tokens"],
         "rng_base": rows["rng_base"],
-        # not sampling's: each token's LoRA adapter slot (-1: the base model), for the forward
-        "token_adapter": jnp.where(token_valid, rows["adapter_slot"][row_of_token], -1),
+        # not sampling's: each token's LoRA adapter slot (-1: the base model, -2: padding), for the forward
+        "token_adapter": jnp.where(token_valid, rows["adapter_slot"][row_of_token], -2),
     }
     return input_ids, positions, meta, sampling, new_lens, tables
