@@ -76,6 +76,7 @@ class _RequestLoad:
     prompt_tokens: int
     generated_tokens: int = 0
     started: bool = False  # its first chunk (the end of its prefill) has come
+    adapter: str | None = None  # its LoRA adapter (per-adapter counters)
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,7 @@ class Frontend:
                 rid = None
                 raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
             self._in_flight.add(rid)
-            load = self._load[rid] = _RequestLoad(len(prompt) if isinstance(prompt, list) else 0)
+            load = self._load[rid] = _RequestLoad(len(prompt) if isinstance(prompt, list) else 0, adapter=lora_name)
             engine_stream = engine.stream(
                 prompt,
                 params,
@@ -299,6 +300,8 @@ class Frontend:
             else:
                 self.metrics.e2e.observe(time.perf_counter() - t0)
                 self.metrics.requests.labels(api, status).inc()
+            if lora_name is not None:
+                self.metrics.lora_requests.labels(lora_name, status).inc()
 
     @staticmethod
     def _encode(engine: EngineLike, prompt: str | Sequence[int]) -> str | Sequence[int]:
@@ -315,6 +318,8 @@ class Frontend:
             load.started = True
             self.metrics.ttft.observe(now - t0)
             self.metrics.prompt_tokens.inc(chunk.prompt_tokens)  # the prefill is done
+            if load.adapter is not None:
+                self.metrics.lora_prompt_tokens.labels(load.adapter).inc(chunk.prompt_tokens)
             for tier in TIERS:
                 self.metrics.cached_prompt_tokens.labels(tier).inc(chunk.cached_tokens.get(tier, 0))
         elif chunk.token_ids:
@@ -324,6 +329,8 @@ class Frontend:
         if chunk.token_ids:
             load.generated_tokens += len(chunk.token_ids)
             self.metrics.completion_tokens.inc(len(chunk.token_ids))
+            if load.adapter is not None:
+                self.metrics.lora_completion_tokens.labels(load.adapter).inc(len(chunk.token_ids))
         return now
 
     async def _release(self, rid: str | None, engine_stream: AsyncIterator[StreamChunk] | None, finished: bool) -> None:

@@ -115,6 +115,22 @@ class ServingMetrics:
             ["tier"],
             registry=registry,
         )
+        # per LoRA adapter (the base model's requests are not counted here); label = the adapter's name
+        self.lora_requests = Counter(
+            f"{PREFIX}_lora_requests",
+            "Requests under a LoRA adapter, by adapter and outcome (as strata_requests_total)",
+            ["adapter", "status"],
+            registry=registry,
+        )
+        self.lora_prompt_tokens = Counter(
+            f"{PREFIX}_lora_prompt_tokens",
+            "Prompt tokens of requests under a LoRA adapter",
+            ["adapter"],
+            registry=registry,
+        )
+        self.lora_completion_tokens = Counter(
+            f"{PREFIX}_lora_completion_tokens", "Tokens generated under a LoRA adapter", ["adapter"], registry=registry
+        )
 
     def count_rejected(self, api: str, reason: str) -> None:
         """One refused request (``reason`` from ``REJECT_REASONS``)."""

@@ -77,6 +77,11 @@ def test_model_field_selects_the_adapter_and_models_lists_it(served):
         assert _tokens(out) == _greedy(ref, prompt, 6), model
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="second", prompt=prompt, max_tokens=2)
+    metrics = httpx.get(f"{server.http_url}/metrics").text
+    assert 'strata_lora_requests_total{adapter="first",status="length"} 1.0' in metrics
+    assert 'strata_lora_completion_tokens_total{adapter="first"} 6.0' in metrics
+    assert 'strata_lora_prompt_tokens_total{adapter="first"} 30.0' in metrics
+    assert f'adapter="{base_name}"' not in metrics  # the base model's requests are not an adapter's
 
 
 def test_load_and_unload_at_run_time_as_vllm_does(served):
