@@ -51,15 +51,20 @@ class StrataClient:
         *,
         cache_salt: str = "",
         request_id: str = "",
+        lora_name: str = "",
         timeout: float | None = None,
         **params: Any,
     ) -> grpc.Call:
         """Start a ``Generate`` stream; iterate it for messages, ``.cancel()`` it to abort.
 
-        ``params`` are ``SamplingParams`` fields (max_tokens, temperature, stop, ...).
+        ``params`` are ``SamplingParams`` fields (max_tokens, temperature, stop, ...);
+        ``lora_name``: a loaded LoRA adapter ("" for the base model).
         """
         request = strata_pb2.GenerateRequest(
-            params=strata_pb2.SamplingParams(**params), cache_salt=cache_salt, request_id=request_id
+            params=strata_pb2.SamplingParams(**params),
+            cache_salt=cache_salt,
+            request_id=request_id,
+            lora_name=lora_name,
         )
         if isinstance(prompt, str):
             request.text = prompt

@@ -45,6 +45,7 @@ from strata_jax.api import (
     TokenLogprob,
 )
 from strata_jax.cache.storage import StorageError
+from strata_jax.lora.registry import AdapterNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ _PUBLIC_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 def map_error(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """gRPC status code and message for an error raised while serving a call."""
+    if isinstance(exc, LookupError | AdapterNotFoundError):  # a model or LoRA adapter this server does not hold
+        return grpc.StatusCode.NOT_FOUND, str(exc).strip("'\"")
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, OverloadedError):
@@ -162,13 +165,21 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
                 getattr(engine, "generation_defaults", None) if self._config.generation_config == "auto" else None
             )
             params = params_from_proto(request.params, defaults.sampling_defaults() if defaults is not None else None)
+            lora_name = request.lora_name or None
+            if lora_name is not None:
+                self._frontend.check_model(lora_name)  # NOT_FOUND for an adapter that is not loaded
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             self._frontend.count_rejected("grpc", exc)
             await self._fail(context, exc)
             return
         try:
             stream = self._frontend.stream(
-                prompt, params, api="grpc", cache_salt=request.cache_salt or None, request_id=request.request_id or None
+                prompt,
+                params,
+                api="grpc",
+                cache_salt=request.cache_salt or None,
+                request_id=request.request_id or None,
+                lora_name=lora_name,
             )
             first = await stream.__anext__()  # admission errors surface here
         except StopAsyncIteration:

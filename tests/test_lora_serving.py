@@ -144,3 +144,18 @@ def test_serve_lora_flags():
         lora_overrides(False, ["nopath"], None)
     with pytest.raises(ValueError, match='needs "name" and "path"'):
         lora_overrides(False, ['{"name": "b"}'], None)
+
+
+def test_grpc_generate_takes_the_adapter(served):
+    import grpc
+
+    from serving.grpc_client import StrataClient
+
+    server, _root, _base, refs = served
+    prompt = np.random.default_rng(9).integers(0, 96, size=20).tolist()
+    with StrataClient(server.grpc_target) as client:
+        tokens = [t for msg in client.generate(prompt, lora_name="first", max_tokens=5) for t in msg.token_ids]
+        assert tokens == _greedy(refs["first"], prompt, 5)
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.generate(prompt, lora_name="missing", max_tokens=2))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
