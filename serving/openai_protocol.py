@@ -311,6 +311,7 @@ class UnloadLoraAdapterRequest(_Strict):
 
 class AdminFlushRequest(_Strict):
     tier: Literal["all", "device", "host", "storage"] = "all"
+    lora_name: str | None = None  # only that adapter's L1 and L2 pages (tier "all")
 
 
 class AdminProfileRequest(_Strict):

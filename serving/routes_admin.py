@@ -48,10 +48,10 @@ async def flush_cache(request: Request) -> JSONResponse:
     ctx = http_context(request)
     try:
         req = await ctx.read_body(request, oai.AdminFlushRequest, allow_empty=True)
-        await asyncio.to_thread(ctx.frontend.engine().flush_cache, req.tier)
+        await asyncio.to_thread(ctx.frontend.engine().flush_cache, req.tier, req.lora_name)
     except Exception as exc:  # noqa: BLE001 - every failure becomes its HTTP error
         return map_error(exc).response()
-    return JSONResponse({"flushed": req.tier})
+    return JSONResponse({"flushed": req.tier} | ({"lora_name": req.lora_name} if req.lora_name else {}))
 
 
 @router.post("/admin/profile/start", dependencies=ADMIN_AUTH)

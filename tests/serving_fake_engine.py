@@ -276,7 +276,9 @@ class FakeEngine:
                 "running": len(self._running),
             }
 
-    def flush_cache(self, tier: str = "all") -> None:
+    def flush_cache(self, tier: str = "all", lora_name: str | None = None) -> None:
+        if lora_name is not None:
+            raise InvalidRequestError(f"the fake engine has no LoRA adapter {lora_name!r}")
         if tier not in ("all", "device", "host", "storage"):
             raise InvalidRequestError(f"unknown tier {tier!r}")
         self._prefixes.clear()

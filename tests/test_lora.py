@@ -412,3 +412,40 @@ def test_tensor_parallel_two_gives_the_tokens_of_peft(gqa, tmp_path):
             assert out.token_ids == _hf_greedy(refs[name], prompt, 6) and out.cached_tokens["host"] > 0, name
     finally:
         engine.shutdown()
+
+
+def test_flush_of_one_adapter_drops_its_l1_and_l2_pages_only(gqa, tmp_path):
+    from strata_jax.lora.peft_adapter import namespace_adapter
+
+    root, _, _ = gqa
+    prompt = np.random.default_rng(10).integers(0, 96, size=64).tolist()
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    engine = _engine(root, tmp_path / "l3", tiers="L1+L2")
+    try:
+        for name in ("a8rs", "a4", None):
+            engine.generate([prompt], params, lora_name=name)
+        engine.flush_cache("device")  # the base's and both adapters' pages now in L2 only ...
+        for name in ("a8rs", "a4", None):
+            engine.generate([prompt], params, lora_name=name)  # ... and back in L1 too
+        a4 = engine.adapters.resolve("a4").identity
+
+        def held(identity):
+            return sum(
+                len(n.device or ()) + len(n.host or ())
+                for n in engine.ctl.tree.iter_nodes()
+                if namespace_adapter(n.namespace) == identity
+            )
+
+        before = {k: held(k) for k in (a4, engine.adapters.resolve("a8rs").identity, None)}
+        assert all(v > 0 for v in before.values())
+        with pytest.raises(InvalidRequestError, match="tier 'all'"):
+            engine.flush_cache("device", lora_name="a4")
+        engine.flush_cache("all", lora_name="a4")
+        after = {k: held(k) for k in before}
+        assert after[a4] == 0
+        assert {k: v for k, v in after.items() if k != a4} == {k: v for k, v in before.items() if k != a4}
+        engine.check_accounting()
+        out = engine.generate([prompt], params, lora_name="a4")[0]
+        assert out.num_cached_tokens == 0  # recomputed
+    finally:
+        engine.shutdown()

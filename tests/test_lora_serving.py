@@ -99,6 +99,10 @@ def test_load_and_unload_at_run_time_as_vllm_does(served):
         assert full.status_code == 200  # the same content as "first": it shares first's slot, not a new one
         bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(root / "nowhere")})
         assert bad.status_code == 400 and "not a directory" in bad.text
+        flushed = http.post("/admin/flush_cache", json={"tier": "all", "lora_name": "second"})
+        assert flushed.status_code == 200 and flushed.json() == {"flushed": "all", "lora_name": "second"}
+        wrong = http.post("/admin/flush_cache", json={"tier": "host", "lora_name": "second"})
+        assert wrong.status_code == 400 and "tier 'all'" in wrong.text
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "third"}).status_code == 200
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "second"}).status_code == 200
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "second"}).status_code == 404

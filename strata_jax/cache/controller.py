@@ -495,9 +495,10 @@ class CacheController(Generic[Mover]):
         """Free at least ``num_pages`` L2 pages if possible (L3 write-back first where due); returns pages freed."""
         return self.eviction.evict_host(num_pages)
 
-    def flush(self) -> None:
-        """Drop every unlocked cached page from L1 and L2 (storage is left alone)."""
-        self.eviction.drop_unlocked()
+    def flush(self, scope: Callable[[str], bool] | None = None) -> None:
+        """Drop every unlocked cached page from L1 and L2 (storage is left alone); ``scope``:
+        only those of the namespaces it accepts."""
+        self.eviction.drop_unlocked(scope)
 
     # ------------------------------------------------------------------ L3
     def prefetch(

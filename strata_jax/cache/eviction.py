@@ -105,11 +105,12 @@ class Eviction:
                 pages = self._host.alloc(n)
         return pages
 
-    def drop_unlocked(self) -> None:
-        """Drop every unlocked cached page from L1 and L2 (storage is left alone)."""
+    def drop_unlocked(self, scope: Callable[[str], bool] | None = None) -> None:
+        """Drop every unlocked cached page from L1 and L2 (storage is left alone); ``scope``:
+        only those of the namespaces it accepts."""
         self._inflight.drain()
-        self._device.free(self._tree.evict_device(1 << 62, drop_host=self._host.free))
-        self._host.free(self._tree.evict_host(1 << 62))
+        self._device.free(self._tree.evict_device(1 << 62, drop_host=self._host.free, scope=scope))
+        self._host.free(self._tree.evict_host(1 << 62, scope=scope))
 
     def free_device(self, pages: Sequence[int]) -> None:
         """Return caller-owned L1 pages (e.g. an aborted request's new pages)."""

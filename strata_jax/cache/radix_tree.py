@@ -495,8 +495,10 @@ class HiRadixTree:
         num_pages: int,
         backup: Callable[[TreeNode], Sequence[int] | None] | None = None,
         drop_host: Callable[[list[int]], None] | None = None,
+        scope: Callable[[str], bool] | None = None,
     ) -> list[int]:
         """Free at least ``num_pages`` L1 pages if possible; returns the freed page ids.
+        ``scope``: only nodes of the namespaces it accepts (a flush of one LoRA adapter's KV).
 
         LRU over device leaves (nodes with device pages and no child with device
         pages), skipping locked nodes.  A leaf with a host copy stays as
@@ -510,22 +512,28 @@ class HiRadixTree:
         """
         self.version += 1  # what a match returns may change
         return tree_tiers.evict_device(
-            self._tiers, num_pages, backup, drop_host, set_host=self.set_host, remove=self._delete
+            self._tiers, num_pages, backup, drop_host, set_host=self.set_host, remove=self._delete, scope=scope
         )
 
     def evictable_device_pages(self) -> int:
         """Pages ``evict_device(..., drop_host=...)`` can free now: every unlocked device node."""
         return self._tiers.device_pages - self._tiers.locked_device_pages
 
-    def evict_host(self, num_pages: int, before_drop: Callable[[TreeNode], None] | None = None) -> list[int]:
-        """Free at least ``num_pages`` L2 pages if possible; returns the freed page ids.
+    def evict_host(
+        self,
+        num_pages: int,
+        before_drop: Callable[[TreeNode], None] | None = None,
+        scope: Callable[[str], bool] | None = None,
+    ) -> list[int]:
+        """Free at least ``num_pages`` L2 pages if possible; returns the freed page ids
+        (``scope``: only nodes of the namespaces it accepts).
 
         LRU over host-only leaves (host copy, no device copy, no children),
         skipping locked nodes; each is removed from the tree after
         ``before_drop(node)`` (e.g. a write-back to storage) has been called.
         """
         self.version += 1  # what a match returns may change
-        return tree_tiers.evict_host(self._tiers, num_pages, before_drop, remove=self._delete)
+        return tree_tiers.evict_host(self._tiers, num_pages, before_drop, remove=self._delete, scope=scope)
 
     def check(
         self,

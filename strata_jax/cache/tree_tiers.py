@@ -181,16 +181,22 @@ def evict_device(
     *,
     set_host: Callable[[TreeNode, Sequence[int]], None],
     remove: RemoveNode,
+    scope: Callable[[str], bool] | None = None,
 ) -> list[int]:
     """``HiRadixTree.evict_device`` (its docstring), over ``tiers``.
 
     ``set_host`` attaches the pages a ``backup`` returns; ``remove`` takes a node
-    out of the tree.
+    out of the tree; ``scope``: only nodes of the namespaces it accepts are evicted
+    (a node's parent is of its namespace, so the walk up stays inside).
     """
     # Children with device pages, per node: a leaf test without scanning the children
     # (a document's node has thousands of host-only question nodes below it).
     device_children = Counter(n.parent for n in tiers.device_nodes)
-    heap = [(n.last_access, n.node_id, n) for n in tiers.device_nodes if n.lock_ref == 0 and not device_children[n]]
+    heap = [
+        (n.last_access, n.node_id, n)
+        for n in tiers.device_nodes
+        if n.lock_ref == 0 and not device_children[n] and (scope is None or scope(n.namespace))
+    ]
     heapq.heapify(heap)
     freed: list[int] = []
     while len(freed) < num_pages and heap:
@@ -246,10 +252,20 @@ def _host_leaf(node: TreeNode) -> bool:
 
 
 def evict_host(
-    tiers: TierIndex, num_pages: int, before_drop: Callable[[TreeNode], None] | None, *, remove: RemoveNode
+    tiers: TierIndex,
+    num_pages: int,
+    before_drop: Callable[[TreeNode], None] | None,
+    *,
+    remove: RemoveNode,
+    scope: Callable[[str], bool] | None = None,
 ) -> list[int]:
-    """``HiRadixTree.evict_host`` (its docstring), over ``tiers``; ``remove`` takes a node out of the tree."""
-    heap = [(n.last_access, n.node_id, n) for n in tiers.host_nodes if n.parent is not None and _host_leaf(n)]
+    """``HiRadixTree.evict_host`` (its docstring), over ``tiers``; ``remove`` takes a node out of
+    the tree; ``scope`` as ``evict_device``'s."""
+    heap = [
+        (n.last_access, n.node_id, n)
+        for n in tiers.host_nodes
+        if n.parent is not None and _host_leaf(n) and (scope is None or scope(n.namespace))
+    ]
     heapq.heapify(heap)
     freed: list[int] = []
     while len(freed) < num_pages and heap:

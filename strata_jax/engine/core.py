@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -738,10 +738,17 @@ class EngineCore:
         return failed
 
     # ------------------------------------------------------------------ maintenance
-    def flush(self, tier: str) -> None:
+    def flush(self, tier: str, scope: Callable[[str], bool] | None = None) -> None:
+        """Drop cached KV of ``tier``; ``scope`` (tier "all" only): just the L1 and L2 pages of
+        the namespaces it accepts (one LoRA adapter's), L3 left alone."""
         events = self.kv_event_recorder
         mark = events.mark() if events is not None else 0
         self.ctl.drain()
+        if scope is not None:
+            self.ctl.flush(scope)
+            if events is not None:
+                events.end_step()
+            return
         if tier == "all":
             self.ctl.flush()  # L1 and L2 dropped together: no write-back from one into the other
         if tier == "device":

@@ -54,7 +54,7 @@ from strata_jax.engine.requests import TrackedRequest
 from strata_jax.engine.sinks import AsyncQueueSink, CollectingSink, OutputSink
 from strata_jax.engine.speculation import Speculator
 from strata_jax.engine.stats import accounting, cache_stats
-from strata_jax.lora.peft_adapter import adapter_namespace, load_peft_adapter
+from strata_jax.lora.peft_adapter import adapter_namespace, load_peft_adapter, namespace_adapter
 from strata_jax.lora.registry import AdapterInUseError, AdapterNotFoundError, AdapterRegistry, LoadedAdapter
 from strata_jax.runtime import compilation_cache, executable_cache
 from strata_jax.runtime.executable_cache import ExecutableCache
@@ -463,11 +463,22 @@ class Engine:
     def cache_stats(self) -> dict[str, Any]:
         return self._call(lambda: cache_stats(self))
 
-    def flush_cache(self, tier: str = "all") -> None:
-        """Drop cached (unlocked) KV from ``device``, ``host``, ``storage`` or ``all`` tiers."""
+    def flush_cache(self, tier: str = "all", lora_name: str | None = None) -> None:
+        """Drop cached (unlocked) KV from ``device``, ``host``, ``storage`` or ``all`` tiers.
+
+        ``lora_name``: only the L1 and L2 pages computed under that loaded adapter (every
+        tenant's), with ``tier`` "all"; its L3 objects cannot be listed by adapter and age out."""
         if tier not in ("device", "host", "storage", "all"):
             raise InvalidRequestError(f"tier must be device, host, storage or all, got {tier!r}")
-        self._call(lambda: self.core.flush(tier))
+        if lora_name is None:
+            self._call(lambda: self.core.flush(tier))
+            return
+        if tier != "all":
+            raise InvalidRequestError(
+                f"a flush of one LoRA adapter takes tier 'all' (its L1 and L2 pages), got {tier!r}"
+            )
+        identity = self.adapters.resolve(lora_name).identity
+        self._call(lambda: self.core.flush("all", scope=lambda ns: namespace_adapter(ns) == identity))
 
     def check_accounting(self) -> dict[str, int]:
         """Assert the cache invariants and exact page accounting; returns usage figures."""
