@@ -449,3 +449,11 @@ def test_flush_of_one_adapter_drops_its_l1_and_l2_pages_only(gqa, tmp_path):
         assert out.num_cached_tokens == 0  # recomputed
     finally:
         engine.shutdown()
+
+
+def test_reader_refuses_an_unknown_target_module(gqa, tmp_path):
+    root, base, _ = gqa
+    config = load_model(str(root / "base")).config
+    save_random_adapter(base, tmp_path / "head", 4, 8, False, ["q_proj", "lm_head"], 5)
+    with pytest.raises(AdapterError, match=r"lm_head.*is not a LoRA weight of a decoder layer's linear"):
+        load_peft_adapter("head", tmp_path / "head", config, max_rank=16)

@@ -163,3 +163,18 @@ def test_grpc_generate_takes_the_adapter(served):
         with pytest.raises(grpc.RpcError) as err:
             list(client.generate(prompt, lora_name="missing", max_tokens=2))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_serve_refuses_a_bad_adapter_at_start_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "serving.cli", "serve", "--model", "tiny", "--port", "0", "--grpc-port", "0"]
+    missing = subprocess.run(
+        [*base, "--lora-modules", f"x={tmp_path / 'nowhere'}"], capture_output=True, text=True, timeout=300
+    )
+    assert missing.returncode == 1 and f"{tmp_path / 'nowhere'}: not a directory" in missing.stderr
+    too_many = subprocess.run(
+        [*base, "--max-loras", "1", "--lora-modules", "a=/x", "b=/y"], capture_output=True, text=True, timeout=300
+    )
+    assert too_many.returncode == 2 and "raise max_loras" in too_many.stderr
