@@ -165,9 +165,8 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
                 getattr(engine, "generation_defaults", None) if self._config.generation_config == "auto" else None
             )
             params = params_from_proto(request.params, defaults.sampling_defaults() if defaults is not None else None)
-            lora_name = request.lora_name or None
-            if lora_name is not None:
-                self._frontend.check_model(lora_name)  # NOT_FOUND for an adapter that is not loaded
+            # NOT_FOUND for an adapter that is not loaded; the base model's name selects none
+            lora_name = self._frontend.lora_name(request.lora_name) if request.lora_name else None
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             self._frontend.count_rejected("grpc", exc)
             await self._fail(context, exc)

@@ -381,6 +381,8 @@ async def load_lora_adapter(request: Request) -> Response:
     try:
         body = await ctx.read_body(request, oai.LoadLoraAdapterRequest)
         engine = ctx.frontend.engine()
+        if body.lora_name == ctx.frontend.model_name:  # it would be shadowed: `model` = this name is the base
+            raise InvalidRequestError(f"{body.lora_name!r} is the served model's name; give the adapter another")
         loader = getattr(engine, "load_lora_adapter", None)
         if loader is None:
             raise InvalidRequestError("this engine does not serve LoRA adapters")

@@ -251,9 +251,13 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def lora_overrides(enable: bool, modules: list[str] | None, max_loras: int | None) -> dict[str, Any]:
+def lora_overrides(
+    enable: bool, modules: list[str] | None, max_loras: int | None, served_name: str | None = None
+) -> dict[str, Any]:
     """EngineConfig fields of ``--enable-lora`` / ``--lora-modules`` (``name=path`` or vLLM's
-    JSON object); ``max_loras`` given on the command line wins, else 1 or the modules' count."""
+    JSON object); ``max_loras`` given on the command line wins, else 1 or the modules' count.
+    Refused: an adapter named like ``--served-model-name`` (the base would shadow it), and
+    LoRA asked for with ``--max-loras 0``."""
     pairs = []
     for item in modules or []:
         if item.lstrip().startswith("{"):
@@ -266,9 +270,13 @@ def lora_overrides(enable: bool, modules: list[str] | None, max_loras: int | Non
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
                 raise ValueError(f"--lora-modules {item!r}: expected name=path")
+        if served_name is not None and name == served_name:
+            raise ValueError(f"--lora-modules {item!r}: {name!r} is --served-model-name; give the adapter another")
         pairs.append((str(name), str(path)))
     if not enable and not pairs:
         return {}
+    if max_loras == 0:
+        raise ValueError("--enable-lora / --lora-modules with --max-loras 0: LoRA needs at least one slot")
     out: dict[str, Any] = {"lora_modules": tuple(pairs)}
     if max_loras is None:
         out["max_loras"] = max(1, len(pairs))
@@ -306,7 +314,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     overrides = engine_overrides(args)
     try:
-        overrides |= lora_overrides(args.enable_lora, args.lora_modules, overrides.get("max_loras"))
+        overrides |= lora_overrides(
+            args.enable_lora, args.lora_modules, overrides.get("max_loras"), args.served_model_name
+        )
     except ValueError as exc:
         print(f"strata-jax serve: {exc}", file=sys.stderr)
         return 2

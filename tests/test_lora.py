@@ -464,3 +464,89 @@ def test_reader_refuses_an_unknown_target_module(gqa, tmp_path):
     save_random_adapter(base, tmp_path / "head", 4, 8, False, ["q_proj", "lm_head"], 5)
     with pytest.raises(AdapterError, match=r"lm_head.*is not a LoRA weight of a decoder layer's linear"):
         load_peft_adapter("head", tmp_path / "head", config, max_rank=16)
+
+
+def _copy_adapter(src, dst, config_change=None):
+    shutil.copytree(src, dst)
+    if config_change:
+        spec = json.loads((dst / "adapter_config.json").read_text())
+        (dst / "adapter_config.json").write_text(json.dumps(spec | config_change))
+    return dst
+
+
+def _rewrite_tensors(folder, change):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(folder / "adapter_model.safetensors")
+    save_file(change(dict(tensors)), folder / "adapter_model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("r", "alpha", "message"),
+    [
+        (0.5, 8, r"r=0.5 must be a positive integer"),
+        ("8", 8, r"r='8' must be a positive integer"),
+        (float("inf"), 8, r"r=inf must be a positive integer"),
+        (4, float("nan"), r"lora_alpha=nan must be a positive finite number"),
+    ],
+)
+def test_reader_refuses_bad_rank_and_alpha_values(gqa, tmp_path, r, alpha, message):
+    root, _, _ = gqa
+    config = load_model(str(root / "base")).config
+    folder = _copy_adapter(root / "a4", tmp_path / "ad", {"r": r, "lora_alpha": alpha})
+    with pytest.raises(AdapterError, match=message):
+        load_peft_adapter("ad", folder, config, max_rank=16)
+
+
+def test_reader_refuses_bad_tensors(gqa, tmp_path):
+    root, _, _ = gqa
+    config = load_model(str(root / "base")).config
+
+    def poison(t):
+        key = next(k for k in t if "lora_B" in k)
+        t[key] = t[key].copy()
+        t[key][0, 0] = np.nan
+        return t
+
+    def duplicate(t):
+        key = next(k for k in t if "lora_A" in k)
+        t[key.replace("lora_A.weight", "lora_A.other.weight")] = t[key]
+        return t
+
+    def regroup(t):
+        key = next(k for k in t if "self_attn.q_proj.lora_A" in k)
+        t[key.replace("self_attn.q_proj", "mlp.q_proj")] = t.pop(key)
+        return t
+
+    for name, change, message in (
+        ("nan", poison, "holds NaN or infinite values"),
+        ("dup", duplicate, "two lora_A tensors for layer"),
+        ("group", regroup, "mlp.q_proj"),
+    ):
+        folder = _copy_adapter(root / "a4", tmp_path / name)
+        _rewrite_tensors(folder, change)
+        with pytest.raises(AdapterError, match=message):
+            load_peft_adapter(name, folder, config, max_rank=16)
+    broken = _copy_adapter(root / "a4", tmp_path / "header")
+    header = b"[1, 2]"
+    (broken / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(AdapterError, match="adapter_model.safetensors"):
+        load_peft_adapter("h", broken, config, max_rank=16)
+    (broken / "adapter_config.json").write_bytes(b"\xff\xfe not utf-8")
+    with pytest.raises(AdapterError, match="cannot be read as JSON"):
+        load_peft_adapter("h", broken, config, max_rank=16)
+
+
+def test_an_adapter_that_overflows_is_refused_and_leaves_its_slot_free(gqa, tmp_path):
+    root, _, _ = gqa
+    huge = _copy_adapter(root / "a4", tmp_path / "huge", {"lora_alpha": 1e300})  # scaling * B overflows float32
+    engine = _engine(root, tmp_path / "l3", adapters=(), max_loras=1, tiers="L1")
+    try:
+        with pytest.raises(AdapterError, match="is not finite in float32"):
+            engine.load_lora_adapter("huge", str(huge))
+        assert engine.adapters.listing() == [] and engine.runner.lora.holds == [None]
+        engine.load_lora_adapter("a4", str(root / "a4"))  # the one slot is still free
+        out = engine.generate([[3, 4, 5, 6]], SamplingParams(max_tokens=2), lora_name="a4")[0]
+        assert len(out.token_ids) == 2
+    finally:
+        engine.shutdown()

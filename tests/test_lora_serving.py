@@ -178,3 +178,10 @@ def test_serve_refuses_a_bad_adapter_at_start_naming_it(tmp_path):
         [*base, "--max-loras", "1", "--lora-modules", "a=/x", "b=/y"], capture_output=True, text=True, timeout=300
     )
     assert too_many.returncode == 2 and "raise max_loras" in too_many.stderr
+
+
+def test_serve_refuses_lora_flags_that_cannot_work():
+    with pytest.raises(ValueError, match="is --served-model-name"):
+        lora_overrides(False, ["base=/x"], None, "base")
+    with pytest.raises(ValueError, match="--max-loras 0"):
+        lora_overrides(True, None, 0)

@@ -97,7 +97,7 @@ def test_step_program_never_copies_a_pool_with_layer_groups(tokens, tp):
         mesh=mesh,
     )
     args = runner.program_arguments(tokens, 1, decode=tokens == 1)
-    assert "local_map" in args[-1]
+    assert "local_map" in args[5]
     hlo = runner.lower_step(tokens, 1, decode=tokens == 1).compile().as_text()
     heads = 2 // tp
     pool_shapes = {f"1,2,291,4,{heads},16", f"1,2,1164,{heads},16"}  # 3 x 97 rows, and a flat-slot view

@@ -380,9 +380,12 @@ class Engine:
         def admit() -> None:
             with self._inbox_lock:
                 self._inbox_admits -= 1
-            if adapter is not None and not self.adapters.holds(adapter):  # unloaded while this was queued
-                self.core.reject(tracked, AdapterNotFoundError(f"LoRA adapter {valid.lora_name!r} was unloaded"))
-                return
+            if adapter is not None:  # its content may have been unloaded (or moved slots) while it was queued
+                current = self.adapters.with_identity(adapter.identity)
+                if current is None:
+                    self.core.reject(tracked, AdapterNotFoundError(f"LoRA adapter {valid.lora_name!r} was unloaded"))
+                    return
+                tracked.adapter = dataclasses.replace(current, adapter=adapter.adapter)  # its name, the slot now
             self.core.admit(tracked)
 
         with self._inbox_lock:
@@ -435,7 +438,11 @@ class Engine:
         def install() -> LoadedAdapter:
             entry, fresh = self.adapters.add(adapter)
             if fresh:
-                bank.install(entry.slot, adapter)
+                try:
+                    bank.install(entry.slot, adapter)
+                except BaseException:
+                    self.adapters.remove(adapter.name)  # the slot is as it was: nothing to clear
+                    raise
             return entry
 
         entry = self._call(install)

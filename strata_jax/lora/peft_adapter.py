@@ -79,9 +79,9 @@ def _config(folder: Path) -> dict:
     if not path.is_file():
         raise AdapterError(f"{folder}: no adapter_config.json (not a PEFT adapter folder)")
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise AdapterError(f"{path}: not valid JSON ({exc})") from exc
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"{path}: cannot be read as JSON ({exc})") from exc
     if not isinstance(config, dict):
         raise AdapterError(f"{path}: expected a JSON object")
     kind = str(config.get("peft_type", "LORA")).upper()
@@ -99,10 +99,14 @@ def _config(folder: Path) -> dict:
             raise AdapterError(f"{path}: {what} are not supported")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"{path}: trained biases (bias={config['bias']!r}) are not supported")
-    for key in ("r", "lora_alpha"):
-        value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise AdapterError(f"{path}: {key}={value!r} must be a positive number")
+    rank = config.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, (int, float)) or not math.isfinite(rank):
+        raise AdapterError(f"{path}: r={rank!r} must be a positive integer")
+    if rank != int(rank) or rank < 1:
+        raise AdapterError(f"{path}: r={rank!r} must be a positive integer")
+    alpha = config.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterError(f"{path}: lora_alpha={alpha!r} must be a positive finite number")
     return config
 
 
@@ -116,11 +120,23 @@ def _tensors(folder: Path) -> SafetensorsFile:
         return SafetensorsFile(path)
     except SafetensorsError as exc:
         raise AdapterError(str(exc)) from exc
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a header of the wrong shape
+        raise AdapterError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
 
 
 def load_peft_adapter(name: str, path: str | Path, base: ModelConfig, *, max_rank: int) -> LoraAdapter:
     """Read the adapter at ``path`` for the base model ``base`` (its shapes and layer count are
-    checked); ``max_rank``: the largest rank the server's slots hold."""
+    checked); ``max_rank``: the largest rank the server's slots hold.  Anything wrong with the
+    folder is an ``AdapterError`` naming it (a 400 at run time, a start-up error at start)."""
+    try:
+        return _load(name, path, base, max_rank)
+    except AdapterError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+        raise AdapterError(f"{path}: cannot be read as a PEFT adapter ({type(exc).__name__}: {exc})") from exc
+
+
+def _load(name: str, path: str | Path, base: ModelConfig, max_rank: int) -> LoraAdapter:
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise AdapterError(f"{folder}: not a directory")
@@ -136,14 +152,19 @@ def load_peft_adapter(name: str, path: str | Path, base: ModelConfig, *, max_ran
         raise AdapterError(f"{folder}: LoRA on the MLP of a mixture-of-experts model is not supported")
     num_layers = base.num_layers
     found: dict[str, dict[str, dict[int, np.ndarray]]] = {}
+    groups = dict.fromkeys(ATTENTION_MODULES, "self_attn") | dict.fromkeys(MLP_MODULES, "mlp")
     digest = hashlib.sha256(json.dumps({"rank": rank, "scaling": scaling}, sort_keys=True).encode())
     for key in sorted(st.keys()):
         m = _KEY.fullmatch(key)
         if m is None:
             raise AdapterError(f"{folder}: tensor {key} is not a LoRA weight of a decoder layer's linear")
-        layer, module, which = int(m.group(1)), m.group(3), m.group(4)
-        if module not in MODULES:
-            raise AdapterError(f"{folder}: module {module!r} ({key}) is not one of {', '.join(MODULES)}")
+        layer, group, module, which = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if module not in MODULES or groups[module] != group:
+            raise AdapterError(f"{folder}: module {group}.{module} ({key}) is not one of the decoder layers' linears")
+        if layer in found.get(module, {}).get(which, {}):  # a file holding several adapters
+            raise AdapterError(
+                f"{folder}: two lora_{which} tensors for layer {layer}'s {module} (one adapter per folder)"
+            )
         if layer >= num_layers:
             raise AdapterError(f"{folder}: {key} names layer {layer}; the base model has {num_layers}")
         array = st.get(key)
@@ -151,9 +172,12 @@ def load_peft_adapter(name: str, path: str | Path, base: ModelConfig, *, max_ran
         want = (rank, d_in) if which == "A" else (d_out, rank)
         if tuple(array.shape) != want:
             raise AdapterError(f"{folder}: {key} has shape {tuple(array.shape)}; the base model needs {want}")
+        value = np.asarray(array, np.float32)
+        if not np.isfinite(value).all():
+            raise AdapterError(f"{folder}: {key} holds NaN or infinite values")
         digest.update(f"{key}|{array.dtype.str}|{array.shape}".encode())
         digest.update(np.ascontiguousarray(array).tobytes())
-        found.setdefault(module, {}).setdefault(which, {})[layer] = np.asarray(array, np.float32)
+        found.setdefault(module, {}).setdefault(which, {})[layer] = value
     if not found:
         raise AdapterError(f"{folder}: adapter_model.safetensors holds no LoRA weights")
     weights = {}

@@ -85,10 +85,10 @@ class AdapterRegistry:
             raise AdapterNotFoundError(f"no LoRA adapter named {name!r} is loaded")
         return entry
 
-    def holds(self, entry: LoadedAdapter) -> bool:
-        """Whether ``entry`` (resolved earlier) is still loaded in the same slot."""
+    def with_identity(self, identity: str) -> LoadedAdapter | None:
+        """A loaded adapter of this content (its slot now), or None."""
         with self._lock:
-            return any(e.slot == entry.slot and e.identity == entry.identity for e in self._by_name.values())
+            return next((e for e in self._by_name.values() if e.identity == identity), None)
 
     def listing(self) -> list[LoadedAdapter]:
         with self._lock:

@@ -15,7 +15,7 @@ adds nothing, and a step whose tokens all belong to one adapter (a long prompt's
 a batch of one tenant) multiplies by that slot's ``R`` columns only.  A segmented matmul
 over rows sorted by adapter would also skip the zero columns of mixed steps, at the price
 of a sort and a scatter back per projection; ``strata-jax bench lora`` measures the mixed
-decode step at 1.25x the base model's with the dense form (docs/serving.md, "LoRA adapters").
+decode step at 1.21x the base model's with the dense form (docs/serving.md, "LoRA adapters").
 
 Token slots: ``>= 0`` an adapter's, ``-1`` a base-model token, ``-2`` padding.
 """
@@ -84,7 +84,8 @@ def project(linear: Any, name: str, x: jax.Array, lora: LayerLora | None) -> jax
         return y + (x @ a_slot) @ b_slot
 
     def mixed(y: jax.Array) -> jax.Array:  # every slot's columns, each token's own kept by the mask
-        return y + ((x @ a) * lora.mask.astype(x.dtype)) @ b
+        # a select, not a product: another slot's columns can never leak in (0 * inf is NaN)
+        return y + jnp.where(lora.mask > 0, x @ a, jnp.zeros((), x.dtype)) @ b
 
     return jax.lax.switch(lora.mode, [lambda y: y, single, mixed], y)
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from strata_jax.lora.peft_adapter import ATTENTION_MODULES, MODULES, LoraAdapter, module_shape
+from strata_jax.lora.peft_adapter import ATTENTION_MODULES, MODULES, AdapterError, LoraAdapter, module_shape
 from strata_jax.models.config import ModelConfig
 from strata_jax.models.lora import LoraStep, step_mode, token_mask
 from strata_jax.runtime.sharding import TP_AXIS
@@ -74,6 +74,7 @@ class LoraBank:
         if adapter.rank > self.rank:
             raise ValueError(f"adapter rank {adapter.rank} exceeds the slots' rank {self.rank}")
         layers, r, start = self.config.num_layers, adapter.rank, jnp.int32(slot * self.rank)
+        blocks: dict[str, tuple[jax.Array, jax.Array]] = {}
         for m in self.modules:
             d_in, d_out = module_shape(self.config, m)
             a = np.zeros((layers, d_in, self.rank), np.float32)
@@ -82,8 +83,11 @@ class LoraBank:
                 a_peft, b_peft = adapter.weights[m]  # [L, r, in], [L, out, r]
                 a[:, :, :r] = a_peft.transpose(0, 2, 1)
                 b[:, :r, :] = b_peft.transpose(0, 2, 1) * adapter.scaling
-            self.a[m] = _write_columns(self.a[m], jnp.asarray(a, self.dtype), start)
-            self.b[m] = _write_rows(self.b[m], jnp.asarray(b, self.dtype), start)
+            blocks[m] = (_finite(a, self.dtype, adapter, m, "A"), _finite(b, self.dtype, adapter, m, "B"))
+        # written only once every module passed: a refused adapter leaves the slot as it was
+        for m, (a_block, b_block) in blocks.items():
+            self.a[m] = _write_columns(self.a[m], a_block, start)
+            self.b[m] = _write_rows(self.b[m], b_block, start)
         self.holds[slot] = adapter.identity
 
     def clear(self, slot: int) -> None:
@@ -105,6 +109,17 @@ class LoraBank:
             "a": {m: NamedSharding(mesh, self.specs(m)[0]) for m in self.modules},
             "b": {m: NamedSharding(mesh, self.specs(m)[1]) for m in self.modules},
         }
+
+
+def _finite(block: np.ndarray, dtype: jnp.dtype, adapter: LoraAdapter, module: str, which: str) -> jax.Array:
+    """``block`` in the slots' dtype, refused when it is not finite there: a mixed step reads
+    every slot's columns, so one slot's NaN or overflow would reach every row of the step."""
+    cast = jnp.asarray(block, dtype)
+    if not bool(jnp.isfinite(cast).all()):
+        raise AdapterError(
+            f"{adapter.path}: {module} lora_{which} (times its scaling {adapter.scaling:g}) is not finite in {dtype}"
+        )
+    return cast
 
 
 def step_lora(weights: dict[str, dict[str, jax.Array]], token_slot: jax.Array, rank: int) -> LoraStep:
