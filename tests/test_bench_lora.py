@@ -40,3 +40,30 @@ def test_random_adapter_covers_every_module_of_every_layer():
         d_in, d_out = module_shape(config, m)
         assert a.shape == (config.num_layers, 4, d_in) and b.shape == (config.num_layers, d_out, 4)
         assert (a != 0).all() and (b != 0).all()
+
+
+def test_bench_lora_forms_agree_and_report(tmp_path):
+    out = tmp_path / "forms.json"
+    argv = ["--tokens", "5,12", "--d-in", "16", "--d-out", "24", "--slots", "3", "--rank", "2", "--reps", "1"]
+    assert run_benchmark("lora-forms", [*argv, "--json", str(out)]) == 0  # exits non-zero if a form disagrees
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"5", "12"}
+    for run in result["runs"].values():
+        assert set(run["ratio_over_base"]) == {"dense", "segmented", "gathered"}
+
+
+def test_lora_forms_match_a_numpy_reference():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from strata_jax.bench.lora_forms import forms
+
+    rng = np.random.default_rng(1)
+    x, w = rng.normal(size=(7, 6)), rng.normal(size=(6, 5))
+    a, b = rng.normal(size=(3, 6, 2)), rng.normal(size=(3, 2, 5))
+    slot = np.array([2, 0, 1, 1, 2, 0, 2])
+    want = x @ w + np.stack([x[t] @ a[slot[t]] @ b[slot[t]] for t in range(7)])
+    args = [jnp.asarray(v, jnp.float32) for v in (x, w, a, b)] + [jnp.asarray(slot, jnp.int32)]
+    for name, f in forms(3, 2).items():
+        if name != "base":
+            assert np.allclose(np.asarray(f(*args)), want, atol=1e-4), name

@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "moe": "strata_jax.bench.moe",
     "spec": "strata_jax.bench.spec",
     "lora": "strata_jax.bench.lora",
+    "lora-forms": "strata_jax.bench.lora_forms",
 }
 
 
