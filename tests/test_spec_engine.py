@@ -48,8 +48,9 @@ def _clean(engine: Engine) -> None:
     assert acc["device_request_pages"] == 0 and acc["live_requests"] == 0
 
 
-def test_greedy_tokens_identical_and_drafts_accepted(engines):
+def test_greedy_tokens_identical_and_drafts_accepted(engines, monkeypatch):
     plain, spec = engines
+    _always_verify(monkeypatch, spec)
     params = SamplingParams(max_tokens=37, ignore_eos=True)
     prompts = _prompts(0)
     before = spec.core.speculator.counters.accepted_tokens
@@ -96,8 +97,9 @@ def test_bad_speculative_config_names_the_field():
         EngineConfig(model="tiny", speculative_config='{"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}')
 
 
-def test_rows_asking_for_logprobs_speculate_with_the_same_logprobs(engines):
+def test_rows_asking_for_logprobs_speculate_with_the_same_logprobs(engines, monkeypatch):
     plain, spec = engines
+    _always_verify(monkeypatch, spec)
     params = SamplingParams(max_tokens=29, ignore_eos=True, logprobs=3)
     prompts = _prompts(7)
     before = spec.core.speculator.counters.accepted_tokens
