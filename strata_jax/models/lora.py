@@ -14,8 +14,8 @@ adapters the batch uses.  Two cases skip most of it, chosen per step on the devi
 adds nothing, and a step whose tokens all belong to one adapter (a long prompt's chunk,
 a batch of one tenant) multiplies by that slot's ``R`` columns only.  A segmented matmul
 over rows sorted by adapter would also skip the zero columns of mixed steps, at the price
-of a sort and a scatter back per projection; ``strata-jax bench lora`` measures the mixed
-decode step at 1.21x the base model's with the dense form (docs/serving.md, "LoRA adapters").
+of a sort and a scatter back per projection, and loses to this form on XLA:CPU
+(``strata-jax bench lora-forms``; numbers in docs/runtime.md, "LoRA in the step").
 
 Token slots: ``>= 0`` an adapter's, ``-1`` a base-model token, ``-2`` padding.
 """
