@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from strata_jax.engine.handoff import HandoffPolicy
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 GENERATION_CONFIG_CHOICES = ("auto", "none")
+ROLES = ("both", "prefill", "decode")  # prefill/decode disaggregation (serving/disaggregation.py)
 
 
 def is_loopback(host: str) -> bool:
@@ -48,6 +51,8 @@ class ServerConfig:
     profile_on_start: bool = False  # trace from warm-up to shutdown into profile_dir
     enable_http: bool = True
     enable_grpc: bool = True
+    role: str = "both"  # prefill | decode | both: this replica's part in a disaggregated request
+    handoff: HandoffPolicy = field(default_factory=HandoffPolicy)  # how long a decode replica waits for L3
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -71,5 +76,7 @@ class ServerConfig:
             raise ValueError(f"body_timeout_s must be positive, got {self.body_timeout_s}")
         if self.profile_on_start and not self.profile_dir:
             raise ValueError("profile_on_start needs a profile_dir (--profile-dir)")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not is_loopback(self.host) and self.api_key is None:
             raise ValueError(f"binding to {self.host!r} (off loopback) needs an api_key (--api-key)")

@@ -33,6 +33,7 @@ from strata_jax.api import (
     StreamChunk,
     fan_out,
 )
+from strata_jax.engine.handoff import HandoffPolicy, HandoffWait
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,14 @@ class EngineLike(Protocol):
     def cache_stats(self) -> dict: ...
     def check_accounting(self) -> dict: ...  # raises AssertionError when an invariant is broken
     def flush_cache(self, tier: str = "all", lora_name: str | None = None) -> None: ...
+    def handoff_wait(
+        self,
+        prompt: object,
+        *,
+        cache_salt: object = None,
+        lora_name: object = None,
+        policy: HandoffPolicy | None = None,
+    ) -> HandoffWait: ...
     def start_profile(self, log_dir: str) -> None: ...
     def stop_profile(self) -> str: ...
     def shutdown(self, grace_s: float = 10.0) -> None: ...
@@ -104,8 +113,14 @@ class State(enum.Enum):
 class Frontend:
     """Engine lifecycle + request streaming with guaranteed abort, shared by both faces."""
 
-    def __init__(self, metrics: ServingMetrics, served_model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        metrics: ServingMetrics,
+        served_model_name: str | None = None,
+        handoff_policy: HandoffPolicy | None = None,
+    ) -> None:
         self.metrics = metrics
+        self.handoff_policy = handoff_policy or HandoffPolicy()  # a decode replica's wait (await_handoff)
         self._engine: EngineLike | None = None
         self._state = State.WARMING
         self._served_name = served_model_name
@@ -209,6 +224,7 @@ class Frontend:
         cache_salt: str | None = None,
         request_id: str | None = None,
         lora_name: str | None = None,
+        await_handoff: bool = False,
     ) -> list[AsyncGenerator[StreamChunk, None]]:
         """``n`` choices of one prompt (OpenAI's ``n``), each a ``stream`` of one of the
         requests ``strata_jax.api.fan_out`` makes of it (choice 0 prefills, the others follow)."""
@@ -221,6 +237,7 @@ class Frontend:
                 request_id=c.request_id,
                 follows=c.follows,
                 lora_name=lora_name,
+                await_handoff=await_handoff,
             )
             for c in fan_out(params, n, request_id)
         ]
@@ -235,11 +252,15 @@ class Frontend:
         request_id: str | None = None,
         follows: str | None = None,
         lora_name: str | None = None,
+        await_handoff: bool = False,
     ) -> AsyncGenerator[StreamChunk, None]:
         """Stream one request's chunks; closing this generator early aborts the request.
 
         ``follows``: another choice (n > 1) of the same prompt whose prefill this
         request waits for, so it reuses the prompt's pages (``Engine.submit``).
+        ``await_handoff`` (a decode replica's disaggregated request): first wait until
+        another replica has put the prompt's pages in L3 (``_await_handoff``); a follower
+        waits for its leader instead.
 
         Errors from admission (``InvalidRequestError``, ``OverloadedError``,
         ``EngineUnavailableError``) surface on the first ``__anext__``.  The request
@@ -264,6 +285,9 @@ class Frontend:
                 raise InvalidRequestError(f"request_id {request_id!r} is already in flight")
             self._in_flight.add(rid)
             load = self._load[rid] = _RequestLoad(len(prompt) if isinstance(prompt, list) else 0, adapter=lora_name)
+            handed_over = None
+            if await_handoff and follows is None:
+                handed_over = await self._await_handoff(engine, prompt, cache_salt, lora_name)
             engine_stream = engine.stream(
                 prompt,
                 params,
@@ -274,6 +298,8 @@ class Frontend:
             )
             last: float | None = None
             async for chunk in engine_stream:
+                if last is None and handed_over is not None:
+                    self.metrics.pd_handoff_to_first_token.observe(time.perf_counter() - handed_over)
                 last = self._observe(chunk, load, t0, last)
                 if chunk.finished:
                     finished = True
@@ -302,6 +328,33 @@ class Frontend:
                 self.metrics.requests.labels(api, status).inc()
             if lora_name is not None:
                 self.metrics.lora_requests.labels(lora_name, status).inc()
+
+    async def _await_handoff(
+        self, engine: EngineLike, prompt: str | Sequence[int], cache_salt: str | None, lora_name: str | None
+    ) -> float | None:
+        """Wait for the prompt's pages, which the prefill replica computes, in L3 (polled, so
+        no thread is held while waiting); counted and, when the wait gave up, logged.  Returns
+        when the last page was seen (``perf_counter``), None when the replica computes part of
+        the prompt itself."""
+        policy = self.handoff_policy
+        wait = await asyncio.to_thread(
+            engine.handoff_wait, prompt, cache_salt=cache_salt or None, lora_name=lora_name, policy=policy
+        )
+        while (result := await asyncio.to_thread(wait.poll)) is None:
+            await asyncio.sleep(wait.poll_s)
+        self.metrics.pd_handoffs.labels(result.outcome).inc()
+        self.metrics.pd_pages_received.inc(result.landed_pages)
+        self.metrics.pd_wait.observe(result.waited_s)
+        if result.fell_back:
+            log.warning(
+                "prefill/decode handoff %s after %.2f s: %d of the prompt's %d pages in L3; computing the rest here",
+                result.outcome,
+                result.waited_s,
+                result.landed_pages,
+                result.wanted_pages,
+            )
+            return None
+        return time.perf_counter()
 
     @staticmethod
     def _encode(engine: EngineLike, prompt: str | Sequence[int]) -> str | Sequence[int]:

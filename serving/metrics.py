@@ -131,6 +131,37 @@ class ServingMetrics:
         self.lora_completion_tokens = Counter(
             f"{PREFIX}_lora_completion_tokens", "Tokens generated under a LoRA adapter", ["adapter"], registry=registry
         )
+        # prefill/decode disaggregation (serving/disaggregation.py)
+        self.pd_prefills = Counter(
+            f"{PREFIX}_pd_prefills",
+            "Prefill role: disaggregated requests whose prompt (and one token) this replica ran",
+            registry=registry,
+        )
+        self.pd_handoffs = Counter(
+            f"{PREFIX}_pd_handoffs",
+            "Decode role: waits for a prompt's pages in L3, by how they ended (complete; stalled or deadline: "
+            "the rest of the prompt computed here)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.pd_pages_received = Counter(
+            f"{PREFIX}_pd_pages_received",
+            "Decode role: pages of handed-over prompts that were in L3 when the wait ended",
+            registry=registry,
+        )
+        self.pd_wait = Histogram(
+            f"{PREFIX}_pd_handoff_wait_seconds",
+            "Decode role: time a request waited for its prompt's pages",
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.pd_handoff_to_first_token = Histogram(
+            f"{PREFIX}_pd_handoff_to_first_token_seconds",
+            "Decode role: from the last page of a prompt landing in L3 (the prefill's end, as seen here) to "
+            "the request's first token",
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
 
     def count_rejected(self, api: str, reason: str) -> None:
         """One refused request (``reason`` from ``REJECT_REASONS``)."""

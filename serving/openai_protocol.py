@@ -70,6 +70,12 @@ class _CommonRequest(_Strict):
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
     request_id: str | None = None
+    # prefill/decode disaggregation: what sglang-router --pd-disaggregation adds (lists for n > 1 or a
+    # list of prompts); a room marks a request whose prompt the prefill replica computes
+    # (serving/disaggregation.py); the host and port are not used: the KV moves through L3
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

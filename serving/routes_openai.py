@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from serving import openai_logprobs as olp
 from serving import openai_protocol as oai
 from serving import tool_calls
+from serving.disaggregation import handoff_role, prefill_only
 from serving.frontend import TIERS, EngineLike
 from serving.http_common import ADMIN_AUTH, INFERENCE_AUTH, HttpContext, http_context, map_error, until_disconnect
 from serving.openai_streams import ChoiceTotals, ChunkStream, collect_all, first_item, merged, sse_response
@@ -72,6 +73,7 @@ class _Completion:
     prompts: list[Any]
     params: SamplingParams
     lora_name: str | None  # the LoRA adapter ``model`` selects (None: the base model)
+    await_handoff: bool = False  # decode role: wait for the prompt's pages in L3 (serving/disaggregation.py)
 
     @property
     def model(self) -> str:
@@ -95,7 +97,7 @@ async def _read_completion(ctx: HttpContext, request: Request) -> _Completion:
     params.check_vocab(engine.vocab_size)
     for p in prompts:  # all prompts are checked before any runs: one bad prompt refuses the request
         check_prompt(p, engine.vocab_size)
-    return _Completion(req, engine, prompts, params, ctx.frontend.lora_name(req.model))
+    return _play_role(ctx, _Completion(req, engine, prompts, params, ctx.frontend.lora_name(req.model)))
 
 
 @router.post("/v1/completions", dependencies=INFERENCE_AUTH)
@@ -120,6 +122,7 @@ async def completions(request: Request) -> Response:
                 cache_salt=req.cache_salt,
                 request_id=req.request_id if len(job.prompts) == 1 else None,
                 lora_name=job.lora_name,
+                await_handoff=job.await_handoff,
             )
         results = await until_disconnect(request, collect_all(streams))
     except Exception as exc:  # noqa: BLE001 - every failure becomes its HTTP error
@@ -171,6 +174,7 @@ async def _stream_completion(ctx: HttpContext, request: Request, job: _Completio
         cache_salt=req.cache_salt,
         request_id=req.request_id,
         lora_name=job.lora_name,
+        await_handoff=job.await_handoff,
     )
     chunks = merged(streams)
     first = await until_disconnect(request, first_item(chunks))
@@ -211,6 +215,7 @@ class _Chat:
     params: SamplingParams
     tools: tool_calls.ToolPlan
     lora_name: str | None  # the LoRA adapter ``model`` selects (None: the base model)
+    await_handoff: bool = False  # decode role: wait for the prompt's pages in L3 (serving/disaggregation.py)
 
     @property
     def model(self) -> str:
@@ -253,7 +258,21 @@ async def _read_chat(ctx: HttpContext, request: Request) -> _Chat:
                 "tool_choice required or a named function cannot be combined with an output constraint"
             )
         params = dataclasses.replace(params, structured=tools.constraint)
-    return _Chat(req, engine, prompt_ids, params, tools, ctx.frontend.lora_name(req.model))
+    return _play_role(ctx, _Chat(req, engine, prompt_ids, params, tools, ctx.frontend.lora_name(req.model)))
+
+
+_Job = TypeVar("_Job", _Completion, _Chat)
+
+
+def _play_role(ctx: HttpContext, job: _Job) -> _Job:
+    """This replica's part in a disaggregated request (one carrying a ``bootstrap_room``): a
+    prefill replica runs the prompt and one token, a decode replica waits for the prompt's pages."""
+    role = handoff_role(ctx.config.role, job.req)
+    if role == "prefill":
+        job.params = prefill_only(job.params)
+        ctx.frontend.metrics.pd_prefills.inc()
+    job.await_handoff = role == "decode"
+    return job
 
 
 @router.post("/v1/chat/completions", dependencies=INFERENCE_AUTH)
@@ -274,6 +293,7 @@ async def chat_completions(request: Request) -> Response:
             cache_salt=req.cache_salt,
             request_id=req.request_id,
             lora_name=job.lora_name,
+            await_handoff=job.await_handoff,
         )
         if req.stream:
             return await _stream_chat(ctx, request, job, streams, rid)

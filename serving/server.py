@@ -88,7 +88,9 @@ class StrataServer:
     def __init__(self, config: ServerConfig, engine_factory: EngineFactory) -> None:
         self.config = config
         self._engine_factory = engine_factory
-        self.frontend = Frontend(build_metrics(lambda: self.frontend.engine_or_none), config.served_model_name)
+        self.frontend = Frontend(
+            build_metrics(lambda: self.frontend.engine_or_none), config.served_model_name, config.handoff
+        )
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self.bound = threading.Event()  # ports are known

@@ -17,8 +17,9 @@ import sys
 import typing
 from typing import Any
 
-from serving.config import ServerConfig
+from serving.config import ROLES, ServerConfig
 from serving.server import StrataServer
+from strata_jax.engine.handoff import HandoffPolicy
 
 log = logging.getLogger("strata_jax.serve")
 
@@ -209,6 +210,40 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
         help="PEFT adapter folders to load at start, as name=path or vLLM's JSON "
         '{"name": ..., "path": ...}; implies --enable-lora, and --max-loras defaults to their count',
     )
+    srv.add_argument(
+        "--role",
+        default=d.role,
+        choices=ROLES,
+        help="this replica's part in prefill/decode disaggregation behind sglang-router --pd-disaggregation: "
+        "a request carrying a bootstrap_room runs its prompt and one token (prefill; its pages go to the shared "
+        "L3) or waits for the prompt's pages in L3 before decoding (decode); needs --tiers L1+L2+L3 on a shared "
+        "--storage-backend. Requests without a room are served as usual (docs/serving.md)",
+    )
+    h = d.handoff
+    srv.add_argument(
+        "--handoff-base-s",
+        type=float,
+        default=h.base_s,
+        help="decode role: seconds a prompt's pages may take to land in L3 beyond the prefill time",
+    )
+    srv.add_argument(
+        "--handoff-prefill-factor",
+        type=float,
+        default=h.prefill_factor,
+        help="decode role: the wait allows this many times this replica's predicted prefill of the prompt",
+    )
+    srv.add_argument(
+        "--handoff-stall-s",
+        type=float,
+        default=h.stall_s,
+        help="decode role: pages began to land and none landed for this long: compute the rest here",
+    )
+    srv.add_argument(
+        "--handoff-max-wait-s",
+        type=float,
+        default=h.max_wait_s,
+        help="decode role: the wait for a prompt's pages never exceeds this; then the prompt is computed here",
+    )
     srv.add_argument("--no-http", action="store_true", help="do not start the HTTP server")
     srv.add_argument("--no-grpc", action="store_true", help="do not start the gRPC server")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
@@ -301,7 +336,28 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         profile_on_start=args.profile_on_start,
         enable_http=not args.no_http,
         enable_grpc=not args.no_grpc,
+        role=args.role,
+        handoff=HandoffPolicy(
+            base_s=args.handoff_base_s,
+            prefill_factor=args.handoff_prefill_factor,
+            stall_s=args.handoff_stall_s,
+            max_wait_s=args.handoff_max_wait_s,
+        ),
     )
+
+
+def check_role(role: str, engine_config: Any) -> None:
+    """A prefill or decode replica hands prompts over through L3: it needs one, and a prefill
+    replica must write each prompt's pages through to it (``write_through``)."""
+    if role == "both":
+        return
+    if "L3" not in engine_config.tiers:
+        raise ValueError(f"--role {role} hands prompts over through the shared L3: add --tiers L1+L2+L3")
+    if role == "prefill" and engine_config.write_policy != "write_through":
+        raise ValueError(
+            f"--role prefill writes every prompt's pages to L3 as its prefill ends: --write-policy write_through "
+            f"(got {engine_config.write_policy})"
+        )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -329,6 +385,11 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_config = build_engine_config(EngineConfig, args.model, overrides)
     except (ValueError, TypeError) as exc:
         print(f"strata-jax serve: bad engine configuration: {exc}", file=sys.stderr)
+        return 2
+    try:
+        check_role(config.role, engine_config)
+    except ValueError as exc:
+        print(f"strata-jax serve: {exc}", file=sys.stderr)
         return 2
     from strata_jax.runtime.warmup_progress import WarmupProgress
 

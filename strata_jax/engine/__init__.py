@@ -11,6 +11,7 @@ Modules (one job each; ``docs/design.md`` §2 has the map):
 * ``cache_view.py`` the scheduler's read-only window on the cache
 * ``config.py``   ``EngineConfig``
 * ``stats.py``    what ``cache_stats`` and ``check_accounting`` report
+* ``handoff.py``  how long a decode replica waits for a prompt another replica computes
 """
 
 from __future__ import annotations

@@ -46,9 +46,11 @@ from strata_jax.api import (
     fan_out,
     validate_request,
 )
+from strata_jax.cache.hashing import chain_hashes
 from strata_jax.engine.config import EngineConfig
 from strata_jax.engine.core import EngineCore
 from strata_jax.engine.factory import build_parts
+from strata_jax.engine.handoff import HandoffPolicy, HandoffWait
 from strata_jax.engine.output import InlineOutput, ThreadedOutput, collect
 from strata_jax.engine.requests import TrackedRequest
 from strata_jax.engine.sinks import AsyncQueueSink, CollectingSink, OutputSink
@@ -486,6 +488,46 @@ class Engine:
             )
         identity = self.adapters.resolve(lora_name).identity
         self._call(lambda: self.core.flush("all", scope=lambda ns: namespace_adapter(ns) == identity))
+
+    def handoff_wait(
+        self,
+        prompt: object,
+        *,
+        cache_salt: object = None,
+        lora_name: object = None,
+        policy: HandoffPolicy | None = None,
+    ) -> HandoffWait:
+        """A wait for ``prompt``'s pages, which another replica computes, to land in the shared
+        L3 (prefill/decode disaggregation, ``engine/handoff.py``); poll it from any thread, then
+        submit the request as usual.  The deadline is ``policy``'s (default ``HandoffPolicy()``)
+        for this engine's own predicted prefill time of the part of the prompt not in L3 now.  Raises
+        ``InvalidRequestError`` without an L3 tier or for a prompt ``submit`` would refuse."""
+        store = self.ctl.store
+        if store is None:
+            raise InvalidRequestError("a prefill/decode handoff needs the shared L3 tier (tiers L1+L2+L3)")
+        policy = policy or HandoffPolicy()
+        valid = self._validate(prompt, SamplingParams(max_tokens=0), cache_salt, lora_name)
+        adapter = self.adapters.resolve(valid.lora_name) if valid.lora_name is not None else None
+        namespace = adapter_namespace(valid.namespace, adapter.identity if adapter is not None else None)
+        chain = chain_hashes(self.ctl.tree.seed(namespace), valid.prompt_ids, self.page_size)
+        keys = store.object_keys(chain)
+
+        def probe() -> int:
+            try:
+                landed = store.backend.batch_exists(keys)
+            except Exception as exc:  # noqa: BLE001 - an unreachable L3 has nothing: the wait runs out
+                store.failed("exists", exc)
+                return 0
+            if landed >= len(keys):  # the scheduler's memoized probes may predate the pages: probe afresh
+                self._post(store.forget_probes)
+            return landed
+
+        present = probe() if keys else 0
+        missing = len(valid.prompt_ids) - present * self.page_size
+        predicted = self.scheduler.cost.extend_seconds(missing, present * self.page_size)
+        return HandoffWait(
+            probe, len(keys), present, policy.deadline(predicted), policy.stall_s, time.monotonic, policy.poll_s
+        )
 
     def check_accounting(self) -> dict[str, int]:
         """Assert the cache invariants and exact page accounting; returns usage figures."""

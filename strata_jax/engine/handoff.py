@@ -1,0 +1,129 @@
+"""Waiting for a prompt's KV that another replica computes (prefill/decode disaggregation).
+
+A decode replica given a request whose prompt a prefill replica is computing (the
+router's ``bootstrap_room``) does not start computing it: it waits until the prompt's
+pages are in the shared L3, then admits the request as any other, and the scheduler's L3
+prefetch brings the pages in; only what is missing (the last partial page, pages that
+never landed) is computed.  ``HandoffWait`` decides when to stop waiting (pure Python, no
+jax; the caller polls it, so an asyncio server waits without holding a thread):
+
+* every full page of the prompt is in L3: ``complete``;
+* pages had begun to land during the wait and then none landed for ``stall_s``:
+  ``stalled`` (the prefill replica died mid-write, or L3 dropped pages).  Pages already in
+  L3 when the wait begins (a shared document, an earlier turn) are not a start: a prefill
+  replica writes the new pages when its prefill ends, so before the first new page only the
+  deadline ends the wait;
+* ``deadline_s`` after the wait began: ``deadline`` (the prefill replica never got it, died,
+  or is far slower than expected).
+
+The deadline comes from the cost model (``HandoffPolicy.deadline``): a fixed allowance for
+the router's dispatch and the prefill replica's queue, plus a multiple of this replica's own
+predicted prefill time for the part of the prompt not yet in L3 (the replicas run the same
+model), never more than ``max_wait_s``.  Past it the decode replica computes the prompt itself: a late prefill
+replica costs the client that time, never an answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+OUTCOMES = ("complete", "stalled", "deadline")
+
+
+@dataclass(frozen=True)
+class HandoffPolicy:
+    """How long a decode replica waits for a prompt's pages.
+
+    base_s: fixed allowance (router dispatch, the prefill replica's queue).
+    prefill_factor: times this replica's predicted prefill time of the prompt.
+    stall_s: no new page for this long after the first one landed: give up.
+    max_wait_s: the wait never exceeds this.
+    poll_s: time between two L3 existence probes.
+    """
+
+    base_s: float = 2.0
+    prefill_factor: float = 3.0
+    stall_s: float = 2.0
+    max_wait_s: float = 60.0
+    poll_s: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("base_s", "prefill_factor", "stall_s", "max_wait_s", "poll_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0 and value == value and value != float("inf")):
+                raise ValueError(f"handoff {name} must be a finite number >= 0, got {value!r}")
+        if self.poll_s <= 0:
+            raise ValueError(f"handoff poll_s must be positive, got {self.poll_s!r}")
+
+    def deadline(self, predicted_prefill_s: float) -> float:
+        """Seconds to wait for a prompt whose prefill this replica predicts at ``predicted_prefill_s``."""
+        predicted = predicted_prefill_s if predicted_prefill_s == predicted_prefill_s else 0.0  # NaN: no estimate
+        predicted = min(max(predicted, 0.0), self.max_wait_s)  # inf or absurd: the cap
+        return min(self.base_s + self.prefill_factor * predicted, self.max_wait_s)
+
+
+@dataclass(frozen=True)
+class HandoffResult:
+    """How a wait ended: pages of the prompt wanted and in L3 at the end, seconds waited."""
+
+    wanted_pages: int
+    landed_pages: int
+    waited_s: float
+    outcome: str
+
+    @property
+    def fell_back(self) -> bool:
+        """The replica computes (part of) the prompt itself."""
+        return self.outcome != "complete"
+
+
+class HandoffWait:
+    """One request's wait; ``poll()`` probes L3 and returns the result once the wait is over.
+
+    ``probe()`` returns how many of the prompt's pages, from the first, are in L3 (an L3
+    that fails answers 0: the caller's probe counts its errors).  ``present_pages``: the
+    count when the wait began (probed by the caller, which sized the deadline from it)."""
+
+    def __init__(
+        self,
+        probe: Callable[[], int],
+        wanted_pages: int,
+        present_pages: int,
+        deadline_s: float,
+        stall_s: float,
+        clock: Callable[[], float],
+        poll_s: float = 0.02,
+    ) -> None:
+        self._probe = probe
+        self.wanted_pages = wanted_pages
+        self.present_pages = present_pages
+        self.deadline_s = deadline_s
+        self._stall_s = stall_s
+        self._clock = clock
+        self.poll_s = poll_s
+        self._started = clock()
+        self._landed = present_pages
+        self._last_progress: float | None = None  # when the count last grew (None: no new page yet)
+        self.result: HandoffResult | None = None
+
+    def poll(self) -> HandoffResult | None:
+        """Probe once; the result when the wait is over (then every later call returns it)."""
+        if self.result is not None:
+            return self.result
+        now = self._clock()
+        landed = self._probe() if self.wanted_pages > 0 else 0
+        if landed > self._landed:
+            self._landed = landed
+            self._last_progress = now
+        waited = now - self._started
+        if self._landed >= self.wanted_pages:
+            outcome = "complete"
+        elif self._last_progress is not None and now - self._last_progress >= self._stall_s:
+            outcome = "stalled"
+        elif waited >= self.deadline_s:
+            outcome = "deadline"
+        else:
+            return None
+        self.result = HandoffResult(self.wanted_pages, self._landed, waited, outcome)
+        return self.result

@@ -1,0 +1,106 @@
+"""Prefill/decode handoff through a shared L3 between two engines (``Engine.handoff_wait``):
+the decode engine waits for the prompt's pages a prefill engine writes, reads them from L3,
+and generates the tokens one engine alone generates; with no prefill engine it falls back to
+computing the prompt after the deadline, with the same tokens."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from strata_jax.api import InvalidRequestError, SamplingParams
+from strata_jax.engine import Engine, EngineConfig
+from strata_jax.engine.handoff import HandoffPolicy
+
+PAGE = 16
+
+
+def _engine(storage, **overrides) -> Engine:
+    settings = dict(
+        model="tiny",
+        warmup=False,
+        show_progress=False,
+        page_size=PAGE,
+        device_tokens=4096,
+        tiers="L1+L2+L3",
+        storage_dir=str(storage),
+    )
+    return Engine(EngineConfig(**{**settings, **overrides}))
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 256, size=n).tolist()
+
+
+def _until_done(wait) -> object:
+    while (result := wait.poll()) is None:
+        time.sleep(wait.poll_s)
+    return result
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("l3")
+    alone = _engine(tmp_path_factory.mktemp("alone"))
+    prefill, decode = _engine(storage), _engine(storage)
+    yield alone, prefill, decode
+    for e in (alone, prefill, decode):
+        e.shutdown()
+
+
+def test_decode_waits_for_the_prefill_engines_pages_and_reads_them_from_l3(fleet):
+    alone, prefill, decode = fleet
+    prompt = _prompt(0, 23 * PAGE + 5)  # 23 full pages and a partial one
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = alone.generate([prompt], params)[0].token_ids
+
+    wait = decode.handoff_wait(prompt)  # before the prefill engine has the request: as a router sends both
+    assert wait.wanted_pages == 23 and wait.poll() is None
+    worker = threading.Thread(target=lambda: prefill.generate([prompt], SamplingParams(max_tokens=1)))
+    worker.start()
+    result = _until_done(wait)
+    worker.join()
+    assert result.outcome == "complete" and result.landed_pages == 23
+    out = decode.generate([prompt], params)[0]
+    assert out.token_ids == want
+    assert out.cached_tokens["storage"] == 23 * PAGE  # every full page from L3; the partial one computed
+    assert decode.check_accounting()["live_requests"] == 0
+
+
+def test_without_a_prefill_engine_the_deadline_passes_and_the_prompt_is_computed(fleet):
+    alone, _prefill, decode = fleet
+    prompt = _prompt(1, 10 * PAGE)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = alone.generate([prompt], params)[0].token_ids
+    policy = HandoffPolicy(base_s=0.2, prefill_factor=0.0, stall_s=0.1)
+    t0 = time.monotonic()
+    result = _until_done(decode.handoff_wait(prompt, policy=policy))
+    assert result.outcome == "deadline" and result.fell_back and result.landed_pages == 0
+    assert 0.2 <= time.monotonic() - t0 < 5.0
+    out = decode.generate([prompt], params)[0]
+    assert out.token_ids == want and out.cached_tokens["storage"] == 0
+
+
+def test_pages_under_another_salt_are_not_the_prompts(fleet):
+    _alone, prefill, decode = fleet
+    prompt = _prompt(2, 6 * PAGE)
+    prefill.generate([prompt], SamplingParams(max_tokens=1), cache_salt="tenant-a")
+    policy = HandoffPolicy(base_s=0.2, prefill_factor=0.0)
+    assert _until_done(decode.handoff_wait(prompt, cache_salt="tenant-a", policy=policy)).outcome == "complete"
+    assert _until_done(decode.handoff_wait(prompt, cache_salt="tenant-b", policy=policy)).outcome == "deadline"
+    assert _until_done(decode.handoff_wait(prompt, policy=policy)).outcome == "deadline"
+
+
+def test_a_handoff_needs_l3_and_a_valid_prompt(fleet, tmp_path):
+    _alone, _prefill, decode = fleet
+    with pytest.raises(InvalidRequestError, match="vocab|token"):
+        decode.handoff_wait([10**9])
+    plain = _engine(tmp_path, tiers="L1+L2")
+    try:
+        with pytest.raises(InvalidRequestError, match="L3"):
+            plain.handoff_wait([1, 2, 3])
+    finally:
+        plain.shutdown()

@@ -1,0 +1,116 @@
+"""``HandoffWait`` and ``HandoffPolicy`` (strata_jax/engine/handoff.py): when a decode replica
+stops waiting for a prompt's pages, against a fake L3 and a fake clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from strata_jax.engine.handoff import HandoffPolicy, HandoffWait
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _wait(landed: list[int], wanted: int = 10, deadline: float = 5.0, stall: float = 1.0) -> tuple[HandoffWait, _Clock]:
+    clock = _Clock()
+    return HandoffWait(lambda: landed[0], wanted, landed[0], deadline, stall, clock), clock
+
+
+def test_complete_once_every_page_landed():
+    landed = [0]
+    wait, clock = _wait(landed)
+    assert wait.poll() is None
+    clock.now += 0.5
+    landed[0] = 10
+    result = wait.poll()
+    assert result is not None and result.outcome == "complete" and not result.fell_back
+    assert (result.wanted_pages, result.landed_pages, result.waited_s) == (10, 10, 0.5)
+    landed[0] = 0  # the result stays what it was
+    assert wait.poll() is result
+
+
+def test_no_stall_before_the_first_page_only_the_deadline():
+    landed = [0]
+    wait, clock = _wait(landed, deadline=5.0, stall=1.0)
+    for _ in range(4):  # 4 s of nothing: a long prefill writes its pages when it ends
+        clock.now += 1.0
+        assert wait.poll() is None
+    clock.now += 1.0
+    result = wait.poll()
+    assert result is not None and result.outcome == "deadline" and result.fell_back
+    assert result.landed_pages == 0 and result.waited_s == 5.0
+
+
+def test_stalled_when_pages_stop_landing():
+    landed = [0]
+    wait, clock = _wait(landed, deadline=50.0, stall=1.0)
+    landed[0] = 3
+    assert wait.poll() is None
+    clock.now += 0.9
+    landed[0] = 4  # progress restarts the stall clock
+    assert wait.poll() is None
+    clock.now += 0.9
+    assert wait.poll() is None
+    clock.now += 0.2
+    result = wait.poll()
+    assert result is not None and result.outcome == "stalled" and result.landed_pages == 4
+
+
+def test_pages_present_at_the_start_do_not_start_the_stall_clock():
+    landed = [6]  # a shared document's pages, there before the wait: the new ones come when the prefill ends
+    wait, clock = _wait(landed, deadline=5.0, stall=1.0)
+    for _ in range(4):
+        clock.now += 1.0
+        assert wait.poll() is None
+    landed[0] = 8
+    assert wait.poll() is None
+    clock.now += 0.5
+    landed[0] = 10
+    result = wait.poll()
+    assert result is not None and result.outcome == "complete" and result.waited_s == 4.5
+
+
+def test_a_count_that_goes_back_keeps_the_most_seen():
+    landed = [0]
+    wait, clock = _wait(landed)
+    landed[0] = 6
+    assert wait.poll() is None
+    landed[0] = 2  # L3 evicted a page meanwhile: the engine's own probe will see it; the wait ends as stalled
+    clock.now += 1.0
+    result = wait.poll()
+    assert result is not None and result.outcome == "stalled" and result.landed_pages == 6
+
+
+def test_a_prompt_shorter_than_a_page_needs_no_wait():
+    wait, _ = _wait([0], wanted=0)
+    result = wait.poll()
+    assert result is not None and result.outcome == "complete" and result.waited_s == 0.0
+
+
+def test_policy_deadline_is_the_allowance_plus_a_multiple_of_the_predicted_prefill_capped():
+    policy = HandoffPolicy(base_s=2.0, prefill_factor=3.0, max_wait_s=30.0)
+    assert policy.deadline(1.5) == pytest.approx(2.0 + 4.5)
+    assert policy.deadline(0.0) == 2.0
+    assert policy.deadline(100.0) == 30.0
+    assert policy.deadline(math.inf) == 30.0
+    assert policy.deadline(math.nan) == 2.0  # no estimate: the allowance
+    assert policy.deadline(-1.0) == 2.0
+
+
+@pytest.mark.parametrize("field", ["base_s", "prefill_factor", "stall_s", "max_wait_s", "poll_s"])
+@pytest.mark.parametrize("value", [-1.0, math.nan, math.inf])
+def test_policy_refuses_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        HandoffPolicy(**{field: value})
+
+
+def test_policy_refuses_a_zero_poll():
+    with pytest.raises(ValueError, match="poll_s"):
+        HandoffPolicy(poll_s=0.0)
