@@ -104,3 +104,40 @@ def test_a_handoff_needs_l3_and_a_valid_prompt(fleet, tmp_path):
             plain.handoff_wait([1, 2, 3])
     finally:
         plain.shutdown()
+
+
+def _l3_bytes(path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_an_int8_l3_hands_over_a_quarter_of_the_bytes_and_the_tokens_of_its_pages(tmp_path):
+    """With ``kv_tier_format="int8"`` the prefill engine writes int8 pages (about a quarter of
+    float32's bytes) and the decode engine's tokens are those of any engine reading the same
+    int8 pages back from L3 (a quantized tier is close to, not equal to, full width)."""
+    prompt = _prompt(4, 20 * PAGE + 3)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    full_l3, int8_l3, lone_l3 = tmp_path / "full", tmp_path / "int8", tmp_path / "lone"
+    engines = []
+    try:
+        full = _engine(full_l3)
+        engines.append(full)
+        full.generate([prompt], SamplingParams(max_tokens=1))
+        lone = _engine(lone_l3, kv_tier_format="int8")
+        engines.append(lone)
+        lone.generate([prompt], SamplingParams(max_tokens=1))
+        lone.flush_cache("device")
+        lone.flush_cache("host")
+        want = lone.generate([prompt], params)[0]
+        assert want.cached_tokens["storage"] == 20 * PAGE  # its own int8 pages, read back
+        prefill, decode = _engine(int8_l3, kv_tier_format="int8"), _engine(int8_l3, kv_tier_format="int8")
+        engines += [prefill, decode]
+        wait = decode.handoff_wait(prompt)
+        prefill.generate([prompt], SamplingParams(max_tokens=1))
+        result = _until_done(wait)
+        assert result.outcome == "complete" and result.landed_pages == 20
+        got = decode.generate([prompt], params)[0]
+        assert got.cached_tokens["storage"] == 20 * PAGE and got.token_ids == want.token_ids
+        assert _l3_bytes(int8_l3) < 0.35 * _l3_bytes(full_l3)  # int8 + a scale per (page, layer, K/V, head)
+    finally:
+        for e in engines:
+            e.shutdown()
