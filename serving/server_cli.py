@@ -22,6 +22,7 @@ from serving.server import StrataServer
 from strata_jax.engine.handoff import HandoffPolicy
 
 log = logging.getLogger("strata_jax.serve")
+HANDOFF_FLAGS = ("base_s", "prefill_factor", "stall_s", "max_wait_s")  # HandoffPolicy fields serve sets
 
 _ENGINE_FLAG_PREFIX = "engine_"
 _NEST = "__"  # argparse dest separator for nested fields (scheduler.policy -> engine_scheduler__policy)
@@ -219,31 +220,14 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
         "L3) or waits for the prompt's pages in L3 before decoding (decode); needs --tiers L1+L2+L3 on a shared "
         "--storage-backend. Requests without a room are served as usual (docs/serving.md)",
     )
-    h = d.handoff
-    srv.add_argument(
-        "--handoff-base-s",
-        type=float,
-        default=h.base_s,
-        help="decode role: seconds a prompt's pages may take to land in L3 beyond the prefill time",
-    )
-    srv.add_argument(
-        "--handoff-prefill-factor",
-        type=float,
-        default=h.prefill_factor,
-        help="decode role: the wait allows this many times this replica's predicted prefill of the prompt",
-    )
-    srv.add_argument(
-        "--handoff-stall-s",
-        type=float,
-        default=h.stall_s,
-        help="decode role: pages began to land and none landed for this long: compute the rest here",
-    )
-    srv.add_argument(
-        "--handoff-max-wait-s",
-        type=float,
-        default=h.max_wait_s,
-        help="decode role: the wait for a prompt's pages never exceeds this; then the prompt is computed here",
-    )
+    handoff_docs = field_docs(HandoffPolicy)
+    for name in HANDOFF_FLAGS:
+        srv.add_argument(
+            f"--handoff-{name.replace('_', '-')}",
+            type=float,
+            default=getattr(d.handoff, name),
+            help=f"decode role: {handoff_docs[name]} (default: %(default)s)",
+        )
     srv.add_argument("--no-http", action="store_true", help="do not start the HTTP server")
     srv.add_argument("--no-grpc", action="store_true", help="do not start the gRPC server")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
@@ -337,12 +321,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         enable_http=not args.no_http,
         enable_grpc=not args.no_grpc,
         role=args.role,
-        handoff=HandoffPolicy(
-            base_s=args.handoff_base_s,
-            prefill_factor=args.handoff_prefill_factor,
-            stall_s=args.handoff_stall_s,
-            max_wait_s=args.handoff_max_wait_s,
-        ),
+        handoff=HandoffPolicy(**{name: getattr(args, f"handoff_{name}") for name in HANDOFF_FLAGS}),
     )
 
 

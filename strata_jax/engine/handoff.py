@@ -25,20 +25,21 @@ replica costs the client that time, never an answer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
-
-OUTCOMES = ("complete", "stalled", "deadline")
 
 
 @dataclass(frozen=True)
 class HandoffPolicy:
-    """How long a decode replica waits for a prompt's pages.
+    """How long a decode replica waits for a prompt's pages (the ``serve --handoff-*`` flags
+    take their help from here).
 
-    base_s: fixed allowance (router dispatch, the prefill replica's queue).
-    prefill_factor: times this replica's predicted prefill time of the prompt.
-    stall_s: no new page for this long after the first one landed: give up.
-    max_wait_s: the wait never exceeds this.
+    base_s: fixed allowance for the router's dispatch and the prefill replica's queue.
+    prefill_factor: the wait allows this many times this replica's predicted prefill of the
+        part of the prompt not yet in L3.
+    stall_s: pages began to land and none landed for this long: compute the rest here.
+    max_wait_s: the wait never exceeds this; then what is missing is computed here.
     poll_s: time between two L3 existence probes.
     """
 
@@ -51,21 +52,22 @@ class HandoffPolicy:
     def __post_init__(self) -> None:
         for name in ("base_s", "prefill_factor", "stall_s", "max_wait_s", "poll_s"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value >= 0 and value == value and value != float("inf")):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"handoff {name} must be a finite number >= 0, got {value!r}")
         if self.poll_s <= 0:
             raise ValueError(f"handoff poll_s must be positive, got {self.poll_s!r}")
 
     def deadline(self, predicted_prefill_s: float) -> float:
         """Seconds to wait for a prompt whose prefill this replica predicts at ``predicted_prefill_s``."""
-        predicted = predicted_prefill_s if predicted_prefill_s == predicted_prefill_s else 0.0  # NaN: no estimate
+        predicted = 0.0 if math.isnan(predicted_prefill_s) else predicted_prefill_s  # NaN: no estimate
         predicted = min(max(predicted, 0.0), self.max_wait_s)  # inf or absurd: the cap
         return min(self.base_s + self.prefill_factor * predicted, self.max_wait_s)
 
 
 @dataclass(frozen=True)
 class HandoffResult:
-    """How a wait ended: pages of the prompt wanted and in L3 at the end, seconds waited."""
+    """How a wait ended (``outcome``: complete, stalled or deadline): pages of the prompt
+    wanted and in L3 at the end, seconds waited."""
 
     wanted_pages: int
     landed_pages: int
@@ -108,11 +110,12 @@ class HandoffWait:
         self.result: HandoffResult | None = None
 
     def poll(self) -> HandoffResult | None:
-        """Probe once; the result when the wait is over (then every later call returns it)."""
+        """Probe once (not when every page was there already); the result when the wait is
+        over (then every later call returns it)."""
         if self.result is not None:
             return self.result
         now = self._clock()
-        landed = self._probe() if self.wanted_pages > 0 else 0
+        landed = self._probe() if self._landed < self.wanted_pages else self._landed
         if landed > self._landed:
             self._landed = landed
             self._last_progress = now
