@@ -52,7 +52,13 @@ def _fleet_env(tmp_path: Path) -> dict[str, str]:
         OUT=str(tmp_path),
         FLEET_TIMEOUT_S="240",
     )
-    # the router's virtualenv (created once, as the script does): no network and no venv -> skip
+    router_venv(env)
+    return env
+
+
+def router_venv(env: dict[str, str]) -> Path:
+    """sglang-router 0.3.2's virtualenv (created once, as the scripts do); no network and no
+    virtualenv from an earlier run -> the test is skipped, saying why."""
     install = subprocess.run(
         [
             "bash",
@@ -67,7 +73,7 @@ def _fleet_env(tmp_path: Path) -> dict[str, str]:
     )
     if install.returncode != 0:
         pytest.skip(f"sglang-router 0.3.2 could not be installed into its virtualenv: {install.stderr.strip()[-400:]}")
-    return env
+    return Path(install.stdout.strip().splitlines()[-1])
 
 
 def _run(mode: str, env: dict[str, str], tmp_path: Path, timeout: int) -> subprocess.CompletedProcess:

@@ -13,67 +13,30 @@ from an earlier run).  Marked heavy: `python -m pytest -q -m heavy tests/test_pd
 from __future__ import annotations
 
 import json
-import re
-import socket
+import os
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
 import pytest
+from fault_backends import free_port as _free_port
+from test_fleet import router_venv
+from test_pd_serving import _metric, _server
 
-from serving.config import ServerConfig
-from serving.server import ThreadedServer
 from strata_jax.engine.handoff import HandoffPolicy
 
 pytestmark = pytest.mark.heavy
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "tiny-pd"
 PAGE = 16
 DOCUMENT = " ".join(f"Article {i}: the tenant of unit {i % 9} pays on day {i % 28 + 1}." for i in range(40))
+_replica = partial(_server, served_model_name=NAME)  # a tiny replica under the router's model name
 
 
 def _router_bin() -> Path:
-    install = subprocess.run(
-        [
-            "bash",
-            "-c",
-            f'source "{ROOT}/scripts/chat_clients_common.sh" && client_venv sglang-router "sglang-router==0.3.2"',
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    if install.returncode != 0:
-        pytest.skip(f"sglang-router 0.3.2 could not be installed into its virtualenv: {install.stderr.strip()[-400:]}")
-    return Path(install.stdout.strip().splitlines()[-1]) / "bin" / "sglang-router"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _replica(role: str, storage: Path, handoff: HandoffPolicy | None = None) -> ThreadedServer:
-    from strata_jax.engine import Engine, EngineConfig
-
-    config = EngineConfig(
-        model="tiny",
-        warmup=False,
-        show_progress=False,
-        page_size=PAGE,
-        device_tokens=8192,
-        max_context_tokens=4096,
-        tiers="L1+L2+L3",
-        storage_dir=str(storage),
-    )
-    server = ServerConfig(
-        port=0, grpc_port=0, grace_s=5.0, role=role, served_model_name=NAME, handoff=handoff or HandoffPolicy()
-    )
-    return ThreadedServer(server, lambda: Engine(config)).start()
+    return router_venv(dict(os.environ)) / "bin" / "sglang-router"
 
 
 class _Router:
@@ -106,12 +69,6 @@ class _Router:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self._log.close()
-
-
-def _metric(server: ThreadedServer, name: str) -> float:
-    text = httpx.get(f"{server.http_url}/metrics").text
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 def _chat(question: str, **extra) -> dict:

@@ -23,7 +23,8 @@ PAGE = 16
 DOCUMENT = " ".join(f"clause {i} of the shared agreement binds party {i % 7}." for i in range(30))
 
 
-def _server(role: str, storage, handoff: HandoffPolicy | None = None) -> ThreadedServer:
+def _server(role: str, storage, handoff: HandoffPolicy | None = None, **server_fields) -> ThreadedServer:
+    """A tiny-model replica over the L3 directory ``storage`` (``server_fields``: more ``ServerConfig``)."""
     from strata_jax.engine import Engine, EngineConfig
 
     config = EngineConfig(
@@ -36,7 +37,9 @@ def _server(role: str, storage, handoff: HandoffPolicy | None = None) -> Threade
         tiers="L1+L2+L3",
         storage_dir=str(storage),
     )
-    server_config = ServerConfig(port=0, grpc_port=0, grace_s=5.0, role=role, handoff=handoff or HandoffPolicy())
+    server_config = ServerConfig(
+        port=0, grpc_port=0, grace_s=5.0, role=role, handoff=handoff or HandoffPolicy(), **server_fields
+    )
     return ThreadedServer(server_config, lambda: Engine(config)).start()
 
 
