@@ -114,3 +114,16 @@ def test_policy_refuses_bad_values_naming_the_field(field, value):
 def test_policy_refuses_a_zero_poll():
     with pytest.raises(ValueError, match="poll_s"):
         HandoffPolicy(poll_s=0.0)
+
+
+def test_pages_all_there_at_the_start_end_the_wait_without_another_probe():
+    calls = []
+
+    def probe() -> int:
+        calls.append(1)
+        return 10
+
+    wait = HandoffWait(probe, 10, 10, 5.0, 1.0, _Clock())
+    result = wait.poll()
+    assert result is not None and result.outcome == "complete" and result.landed_pages == 10
+    assert calls == []  # the caller's first probe already counted them
