@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -171,3 +172,23 @@ def test_roles_need_a_shared_l3_and_write_through():
     check_role("decode", EngineConfig(model="tiny", tiers="L1+L2+L3", write_policy="write_back"))
     with pytest.raises(ValueError, match="role"):
         ServerConfig(role="middle")
+
+
+def test_a_bad_room_is_a_400_and_a_client_gone_while_waiting_leaves_nothing_behind(replicas):
+    decode = replicas["decode"]
+    bad = httpx.post(f"{decode.http_url}/v1/chat/completions", json=_chat("Q?", bootstrap_room="abc"), timeout=60)
+    assert bad.status_code == 400 and "bootstrap_room" in bad.text
+    # no prefill replica: the decode replica waits (4 s); the client hangs up after 0.5 s
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{decode.http_url}/v1/chat/completions", json={**_chat("Who hangs up?"), **_router_fields(11)}, timeout=0.5
+        )
+    deadline = time.monotonic() + 30
+    while _metric(decode, "strata_requests_in_flight") > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _metric(decode, "strata_requests_in_flight") == 0
+    assert _metric(decode, 'strata_requests_total{api="http",status="cancelled"}') >= 1
+    accounting = decode.frontend.engine().check_accounting()
+    assert accounting["live_requests"] == 0 and accounting["locked_nodes"] == 0
+    ok = httpx.post(f"{decode.http_url}/v1/chat/completions", json=_chat("Still there?"), timeout=120)
+    assert ok.status_code == 200
