@@ -154,7 +154,7 @@ start_redis() {
 }
 
 replica_role() {  # replica_role I: its --role (a replica without a bootstrap_room serves as usual)
-    if [[ "$TOPOLOGY" == pd ]]; then (( $1 == 0 )) && echo prefill || echo decode; else echo both; fi
+    if [[ "$TOPOLOGY" == pd ]]; then (( $1 < REPLICAS - 1 )) && echo prefill || echo decode; else echo both; fi
 }
 
 launch_replica() {  # launch_replica I: start replica I on its CPUs and ports (kept across restarts)
@@ -190,12 +190,17 @@ ok = [w for w in body.get("workers", []) if w.get("is_healthy") and w.get("model
 sys.exit(0 if len(ok) == want else 1)' "$REPLICAS" "$NAME"
 }
 
-start_router() {  # start_router POLICY [pd]: pd puts replica 0 as prefill and replica 1 as decode
+start_router() {  # start_router POLICY [pd]: pd puts the last replica as decode, the others as prefill
     local policy="$1" port metrics_port workers
     port="$(free_port)"; metrics_port="$(free_port)"
     ROUTER_URL="http://127.0.0.1:$port"
     if [[ "${2:-}" == pd ]]; then
-        workers=(--pd-disaggregation --prefill "${REPLICA_URLS[0]}" --decode "${REPLICA_URLS[1]}")
+        # each prefill replica's HTTP port is its bootstrap port: the decode replica asks it how a
+        # prompt stands (GET /pd/rooms/{room}, docs/serving.md)
+        workers=(--pd-disaggregation)
+        local last=$(( REPLICAS - 1 )) i
+        for (( i = 0; i < last; i++ )); do workers+=(--prefill "${REPLICA_URLS[$i]}" "${REPLICA_PORTS[$i]}"); done
+        workers+=(--decode "${REPLICA_URLS[$last]}")
     else
         workers=(--worker-urls "${REPLICA_URLS[@]}")
     fi

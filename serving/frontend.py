@@ -22,6 +22,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import httpx
+
+from serving.disaggregation import Handoff, RoomBook
 from serving.metrics import ServingMetrics
 from strata_jax.api import (
     EngineUnavailableError,
@@ -33,7 +36,7 @@ from strata_jax.api import (
     StreamChunk,
     fan_out,
 )
-from strata_jax.engine.handoff import HandoffPolicy, HandoffWait
+from strata_jax.engine.handoff import PEER_STATES, HandoffPolicy, HandoffWait
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +123,8 @@ class Frontend:
         handoff_policy: HandoffPolicy | None = None,
     ) -> None:
         self.metrics = metrics
-        self.handoff_policy = handoff_policy or HandoffPolicy()  # a decode replica's wait (await_handoff)
+        self.handoff_policy = handoff_policy or HandoffPolicy()  # a decode replica's wait (_await_handoff)
+        self.rooms = RoomBook()  # a prefill replica's disaggregated prompts, as the decode replica asks
         self._engine: EngineLike | None = None
         self._state = State.WARMING
         self._served_name = served_model_name
@@ -224,7 +228,7 @@ class Frontend:
         cache_salt: str | None = None,
         request_id: str | None = None,
         lora_name: str | None = None,
-        await_handoff: bool = False,
+        handoff: Handoff | None = None,
     ) -> list[AsyncGenerator[StreamChunk, None]]:
         """``n`` choices of one prompt (OpenAI's ``n``), each a ``stream`` of one of the
         requests ``strata_jax.api.fan_out`` makes of it (choice 0 prefills, the others follow)."""
@@ -237,7 +241,7 @@ class Frontend:
                 request_id=c.request_id,
                 follows=c.follows,
                 lora_name=lora_name,
-                await_handoff=await_handoff,
+                handoff=handoff,
             )
             for c in fan_out(params, n, request_id)
         ]
@@ -252,15 +256,16 @@ class Frontend:
         request_id: str | None = None,
         follows: str | None = None,
         lora_name: str | None = None,
-        await_handoff: bool = False,
+        handoff: Handoff | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """Stream one request's chunks; closing this generator early aborts the request.
 
         ``follows``: another choice (n > 1) of the same prompt whose prefill this
         request waits for, so it reuses the prompt's pages (``Engine.submit``).
-        ``await_handoff`` (a decode replica's disaggregated request): first wait until
-        another replica has put the prompt's pages in L3 (``_await_handoff``); a follower
-        waits for its leader instead.
+        ``handoff`` (a disaggregated prompt, ``serving/disaggregation.py``): a decode replica
+        first waits until the prefill replica has put the prompt's pages in L3
+        (``_await_handoff``; a follower waits for its leader instead); a prefill replica
+        keeps the room's state in ``rooms`` for the decode replica to ask.
 
         Errors from admission (``InvalidRequestError``, ``OverloadedError``,
         ``EngineUnavailableError``) surface on the first ``__anext__``.  The request
@@ -275,6 +280,9 @@ class Frontend:
         rid: str | None = None
         engine_stream: AsyncIterator[StreamChunk] | None = None
         finished = False
+        room = handoff.room if handoff is not None and handoff.role == "prefill" and follows is None else None
+        if room is not None:
+            self.rooms.start(room)
         self.metrics.in_flight.inc()
         try:
             engine = self.engine()
@@ -286,8 +294,8 @@ class Frontend:
             self._in_flight.add(rid)
             load = self._load[rid] = _RequestLoad(len(prompt) if isinstance(prompt, list) else 0, adapter=lora_name)
             handed_over = None
-            if await_handoff and follows is None:
-                handed_over = await self._await_handoff(engine, prompt, cache_salt, lora_name)
+            if handoff is not None and handoff.role == "decode" and follows is None:
+                handed_over = await self._await_handoff(engine, prompt, cache_salt, lora_name, handoff.peer_url)
             engine_stream = engine.stream(
                 prompt,
                 params,
@@ -319,6 +327,8 @@ class Frontend:
             status = "rejected" if reason is not None else "error"
             raise
         finally:
+            if room is not None:
+                self.rooms.end(room, prefilled=finished)
             await self._release(rid, engine_stream, finished)
             self.metrics.in_flight.dec()
             if reason is not None:
@@ -330,18 +340,29 @@ class Frontend:
                 self.metrics.lora_requests.labels(lora_name, status).inc()
 
     async def _await_handoff(
-        self, engine: EngineLike, prompt: str | Sequence[int], cache_salt: str | None, lora_name: str | None
+        self,
+        engine: EngineLike,
+        prompt: str | Sequence[int],
+        cache_salt: str | None,
+        lora_name: str | None,
+        peer_url: str | None,
     ) -> float | None:
         """Wait for the prompt's pages, which the prefill replica computes, in L3 (polled, so
-        no thread is held while waiting); counted and, when the wait gave up, logged.  Returns
+        no thread is held while waiting), asking the prefill replica at ``peer_url`` how the
+        room stands every ``peer_poll_s``; counted and, when the wait gave up, logged.  Returns
         when the last page was seen (``perf_counter``), None when the replica computes part of
         the prompt itself."""
         policy = self.handoff_policy
         wait = await asyncio.to_thread(
             engine.handoff_wait, prompt, cache_salt=cache_salt or None, lora_name=lora_name, policy=policy
         )
-        while (result := await asyncio.to_thread(wait.poll)) is None:
-            await asyncio.sleep(wait.poll_s)
+        asker = asyncio.create_task(self._ask_peer(wait, peer_url, policy.peer_poll_s)) if peer_url else None
+        try:
+            while (result := await asyncio.to_thread(wait.poll)) is None:
+                await asyncio.sleep(wait.poll_s)
+        finally:
+            if asker is not None:
+                asker.cancel()
         self.metrics.pd_handoffs.labels(result.outcome).inc()
         self.metrics.pd_pages_received.inc(result.landed_pages)
         self.metrics.pd_wait.observe(result.waited_s)
@@ -355,6 +376,19 @@ class Frontend:
             )
             return None
         return time.perf_counter()
+
+    @staticmethod
+    async def _ask_peer(wait: HandoffWait, url: str, every_s: float) -> None:
+        """Tell ``wait`` what the prefill replica says of the room, every ``every_s`` until cancelled."""
+        async with httpx.AsyncClient(timeout=max(every_s * 4, 1.0)) as client:
+            while True:
+                try:
+                    answer = await client.get(url)
+                    state = answer.json().get("state") if answer.status_code == 200 else None
+                except (httpx.HTTPError, ValueError, AttributeError):
+                    state = "unreachable"
+                wait.note_peer(state if state in PEER_STATES else "unknown")
+                await asyncio.sleep(every_s)
 
     @staticmethod
     def _encode(engine: EngineLike, prompt: str | Sequence[int]) -> str | Sequence[int]:

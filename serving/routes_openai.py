@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from serving import openai_logprobs as olp
 from serving import openai_protocol as oai
 from serving import tool_calls
-from serving.disaggregation import handoff_role, prefill_only
+from serving.disaggregation import Handoff, handoff_for, prefill_only
 from serving.frontend import TIERS, EngineLike
 from serving.http_common import ADMIN_AUTH, INFERENCE_AUTH, HttpContext, http_context, map_error, until_disconnect
 from serving.openai_streams import ChoiceTotals, ChunkStream, collect_all, first_item, merged, sse_response
@@ -73,7 +73,10 @@ class _Completion:
     prompts: list[Any]
     params: SamplingParams
     lora_name: str | None  # the LoRA adapter ``model`` selects (None: the base model)
-    await_handoff: bool = False  # decode role: wait for the prompt's pages in L3 (serving/disaggregation.py)
+    handoffs: list[Handoff | None] = dataclasses.field(default_factory=list)  # per prompt (serving/disaggregation.py)
+
+    def handoff(self, index: int = 0) -> Handoff | None:
+        return self.handoffs[index] if index < len(self.handoffs) else None
 
     @property
     def model(self) -> str:
@@ -113,7 +116,7 @@ async def completions(request: Request) -> Response:
         if req.stream:
             return await _stream_completion(ctx, request, job, rid)
         streams: list[ChunkStream] = []
-        for p in job.prompts:
+        for i, p in enumerate(job.prompts):
             streams += ctx.frontend.stream_choices(
                 p,
                 job.params,
@@ -122,7 +125,7 @@ async def completions(request: Request) -> Response:
                 cache_salt=req.cache_salt,
                 request_id=req.request_id if len(job.prompts) == 1 else None,
                 lora_name=job.lora_name,
-                await_handoff=job.await_handoff,
+                handoff=job.handoff(i),
             )
         results = await until_disconnect(request, collect_all(streams))
     except Exception as exc:  # noqa: BLE001 - every failure becomes its HTTP error
@@ -174,7 +177,7 @@ async def _stream_completion(ctx: HttpContext, request: Request, job: _Completio
         cache_salt=req.cache_salt,
         request_id=req.request_id,
         lora_name=job.lora_name,
-        await_handoff=job.await_handoff,
+        handoff=job.handoff(),
     )
     chunks = merged(streams)
     first = await until_disconnect(request, first_item(chunks))
@@ -215,7 +218,10 @@ class _Chat:
     params: SamplingParams
     tools: tool_calls.ToolPlan
     lora_name: str | None  # the LoRA adapter ``model`` selects (None: the base model)
-    await_handoff: bool = False  # decode role: wait for the prompt's pages in L3 (serving/disaggregation.py)
+    handoffs: list[Handoff | None] = dataclasses.field(default_factory=list)  # per prompt (serving/disaggregation.py)
+
+    def handoff(self, index: int = 0) -> Handoff | None:
+        return self.handoffs[index] if index < len(self.handoffs) else None
 
     @property
     def model(self) -> str:
@@ -267,11 +273,11 @@ _Job = TypeVar("_Job", _Completion, _Chat)
 def _play_role(ctx: HttpContext, job: _Job) -> _Job:
     """This replica's part in a disaggregated request (one carrying a ``bootstrap_room``): a
     prefill replica runs the prompt and one token, a decode replica waits for the prompt's pages."""
-    role = handoff_role(ctx.config.role, job.req)
-    if role == "prefill":
+    prompts = len(job.prompts) if isinstance(job, _Completion) else 1
+    job.handoffs = [handoff_for(ctx.config.role, job.req, i) for i in range(prompts)]
+    if any(h is not None and h.role == "prefill" for h in job.handoffs):
         job.params = prefill_only(job.params)
         ctx.frontend.metrics.pd_prefills.inc()
-    job.await_handoff = role == "decode"
     return job
 
 
@@ -293,7 +299,7 @@ async def chat_completions(request: Request) -> Response:
             cache_salt=req.cache_salt,
             request_id=req.request_id,
             lora_name=job.lora_name,
-            await_handoff=job.await_handoff,
+            handoff=job.handoff(),
         )
         if req.stream:
             return await _stream_chat(ctx, request, job, streams, rid)

@@ -1,7 +1,8 @@
 """What a router or an operator asks of a worker: SGLang's worker routes
 (``serving/worker_info.py``) ``GET /server_info``, ``GET /model_info`` (and the older
 ``/get_server_info``, ``/get_model_info``), ``GET /get_load``, ``POST /flush_cache``,
-plus ``GET /health`` and ``GET /metrics``."""
+plus ``GET /health``, ``GET /metrics`` and, for prefill/decode disaggregation,
+``GET /pd/rooms/{room}`` (``serving/disaggregation.py``)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,14 @@ async def sglang_flush_cache(request: Request) -> JSONResponse:
     except Exception as exc:  # noqa: BLE001 - every failure becomes its HTTP error
         return map_error(exc).response()
     return JSONResponse({"flushed": list(worker_info.LOCAL_TIERS)})
+
+
+@router.get("/pd/rooms/{room}")
+async def pd_room(request: Request, room: int) -> JSONResponse:
+    """How a disaggregated prompt stands on this (prefill) replica, for the decode replica
+    waiting for its pages: ``in_flight``, ``done``, ``failed`` or ``unknown``.  Unauthenticated,
+    as ``/health``: the decode replica holds no key, and a room's state tells nothing else."""
+    return JSONResponse({"room": room, "state": http_context(request).frontend.rooms.state(room)})
 
 
 @router.get("/health")

@@ -22,7 +22,7 @@ from serving.server import StrataServer
 from strata_jax.engine.handoff import HandoffPolicy
 
 log = logging.getLogger("strata_jax.serve")
-HANDOFF_FLAGS = ("base_s", "prefill_factor", "stall_s", "max_wait_s")  # HandoffPolicy fields serve sets
+HANDOFF_FLAGS = ("base_s", "prefill_factor", "stall_s", "max_wait_s", "peer_poll_s")  # HandoffPolicy fields serve sets
 
 _ENGINE_FLAG_PREFIX = "engine_"
 _NEST = "__"  # argparse dest separator for nested fields (scheduler.policy -> engine_scheduler__policy)

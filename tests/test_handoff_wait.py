@@ -127,3 +127,83 @@ def test_pages_all_there_at_the_start_end_the_wait_without_another_probe():
     result = wait.poll()
     assert result is not None and result.outcome == "complete" and result.landed_pages == 10
     assert calls == []  # the caller's first probe already counted them
+
+
+def _peer_wait(deadline=5.0, max_wait=60.0, stall=1.0) -> tuple[HandoffWait, _Clock, list[int]]:
+    clock, landed = _Clock(), [0]
+    return HandoffWait(lambda: landed[0], 10, 0, deadline, stall, clock, max_wait_s=max_wait), clock, landed
+
+
+def test_a_prefill_replica_that_holds_the_request_is_waited_for_up_to_max_wait():
+    wait, clock, landed = _peer_wait(deadline=5.0, max_wait=60.0)
+    wait.note_peer("in_flight")  # queued behind other prompts there: its own deadline would recompute it
+    for _ in range(50):
+        clock.now += 1.0
+        assert wait.poll() is None
+    landed[0] = 10
+    result = wait.poll()
+    assert result is not None and result.outcome == "complete" and result.waited_s == 50.0
+    wait, clock, _ = _peer_wait(deadline=5.0, max_wait=60.0)
+    wait.note_peer("in_flight")
+    clock.now += 60.0
+    result = wait.poll()
+    assert result is not None and result.outcome == "deadline"  # never past max_wait_s
+
+
+def test_a_prefill_replica_that_never_got_the_request_leaves_the_deadline_as_it_was():
+    wait, clock, _ = _peer_wait(deadline=5.0, max_wait=60.0)
+    wait.note_peer("unknown")
+    clock.now += 4.9
+    assert wait.poll() is None
+    clock.now += 0.1
+    result = wait.poll()
+    assert result is not None and result.outcome == "deadline" and result.waited_s == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("said", [["failed"], ["in_flight", "unreachable", "unreachable"], ["unreachable"] * 2])
+def test_a_failed_or_dead_prefill_replica_ends_the_wait_at_once(said):
+    wait, clock, landed = _peer_wait(deadline=30.0, max_wait=60.0)
+    landed[0] = 2
+    assert wait.poll() is None
+    clock.now += 0.3
+    for state in said:
+        wait.note_peer(state)
+    result = wait.poll()
+    assert result is not None and result.outcome == "prefill_lost" and result.fell_back
+    assert (result.landed_pages, result.waited_s) == (2, pytest.approx(0.3))
+
+
+def test_one_unanswered_question_is_not_a_dead_replica():
+    wait, clock, _ = _peer_wait(deadline=5.0, max_wait=60.0)
+    wait.note_peer("in_flight")
+    wait.note_peer("unreachable")  # a busy replica may miss one answer: what it said before holds
+    clock.now += 10.0
+    assert wait.poll() is None and wait.peer == "in_flight"
+    wait.note_peer("in_flight")
+    wait.note_peer("unreachable")  # not two in a row
+    assert wait.poll() is None
+
+
+def test_pages_that_do_not_follow_a_finished_prefill_stall():
+    wait, clock, landed = _peer_wait(deadline=30.0, max_wait=60.0, stall=1.0)
+    wait.note_peer("in_flight")
+    clock.now += 3.0
+    wait.note_peer("done")
+    clock.now += 0.9
+    assert wait.poll() is None
+    wait.note_peer("done")  # said again: the stall clock runs from the first time
+    clock.now += 0.1
+    result = wait.poll()
+    assert result is not None and result.outcome == "stalled" and result.landed_pages == 0
+    wait, clock, landed = _peer_wait(deadline=30.0, max_wait=60.0, stall=1.0)
+    wait.note_peer("done")
+    clock.now += 0.5
+    landed[0] = 10  # they followed
+    result = wait.poll()
+    assert result is not None and result.outcome == "complete"
+
+
+def test_an_unknown_peer_state_is_refused():
+    wait, _, _ = _peer_wait()
+    with pytest.raises(ValueError, match="unknown prefill replica state"):
+        wait.note_peer("busy")

@@ -43,7 +43,9 @@ class _Router:
     def __init__(self, binary: Path, prefill: str, decode: str, log: Path) -> None:
         self.url = f"http://127.0.0.1:{_free_port()}"
         cmd = [str(binary), "launch", "--host", "127.0.0.1", "--port", self.url.rsplit(":", 1)[1]]
-        cmd += ["--pd-disaggregation", "--prefill", prefill, "--decode", decode, "--policy", "round_robin"]
+        # the prefill replica's HTTP port as its bootstrap port: the decode replica asks it how rooms stand
+        cmd += ["--pd-disaggregation", "--prefill", prefill, prefill.rsplit(":", 1)[1], "--decode", decode]
+        cmd += ["--policy", "round_robin"]
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port())]
         cmd += ["--worker-startup-check-interval", "1", "--health-check-interval-secs", "1", "--log-level", "info"]
         self._log = log.open("w")

@@ -11,11 +11,14 @@ import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
+from fault_backends import free_port
 
 from serving.config import ServerConfig
+from serving.disaggregation import Handoff, RoomBook, handoff_for
 from serving.server import ThreadedServer
 from serving.server_cli import check_role
 from strata_jax.engine.handoff import HandoffPolicy
@@ -24,7 +27,9 @@ PAGE = 16
 DOCUMENT = " ".join(f"clause {i} of the shared agreement binds party {i % 7}." for i in range(30))
 
 
-def _server(role: str, storage, handoff: HandoffPolicy | None = None, **server_fields) -> ThreadedServer:
+def _server(
+    role: str, storage, handoff: HandoffPolicy | None = None, prefetch_policy: str = "cost", **server_fields
+) -> ThreadedServer:
     """A tiny-model replica over the L3 directory ``storage`` (``server_fields``: more ``ServerConfig``)."""
     from strata_jax.engine import Engine, EngineConfig
 
@@ -37,6 +42,7 @@ def _server(role: str, storage, handoff: HandoffPolicy | None = None, **server_f
         max_context_tokens=4096,
         tiers="L1+L2+L3",
         storage_dir=str(storage),
+        prefetch_policy=prefetch_policy,
     )
     server_config = ServerConfig(
         port=0, grpc_port=0, grace_s=5.0, role=role, handoff=handoff or HandoffPolicy(), **server_fields
@@ -50,7 +56,10 @@ def replicas(tmp_path_factory):
     servers = {
         "prefill": _server("prefill", shared),
         # a fixed 4 s (its own prefill times are unmeasured yet): the fallback test waits it out
-        "decode": _server("decode", shared, HandoffPolicy(base_s=4.0, prefill_factor=0.0, max_wait_s=4.0)),
+        # (every page from L3: the tiny model computes so fast that the cost policy may not wait for the last ones)
+        "decode": _server(
+            "decode", shared, HandoffPolicy(base_s=4.0, prefill_factor=0.0, max_wait_s=4.0), "wait_complete"
+        ),
         "alone": _server("both", tmp_path_factory.mktemp("alone_l3")),
     }
     warm = _chat("warming up the programs", max_tokens=2)  # (warmup=False: the first requests compile)
@@ -192,3 +201,98 @@ def test_a_bad_room_is_a_400_and_a_client_gone_while_waiting_leaves_nothing_behi
     assert accounting["live_requests"] == 0 and accounting["locked_nodes"] == 0
     ok = httpx.post(f"{decode.http_url}/v1/chat/completions", json=_chat("Still there?"), timeout=120)
     assert ok.status_code == 200
+
+
+def test_a_prefill_replica_tells_how_its_rooms_stand(replicas):
+    prefill = replicas["prefill"]
+    prefill_answer, _ = _both(replicas, {**_chat("Which clause names party 4?"), **_router_fields(21)})
+    assert prefill_answer.status_code == 200
+
+    def room(r: object) -> httpx.Response:
+        return httpx.get(f"{prefill.http_url}/pd/rooms/{r}", timeout=10)
+
+    assert room(21).json() == {"room": 21, "state": "done"}
+    assert room(2**62).json() == {"room": 2**62, "state": "unknown"}
+    assert room("abc").status_code == 400
+
+
+def test_room_book_states():
+    book = RoomBook(kept=2)
+    assert book.state(1) == "unknown"
+    book.start(1)
+    book.start(1)  # the router retried the room: two requests hold it
+    assert book.state(1) == "in_flight"
+    book.end(1, prefilled=False)
+    assert book.state(1) == "in_flight"
+    book.end(1, prefilled=True)
+    assert book.state(1) == "done"
+    book.start(2)
+    book.end(2, prefilled=False)
+    assert book.state(2) == "failed"
+    book.start(3)
+    book.end(3, prefilled=True)
+    assert [book.state(r) for r in (1, 2, 3)] == ["unknown", "failed", "done"]  # the oldest is forgotten
+
+
+def test_router_fields_name_the_prefill_replicas_room_url():
+    class Req:
+        bootstrap_host, bootstrap_port, bootstrap_room = "10.0.0.7", 18100, 5
+
+    assert handoff_for("decode", Req()) == Handoff("decode", 5, "http://10.0.0.7:18100/pd/rooms/5")
+    assert handoff_for("prefill", Req()) == Handoff("prefill", 5, None)
+    assert handoff_for("both", Req()) is None
+    Req.bootstrap_host, Req.bootstrap_port = "::1", None
+    assert handoff_for("decode", Req()) == Handoff("decode", 5, None)  # no bootstrap port: L3 and the deadline
+    Req.bootstrap_port = 9
+    assert handoff_for("decode", Req()).peer_url == "http://[::1]:9/pd/rooms/5"
+    Req.bootstrap_host, Req.bootstrap_port, Req.bootstrap_room = ["h0", "h1"], [1, 2], [7, 8]
+    assert handoff_for("decode", Req(), 1) == Handoff("decode", 8, "http://h1:2/pd/rooms/8")
+
+
+@pytest.fixture(scope="module")
+def patient_decode(tmp_path_factory, replicas):
+    """A decode replica over the shared L3 that asks the prefill replica: its own deadline is
+    0.5 s, so only what the prefill replica says keeps it waiting longer."""
+    shared = Path(replicas["decode"].frontend.engine().config.storage_dir)
+    policy = HandoffPolicy(base_s=0.5, prefill_factor=0.0, stall_s=1.0, max_wait_s=30.0, peer_poll_s=0.1)
+    server = _server("decode", shared, policy)
+    httpx.post(f"{server.http_url}/v1/chat/completions", json=_chat("warm", max_tokens=2), timeout=300)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_the_decode_replica_waits_while_the_prefill_replica_holds_the_room_and_stops_when_it_fails(
+    replicas, patient_decode
+):
+    prefill, decode = replicas["prefill"], patient_decode
+    port = int(prefill.http_url.rsplit(":", 1)[1])
+    body = _chat("Which clause binds party 6 last?")
+    want = httpx.post(f"{replicas['alone'].http_url}/v1/chat/completions", json=body, timeout=120).json()
+    prefill.frontend.rooms.start(31)  # queued there, behind other prompts
+    routed = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": 31}
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        answer = pool.submit(httpx.post, f"{decode.http_url}/v1/chat/completions", json=routed, timeout=120)
+        time.sleep(2.5)  # five times the decode replica's own deadline
+        assert not answer.done()
+        prefill.frontend.rooms.end(31, prefilled=False)  # then the prefill replica fails it
+        got = answer.result()
+    waited = time.monotonic() - started
+    assert got.status_code == 200
+    assert got.json()["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    assert _metric(decode, 'strata_pd_handoffs_total{outcome="prefill_lost"}') == 1
+    assert 2.5 <= waited < 10
+
+
+def test_a_dead_prefill_replica_ends_the_wait_at_once(replicas, patient_decode):
+    decode = patient_decode
+    body = _chat("Which clause binds party 7?")
+    want = httpx.post(f"{replicas['alone'].http_url}/v1/chat/completions", json=body, timeout=120).json()
+    before = _metric(decode, 'strata_pd_handoffs_total{outcome="prefill_lost"}')
+    routed = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(), "bootstrap_room": 32}
+    got = httpx.post(f"{decode.http_url}/v1/chat/completions", json=routed, timeout=120)
+    assert got.status_code == 200
+    assert got.json()["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    assert _metric(decode, 'strata_pd_handoffs_total{outcome="prefill_lost"}') == before + 1

@@ -525,8 +525,9 @@ class Engine:
         present = probe() if keys else 0
         missing = len(valid.prompt_ids) - present * self.page_size
         predicted = self.scheduler.cost.extend_seconds(missing, present * self.page_size)
+        deadline = policy.deadline(predicted)
         return HandoffWait(
-            probe, len(keys), present, policy.deadline(predicted), policy.stall_s, time.monotonic, policy.poll_s
+            probe, len(keys), present, deadline, policy.stall_s, time.monotonic, policy.poll_s, policy.max_wait_s
         )
 
     def check_accounting(self) -> dict[str, int]:

@@ -16,6 +16,18 @@ jax; the caller polls it, so an asyncio server waits without holding a thread):
 * ``deadline_s`` after the wait began: ``deadline`` (the prefill replica never got it, died,
   or is far slower than expected).
 
+What the prefill replica says of the request (``note_peer``, when the router named it: the
+caller asks it over HTTP, ``serving/disaggregation.py``) moves these ends:
+
+* ``in_flight`` (queued or prefilling there): the deadline becomes ``max_wait_s``, so a
+  prompt queued behind other people's prompts on a busy prefill replica is waited for, not
+  computed twice;
+* ``done`` (its prefill ended; its pages are on their way to L3): ``stalled`` if they have
+  not all landed ``stall_s`` later;
+* ``failed`` (it ended the request without finishing the prefill) or ``unreachable`` twice
+  in a row (it died): ``prefill_lost`` at once;
+* ``unknown`` (it never got the request, or forgot it): the deadline as without it.
+
 The deadline comes from the cost model (``HandoffPolicy.deadline``): a fixed allowance for
 the router's dispatch and the prefill replica's queue, plus a multiple of this replica's own
 predicted prefill time for the part of the prompt not yet in L3 (the replicas run the same
@@ -41,6 +53,8 @@ class HandoffPolicy:
     stall_s: pages began to land and none landed for this long: compute the rest here.
     max_wait_s: the wait never exceeds this; then what is missing is computed here.
     poll_s: time between two L3 existence probes.
+    peer_poll_s: time between two questions to the prefill replica about the request (when
+        the router names it: ``--prefill URL PORT`` with PORT its HTTP port).
     """
 
     base_s: float = 2.0
@@ -48,14 +62,16 @@ class HandoffPolicy:
     stall_s: float = 2.0
     max_wait_s: float = 60.0
     poll_s: float = 0.02
+    peer_poll_s: float = 0.25
 
     def __post_init__(self) -> None:
-        for name in ("base_s", "prefill_factor", "stall_s", "max_wait_s", "poll_s"):
+        for name in ("base_s", "prefill_factor", "stall_s", "max_wait_s", "poll_s", "peer_poll_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"handoff {name} must be a finite number >= 0, got {value!r}")
-        if self.poll_s <= 0:
-            raise ValueError(f"handoff poll_s must be positive, got {self.poll_s!r}")
+        for name in ("poll_s", "peer_poll_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"handoff {name} must be positive, got {getattr(self, name)!r}")
 
     def deadline(self, predicted_prefill_s: float) -> float:
         """Seconds to wait for a prompt whose prefill this replica predicts at ``predicted_prefill_s``."""
@@ -64,10 +80,15 @@ class HandoffPolicy:
         return min(self.base_s + self.prefill_factor * predicted, self.max_wait_s)
 
 
+OUTCOMES = ("complete", "stalled", "prefill_lost", "deadline")
+PEER_STATES = ("in_flight", "done", "failed", "unknown", "unreachable")
+UNREACHABLE_LOST = 2  # consecutive unanswered questions that mean the prefill replica is gone
+
+
 @dataclass(frozen=True)
 class HandoffResult:
-    """How a wait ended (``outcome``: complete, stalled or deadline): pages of the prompt
-    wanted and in L3 at the end, seconds waited."""
+    """How a wait ended (``outcome``: one of ``OUTCOMES``): pages of the prompt wanted and in
+    L3 at the end, seconds waited."""
 
     wanted_pages: int
     landed_pages: int
@@ -96,6 +117,7 @@ class HandoffWait:
         stall_s: float,
         clock: Callable[[], float],
         poll_s: float = 0.02,
+        max_wait_s: float | None = None,
     ) -> None:
         self._probe = probe
         self.wanted_pages = wanted_pages
@@ -107,7 +129,22 @@ class HandoffWait:
         self._started = clock()
         self._landed = present_pages
         self._last_progress: float | None = None  # when the count last grew (None: no new page yet)
+        self._max_wait_s = deadline_s if max_wait_s is None else max(max_wait_s, deadline_s)
+        self.peer: str | None = None  # what the prefill replica last said (None: never asked)
+        self._peer_done_at: float | None = None
+        self._unreachable = 0
         self.result: HandoffResult | None = None
+
+    def note_peer(self, state: str) -> None:
+        """What the prefill replica says of the request now (one of ``PEER_STATES``)."""
+        if state not in PEER_STATES:
+            raise ValueError(f"unknown prefill replica state {state!r}")
+        self._unreachable = self._unreachable + 1 if state == "unreachable" else 0
+        if state == "unreachable" and self.peer is not None and self._unreachable < UNREACHABLE_LOST:
+            return  # one unanswered question is not yet a dead replica: keep what it said before
+        if state == "done" and self._peer_done_at is None:
+            self._peer_done_at = self._clock()
+        self.peer = state
 
     def poll(self) -> HandoffResult | None:
         """Probe once (not when every page was there already); the result when the wait is
@@ -124,7 +161,11 @@ class HandoffWait:
             outcome = "complete"
         elif self._last_progress is not None and now - self._last_progress >= self._stall_s:
             outcome = "stalled"
-        elif waited >= self.deadline_s:
+        elif self.peer == "failed" or (self.peer == "unreachable" and self._unreachable >= UNREACHABLE_LOST):
+            outcome = "prefill_lost"
+        elif self._peer_done_at is not None and now - self._peer_done_at >= self._stall_s:
+            outcome = "stalled"  # its prefill ended and the pages did not follow
+        elif waited >= (self._max_wait_s if self.peer == "in_flight" else self.deadline_s):
             outcome = "deadline"
         else:
             return None
