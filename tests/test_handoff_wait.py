@@ -184,23 +184,30 @@ def test_one_unanswered_question_is_not_a_dead_replica():
     assert wait.poll() is None
 
 
-def test_pages_that_do_not_follow_a_finished_prefill_stall():
-    wait, clock, landed = _peer_wait(deadline=30.0, max_wait=60.0, stall=1.0)
+def test_pages_that_do_not_follow_a_finished_prefill_stall_a_deadline_after_it():
+    wait, clock, landed = _peer_wait(deadline=5.0, max_wait=60.0, stall=1.0)
     wait.note_peer("in_flight")
     clock.now += 3.0
     wait.note_peer("done")
-    clock.now += 0.9
+    clock.now += 4.9  # past its own deadline from the start: the pages get the deadline again from "done"
     assert wait.poll() is None
-    wait.note_peer("done")  # said again: the stall clock runs from the first time
+    wait.note_peer("done")  # said again: the clock runs from the first time
     clock.now += 0.1
     result = wait.poll()
     assert result is not None and result.outcome == "stalled" and result.landed_pages == 0
-    wait, clock, landed = _peer_wait(deadline=30.0, max_wait=60.0, stall=1.0)
+    assert result.waited_s == pytest.approx(8.0)
+    wait, clock, landed = _peer_wait(deadline=5.0, max_wait=60.0, stall=1.0)
     wait.note_peer("done")
-    clock.now += 0.5
+    clock.now += 4.0
     landed[0] = 10  # they followed
     result = wait.poll()
     assert result is not None and result.outcome == "complete"
+    wait, clock, landed = _peer_wait(deadline=5.0, max_wait=6.0, stall=1.0)
+    clock.now += 4.0
+    wait.note_peer("done")
+    clock.now += 2.0
+    result = wait.poll()
+    assert result is not None and result.outcome == "stalled" and result.waited_s == 6.0  # max_wait_s caps it
 
 
 def test_an_unknown_peer_state_is_refused():

@@ -23,7 +23,8 @@ caller asks it over HTTP, ``serving/disaggregation.py``) moves these ends:
   prompt queued behind other people's prompts on a busy prefill replica is waited for, not
   computed twice;
 * ``done`` (its prefill ended; its pages are on their way to L3): ``stalled`` if they have
-  not all landed ``stall_s`` later;
+  not all landed ``deadline_s`` later (a loaded prefill replica writes them a step or more
+  after its prefill ends);
 * ``failed`` (it ended the request without finishing the prefill) or ``unreachable`` twice
   in a row (it died): ``prefill_lost`` at once;
 * ``unknown`` (it never got the request, or forgot it): the deadline as without it.
@@ -163,9 +164,17 @@ class HandoffWait:
             outcome = "stalled"
         elif self.peer == "failed" or (self.peer == "unreachable" and self._unreachable >= UNREACHABLE_LOST):
             outcome = "prefill_lost"
-        elif self._peer_done_at is not None and now - self._peer_done_at >= self._stall_s:
-            outcome = "stalled"  # its prefill ended and the pages did not follow
-        elif waited >= (self._max_wait_s if self.peer == "in_flight" else self.deadline_s):
+        elif self.peer == "in_flight":
+            if waited < self._max_wait_s:
+                return None
+            outcome = "deadline"
+        elif self._peer_done_at is not None:
+            # its prefill ended and the pages are being written: a loaded prefill replica writes
+            # them a step or more later, so the whole deadline again (capped), not stall_s
+            if now - self._peer_done_at < self.deadline_s and waited < self._max_wait_s:
+                return None
+            outcome = "stalled"
+        elif waited >= self.deadline_s:
             outcome = "deadline"
         else:
             return None
