@@ -12,7 +12,8 @@ disaggregation buys the streams (docs/serving.md, "Prefill/decode disaggregation
     p99), the documents' time to first token, output tokens per second over the run, errors,
     and every answer's text (greedy: the same in any layout).  ``--json`` writes it all.
     With ``--kill-pid`` (failover): ``--kill-after-s`` into the run, at the first moment the
-    replica at ``--kill-url`` is prefilling (its ``/get_load`` counts a waiting request), that
+    replica at ``--kill-url`` is prefilling a document (its ``/get_load`` counts a waiting
+    request and at least ``--kill-min-tokens`` tokens), that
     process gets SIGKILL; the run then passes only if no request failed and, with ``--decode``,
     the decode replica computed at least one prompt itself (its ``strata_pd_handoffs_total``
     outcomes other than ``complete`` grew).
@@ -164,7 +165,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     load = (await client.get(f"{args.kill_url}/get_load", timeout=5)).json()[0]
                 except (httpx.HTTPError, ValueError, LookupError, TypeError):
                     load = {}
-                if load.get("num_waiting_reqs", 0) > 0:
+                if load.get("num_waiting_reqs", 0) > 0 and load.get("num_tokens", 0) >= args.kill_min_tokens:
                     os.kill(args.kill_pid, signal.SIGKILL)
                     killed.update(at_s=time.perf_counter() - t0, load=load)
                     print(f"  [{killed['at_s']:6.1f} s] SIGKILL -> pid {args.kill_pid} while {load}", file=sys.stderr)
@@ -287,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--kill-pid", type=int, help="failover: SIGKILL this process while it prefills")
     run.add_argument("--kill-url", help="failover: that process's URL (its /get_load tells when it prefills)")
     run.add_argument("--kill-after-s", type=float, default=10.0, help="failover: not before (default 10 s)")
+    run.add_argument(
+        "--kill-min-tokens",
+        type=int,
+        default=1000,
+        help="failover: only while it holds this many tokens (a document's prefill, not a stream's; default 1000)",
+    )
     run.add_argument("--json", help="write the run here")
     run.set_defaults(func=cmd_run)
     compare = sub.add_parser("compare", help="runs side by side (the first is the baseline)")

@@ -176,3 +176,26 @@ def test_fleet_pd_bench_compares_disaggregated_with_colocated(tmp_path):
     assert pd_run["docs_answered"] == colocated["docs_answered"] == 3
     decode_log = (tmp_path / "replica1.log").read_text()
     assert "handoff deadline" not in decode_log and "handoff stalled" not in decode_log
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+@pytest.mark.timeout(400)
+def test_fleet_pd_failover_answers_every_request(tmp_path):
+    """TOPOLOGY=pd with two prefill replicas: prefill replica 0 is killed (SIGKILL) while it
+    prefills under load; the router retries its prompts on the other prefill replica, so every
+    request is answered, and the decode replica computed the prompt it was waiting for itself
+    (it asked the dead replica how the room stood: ``prefill_lost``)."""
+    env = _fleet_env(tmp_path)
+    env |= {"TOPOLOGY": "pd", "REPLICAS": "3", "SHARE_CPUS": "1"}
+    env["BENCH_FLAGS"] = (
+        "--streams 2 --stream-tokens 16 --docs 6 --doc-chars 1500 --doc-tokens 4 --doc-interval-s 1.5 "
+        "--doc-start-s 0.5 --duration-s 12 --kill-after-s 2 --kill-min-tokens 800"
+    )
+    proc = _run("failover", env, tmp_path, timeout=390)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads((tmp_path / "pd-failover.json").read_text())
+    assert run["killed"] is not None and run["errors"] == []
+    assert run["docs_answered"] >= 5
+    assert sum(v for k, v in run["decode_handoffs"].items() if k != "complete") >= 1
+    assert "prefill/decode handoff prefill_lost" in (tmp_path / "replica2.log").read_text()

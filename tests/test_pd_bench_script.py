@@ -59,3 +59,27 @@ def test_run_and_compare(replica, tmp_path):
     bad = [sys.executable, str(SCRIPT), "compare", str(tmp_path / "first.json"), str(tmp_path / "bad.json")]
     proc = subprocess.run(bad, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 1 and "1 differ" in proc.stdout and "1 errors" in proc.stdout
+
+
+def test_failover_kills_the_process_while_its_replica_prefills_and_checks_the_fallbacks(replica, tmp_path):
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        cmd = [sys.executable, str(SCRIPT), "run", "--router", replica.http_url, "--model", "tiny"]
+        cmd += ["--streams", "1", "--stream-tokens", "8", "--docs", "4", "--doc-chars", "1500", "--doc-tokens", "4"]
+        cmd += ["--doc-interval-s", "0.3", "--doc-start-s", "0.1", "--duration-s", "4", "--data-dir", str(tmp_path)]
+        cmd += ["--kill-pid", str(victim.pid), "--kill-url", replica.http_url, "--kill-after-s", "0"]
+        cmd += ["--kill-min-tokens", "300", "--decode", replica.http_url, "--json", str(tmp_path / "f.json")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        assert victim.wait(timeout=10) == -9  # SIGKILL, while the replica held a document's prompt
+        run = json.loads((tmp_path / "f.json").read_text())
+        assert run["killed"]["load"]["num_waiting_reqs"] >= 1 and run["killed"]["load"]["num_tokens"] >= 300
+        # a replica that is not a decode replica computed nothing in its place: that check fails the run
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "ok   the prefill replica was killed mid-prefill" in proc.stdout
+        assert "ok   every request answered" in proc.stdout
+        assert "FAIL the decode replica computed prompts itself" in proc.stdout
+    finally:
+        victim.kill()
+    alone = [sys.executable, str(SCRIPT), "run", "--router", "http://x", "--model", "m", "--kill-pid", "1"]
+    proc = subprocess.run(alone, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "--kill-pid and --kill-url go together" in proc.stderr
