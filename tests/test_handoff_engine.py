@@ -141,3 +141,48 @@ def test_an_int8_l3_hands_over_a_quarter_of_the_bytes_and_the_tokens_of_its_page
     finally:
         for e in engines:
             e.shutdown()
+
+
+def test_a_sliding_window_model_hands_over_its_global_layers_and_windows(tmp_path):
+    """Gemma 3's layout (random weights: 3 of 4 layers local, window 16) with window-aware
+    tiers (``kv_layer_groups``, a local pool trimmed to a tenth): the decode engine reads the
+    prompt from the prefill engine's L3 pages, loads the local layers' KV of the window only
+    (the global layers' of every page), and generates the tokens of a plain engine (layer-first
+    pool, no L3) computing the prompt itself."""
+    from hf_reference import make_hf_model
+
+    make_hf_model("gemma3", tmp_path / "model", vocab_size=256)
+    model = str(tmp_path / "model")
+    prompt = _prompt(5, 10 * PAGE + 7)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    windowed = dict(
+        model=model,
+        kv_layer_groups=True,
+        kv_local_ratio=0.1,
+        prefetch_policy="wait_complete",
+        max_batch_tokens=64,
+        prefetch_min_tokens=0,
+    )
+    engines = []
+    try:
+        plain = _engine(tmp_path / "plain", model=model, tiers="L1+L2")
+        engines.append(plain)
+        want = plain.generate([prompt], params)[0].token_ids
+        prefill = _engine(tmp_path / "l3", **windowed)
+        decode = _engine(tmp_path / "l3", **windowed)
+        engines += [prefill, decode]
+        wait = decode.handoff_wait(prompt)
+        prefill.generate([prompt], SamplingParams(max_tokens=1))
+        result = _until_done(wait)
+        assert result.outcome == "complete" and result.landed_pages == 10
+        got = decode.generate([prompt], params)[0]
+        assert got.token_ids == want
+        assert got.cached_tokens["storage"] == 10 * PAGE
+        moved = decode.ctl.bytes_per_token()
+        # 1 of 4 layers global (every page), the 3 local ones only for the window's page of 10
+        full = moved["device_bytes_per_token"]
+        assert moved["load_bytes_per_token"] == pytest.approx(full * (1 / 4 + 3 / 4 * 1 / 10)), moved
+        assert decode.check_accounting()["live_requests"] == 0
+    finally:
+        for e in engines:
+            e.shutdown()
