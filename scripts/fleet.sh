@@ -262,7 +262,7 @@ bench)
         flush_replicas
         start_router round_robin pd
         run_child "$PYTHON" "$REPO/scripts/pd_bench.py" run --router "$ROUTER_URL" --model "$NAME" --label pd \
-            --json "$OUT/pd-pd.json" ${BENCH_FLAGS:-}
+            --decode "${REPLICA_URLS[$(( REPLICAS - 1 ))]}" --json "$OUT/pd-pd.json" ${BENCH_FLAGS:-}
         stop_router
         for policy in ${POLICIES:-round_robin cache_aware}; do
             flush_replicas

@@ -16,7 +16,8 @@ disaggregation buys the streams (docs/serving.md, "Prefill/decode disaggregation
     request and at least ``--kill-min-tokens`` tokens), that
     process gets SIGKILL; the run then passes only if no request failed and, with ``--decode``,
     the decode replica computed at least one prompt itself (its ``strata_pd_handoffs_total``
-    outcomes other than ``complete`` grew).
+    outcomes other than ``complete`` grew).  ``--decode`` alone records the decode replica's
+    handoff outcomes and where its prompt tokens came from over the run.
 ``compare``
     Two or more ``run`` files side by side (the first is the baseline): the table, the
     ratios, and whether every request both runs answered got the same text.
@@ -172,7 +173,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     return
                 await asyncio.sleep(0.05)
 
-        before = await _handoffs(client, args.decode) if args.decode else {}
+        before = await _decode_counters(client, args.decode) if args.decode else {}
         t0 = time.perf_counter()
         arrivals_due = [k for k in range(len(docs)) if args.doc_start_s + k * args.doc_interval_s < args.duration_s]
         tasks = [*(streamer(i) for i in range(args.streams)), *(document(k) for k in arrivals_due)]
@@ -180,7 +181,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             tasks.append(killer())
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0
-        after = await _handoffs(client, args.decode) if args.decode else {}
+        after = await _decode_counters(client, args.decode) if args.decode else {}
 
     def pct(values: list[float], q: float) -> float | None:
         if not values:
@@ -204,15 +205,25 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "output_tokens_per_s": tokens / elapsed,
         "errors": errors,
         "killed": killed or None,
-        "decode_handoffs": {k: after[k] - before.get(k, 0.0) for k in after},
+        "decode_handoffs": {k: after[k] - before.get(k, 0.0) for k in after if k in OUTCOMES},
+        "decode_prompt_tokens": {k: after[k] - before.get(k, 0.0) for k in after if k not in OUTCOMES},
         "answers": answers,
     }
 
 
-async def _handoffs(client: httpx.AsyncClient, decode: str) -> dict[str, float]:
-    """The decode replica's ``strata_pd_handoffs_total`` by outcome."""
+OUTCOMES = ("complete", "stalled", "prefill_lost", "deadline")  # strata_jax/engine/handoff.py
+
+
+async def _decode_counters(client: httpx.AsyncClient, decode: str) -> dict[str, float]:
+    """The decode replica's ``strata_pd_handoffs_total`` by outcome, its prompt tokens
+    (``prompt``) and its prompt tokens cached, by tier (``device``, ``host``, ``storage``)."""
     text = (await client.get(f"{decode}/metrics", timeout=10)).text
-    return {m[1]: float(m[2]) for m in re.finditer(r'^strata_pd_handoffs_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+    out = {m[1]: float(m[2]) for m in re.finditer(r'^strata_pd_handoffs_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+    for m in re.finditer(r'^strata_request_cached_tokens_total\{tier="(\w+)"\} (\S+)$', text, re.M):
+        out[m[1]] = float(m[2])
+    prompt = re.search(r"^strata_prompt_tokens_total (\S+)$", text, re.M)
+    out["prompt"] = float(prompt[1]) if prompt else 0.0
+    return out
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -174,6 +174,8 @@ def test_fleet_pd_bench_compares_disaggregated_with_colocated(tmp_path):
     colocated = json.loads((tmp_path / "pd-round_robin.json").read_text())
     assert pd_run["errors"] == [] and colocated["errors"] == []
     assert pd_run["docs_answered"] == colocated["docs_answered"] == 3
+    # the decode replica's prompts came from the shared L3 (counted from its own metrics)
+    assert pd_run["decode_handoffs"].get("complete", 0) >= 3 and pd_run["decode_prompt_tokens"]["storage"] > 0
     decode_log = (tmp_path / "replica1.log").read_text()
     assert "handoff deadline" not in decode_log and "handoff stalled" not in decode_log
 

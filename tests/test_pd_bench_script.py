@@ -73,6 +73,7 @@ def test_failover_kills_the_process_while_its_replica_prefills_and_checks_the_fa
         assert victim.wait(timeout=10) == -9  # SIGKILL, while the replica held a document's prompt
         run = json.loads((tmp_path / "f.json").read_text())
         assert run["killed"]["load"]["num_waiting_reqs"] >= 1 and run["killed"]["load"]["num_tokens"] >= 300
+        assert run["decode_prompt_tokens"]["prompt"] > 0  # where the (decode) replica's prompt tokens came from
         # a replica that is not a decode replica computed nothing in its place: that check fails the run
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert "ok   the prefill replica was killed mid-prefill" in proc.stdout
