@@ -339,6 +339,14 @@ def check_role(role: str, engine_config: Any) -> None:
         )
 
 
+def role_engine_config(role: str, engine_config: Any) -> Any:
+    """The engine configuration a role runs: a prefill replica publishes each prefill chunk's
+    pages as it goes (``publish_prefill_chunks``), so they land in L3 before its prefill ends."""
+    if role == "prefill" and not engine_config.publish_prefill_chunks:
+        return dataclasses.replace(engine_config, publish_prefill_chunks=True)
+    return engine_config
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Start both servers; returns 0 after a clean SIGTERM/SIGINT shutdown."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -367,6 +375,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         check_role(config.role, engine_config)
+        engine_config = role_engine_config(config.role, engine_config)
     except ValueError as exc:
         print(f"strata-jax serve: {exc}", file=sys.stderr)
         return 2

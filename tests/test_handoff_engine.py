@@ -168,7 +168,7 @@ def test_a_sliding_window_model_hands_over_its_global_layers_and_windows(tmp_pat
         plain = _engine(tmp_path / "plain", model=model, tiers="L1+L2")
         engines.append(plain)
         want = plain.generate([prompt], params)[0].token_ids
-        prefill = _engine(tmp_path / "l3", **windowed)
+        prefill = _engine(tmp_path / "l3", **windowed, publish_prefill_chunks=True)  # as --role prefill runs
         decode = _engine(tmp_path / "l3", **windowed)
         engines += [prefill, decode]
         wait = decode.handoff_wait(prompt)
@@ -186,3 +186,69 @@ def test_a_sliding_window_model_hands_over_its_global_layers_and_windows(tmp_pat
     finally:
         for e in engines:
             e.shutdown()
+
+
+def test_a_prefill_engine_publishing_chunks_lands_its_pages_as_it_goes(tmp_path):
+    """``publish_prefill_chunks`` (what ``--role prefill`` runs): each chunk's full pages reach
+    L3 while the prompt's later chunks are still computing, and the decode engine reading them
+    generates a lone engine's tokens."""
+    prompt = _prompt(6, 40 * PAGE + 3)  # 40 full pages, prefilled 4 pages per step
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engines = []
+    try:
+        alone = _engine(tmp_path / "alone", tiers="L1+L2", max_batch_tokens=64)
+        engines.append(alone)
+        want = alone.generate([prompt], params)[0].token_ids
+        prefill = _engine(tmp_path / "l3", publish_prefill_chunks=True, max_batch_tokens=64)
+        decode = _engine(tmp_path / "l3")
+        engines += [prefill, decode]
+        wait = decode.handoff_wait(prompt)
+        worker = threading.Thread(target=lambda: prefill.generate([prompt], SamplingParams(max_tokens=1)))
+        worker.start()
+        seen = []
+        while worker.is_alive():
+            seen.append(decode.handoff_wait(prompt).present_pages)  # a fresh probe of L3 each time
+        worker.join()
+        assert any(0 < n < 40 for n in seen), sorted(set(seen))  # pages landed before the prefill ended
+        result = _until_done(wait)
+        assert result.outcome == "complete" and result.landed_pages == 40
+        got = decode.generate([prompt], params)[0]
+        assert got.token_ids == want and got.cached_tokens["storage"] == 40 * PAGE
+        assert prefill.check_accounting()["live_requests"] == 0
+    finally:
+        for e in engines:
+            e.shutdown()
+
+
+def test_publishing_chunks_keeps_every_token_and_page(tmp_path):
+    """Requests sharing a document's beginning, prefilled in chunks at once and after, give the
+    same tokens with ``publish_prefill_chunks`` as without, and the page accounting holds."""
+    doc = _prompt(7, 30 * PAGE)
+    prompts = [doc + _prompt(8 + i, 2 * PAGE + i) for i in range(3)] + [doc[: 17 * PAGE + 5]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs = {}
+    for publish in (False, True):
+        engine = _engine(tmp_path / f"l3-{publish}", publish_prefill_chunks=publish, max_batch_tokens=64)
+        try:
+            first = engine.generate(prompts[:2], params)  # both prefilled at once, sharing the document
+            later = engine.generate(prompts[2:], params)  # after: the document's pages from the tree
+            outs[publish] = [o.token_ids for o in first + later]
+            assert later[0].cached_tokens["device"] >= 30 * PAGE
+            accounting = engine.check_accounting()
+            assert accounting["live_requests"] == 0 and accounting["locked_nodes"] == 0
+        finally:
+            engine.shutdown()
+    assert outs[True] == outs[False]
+
+
+def test_publishing_chunks_gives_the_same_tokens_from_every_tier(tmp_path):
+    """The tier parity check (cold, then the prefix from L1, L2 and L3, prefilled in chunks of
+    64 tokens) with ``publish_prefill_chunks``: the tokens and hits of the default engine."""
+    from test_engine_kernels import assert_tiers_agree, tier_tokens
+
+    default = tier_tokens("xla", str(tmp_path / "kv0"))
+    published = tier_tokens("xla", str(tmp_path / "kv1"), publish_prefill_chunks=True)
+    assert_tiers_agree(published["tiers"], default["tiers"]["cold"][0])
+    assert {t: hits for t, (_, hits) in published["tiers"].items()} == {
+        t: hits for t, (_, hits) in default["tiers"].items()
+    }

@@ -20,7 +20,7 @@ from fault_backends import free_port
 from serving.config import ServerConfig
 from serving.disaggregation import Handoff, RoomBook, handoff_for
 from serving.server import ThreadedServer
-from serving.server_cli import check_role
+from serving.server_cli import check_role, role_engine_config
 from strata_jax.engine.handoff import HandoffPolicy
 
 PAGE = 16
@@ -47,6 +47,7 @@ def _server(
     server_config = ServerConfig(
         port=0, grpc_port=0, grace_s=5.0, role=role, handoff=handoff or HandoffPolicy(), **server_fields
     )
+    config = role_engine_config(role, config)  # as serve does
     return ThreadedServer(server_config, lambda: Engine(config)).start()
 
 
@@ -179,6 +180,9 @@ def test_roles_need_a_shared_l3_and_write_through():
     with pytest.raises(ValueError, match="write_through"):
         check_role("prefill", EngineConfig(model="tiny", tiers="L1+L2+L3", write_policy="write_back"))
     check_role("decode", EngineConfig(model="tiny", tiers="L1+L2+L3", write_policy="write_back"))
+    plain = EngineConfig(model="tiny", tiers="L1+L2+L3")
+    assert role_engine_config("prefill", plain).publish_prefill_chunks  # its pages land as it goes
+    assert role_engine_config("decode", plain) is plain and role_engine_config("both", plain) is plain
     with pytest.raises(ValueError, match="role"):
         ServerConfig(role="middle")
 

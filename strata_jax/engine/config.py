@@ -119,6 +119,11 @@ class EngineConfig:
         L1's pages at full width).  A reuse needs that KV only in the window before where it
         starts; pages without it are evicted least recently written first.  Default: the
         same as ``kv_local_ratio``.
+    publish_prefill_chunks: hand each prefill chunk's full pages to the tree when the chunk is
+        dispatched (backed up to L2, and L3, at once under ``write_through``), not only when
+        the prompt's last chunk is: a prefill/decode disaggregation prefill replica's pages
+        land in the shared L3 as its prefill goes (``serve --role prefill`` turns it on), and
+        requests sharing the prompt's beginning find it ready sooner.  Default False.
     pipeline: overlap the host and the device (default): step N+1 is scheduled and
         dispatched while step N runs, and N's tokens are read after; stop rules that need
         a token's value apply one step late (a token computed past a stop is discarded).
@@ -191,6 +196,7 @@ class EngineConfig:
     kv_layer_groups: bool = False
     kv_local_ratio: float = 1.0
     kv_host_local_ratio: float | None = None
+    publish_prefill_chunks: bool = False
     pipeline: bool = True
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None

@@ -91,11 +91,14 @@ class EngineCore:
         outputs: Any = None,
         pipeline: bool = True,
         speculator: Speculator | None = None,
+        publish_chunks: bool = False,
     ) -> None:
         """``outputs``: where each step's token events go (``emit(events)``); default: an
         ``InlineOutput`` delivering them in this thread.  ``pipeline``: dispatch step N+1
         before reading step N's tokens (False: the serial loop).  ``speculator``: greedy
-        rows propose tokens and verify them in one step (``engine.speculation``)."""
+        rows propose tokens and verify them in one step (``engine.speculation``).
+        ``publish_chunks``: every prefill chunk's full pages go to the tree as the chunk is
+        dispatched (``EngineConfig.publish_prefill_chunks``), not only the last chunk's."""
         self.scheduler = scheduler
         self.ctl = ctl
         self.executor = executor
@@ -105,6 +108,7 @@ class EngineCore:
         self.rules = StopRules(eos_token_ids, max_context_tokens)
         self.pipeline = pipeline
         self.speculator = speculator
+        self.publish_chunks = publish_chunks
         self._stops: list[str] = []  # stop strings matched by an inline output side, applied at the next step
         self.outputs = outputs if outputs is not None else InlineOutput(self._stops.append)
         self.pages = RequestPages(ctl)
@@ -395,8 +399,14 @@ class EngineCore:
             step.extend_landed = all(self.ctl.is_ready(h) for h in loads)  # else its time includes the link's
             step.extend = self.executor.dispatch_extend(work, loads)
             for item, t in step.extend_items:
-                if self.scheduler.on_prefill_dispatched(item.request_id) is not RequestStatus.DECODING:
-                    continue  # a chunk that is not the last: nothing sampled
+                status = self.scheduler.on_prefill_dispatched(item.request_id)
+                if status is not RequestStatus.DECODING:
+                    if self.publish_chunks and status is RequestStatus.PREFILLING:  # not the last chunk: pages now
+                        with self.executor.span("backup"):
+                            replaced = self.pages.publish_prefix(t, item.request.prefill_tokens, last=False)
+                        if replaced is not None:
+                            self.executor.page_table_changed(t.request_id, replaced)
+                    continue  # nothing sampled
                 with self.executor.span("backup"):
                     replaced = self.pages.publish_prefix(
                         t, item.request.prefill_tokens, self._view.hint(item.request_id)

@@ -119,6 +119,7 @@ class Engine:
             max_context_tokens=settings.max_context_tokens,
             outputs=self.output,
             pipeline=config.pipeline,
+            publish_chunks=config.publish_prefill_chunks,
             speculator=Speculator(spec, parts.draft) if (spec := config.speculative) is not None else None,
         )
         self.adapters = AdapterRegistry(config.max_loras)

@@ -12,7 +12,8 @@ which page live in one place:
     take_prefix-> host-only part of the prefix is loaded L2->L1; the page table starts as
                   the tree's device pages of the prefix
     ensure_pages -> own pages for the tokens this step computes
-    publish_prefix -> (last chunk dispatched) full pages go to the tree, the lock moves down
+    publish_prefix -> (last chunk dispatched; every chunk with publish_chunks) full pages go to
+                  the tree, the lock moves down
     release    -> finished: computed pages to the tree; aborted: own pages freed
     retract    -> preempted decode: KV to the tree, the request re-queues as transient
 
@@ -226,18 +227,25 @@ class RequestPages:
             t.page_table.extend(pages)
             pin(t.request_id, t.page_table, computed)
 
-    def publish_prefix(self, t: TrackedRequest, tokens: Sequence[int], hint: PrefixMatch | None = None) -> int | None:
+    def publish_prefix(
+        self, t: TrackedRequest, tokens: Sequence[int], hint: PrefixMatch | None = None, *, last: bool = True
+    ) -> int | None:
         """The prefill is dispatched: hand its full pages to the tree (transient -> ready) and re-pin them.
 
-        ``hint``: a match of the same ``tokens`` object (``HiRadixTree.insert``).  Returns the
-        first page-table entry replaced by the tree's page (None: none was).
+        ``hint``: a match of the same ``tokens`` object (``HiRadixTree.insert``).  ``last``
+        False: a chunk that is not the prompt's last (``publish_chunks``): the pages computed so
+        far go to the tree, the prompt's transient nodes beyond them stay the request's.
+        Returns the first page-table entry replaced by the tree's page (None: none was).
         """
         full = t.computed // self.page_size
+        if not last and full <= t.shared_pages:
+            return None  # no new full page since the last publish
         if full != len(tokens) // self.page_size:  # (the tree inserts full pages only)
             tokens, hint = tokens[: full * self.page_size], None
         assert t.locked is not None  # pin_prefix locked the matched prefix
         t.locked, table = self.ctl.cache_unfinished(tokens, t.namespace, t.page_table[:full], t.locked, hint=hint)
-        self.ctl.finish_request(t.request_id)
+        if last:
+            self.ctl.finish_request(t.request_id)
         # Duplicate pages (someone inserted the same tokens first) were freed: use the tree's.
         replaced = None
         for i, page in enumerate(table):
