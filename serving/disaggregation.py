@@ -8,8 +8,8 @@ disaggregation").  SGLang moves the KV between the two over its own transfer eng
 up through the bootstrap port; strata-jax moves it through the L3 both replicas share:
 
 * ``--role prefill``: a request carrying a ``bootstrap_room`` runs its prompt and one token
-  (``prefill_only``); the engine writes the prompt's pages through to L3 when the prefill
-  ends (``write_through``), and the drained answer is that one token.
+  (``prefill_only``); the engine writes each chunk's pages through to L3 as the prefill goes
+  (``write_through``, ``publish_prefill_chunks``), and the drained answer is that one token.
 * ``--role decode``: a request carrying a ``bootstrap_room`` waits (``Frontend.stream``,
   ``strata_jax.engine.handoff``) until the prompt's pages are in L3, or a deadline from the
   cost model passes, then runs as any request: its prompt comes back from L3 and only what

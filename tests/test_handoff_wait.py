@@ -214,3 +214,18 @@ def test_an_unknown_peer_state_is_refused():
     wait, _, _ = _peer_wait()
     with pytest.raises(ValueError, match="unknown prefill replica state"):
         wait.note_peer("busy")
+
+
+def test_no_stall_while_the_prefill_replica_holds_the_room():
+    wait, clock, landed = _peer_wait(deadline=5.0, max_wait=60.0, stall=1.0)
+    wait.note_peer("in_flight")
+    landed[0] = 3
+    assert wait.poll() is None
+    clock.now += 10.0  # its next chunk waits behind other prompts' chunks there
+    assert wait.poll() is None
+    wait.note_peer("done")
+    clock.now += 4.9  # its last pages are being written: the deadline again from "done"
+    assert wait.poll() is None
+    clock.now += 0.1
+    result = wait.poll()
+    assert result is not None and result.outcome == "stalled" and result.landed_pages == 3

@@ -11,17 +11,17 @@ jax; the caller polls it, so an asyncio server waits without holding a thread):
 * pages had begun to land during the wait and then none landed for ``stall_s``:
   ``stalled`` (the prefill replica died mid-write, or L3 dropped pages).  Pages already in
   L3 when the wait begins (a shared document, an earlier turn) are not a start: a prefill
-  replica writes the new pages when its prefill ends, so before the first new page only the
-  deadline ends the wait;
+  replica's first new pages come with its first chunk, after its queue, so before the first
+  new page only the deadline ends the wait;
 * ``deadline_s`` after the wait began: ``deadline`` (the prefill replica never got it, died,
   or is far slower than expected).
 
 What the prefill replica says of the request (``note_peer``, when the router named it: the
 caller asks it over HTTP, ``serving/disaggregation.py``) moves these ends:
 
-* ``in_flight`` (queued or prefilling there): the deadline becomes ``max_wait_s``, so a
-  prompt queued behind other people's prompts on a busy prefill replica is waited for, not
-  computed twice;
+* ``in_flight`` (queued or prefilling there): the deadline becomes ``max_wait_s`` and no
+  gap between pages is a stall, so a prompt queued behind other people's prompts, or whose
+  chunks take turns with theirs, on a busy prefill replica is waited for, not computed twice;
 * ``done`` (its prefill ended; its pages are on their way to L3): ``stalled`` if they have
   not all landed ``deadline_s`` later (a loaded prefill replica writes them a step or more
   after its prefill ends);
@@ -160,19 +160,19 @@ class HandoffWait:
         waited = now - self._started
         if self._landed >= self.wanted_pages:
             outcome = "complete"
-        elif self._last_progress is not None and now - self._last_progress >= self._stall_s:
-            outcome = "stalled"
-        elif self.peer == "failed" or (self.peer == "unreachable" and self._unreachable >= UNREACHABLE_LOST):
-            outcome = "prefill_lost"
-        elif self.peer == "in_flight":
+        elif self.peer == "in_flight":  # alive and on it: a gap between its chunks is no stall
             if waited < self._max_wait_s:
                 return None
             outcome = "deadline"
+        elif self.peer == "failed" or (self.peer == "unreachable" and self._unreachable >= UNREACHABLE_LOST):
+            outcome = "prefill_lost"
         elif self._peer_done_at is not None:
-            # its prefill ended and the pages are being written: a loaded prefill replica writes
-            # them a step or more later, so the whole deadline again (capped), not stall_s
+            # its prefill ended and the last pages are being written: a loaded prefill replica
+            # writes them a step or more later, so the whole deadline again (capped), not stall_s
             if now - self._peer_done_at < self.deadline_s and waited < self._max_wait_s:
                 return None
+            outcome = "stalled"
+        elif self._last_progress is not None and now - self._last_progress >= self._stall_s:
             outcome = "stalled"
         elif waited >= self.deadline_s:
             outcome = "deadline"
