@@ -837,3 +837,40 @@ def test_failing_storage_is_counted_and_served_as_misses(caplog) -> None:
     assert any("carrying on without it" in r.getMessage() for r in caplog.records)
     ctl.check()
     ctl.close()
+
+
+def test_pages_a_request_prefetched_from_l3_are_not_written_back_to_l3(tmp_path) -> None:
+    """A request's prompt pages come from L3 into the transient nodes its admission queued
+    (what the engine does): those nodes are backed by L3 from then on, so handing the
+    request's pages to the tree (write_through) writes nothing to L3 again."""
+    ps = 4
+    ctl, layout = _controller(ps, tmp_path, device_pages=32)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50_000, size=6 * ps).tolist()
+    pages = ctl.alloc_device(6)
+    _write_device(ctl, layout, pages, rng.standard_normal(layout.page_first_shape(6)).astype(np.float32))
+    ctl.insert(tokens, "t", pages)  # write_through: L1 -> L2 -> L3
+    ctl.drain()
+    ctl.flush()  # only L3 holds them
+    written = ctl.stats()["storage_written_pages"]
+    assert written == 6
+    ctl.insert_transient(tokens, "t", "req")  # the request's admission
+    m = ctl.match_prefix(tokens, "t", requester="req")
+    assert m.storage_tokens == 6 * ps
+    ctl.lock(m.last_node)
+    assert ctl.finish_prefetch(ctl.prefetch(tokens, "t", m, "req")) == 6 * ps
+    ctl.unlock(m.last_node)
+    node = ctl.tree.match_prefix(tokens, "t", touch=False).last_node
+    assert all(n.storage_backed for n in _path(node))  # every node the prefetch filled
+    m = ctl.match_prefix(tokens, "t", requester="req")
+    ctl.lock(m.last_node)
+    ctl.wait(ctl.load(m, "req"))
+    ctl.mark_in_flight("req")
+    table = ctl.tree.device_pages_of(m.last_node)
+    lock, _ = ctl.cache_unfinished(tokens, "t", table, m.last_node)  # the request's pages go to the tree
+    ctl.unlock(lock)
+    ctl.finish_request("req")
+    ctl.drain()
+    assert ctl.stats()["storage_written_pages"] == written  # nothing written to L3 again
+    ctl.check()
+    ctl.close()

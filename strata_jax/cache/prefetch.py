@@ -147,10 +147,15 @@ class Prefetcher:
                 tokens, handle.namespace, host_pages=handle.host_pages[:landed], start_page=handle.start_page
             )
             to_free.extend(res.unused_pages)
-            for node in res.new_nodes:
-                self._tree.set_storage_backed(node, True)
             end = self._tree.match_prefix(tokens, handle.namespace, touch=False).last_node
             self._tree.adopt_hashes(end, handle.keys[:landed], handle.start_page)
+            # Every node of the landed pages is backed by L3, the new ones and the request's own
+            # transient nodes that adopted pages alike: write-through must not write them back
+            # (building ~0.1 GB of payloads on the engine thread for a 3K-token prompt).
+            node, start = end, len(tokens)
+            while node.parent is not None and (start := start - len(node.key)) >= handle.start_page * ps:
+                self._tree.set_storage_backed(node, True)
+                node = node.parent
         self._host_alloc.free(to_free)
         assert handle.anchor is not None  # every prefetch locks its anchor
         self._tree.unlock(handle.anchor)
