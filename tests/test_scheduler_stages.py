@@ -6,6 +6,7 @@ import pytest
 
 from strata_jax.scheduler import CostModel, CostPrior, RequestStatus, Scheduler, SchedulerConfig
 from strata_jax.scheduler.policy import resolve_stages
+from strata_jax.scheduler.scheduler import PREFETCH_PACE_SLACK
 from strata_jax.scheduler.testing import FakeCache, execute
 
 
@@ -394,6 +395,20 @@ def test_does_not_wait_when_recomputing_is_sooner_by_the_rate_or_by_its_own_pace
     assert sched.stats().prefetch_not_waited == 1
     sched, cache = _prefetching(landed=1900, waited_s=1e-3, storage_bytes_per_s=1e12)  # a fast one nearly done
     assert sched.schedule(cache).prefill_ids == () and sched.stats().prefetch_waits == 1
+
+
+def test_a_few_pages_landed_late_are_no_pace_to_give_up_on() -> None:
+    """5 of 2,000 tokens landed after 10 ms, five times what the rate says the whole takes
+    (the reads' start-up; objects land in batches): extrapolated, 4 s; the time taken plus
+    the rate's estimate says it lands far sooner than recomputing, so the request waits.  A
+    store that stays stuck is given up once that sum passes the recompute."""
+    sched, cache = _prefetching(landed=5, waited_s=0.01, storage_bytes_per_s=1e9)
+    recompute = sched.cost.extend_seconds(1995, 5)
+    assert 0.01 > PREFETCH_PACE_SLACK * sched.cost.storage_seconds(2000)  # past the slack: pace is asked
+    assert 1995 * 0.01 / 5 > recompute > 0.01 + sched.cost.storage_seconds(1995)  # the premise
+    assert sched.schedule(cache).prefill_ids == () and sched.stats().prefetch_waits == 1
+    sched, cache = _prefetching(landed=5, waited_s=recompute + 1.0, storage_bytes_per_s=1e9)
+    assert sched.schedule(cache).prefill_ids == ("a",) and sched.stats().prefetch_not_waited == 1
 
 
 def test_without_wait_for_prefetch_the_progress_is_never_asked() -> None:

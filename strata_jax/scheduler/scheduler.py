@@ -46,6 +46,7 @@ from strata_jax.scheduler.queue import RoundQueue
 from strata_jax.scheduler.request import RequestStatus, ScheduledRequest
 
 PREFETCH_PACE_SLACK = 4.0  # see Scheduler._wait_for_prefetch
+PREFETCH_PACE_MIN_SHARE = 0.25  # a prefetch's own pace is trusted once this share of it landed
 _S = RequestStatus
 
 
@@ -269,8 +270,10 @@ class Scheduler:
         """Should ``req`` wait for its L3 prefetch in flight?  While the rest is estimated to
         land sooner than recomputing it.  The arrival estimate is the measured storage read
         rate's; once the prefetch has taken ``PREFETCH_PACE_SLACK`` times longer than that
-        rate says the whole would, it is this prefetch's own pace so far (a stalled store
-        is not waited for forever; the slack absorbs thread scheduling on small reads)."""
+        rate says the whole would, it is this prefetch's own pace so far when at least
+        ``PREFETCH_PACE_MIN_SHARE`` of it landed, else the time it took plus the rate's
+        estimate (a stalled store is not waited for forever; the slack absorbs thread
+        scheduling on small reads)."""
         progress = cache.prefetch_progress(req.request_id)
         if progress is None:
             return False
@@ -279,8 +282,11 @@ class Scheduler:
         rest = total - landed
         fetch_s = self.cost.storage_seconds(rest)
         if waited_s > PREFETCH_PACE_SLACK * self.cost.storage_seconds(total):
-            # its pace so far; with nothing landed yet, at least what it took plus the estimate
-            pace_s = rest * waited_s / landed if landed else waited_s + fetch_s
+            # its pace so far, once a quarter landed; before, at least what it took plus the
+            # estimate (the first objects land after the reads' start-up, in batches: a pace
+            # from a few pages says a 2,600-token prefetch that lands in 0.3 s takes 15 s)
+            trusted = landed >= PREFETCH_PACE_MIN_SHARE * total
+            pace_s = rest * waited_s / landed if trusted else waited_s + fetch_s
             fetch_s = max(fetch_s, pace_s)
         if fetch_s < self.cost.extend_seconds(rest, before + landed):
             return True
