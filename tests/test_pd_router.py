@@ -146,7 +146,9 @@ def test_pages_that_never_reach_the_decode_replica_cost_the_wait_not_the_answer(
         got = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=300)
         assert got.status_code == 200, got.text
         assert got.json()["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
-        assert _metric(decode, 'strata_pd_handoffs_total{outcome="deadline"}') == 1
+        # the prefill replica says its prefill is done (stalled), or has not answered yet (deadline)
+        fell_back = [_metric(decode, f'strata_pd_handoffs_total{{outcome="{o}"}}') for o in ("stalled", "deadline")]
+        assert sum(fell_back) == 1, fell_back
     finally:
         router.stop()
         elsewhere.stop()
