@@ -44,6 +44,23 @@ def test_fit_stays_non_negative_and_ignores_bogus_timings() -> None:
     assert m.extend_seconds(800) == pytest.approx(0.01, rel=0.2)
 
 
+def test_beyond_the_observed_steps_the_fit_never_predicts_below_the_prior() -> None:
+    """A cache-warm server prefills a page or two at a time: fitted on those, the per-token
+    cost is lost in the fixed overhead.  A 2,500-token recompute is beyond anything seen, so
+    it is at least the prior's (an L3 prefetch was given up on a 0.1 s estimate of 3.5 s)."""
+    prior = CostPrior(extend_coeffs=(5e-3, 1.2e-3, 1e-9))
+    m = CostModel(prior)
+    rng = random.Random(1)
+    for _ in range(64):
+        n, ctx = rng.randint(3, 30), rng.randint(0, 3000)
+        m.observe_extend([(n, ctx)], 0.05 + rng.uniform(-0.005, 0.005))  # overhead-bound, tokens invisible
+    fitted = sum(coef * x for coef, x in zip(m.extend_coeffs, (1.0, 2500.0, 2500.0 * 1250.0)))
+    assert fitted < 0.5  # the premise: extrapolated, the fit says next to nothing
+    prior_says = 5e-3 + 1.2e-3 * 2500 + 1e-9 * 2500 * 1250
+    assert m.extend_seconds(2500) == pytest.approx(prior_says)
+    assert m.extend_seconds(20, 100) == pytest.approx(0.05, rel=0.2)  # inside what it saw: the fit
+
+
 def test_decode_model_fits_measurements() -> None:
     m = CostModel()
     for batch in (1, 8, 32, 64, 128):

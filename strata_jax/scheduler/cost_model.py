@@ -110,7 +110,14 @@ class _OnlineLinearModel:
         return len(self._samples)
 
     def predict(self, x: tuple[float, float, float]) -> float:
-        return sum(t * xi for t, xi in zip(self._theta, x))
+        fitted = sum(t * xi for t, xi in zip(self._theta, x))
+        if self._samples and any(x[j] > self._maxima[j][0][1] for j in (1, 2)):
+            # Beyond what the window saw the fit is an extrapolation, and a window of small
+            # steps (a cache-warm server's prefills are a page or two) can fit a per-token
+            # cost near zero: it said 2,500 tokens recompute in 0.11 s (measured 3.5 s), so an
+            # L3 prefetch was given up.  There, never below the prior.
+            return max(fitted, sum(p * xi for p, xi in zip(self._prior, x)))
+        return fitted
 
     def observe(self, x: tuple[float, float, float], y: float) -> None:
         if not (0.0 <= y <= MAX_STEP_SECONDS and all(math.isfinite(v) and v >= 0 for v in x)):
