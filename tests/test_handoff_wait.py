@@ -20,7 +20,7 @@ class _Clock:
 
 def _wait(landed: list[int], wanted: int = 10, deadline: float = 5.0, stall: float = 1.0) -> tuple[HandoffWait, _Clock]:
     clock = _Clock()
-    return HandoffWait(lambda: landed[0], wanted, landed[0], deadline, stall, clock), clock
+    return HandoffWait(lambda _start: landed[0], wanted, landed[0], deadline, stall, clock), clock
 
 
 def test_complete_once_every_page_landed():
@@ -119,8 +119,8 @@ def test_policy_refuses_a_zero_poll():
 def test_pages_all_there_at_the_start_end_the_wait_without_another_probe():
     calls = []
 
-    def probe() -> int:
-        calls.append(1)
+    def probe(start: int) -> int:
+        calls.append(start)
         return 10
 
     wait = HandoffWait(probe, 10, 10, 5.0, 1.0, _Clock())
@@ -131,7 +131,7 @@ def test_pages_all_there_at_the_start_end_the_wait_without_another_probe():
 
 def _peer_wait(deadline=5.0, max_wait=60.0, stall=1.0) -> tuple[HandoffWait, _Clock, list[int]]:
     clock, landed = _Clock(), [0]
-    return HandoffWait(lambda: landed[0], 10, 0, deadline, stall, clock, max_wait_s=max_wait), clock, landed
+    return HandoffWait(lambda _start: landed[0], 10, 0, deadline, stall, clock, max_wait_s=max_wait), clock, landed
 
 
 def test_a_prefill_replica_that_holds_the_request_is_waited_for_up_to_max_wait():
@@ -229,3 +229,21 @@ def test_no_stall_while_the_prefill_replica_holds_the_room():
     clock.now += 0.1
     result = wait.poll()
     assert result is not None and result.outcome == "stalled" and result.landed_pages == 3
+
+
+def test_each_probe_asks_from_the_pages_already_seen():
+    starts, landed = [], [0]
+
+    def probe(start: int) -> int:
+        starts.append(start)
+        return max(start, landed[0])
+
+    clock = _Clock()
+    wait = HandoffWait(probe, 10, 0, 5.0, 1.0, clock)
+    assert wait.poll() is None
+    landed[0] = 4
+    assert wait.poll() is None
+    landed[0] = 10
+    result = wait.poll()
+    assert result is not None and result.outcome == "complete"
+    assert starts == [0, 0, 4]

@@ -513,17 +513,17 @@ class Engine:
         chain = chain_hashes(self.ctl.tree.seed(namespace), valid.prompt_ids, self.page_size)
         keys = store.object_keys(chain)
 
-        def probe() -> int:
+        def probe(start: int) -> int:
             try:
-                landed = store.backend.batch_exists(keys)
-            except Exception as exc:  # noqa: BLE001 - an unreachable L3 has nothing: the wait runs out
+                landed = start + store.backend.batch_exists(keys[start:])
+            except Exception as exc:  # noqa: BLE001 - an unreachable L3 has nothing new: the wait runs out
                 store.failed("exists", exc)
-                return 0
+                return start
             if landed >= len(keys):  # the scheduler's memoized probes may predate the pages: probe afresh
                 self._post(store.forget_probes)
             return landed
 
-        present = probe() if keys else 0
+        present = probe(0) if keys else 0
         missing = len(valid.prompt_ids) - present * self.page_size
         predicted = self.scheduler.cost.extend_seconds(missing, present * self.page_size)
         deadline = policy.deadline(predicted)

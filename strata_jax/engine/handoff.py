@@ -105,13 +105,15 @@ class HandoffResult:
 class HandoffWait:
     """One request's wait; ``poll()`` probes L3 and returns the result once the wait is over.
 
-    ``probe()`` returns how many of the prompt's pages, from the first, are in L3 (an L3
-    that fails answers 0: the caller's probe counts its errors).  ``present_pages``: the
+    ``probe(start)`` returns how many of the prompt's pages, from the first, are in L3,
+    asking L3 only from page ``start`` on (the pages before were seen there already; pages
+    land in order, so each probe is short once they begin to; an L3 that fails answers
+    ``start``: the caller's probe counts its errors).  ``present_pages``: the
     count when the wait began (probed by the caller, which sized the deadline from it)."""
 
     def __init__(
         self,
-        probe: Callable[[], int],
+        probe: Callable[[int], int],
         wanted_pages: int,
         present_pages: int,
         deadline_s: float,
@@ -153,7 +155,7 @@ class HandoffWait:
         if self.result is not None:
             return self.result
         now = self._clock()
-        landed = self._probe() if self._landed < self.wanted_pages else self._landed
+        landed = self._probe(self._landed) if self._landed < self.wanted_pages else self._landed
         if landed > self._landed:
             self._landed = landed
             self._last_progress = now
