@@ -69,6 +69,7 @@ MODEL="${MODEL:-$(default_model)}"
 NAME="${SERVED_MODEL_NAME:-smollm2}"
 REPLICAS="${REPLICAS:-2}"
 TOPOLOGY="${TOPOLOGY:-colocated}"
+DECODE_REPLICA=$(( REPLICAS - 1 ))  # TOPOLOGY=pd: the last replica decodes, the others prefill
 case "$TOPOLOGY" in
     colocated) ;;
     pd)
@@ -163,7 +164,7 @@ start_redis() {
 }
 
 replica_role() {  # replica_role I: its --role (a replica without a bootstrap_room serves as usual)
-    if [[ "$TOPOLOGY" == pd ]]; then (( $1 < REPLICAS - 1 )) && echo prefill || echo decode; else echo both; fi
+    if [[ "$TOPOLOGY" == pd ]]; then (( $1 < DECODE_REPLICA )) && echo prefill || echo decode; else echo both; fi
 }
 
 launch_replica() {  # launch_replica I: start replica I on its CPUs and ports (kept across restarts)
@@ -207,9 +208,9 @@ start_router() {  # start_router POLICY [pd]: pd puts the last replica as decode
         # each prefill replica's HTTP port is its bootstrap port: the decode replica asks it how a
         # prompt stands (GET /pd/rooms/{room}, docs/serving.md)
         workers=(--pd-disaggregation)
-        local last=$(( REPLICAS - 1 )) i
-        for (( i = 0; i < last; i++ )); do workers+=(--prefill "${REPLICA_URLS[$i]}" "${REPLICA_PORTS[$i]}"); done
-        workers+=(--decode "${REPLICA_URLS[$last]}")
+        local i
+        for (( i = 0; i < DECODE_REPLICA; i++ )); do workers+=(--prefill "${REPLICA_URLS[$i]}" "${REPLICA_PORTS[$i]}"); done
+        workers+=(--decode "${REPLICA_URLS[$DECODE_REPLICA]}")
     else
         workers=(--worker-urls "${REPLICA_URLS[@]}")
     fi
@@ -262,7 +263,7 @@ bench)
         flush_replicas
         start_router round_robin pd
         run_child "$PYTHON" "$REPO/scripts/pd_bench.py" run --router "$ROUTER_URL" --model "$NAME" --label pd \
-            --decode "${REPLICA_URLS[$(( REPLICAS - 1 ))]}" --json "$OUT/pd-pd.json" ${BENCH_FLAGS:-}
+            --decode "${REPLICA_URLS[$DECODE_REPLICA]}" --json "$OUT/pd-pd.json" ${BENCH_FLAGS:-}
         stop_router
         for policy in ${POLICIES:-round_robin cache_aware}; do
             flush_replicas
@@ -290,9 +291,8 @@ failover)
     if [[ "$TOPOLOGY" == pd ]]; then
         flush_replicas
         start_router round_robin pd
-        last=$(( REPLICAS - 1 ))
         run_child "$PYTHON" "$REPO/scripts/pd_bench.py" run --router "$ROUTER_URL" --model "$NAME" --label "pd failover" \
-            --decode "${REPLICA_URLS[$last]}" --kill-pid "${REPLICA_PIDS[0]}" --kill-url "${REPLICA_URLS[0]}" \
+            --decode "${REPLICA_URLS[$DECODE_REPLICA]}" --kill-pid "${REPLICA_PIDS[0]}" --kill-url "${REPLICA_URLS[0]}" \
             --json "$OUT/pd-failover.json" ${BENCH_FLAGS:-}
         exit $?
     fi

@@ -173,7 +173,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     return
                 await asyncio.sleep(0.05)
 
-        before = await _decode_counters(client, args.decode) if args.decode else {}
+        before = await _decode_counters(client, args.decode) if args.decode else _NO_COUNTERS
         t0 = time.perf_counter()
         arrivals_due = [k for k in range(len(docs)) if args.doc_start_s + k * args.doc_interval_s < args.duration_s]
         tasks = [*(streamer(i) for i in range(args.streams)), *(document(k) for k in arrivals_due)]
@@ -181,7 +181,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             tasks.append(killer())
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0
-        after = await _decode_counters(client, args.decode) if args.decode else {}
+        after = await _decode_counters(client, args.decode) if args.decode else _NO_COUNTERS
 
     def pct(values: list[float], q: float) -> float | None:
         if not values:
@@ -205,25 +205,34 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "output_tokens_per_s": tokens / elapsed,
         "errors": errors,
         "killed": killed or None,
-        "decode_handoffs": {k: after[k] - before.get(k, 0.0) for k in after if k in OUTCOMES},
-        "decode_prompt_tokens": {k: after[k] - before.get(k, 0.0) for k in after if k not in OUTCOMES},
+        "decode_handoffs": _grown(before["handoffs"], after["handoffs"]),
+        "decode_prompt_tokens": _grown(before["prompt_tokens"], after["prompt_tokens"]),
         "answers": answers,
     }
 
 
-OUTCOMES = ("complete", "stalled", "prefill_lost", "deadline")  # strata_jax/engine/handoff.py
+_NO_COUNTERS: dict[str, dict[str, float]] = {"handoffs": {}, "prompt_tokens": {}}
 
 
-async def _decode_counters(client: httpx.AsyncClient, decode: str) -> dict[str, float]:
-    """The decode replica's ``strata_pd_handoffs_total`` by outcome, its prompt tokens
-    (``prompt``) and its prompt tokens cached, by tier (``device``, ``host``, ``storage``)."""
+def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """How much each counter grew over the run."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+async def _decode_counters(client: httpx.AsyncClient, decode: str) -> dict[str, dict[str, float]]:
+    """The decode replica's ``strata_pd_handoffs_total`` by outcome (``handoffs``), and its
+    prompt tokens (``prompt``) and prompt tokens cached by tier (``device``, ``host``,
+    ``storage``) (``prompt_tokens``)."""
     text = (await client.get(f"{decode}/metrics", timeout=10)).text
-    out = {m[1]: float(m[2]) for m in re.finditer(r'^strata_pd_handoffs_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
-    for m in re.finditer(r'^strata_request_cached_tokens_total\{tier="(\w+)"\} (\S+)$', text, re.M):
-        out[m[1]] = float(m[2])
+
+    def labelled(metric: str, label: str) -> dict[str, float]:
+        pattern = rf'^{metric}\{{{label}="(\w+)"\}} (\S+)$'
+        return {m[1]: float(m[2]) for m in re.finditer(pattern, text, re.M)}
+
     prompt = re.search(r"^strata_prompt_tokens_total (\S+)$", text, re.M)
-    out["prompt"] = float(prompt[1]) if prompt else 0.0
-    return out
+    tokens = labelled("strata_request_cached_tokens_total", "tier")
+    tokens["prompt"] = float(prompt[1]) if prompt else 0.0
+    return {"handoffs": labelled("strata_pd_handoffs_total", "outcome"), "prompt_tokens": tokens}
 
 
 def cmd_run(args: argparse.Namespace) -> int:

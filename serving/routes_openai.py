@@ -75,9 +75,6 @@ class _Completion:
     lora_name: str | None  # the LoRA adapter ``model`` selects (None: the base model)
     handoffs: list[Handoff | None] = dataclasses.field(default_factory=list)  # per prompt (serving/disaggregation.py)
 
-    def handoff(self, index: int = 0) -> Handoff | None:
-        return self.handoffs[index] if index < len(self.handoffs) else None
-
     @property
     def model(self) -> str:
         return self.req.model
@@ -125,7 +122,7 @@ async def completions(request: Request) -> Response:
                 cache_salt=req.cache_salt,
                 request_id=req.request_id if len(job.prompts) == 1 else None,
                 lora_name=job.lora_name,
-                handoff=job.handoff(i),
+                handoff=_handoff(job, i),
             )
         results = await until_disconnect(request, collect_all(streams))
     except Exception as exc:  # noqa: BLE001 - every failure becomes its HTTP error
@@ -177,7 +174,7 @@ async def _stream_completion(ctx: HttpContext, request: Request, job: _Completio
         cache_salt=req.cache_salt,
         request_id=req.request_id,
         lora_name=job.lora_name,
-        handoff=job.handoff(),
+        handoff=_handoff(job),
     )
     chunks = merged(streams)
     first = await until_disconnect(request, first_item(chunks))
@@ -219,9 +216,6 @@ class _Chat:
     tools: tool_calls.ToolPlan
     lora_name: str | None  # the LoRA adapter ``model`` selects (None: the base model)
     handoffs: list[Handoff | None] = dataclasses.field(default_factory=list)  # per prompt (serving/disaggregation.py)
-
-    def handoff(self, index: int = 0) -> Handoff | None:
-        return self.handoffs[index] if index < len(self.handoffs) else None
 
     @property
     def model(self) -> str:
@@ -270,6 +264,11 @@ async def _read_chat(ctx: HttpContext, request: Request) -> _Chat:
 _Job = TypeVar("_Job", _Completion, _Chat)
 
 
+def _handoff(job: _Completion | _Chat, index: int = 0) -> Handoff | None:
+    """Prompt ``index``'s part in a disaggregated request (None: served as usual)."""
+    return job.handoffs[index] if index < len(job.handoffs) else None
+
+
 def _play_role(ctx: HttpContext, job: _Job) -> _Job:
     """This replica's part in a disaggregated request (one carrying a ``bootstrap_room``): a
     prefill replica runs the prompt and one token, a decode replica waits for the prompt's pages."""
@@ -299,7 +298,7 @@ async def chat_completions(request: Request) -> Response:
             cache_salt=req.cache_salt,
             request_id=req.request_id,
             lora_name=job.lora_name,
-            handoff=job.handoff(),
+            handoff=_handoff(job),
         )
         if req.stream:
             return await _stream_chat(ctx, request, job, streams, rid)
