@@ -41,6 +41,29 @@ def _until_done(wait) -> object:
     return result
 
 
+@pytest.fixture
+def start_engine():
+    """``start_engine(storage, **overrides)``: an engine this test uses, shut down when it ends."""
+    started: list[Engine] = []
+
+    def start(storage, **overrides) -> Engine:
+        started.append(_engine(storage, **overrides))
+        return started[-1]
+
+    yield start
+    for engine in started:
+        engine.shutdown()
+
+
+def _hand_over(prefill: Engine, decode: Engine, prompt: list[int], pages: int) -> None:
+    """The router's two requests: the decode engine waits for the pages the prefill engine
+    computes, and every one of the prompt's ``pages`` full pages landed in L3."""
+    wait = decode.handoff_wait(prompt)  # before the prefill engine has the request: as a router sends both
+    prefill.generate([prompt], SamplingParams(max_tokens=1))
+    result = _until_done(wait)
+    assert result.outcome == "complete" and result.landed_pages == pages
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     storage = tmp_path_factory.mktemp("l3")
@@ -94,56 +117,40 @@ def test_pages_under_another_salt_are_not_the_prompts(fleet):
     assert _until_done(decode.handoff_wait(prompt, policy=policy)).outcome == "deadline"
 
 
-def test_a_handoff_needs_l3_and_a_valid_prompt(fleet, tmp_path):
+def test_a_handoff_needs_l3_and_a_valid_prompt(fleet, tmp_path, start_engine):
     _alone, _prefill, decode = fleet
     with pytest.raises(InvalidRequestError, match="vocab|token"):
         decode.handoff_wait([10**9])
-    plain = _engine(tmp_path, tiers="L1+L2")
-    try:
-        with pytest.raises(InvalidRequestError, match="L3"):
-            plain.handoff_wait([1, 2, 3])
-    finally:
-        plain.shutdown()
+    with pytest.raises(InvalidRequestError, match="L3"):
+        start_engine(tmp_path, tiers="L1+L2").handoff_wait([1, 2, 3])
 
 
 def _l3_bytes(path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def test_an_int8_l3_hands_over_a_quarter_of_the_bytes_and_the_tokens_of_its_pages(tmp_path):
+def test_an_int8_l3_hands_over_a_quarter_of_the_bytes_and_the_tokens_of_its_pages(tmp_path, start_engine):
     """With ``kv_tier_format="int8"`` the prefill engine writes int8 pages (about a quarter of
     float32's bytes) and the decode engine's tokens are those of any engine reading the same
     int8 pages back from L3 (a quantized tier is close to, not equal to, full width)."""
     prompt = _prompt(4, 20 * PAGE + 3)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     full_l3, int8_l3, lone_l3 = tmp_path / "full", tmp_path / "int8", tmp_path / "lone"
-    engines = []
-    try:
-        full = _engine(full_l3)
-        engines.append(full)
-        full.generate([prompt], SamplingParams(max_tokens=1))
-        lone = _engine(lone_l3, kv_tier_format="int8")
-        engines.append(lone)
-        lone.generate([prompt], SamplingParams(max_tokens=1))
-        lone.flush_cache("device")
-        lone.flush_cache("host")
-        want = lone.generate([prompt], params)[0]
-        assert want.cached_tokens["storage"] == 20 * PAGE  # its own int8 pages, read back
-        prefill, decode = _engine(int8_l3, kv_tier_format="int8"), _engine(int8_l3, kv_tier_format="int8")
-        engines += [prefill, decode]
-        wait = decode.handoff_wait(prompt)
-        prefill.generate([prompt], SamplingParams(max_tokens=1))
-        result = _until_done(wait)
-        assert result.outcome == "complete" and result.landed_pages == 20
-        got = decode.generate([prompt], params)[0]
-        assert got.cached_tokens["storage"] == 20 * PAGE and got.token_ids == want.token_ids
-        assert _l3_bytes(int8_l3) < 0.35 * _l3_bytes(full_l3)  # int8 + a scale per (page, layer, K/V, head)
-    finally:
-        for e in engines:
-            e.shutdown()
+    start_engine(full_l3).generate([prompt], SamplingParams(max_tokens=1))
+    lone = start_engine(lone_l3, kv_tier_format="int8")
+    lone.generate([prompt], SamplingParams(max_tokens=1))
+    lone.flush_cache("device")
+    lone.flush_cache("host")
+    want = lone.generate([prompt], params)[0]
+    assert want.cached_tokens["storage"] == 20 * PAGE  # its own int8 pages, read back
+    decode = start_engine(int8_l3, kv_tier_format="int8")
+    _hand_over(start_engine(int8_l3, kv_tier_format="int8"), decode, prompt, 20)
+    got = decode.generate([prompt], params)[0]
+    assert got.cached_tokens["storage"] == 20 * PAGE and got.token_ids == want.token_ids
+    assert _l3_bytes(int8_l3) < 0.35 * _l3_bytes(full_l3)  # int8 + a scale per (page, layer, K/V, head)
 
 
-def test_a_sliding_window_model_hands_over_its_global_layers_and_windows(tmp_path):
+def test_a_sliding_window_model_hands_over_its_global_layers_and_windows(tmp_path, start_engine):
     """Gemma 3's layout (random weights: 3 of 4 layers local, window 16) with window-aware
     tiers (``kv_layer_groups``, a local pool trimmed to a tenth): the decode engine reads the
     prompt from the prefill engine's L3 pages, loads the local layers' KV of the window only
@@ -163,64 +170,46 @@ def test_a_sliding_window_model_hands_over_its_global_layers_and_windows(tmp_pat
         max_batch_tokens=64,
         prefetch_min_tokens=0,
     )
-    engines = []
-    try:
-        plain = _engine(tmp_path / "plain", model=model, tiers="L1+L2")
-        engines.append(plain)
-        want = plain.generate([prompt], params)[0].token_ids
-        prefill = _engine(tmp_path / "l3", **windowed, publish_prefill_chunks=True)  # as --role prefill runs
-        decode = _engine(tmp_path / "l3", **windowed)
-        engines += [prefill, decode]
-        wait = decode.handoff_wait(prompt)
-        prefill.generate([prompt], SamplingParams(max_tokens=1))
-        result = _until_done(wait)
-        assert result.outcome == "complete" and result.landed_pages == 10
-        got = decode.generate([prompt], params)[0]
-        assert got.token_ids == want
-        assert got.cached_tokens["storage"] == 10 * PAGE
-        moved = decode.ctl.bytes_per_token()
-        # 1 of 4 layers global (every page), the 3 local ones only for the window's page of 10
-        full = moved["device_bytes_per_token"]
-        assert moved["load_bytes_per_token"] == pytest.approx(full * (1 / 4 + 3 / 4 * 1 / 10)), moved
-        assert decode.check_accounting()["live_requests"] == 0
-    finally:
-        for e in engines:
-            e.shutdown()
+    want = start_engine(tmp_path / "plain", model=model, tiers="L1+L2").generate([prompt], params)[0].token_ids
+    decode = start_engine(tmp_path / "l3", **windowed)
+    _hand_over(
+        start_engine(tmp_path / "l3", **windowed, publish_prefill_chunks=True), decode, prompt, 10
+    )  # as --role prefill
+    got = decode.generate([prompt], params)[0]
+    assert got.token_ids == want
+    assert got.cached_tokens["storage"] == 10 * PAGE
+    moved = decode.ctl.bytes_per_token()
+    # 1 of 4 layers global (every page), the 3 local ones only for the window's page of 10
+    full = moved["device_bytes_per_token"]
+    assert moved["load_bytes_per_token"] == pytest.approx(full * (1 / 4 + 3 / 4 * 1 / 10)), moved
+    assert decode.check_accounting()["live_requests"] == 0
 
 
-def test_a_prefill_engine_publishing_chunks_lands_its_pages_as_it_goes(tmp_path):
+def test_a_prefill_engine_publishing_chunks_lands_its_pages_as_it_goes(tmp_path, start_engine):
     """``publish_prefill_chunks`` (what ``--role prefill`` runs): each chunk's full pages reach
     L3 while the prompt's later chunks are still computing, and the decode engine reading them
     generates a lone engine's tokens."""
     prompt = _prompt(6, 40 * PAGE + 3)  # 40 full pages, prefilled 4 pages per step
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    engines = []
-    try:
-        alone = _engine(tmp_path / "alone", tiers="L1+L2", max_batch_tokens=64)
-        engines.append(alone)
-        want = alone.generate([prompt], params)[0].token_ids
-        prefill = _engine(tmp_path / "l3", publish_prefill_chunks=True, max_batch_tokens=64)
-        decode = _engine(tmp_path / "l3")
-        engines += [prefill, decode]
-        wait = decode.handoff_wait(prompt)
-        worker = threading.Thread(target=lambda: prefill.generate([prompt], SamplingParams(max_tokens=1)))
-        worker.start()
-        seen = []
-        while worker.is_alive():
-            seen.append(decode.handoff_wait(prompt).present_pages)  # a fresh probe of L3 each time
-        worker.join()
-        assert any(0 < n < 40 for n in seen), sorted(set(seen))  # pages landed before the prefill ended
-        result = _until_done(wait)
-        assert result.outcome == "complete" and result.landed_pages == 40
-        got = decode.generate([prompt], params)[0]
-        assert got.token_ids == want and got.cached_tokens["storage"] == 40 * PAGE
-        assert prefill.check_accounting()["live_requests"] == 0
-    finally:
-        for e in engines:
-            e.shutdown()
+    want = start_engine(tmp_path / "alone", tiers="L1+L2", max_batch_tokens=64).generate([prompt], params)[0].token_ids
+    prefill = start_engine(tmp_path / "l3", publish_prefill_chunks=True, max_batch_tokens=64)
+    decode = start_engine(tmp_path / "l3")
+    wait = decode.handoff_wait(prompt)
+    worker = threading.Thread(target=lambda: prefill.generate([prompt], SamplingParams(max_tokens=1)))
+    worker.start()
+    seen = []
+    while worker.is_alive():
+        seen.append(decode.handoff_wait(prompt).present_pages)  # a fresh probe of L3 each time
+    worker.join()
+    assert any(0 < n < 40 for n in seen), sorted(set(seen))  # pages landed before the prefill ended
+    result = _until_done(wait)
+    assert result.outcome == "complete" and result.landed_pages == 40
+    got = decode.generate([prompt], params)[0]
+    assert got.token_ids == want and got.cached_tokens["storage"] == 40 * PAGE
+    assert prefill.check_accounting()["live_requests"] == 0
 
 
-def test_publishing_chunks_keeps_every_token_and_page(tmp_path):
+def test_publishing_chunks_keeps_every_token_and_page(tmp_path, start_engine):
     """Requests sharing a document's beginning, prefilled in chunks at once and after, give the
     same tokens with ``publish_prefill_chunks`` as without, and the page accounting holds."""
     doc = _prompt(7, 30 * PAGE)
@@ -228,16 +217,13 @@ def test_publishing_chunks_keeps_every_token_and_page(tmp_path):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     outs = {}
     for publish in (False, True):
-        engine = _engine(tmp_path / f"l3-{publish}", publish_prefill_chunks=publish, max_batch_tokens=64)
-        try:
-            first = engine.generate(prompts[:2], params)  # both prefilled at once, sharing the document
-            later = engine.generate(prompts[2:], params)  # after: the document's pages from the tree
-            outs[publish] = [o.token_ids for o in first + later]
-            assert later[0].cached_tokens["device"] >= 30 * PAGE
-            accounting = engine.check_accounting()
-            assert accounting["live_requests"] == 0 and accounting["locked_nodes"] == 0
-        finally:
-            engine.shutdown()
+        engine = start_engine(tmp_path / f"l3-{publish}", publish_prefill_chunks=publish, max_batch_tokens=64)
+        first = engine.generate(prompts[:2], params)  # both prefilled at once, sharing the document
+        later = engine.generate(prompts[2:], params)  # after: the document's pages from the tree
+        outs[publish] = [o.token_ids for o in first + later]
+        assert later[0].cached_tokens["device"] >= 30 * PAGE
+        accounting = engine.check_accounting()
+        assert accounting["live_requests"] == 0 and accounting["locked_nodes"] == 0
     assert outs[True] == outs[False]
 
 
