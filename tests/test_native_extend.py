@@ -3,7 +3,7 @@ prefill attention on CPU) against the float64 brute force and the block-causal X
 
 Batches come from ``test_pallas_attention.make_batch``: unwritten KV slots, padding
 queries and page-table entries past a sequence's pages are NaN / garbage, so reading what
-it should not turns the output into NaN.  Row lengths cross the kernel's query blocks (96
+it should not turns the output into NaN.  Row lengths cross the kernel's query blocks (192
 rows of tokens x GQA group) and its 96-key blocks, with one-token rows (a decode in a
 mixed batch) and empty rows between them.  Both vector widths the build can take (256-bit,
 forced; 512-bit where the CPU has AVX-512) run against the brute force in a subprocess
@@ -249,7 +249,7 @@ def test_the_cpu_backend_passes_sinks_to_the_extend_kernel_and_the_xla_attention
 
 # One mixed batch per shape (SmolLM2's heads, Gemma 3's head_dim 256 on one KV head, a
 # 48-dim head: a 32- and a 16-dim values tile at 512 bits), windows and a soft cap, all
-# crossing 96-key and 96-row blocks; computed in a subprocess that builds the kernels at
+# crossing 96-key and 192-row blocks; computed in a subprocess that builds the kernels at
 # one vector width, then compared here with the brute force.
 _WIDTH_CASES = (
     dict(page_size=16, head_dim=64, heads=(9, 3), soft_cap=None, window=None),
