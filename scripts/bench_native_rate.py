@@ -10,7 +10,7 @@ host) moves both sides of each ratio together.
   40-token tail each, the document's pages shared by every row (``shared``) or each row's
   own (``own``); SmolLM2's heads; milliseconds per call (best of 5).
 
-    python scripts/bench_native_rate.py [--tree PATH] [--rounds 5] \
+    python scripts/bench_native_rate.py [--tree PATH] [--rounds 5] [--layers 30] \
         smollm2@3584 smollm2@7680 gemma3@15872 gemma3@32256 shared@8 shared@32 own@8
 
 ``--tree`` imports ``pallas_kernels`` from another checkout (a worktree of the commit
@@ -41,19 +41,29 @@ def best(call: Callable[[], object], repeats: int) -> float:
     return min(times)
 
 
-def extend_case(native, jax, jnp, name: str, context: int, chunk: int = 512):
+def extend_case(native, jax, jnp, name: str, context: int, layers: int = 1, chunk: int = 512):
+    """One call: the chunk's attention in each of ``layers`` layers of one pool, in a scan as
+    the model runs it (with one layer the pool stays in the CPU's caches between calls; with
+    a model's depth it does not, as in the engine)."""
     q_heads, kv_heads, head_dim = HEADS[name]
     rng = np.random.default_rng(0)
     total = context + chunk
     pages = total // PAGE + 2
-    pool = jnp.asarray(rng.standard_normal((1, 2, pages, PAGE, kv_heads, head_dim)).astype(np.float32))
+    shape = (layers, 2, pages, PAGE, kv_heads, head_dim)
+    pool = jax.random.normal(jax.random.key(0), shape, jnp.float32)
     table = jnp.asarray(rng.permutation(pages)[None, : -(-total // PAGE)], jnp.int32)
     q = jnp.asarray(rng.standard_normal((chunk, q_heads, head_dim)).astype(np.float32))
     starts, lens = jnp.asarray([0, chunk], jnp.int32), jnp.asarray([total], jnp.int32)
-    fn = jax.jit(
-        lambda q, pool: native.paged_extend_attention_pool(q, pool, 0, table, lens, starts, sm_scale=head_dim**-0.5)[0]
-    )
-    flops = 4.0 * sum(context + i + 1 for i in range(chunk)) * q_heads * head_dim
+
+    def all_layers(q, pool):
+        def body(acc, layer):
+            out = native.paged_extend_attention_pool(q, pool, layer, table, lens, starts, sm_scale=head_dim**-0.5)[0]
+            return acc + out, None
+
+        return jax.lax.scan(body, jnp.zeros_like(q), jnp.arange(layers, dtype=jnp.int32))[0]
+
+    fn = jax.jit(all_layers)
+    flops = 4.0 * sum(context + i + 1 for i in range(chunk)) * q_heads * head_dim * layers
     return (lambda: fn(q, pool).block_until_ready()), flops
 
 
@@ -85,6 +95,13 @@ def main() -> int:
     )
     parser.add_argument("--tree", help="import pallas_kernels from this checkout")
     parser.add_argument("--rounds", type=int, default=5, help="matmul/kernel pairs per case (median; default 5)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="extend cases: layers of the pool, each attended once per call (default 1: the pool stays in the "
+        "caches; 30, SmolLM2's depth: it does not, as in the engine)",
+    )
     args = parser.parse_args()
     if args.tree:
         sys.path.insert(0, args.tree)
@@ -105,7 +122,7 @@ def main() -> int:
     for case in args.cases:
         kind, _, number = case.partition("@")
         if kind in HEADS:
-            call, flops = extend_case(native, jax, jnp, kind, int(number))
+            call, flops = extend_case(native, jax, jnp, kind, int(number), args.layers)
             call()
             ratios, times = [], []
             for _ in range(args.rounds):
