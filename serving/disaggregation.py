@@ -50,6 +50,16 @@ class Handoff:
     peer_url: str | None = None
 
 
+@dataclass(frozen=True)
+class BootstrapFields:
+    """A request's bootstrap fields where its wire form is not the HTTP body (gRPC's
+    ``DisaggregatedParams``), named as the body names them for ``handoff_for``."""
+
+    bootstrap_room: int | None = None
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+
+
 def _nth(value: Any, index: int) -> Any:
     """A bootstrap field of prompt ``index``: the router sends lists for prompt lists."""
     if isinstance(value, list):

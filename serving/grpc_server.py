@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from serving import auth
 from serving.config import ServerConfig
+from serving.disaggregation import BootstrapFields, handoff_for, prefill_only
 from serving.frontend import TIERS, Frontend
 from serving.protos import strata_pb2, strata_pb2_grpc
 from strata_jax.api import (
@@ -138,6 +139,15 @@ def chunk_to_proto(chunk: StreamChunk) -> strata_pb2.GenerateResponse:
     return msg
 
 
+def bootstrap_fields(request: strata_pb2.GenerateRequest) -> BootstrapFields:
+    """The router's ``disaggregated_params`` (none: an ordinary request); an empty host or a
+    zero port means the decode replica cannot ask the prefill replica and waits on L3 alone."""
+    if not request.HasField("disaggregated_params"):
+        return BootstrapFields()
+    fields = request.disaggregated_params
+    return BootstrapFields(fields.bootstrap_room, fields.bootstrap_host or None, fields.bootstrap_port or None)
+
+
 class StrataServicer(strata_pb2_grpc.StrataServicer):
     """``strata.v1.Strata`` on top of a ``Frontend``."""
 
@@ -167,6 +177,10 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
             params = params_from_proto(request.params, defaults.sampling_defaults() if defaults is not None else None)
             # NOT_FOUND for an adapter that is not loaded; the base model's name selects none
             lora_name = self._frontend.lora_name(request.lora_name) if request.lora_name else None
+            handoff = handoff_for(self._config.role, bootstrap_fields(request))
+            if handoff is not None and handoff.role == "prefill":
+                params = prefill_only(params)
+                self._frontend.metrics.pd_prefills.inc()
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             self._frontend.count_rejected("grpc", exc)
             await self._fail(context, exc)
@@ -179,6 +193,7 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
                 cache_salt=request.cache_salt or None,
                 request_id=request.request_id or None,
                 lora_name=lora_name,
+                handoff=handoff,
             )
             first = await stream.__anext__()  # admission errors surface here
         except StopAsyncIteration:

@@ -300,3 +300,44 @@ def test_a_dead_prefill_replica_ends_the_wait_at_once(replicas, patient_decode):
     assert got.status_code == 200
     assert got.json()["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
     assert _metric(decode, 'strata_pd_handoffs_total{outcome="prefill_lost"}') == before + 1
+
+
+def _grpc_generate(server: ThreadedServer, prompt: str, room: int | None = None, peer_port: int = 0) -> list:
+    """``Generate`` over gRPC, greedy, 12 tokens; ``room``: with the router's ``disaggregated_params``."""
+    from serving.grpc_client import StrataClient
+    from serving.protos import strata_pb2
+
+    request = strata_pb2.GenerateRequest(text=prompt, params=strata_pb2.SamplingParams(max_tokens=12, temperature=0))
+    if room is not None:
+        request.disaggregated_params.CopyFrom(
+            strata_pb2.DisaggregatedParams(bootstrap_host="127.0.0.1", bootstrap_port=peer_port, bootstrap_room=room)
+        )
+    with StrataClient(server.grpc_target) as client:
+        return list(client.stub.Generate(request, timeout=120))
+
+
+def test_grpc_carries_the_bootstrap_fields(replicas):
+    """A router speaking gRPC: the same handoff as over HTTP (the prefill replica runs the prompt
+    and one token, the decode replica answers as a lone replica with the prompt from L3, the
+    prefill replica books the room for the decode replica to ask)."""
+    prompt = f"Over gRPC: {DOCUMENT}\n\nWhich clause binds party 5 first?"  # a prefix no other test left in L1
+    want = [t for r in _grpc_generate(replicas["alone"], prompt) for t in r.token_ids]
+    assert len(want) == 12
+    decode = replicas["decode"]
+    complete = 'strata_pd_handoffs_total{outcome="complete"}'
+    completed_before = _metric(decode, complete)
+    prefills_before = _metric(replicas["prefill"], "strata_pd_prefills_total")
+    peer_port = replicas["prefill"].server.http_port
+    with ThreadPoolExecutor(2) as pool:
+        prefill_replies, decode_replies = pool.map(
+            lambda name: _grpc_generate(replicas[name], prompt, room=31, peer_port=peer_port), ("prefill", "decode")
+        )
+    assert [t for r in prefill_replies for t in r.token_ids] == want[:1]  # the prompt and one token
+    assert [t for r in decode_replies for t in r.token_ids] == want
+    usage = decode_replies[-1].usage
+    assert usage.cached_tokens_per_tier.storage == PAGE * (usage.prompt_tokens // PAGE)
+    assert _metric(decode, complete) == completed_before + 1
+    assert _metric(replicas["prefill"], "strata_pd_prefills_total") == prefills_before + 1
+    assert httpx.get(f"{replicas['prefill'].http_url}/pd/rooms/31", timeout=10).json()["state"] == "done"
+    # no disaggregated_params: an ordinary request, whole, on either role
+    assert [t for r in _grpc_generate(replicas["prefill"], prompt) for t in r.token_ids] == want

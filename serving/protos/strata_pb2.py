@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bserving/protos/strata.proto\x12\tstrata.v1\"\x84\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.strata.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.strata.v1.TopLogprob\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbb\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.strata.v1.TokenIdsH\x00\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x11\n\tlora_name\x18\x06 \x01(\tB\x08\n\x06prompt\";\n\nTierCounts\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x04\x12\x0c\n\x04host\x18\x02 \x01(\x04\x12\x0f\n\x07storage\x18\x03 \x01(\x04\"\x87\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x35\n\x16\x63\x61\x63hed_tokens_per_tier\x18\x04 \x01(\x0b\x32\x15.strata.v1.TierCounts\"\x9c\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.strata.v1.Usage\x12,\n\rcached_tokens\x18\x07 \x01(\x0b\x32\x15.strata.v1.TierCounts\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.strata.v1.TokenLogprob\"\x16\n\x14GetCacheStatsRequest\"%\n\x15GetCacheStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"!\n\x11\x46lushCacheRequest\x12\x0c\n\x04tier\x18\x01 \x01(\t\"\x14\n\x12\x46lushCacheResponse\"&\n\x13StartProfileRequest\x12\x0f\n\x07log_dir\x18\x01 \x01(\t\"\'\n\x14StartProfileResponse\x12\x0f\n\x07log_dir\x18\x01 \x01(\t\"\x14\n\x12StopProfileRequest\"(\n\x13StopProfileResponse\x12\x11\n\ttrace_dir\x18\x01 \x01(\t2\x8d\x03\n\x06Strata\x12\x45\n\x08Generate\x12\x1a.strata.v1.GenerateRequest\x1a\x1b.strata.v1.GenerateResponse0\x01\x12R\n\rGetCacheStats\x12\x1f.strata.v1.GetCacheStatsRequest\x1a .strata.v1.GetCacheStatsResponse\x12I\n\nFlushCache\x12\x1c.strata.v1.FlushCacheRequest\x1a\x1d.strata.v1.FlushCacheResponse\x12O\n\x0cStartProfile\x12\x1e.strata.v1.StartProfileRequest\x1a\x1f.strata.v1.StartProfileResponse\x12L\n\x0bStopProfile\x12\x1d.strata.v1.StopProfileRequest\x1a\x1e.strata.v1.StopProfileResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bserving/protos/strata.proto\x12\tstrata.v1\"\x84\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\rH\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.strata.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.strata.v1.TopLogprob\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.strata.v1.TokenIdsH\x00\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.strata.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12<\n\x14\x64isaggregated_params\x18\x07 \x01(\x0b\x32\x1e.strata.v1.DisaggregatedParamsB\x08\n\x06prompt\"]\n\x13\x44isaggregatedParams\x12\x16\n\x0e\x62ootstrap_host\x18\x01 \x01(\t\x12\x16\n\x0e\x62ootstrap_port\x18\x02 \x01(\r\x12\x16\n\x0e\x62ootstrap_room\x18\x03 \x01(\x04\";\n\nTierCounts\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x04\x12\x0c\n\x04host\x18\x02 \x01(\x04\x12\x0f\n\x07storage\x18\x03 \x01(\x04\"\x87\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x35\n\x16\x63\x61\x63hed_tokens_per_tier\x18\x04 \x01(\x0b\x32\x15.strata.v1.TierCounts\"\x9c\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.strata.v1.Usage\x12,\n\rcached_tokens\x18\x07 \x01(\x0b\x32\x15.strata.v1.TierCounts\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.strata.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.strata.v1.TokenLogprob\"\x16\n\x14GetCacheStatsRequest\"%\n\x15GetCacheStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t\"!\n\x11\x46lushCacheRequest\x12\x0c\n\x04tier\x18\x01 \x01(\t\"\x14\n\x12\x46lushCacheResponse\"&\n\x13StartProfileRequest\x12\x0f\n\x07log_dir\x18\x01 \x01(\t\"\'\n\x14StartProfileResponse\x12\x0f\n\x07log_dir\x18\x01 \x01(\t\"\x14\n\x12StopProfileRequest\"(\n\x13StopProfileResponse\x12\x11\n\ttrace_dir\x18\x01 \x01(\t2\x8d\x03\n\x06Strata\x12\x45\n\x08Generate\x12\x1a.strata.v1.GenerateRequest\x1a\x1b.strata.v1.GenerateResponse0\x01\x12R\n\rGetCacheStats\x12\x1f.strata.v1.GetCacheStatsRequest\x1a .strata.v1.GetCacheStatsResponse\x12I\n\nFlushCache\x12\x1c.strata.v1.FlushCacheRequest\x1a\x1d.strata.v1.FlushCacheResponse\x12O\n\x0cStartProfile\x12\x1e.strata.v1.StartProfileRequest\x1a\x1f.strata.v1.StartProfileResponse\x12L\n\x0bStopProfile\x12\x1d.strata.v1.StopProfileRequest\x1a\x1e.strata.v1.StopProfileResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,29 +44,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=825
   _globals['_TOKENIDS']._serialized_end=848
   _globals['_GENERATEREQUEST']._serialized_start=851
-  _globals['_GENERATEREQUEST']._serialized_end=1038
-  _globals['_TIERCOUNTS']._serialized_start=1040
-  _globals['_TIERCOUNTS']._serialized_end=1099
-  _globals['_USAGE']._serialized_start=1102
-  _globals['_USAGE']._serialized_end=1237
-  _globals['_GENERATERESPONSE']._serialized_start=1240
-  _globals['_GENERATERESPONSE']._serialized_end=1524
-  _globals['_GETCACHESTATSREQUEST']._serialized_start=1526
-  _globals['_GETCACHESTATSREQUEST']._serialized_end=1548
-  _globals['_GETCACHESTATSRESPONSE']._serialized_start=1550
-  _globals['_GETCACHESTATSRESPONSE']._serialized_end=1587
-  _globals['_FLUSHCACHEREQUEST']._serialized_start=1589
-  _globals['_FLUSHCACHEREQUEST']._serialized_end=1622
-  _globals['_FLUSHCACHERESPONSE']._serialized_start=1624
-  _globals['_FLUSHCACHERESPONSE']._serialized_end=1644
-  _globals['_STARTPROFILEREQUEST']._serialized_start=1646
-  _globals['_STARTPROFILEREQUEST']._serialized_end=1684
-  _globals['_STARTPROFILERESPONSE']._serialized_start=1686
-  _globals['_STARTPROFILERESPONSE']._serialized_end=1725
-  _globals['_STOPPROFILEREQUEST']._serialized_start=1727
-  _globals['_STOPPROFILEREQUEST']._serialized_end=1747
-  _globals['_STOPPROFILERESPONSE']._serialized_start=1749
-  _globals['_STOPPROFILERESPONSE']._serialized_end=1789
-  _globals['_STRATA']._serialized_start=1792
-  _globals['_STRATA']._serialized_end=2189
+  _globals['_GENERATEREQUEST']._serialized_end=1100
+  _globals['_DISAGGREGATEDPARAMS']._serialized_start=1102
+  _globals['_DISAGGREGATEDPARAMS']._serialized_end=1195
+  _globals['_TIERCOUNTS']._serialized_start=1197
+  _globals['_TIERCOUNTS']._serialized_end=1256
+  _globals['_USAGE']._serialized_start=1259
+  _globals['_USAGE']._serialized_end=1394
+  _globals['_GENERATERESPONSE']._serialized_start=1397
+  _globals['_GENERATERESPONSE']._serialized_end=1681
+  _globals['_GETCACHESTATSREQUEST']._serialized_start=1683
+  _globals['_GETCACHESTATSREQUEST']._serialized_end=1705
+  _globals['_GETCACHESTATSRESPONSE']._serialized_start=1707
+  _globals['_GETCACHESTATSRESPONSE']._serialized_end=1744
+  _globals['_FLUSHCACHEREQUEST']._serialized_start=1746
+  _globals['_FLUSHCACHEREQUEST']._serialized_end=1779
+  _globals['_FLUSHCACHERESPONSE']._serialized_start=1781
+  _globals['_FLUSHCACHERESPONSE']._serialized_end=1801
+  _globals['_STARTPROFILEREQUEST']._serialized_start=1803
+  _globals['_STARTPROFILEREQUEST']._serialized_end=1841
+  _globals['_STARTPROFILERESPONSE']._serialized_start=1843
+  _globals['_STARTPROFILERESPONSE']._serialized_end=1882
+  _globals['_STOPPROFILEREQUEST']._serialized_start=1884
+  _globals['_STOPPROFILEREQUEST']._serialized_end=1904
+  _globals['_STOPPROFILERESPONSE']._serialized_start=1906
+  _globals['_STOPPROFILERESPONSE']._serialized_end=1946
+  _globals['_STRATA']._serialized_start=1949
+  _globals['_STRATA']._serialized_end=2346
 # @@protoc_insertion_point(module_scope)
