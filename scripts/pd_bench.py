@@ -107,6 +107,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     gaps: list[float] = []
     answers: dict[str, str] = {}
     doc_ttft: list[float] = []
+    stream_ttft: list[float] = []  # each streamed answer's first token (behind the router's prefill leg in PD mode)
     errors: list[str] = []
     tokens = 0
     limits = httpx.Limits(max_connections=args.streams + len(docs) + 4)
@@ -125,12 +126,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     "ignore_eos": True,
                 }
                 try:
-                    arrivals, text, n, _ = await _stream(client, args.router, body)
+                    arrivals, text, n, first = await _stream(client, args.router, body)
                 except Exception as exc:  # noqa: BLE001 - counted and reported
                     errors.append(f"{key}: {type(exc).__name__}: {exc}")
                     j += 1
                     continue
                 gaps.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
+                if first is not None:
+                    stream_ttft.append(first)
                 answers[key] = text
                 tokens += n
                 j += 1
@@ -199,6 +202,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "itl_p99_s": pct(gaps, 0.99),
         "itl_max_s": max(gaps) if gaps else None,
         "gaps": len(gaps),
+        "stream_ttft_mean_s": statistics.fmean(stream_ttft) if stream_ttft else None,
+        "stream_ttft_p90_s": pct(stream_ttft, 0.9),
         "doc_ttft_mean_s": statistics.fmean(doc_ttft) if doc_ttft else None,
         "docs_answered": len(doc_ttft),
         "output_tokens": tokens,
@@ -243,7 +248,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(json.dumps(brief, indent=1))
     if args.kill_pid is None:
         return 1 if result["errors"] else 0
-    fell_back = sum(v for k, v in result["decode_handoffs"].items() if k != "complete")
+    fell_back = sum(v for k, v in result["decode_handoffs"].items() if k not in ("complete", "local"))
     checks = [
         ("the prefill replica was killed mid-prefill", result["killed"] is not None, str(result["killed"])),
         ("every request answered", not result["errors"], f"{len(result['errors'])} errors"),
@@ -266,14 +271,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
         ("streams' inter-token p50", "itl_p50_s", _ms),
         ("streams' inter-token p90", "itl_p90_s", _ms),
         ("streams' inter-token p99", "itl_p99_s", _ms),
+        ("streams' mean TTFT", "stream_ttft_mean_s", _ms),
+        ("streams' TTFT p90", "stream_ttft_p90_s", _ms),
         ("documents' mean TTFT", "doc_ttft_mean_s", lambda v: "-" if v is None else f"{v:.2f} s"),
         ("output tokens per s", "output_tokens_per_s", lambda v: f"{v:.1f}"),
     ]
     print("| | " + " | ".join(r["label"] for r in runs) + " | ratio (first / each) |")
     print("|---|" + "---|" * (len(runs) + 1))
     for name, key, fmt in rows:
-        ratios = [f"{base[key] / r[key]:.2f}x" if base[key] and r.get(key) else "-" for r in runs[1:]]
-        print(f"| {name} | " + " | ".join(fmt(r[key]) for r in runs) + f" | {', '.join(ratios)} |")
+        ratios = [f"{base[key] / r[key]:.2f}x" if base.get(key) and r.get(key) else "-" for r in runs[1:]]
+        print(f"| {name} | " + " | ".join(fmt(r.get(key)) for r in runs) + f" | {', '.join(ratios)} |")
     ok = True
     for r in runs[1:]:
         common = sorted(set(base["answers"]) & set(r["answers"]))

@@ -366,7 +366,9 @@ class Frontend:
         self.metrics.pd_handoffs.labels(result.outcome).inc()
         self.metrics.pd_pages_received.inc(result.landed_pages)
         self.metrics.pd_wait.observe(result.waited_s)
-        if result.fell_back:
+        if result.outcome == "local":  # short: computed here at once, by design
+            return None
+        if result.gave_up:
             log.warning(
                 "prefill/decode handoff %s after %.2f s: %d of the prompt's %d pages in L3; computing the rest here",
                 result.outcome,

@@ -139,8 +139,8 @@ class ServingMetrics:
         )
         self.pd_handoffs = Counter(
             f"{PREFIX}_pd_handoffs",
-            "Decode role: waits for a prompt's pages in L3, by how they ended (complete; stalled or deadline: "
-            "the rest of the prompt computed here)",
+            "Decode role: waits for a prompt's pages in L3, by how they ended (complete; stalled, prefill_lost or "
+            "deadline: the rest of the prompt computed here; local: short enough to compute here without waiting)",
             ["outcome"],
             registry=registry,
         )

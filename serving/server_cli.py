@@ -22,7 +22,8 @@ from serving.server import StrataServer
 from strata_jax.engine.handoff import HandoffPolicy
 
 log = logging.getLogger("strata_jax.serve")
-HANDOFF_FLAGS = ("base_s", "prefill_factor", "stall_s", "max_wait_s", "peer_poll_s")  # HandoffPolicy fields serve sets
+# HandoffPolicy fields serve sets
+HANDOFF_FLAGS = ("base_s", "prefill_factor", "stall_s", "max_wait_s", "peer_poll_s", "local_tokens")
 
 _ENGINE_FLAG_PREFIX = "engine_"
 _NEST = "__"  # argparse dest separator for nested fields (scheduler.policy -> engine_scheduler__policy)
@@ -224,7 +225,7 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     for name in HANDOFF_FLAGS:
         srv.add_argument(
             f"--handoff-{name.replace('_', '-')}",
-            type=float,
+            type=type(getattr(d.handoff, name)),
             default=getattr(d.handoff, name),
             help=f"decode role: {handoff_docs[name]} (default: %(default)s)",
         )

@@ -107,6 +107,25 @@ def test_without_a_prefill_engine_the_deadline_passes_and_the_prompt_is_computed
     assert out.token_ids == want and out.cached_tokens["storage"] == 0
 
 
+def test_a_short_prompt_is_computed_at_once_a_long_one_waited_for(fleet):
+    """``HandoffPolicy.local_tokens``: a prompt with at most that many tokens not in L3 is not
+    waited for (``local``); one page more is; a prompt whose full pages all landed is
+    ``complete`` though only its partial page is left to compute."""
+    alone, prefill, decode = fleet
+    short = _prompt(11, 3 * PAGE + 7)  # 55 tokens, none in L3
+    policy = HandoffPolicy(base_s=5.0, local_tokens=55)
+    result = decode.handoff_wait(short, policy=policy).poll()
+    assert result is not None and result.outcome == "local" and result.landed_pages == 0
+    assert decode.handoff_wait(short, policy=HandoffPolicy(base_s=5.0, local_tokens=54)).poll() is None
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert decode.generate([short], params)[0].token_ids == alone.generate([short], params)[0].token_ids
+    landed = _prompt(12, 4 * PAGE + 3)
+    prefill.generate([landed], SamplingParams(max_tokens=1))
+    assert _until_done(decode.handoff_wait(landed, policy=HandoffPolicy(local_tokens=0))).outcome == "complete"
+    result = decode.handoff_wait(landed, policy=HandoffPolicy(local_tokens=1000)).poll()  # the 4 pages are in L3 now
+    assert result is not None and result.outcome == "complete" and result.landed_pages == 4
+
+
 def test_pages_under_another_salt_are_not_the_prompts(fleet):
     _alone, prefill, decode = fleet
     prompt = _prompt(2, 6 * PAGE)

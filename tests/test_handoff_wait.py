@@ -247,3 +247,19 @@ def test_each_probe_asks_from_the_pages_already_seen():
     result = wait.poll()
     assert result is not None and result.outcome == "complete"
     assert starts == [0, 0, 4]
+
+
+def test_a_short_prompt_is_computed_here_without_a_probe():
+    probes = []
+    wait = HandoffWait(lambda start: probes.append(start) or 0, 3, 1, 5.0, 1.0, _Clock(), compute_here=True)
+    result = wait.poll()
+    assert result is not None and result.outcome == "local"
+    assert (result.wanted_pages, result.landed_pages, result.waited_s) == (3, 1, 0.0)
+    assert result.fell_back and not result.gave_up  # computed here, by design: not a wait that failed
+    assert probes == []
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, None])
+def test_policy_refuses_a_bad_local_tokens(value):
+    with pytest.raises(ValueError, match="local_tokens"):
+        HandoffPolicy(local_tokens=value)

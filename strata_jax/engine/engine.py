@@ -528,7 +528,15 @@ class Engine:
         predicted = self.scheduler.cost.extend_seconds(missing, present * self.page_size)
         deadline = policy.deadline(predicted)
         return HandoffWait(
-            probe, len(keys), present, deadline, policy.stall_s, time.monotonic, policy.poll_s, policy.max_wait_s
+            probe,
+            len(keys),
+            present,
+            deadline,
+            policy.stall_s,
+            time.monotonic,
+            policy.poll_s,
+            policy.max_wait_s,
+            compute_here=present < len(keys) and missing <= policy.local_tokens,
         )
 
     def check_accounting(self) -> dict[str, int]:

@@ -29,6 +29,10 @@ caller asks it over HTTP, ``serving/disaggregation.py``) moves these ends:
   in a row (it died): ``prefill_lost`` at once;
 * ``unknown`` (it never got the request, or forgot it): the deadline as without it.
 
+A prompt with at most ``HandoffPolicy.local_tokens`` tokens not in L3 when the wait begins
+(a chat turn over a cached conversation, a short question) is not waited for: ``local``, the
+replica computes it at once.
+
 The deadline comes from the cost model (``HandoffPolicy.deadline``): a fixed allowance for
 the router's dispatch and the prefill replica's queue, plus a multiple of this replica's own
 predicted prefill time for the part of the prompt not yet in L3 (the replicas run the same
@@ -56,6 +60,10 @@ class HandoffPolicy:
     poll_s: time between two L3 existence probes.
     peer_poll_s: time between two questions to the prefill replica about the request (when
         the router names it: ``--prefill URL PORT`` with PORT its HTTP port).
+    local_tokens: a prompt with at most this many tokens not yet in L3 is computed here at
+        once (a chat turn, a short question): waiting would cost it the prefill replica's
+        queue and a step of its chunks, computing it costs the streams here a few tokens of one
+        step; 0 waits for every prompt.
     """
 
     base_s: float = 2.0
@@ -64,8 +72,11 @@ class HandoffPolicy:
     max_wait_s: float = 60.0
     poll_s: float = 0.02
     peer_poll_s: float = 0.25
+    local_tokens: int = 64
 
     def __post_init__(self) -> None:
+        if not isinstance(self.local_tokens, int) or isinstance(self.local_tokens, bool) or self.local_tokens < 0:
+            raise ValueError(f"handoff local_tokens must be an integer >= 0, got {self.local_tokens!r}")
         for name in ("base_s", "prefill_factor", "stall_s", "max_wait_s", "poll_s", "peer_poll_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -81,7 +92,9 @@ class HandoffPolicy:
         return min(self.base_s + self.prefill_factor * predicted, self.max_wait_s)
 
 
-OUTCOMES = ("complete", "stalled", "prefill_lost", "deadline")
+# "local": short enough to compute here without waiting (HandoffPolicy.local_tokens); the
+# others end a wait: every page landed, or (stalled, prefill_lost, deadline) it gave up
+OUTCOMES = ("complete", "stalled", "prefill_lost", "deadline", "local")
 PEER_STATES = ("in_flight", "done", "failed", "unknown", "unreachable")
 UNREACHABLE_LOST = 2  # consecutive unanswered questions that mean the prefill replica is gone
 
@@ -101,6 +114,11 @@ class HandoffResult:
         """The replica computes (part of) the prompt itself."""
         return self.outcome != "complete"
 
+    @property
+    def gave_up(self) -> bool:
+        """The replica waited and the pages did not all come (not a short prompt computed at once)."""
+        return self.outcome not in ("complete", "local")
+
 
 class HandoffWait:
     """One request's wait; ``poll()`` probes L3 and returns the result once the wait is over.
@@ -109,7 +127,9 @@ class HandoffWait:
     asking L3 only from page ``start`` on (the pages before were seen there already; pages
     land in order, so each probe is short once they begin to; an L3 that fails answers
     ``start``: the caller's probe counts its errors).  ``present_pages``: the
-    count when the wait began (probed by the caller, which sized the deadline from it)."""
+    count when the wait began (probed by the caller, which sized the deadline from it).
+    ``compute_here``: the prompt is short enough to compute at once (``HandoffPolicy.local_tokens``):
+    the wait is over before it starts (``local``)."""
 
     def __init__(
         self,
@@ -121,6 +141,7 @@ class HandoffWait:
         clock: Callable[[], float],
         poll_s: float = 0.02,
         max_wait_s: float | None = None,
+        compute_here: bool = False,
     ) -> None:
         self._probe = probe
         self.wanted_pages = wanted_pages
@@ -137,6 +158,8 @@ class HandoffWait:
         self._peer_done_at: float | None = None
         self._unreachable = 0
         self.result: HandoffResult | None = None
+        if compute_here:
+            self.result = HandoffResult(wanted_pages, present_pages, 0.0, "local")
 
     def note_peer(self, state: str) -> None:
         """What the prefill replica says of the request now (one of ``PEER_STATES``)."""
