@@ -131,20 +131,17 @@ def sse_response(
     usage_chunk: Callable[[dict], dict] | None,
     *,
     continuous_usage: bool = False,
-    first_unread: bool = False,
 ) -> Response:
     """An SSE response over merged choice streams: ``opening`` events, the events
     ``on_chunk`` makes of each chunk (each with the usage so far when
-    ``continuous_usage``), the usage event (if the client asked for one), then ``[DONE]``.
-    ``first_unread``: the caller did not read the first item (``first`` is ignored); the
-    headers go out before it, and an admission error is reported in-band like any other."""
+    ``continuous_usage``), the usage event (if the client asked for one), then ``[DONE]``."""
 
     async def events() -> AsyncIterator[str]:
         totals: dict[int, ChoiceTotals] = {}
         try:
             for event in opening:
                 yield sse(event)
-            item = await anext(stream, None) if first_unread else first
+            item = first
             while item is not None:
                 index, chunk = item
                 totals.setdefault(index, ChoiceTotals()).add(chunk)

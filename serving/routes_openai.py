@@ -177,8 +177,7 @@ async def _stream_completion(ctx: HttpContext, request: Request, job: _Completio
         handoff=_handoff(job),
     )
     chunks = merged(streams)
-    early = _answers_at_once(job)
-    first = None if early else await until_disconnect(request, first_item(chunks))
+    first = await until_disconnect(request, first_item(chunks))
     model, created = job.model, int(time.time())
     builders = [olp.CompletionLogprobs(_decoder(job.engine), req.logprobs or 0) for _ in streams]
     echo_pending = [bool(req.echo)] * len(streams)
@@ -204,7 +203,7 @@ async def _stream_completion(ctx: HttpContext, request: Request, job: _Completio
         return [event]
 
     usage = _usage_chunk(req, rid, model, "text_completion", created)
-    return sse_response(chunks, first, [], on_chunk, usage, continuous_usage=req.continuous_usage, first_unread=early)
+    return sse_response(chunks, first, [], on_chunk, usage, continuous_usage=req.continuous_usage)
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------
@@ -268,16 +267,6 @@ _Job = TypeVar("_Job", _Completion, _Chat)
 def _handoff(job: _Completion | _Chat, index: int = 0) -> Handoff | None:
     """Prompt ``index``'s part in a disaggregated request (None: served as usual)."""
     return job.handoffs[index] if index < len(job.handoffs) else None
-
-
-def _answers_at_once(job: _Completion | _Chat) -> bool:
-    """A prefill replica's part of a streamed disaggregated request starts its response (200,
-    headers, the opening events) at once instead of after the first token: sglang-router
-    joins both sides' responses before it streams the decode replica's to the client, so a
-    prompt queued behind other prompts here would hold the client's stream (SGLang's prefill
-    workers answer at once too).  Admission errors then come in-band, and the room is marked
-    failed (``RoomBook``), so the decode replica computes the prompt itself."""
-    return any(h is not None and h.role == "prefill" for h in job.handoffs)
 
 
 def _play_role(ctx: HttpContext, job: _Job) -> _Job:
@@ -355,8 +344,7 @@ async def _stream_chat(
 ) -> Response:
     req = job.req
     chunks = merged(streams)
-    early = _answers_at_once(job)
-    first = None if early else await until_disconnect(request, first_item(chunks))
+    first = await until_disconnect(request, first_item(chunks))
     model, created = job.model, int(time.time())
     decode = _decoder(job.engine)
     fmt = job.tools.fmt
@@ -387,9 +375,7 @@ async def _stream_chat(
         for i in range(len(streams))
     ]
     usage = _usage_chunk(req, rid, model, "chat.completion.chunk", created)
-    return sse_response(
-        chunks, first, opening, on_chunk, usage, continuous_usage=req.continuous_usage, first_unread=early
-    )
+    return sse_response(chunks, first, opening, on_chunk, usage, continuous_usage=req.continuous_usage)
 
 
 # ---- /v1/models --------------------------------------------------------------------

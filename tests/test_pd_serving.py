@@ -58,11 +58,10 @@ def replicas(tmp_path_factory):
         "prefill": _server("prefill", shared),
         # a fixed 4 s (its own prefill times are unmeasured yet): the fallback test waits it out
         # (every page from L3: the tiny model computes so fast that the cost policy may not wait for the last ones)
-        # local_tokens=0: every prompt waits (the tests of waiting; computing short ones at once: below)
         "decode": _server(
             "decode",
             shared,
-            HandoffPolicy(base_s=4.0, prefill_factor=0.0, max_wait_s=4.0, local_tokens=0),
+            HandoffPolicy(base_s=4.0, prefill_factor=0.0, max_wait_s=4.0),
             "wait_complete",
         ),
         "alone": _server("both", tmp_path_factory.mktemp("alone_l3")),
@@ -262,9 +261,7 @@ def patient_decode(tmp_path_factory, replicas):
     """A decode replica over the shared L3 that asks the prefill replica: its own deadline is
     0.5 s, so only what the prefill replica says keeps it waiting longer."""
     shared = Path(replicas["decode"].frontend.engine().config.storage_dir)
-    policy = HandoffPolicy(
-        base_s=0.5, prefill_factor=0.0, stall_s=1.0, max_wait_s=30.0, peer_poll_s=0.1, local_tokens=0
-    )
+    policy = HandoffPolicy(base_s=0.5, prefill_factor=0.0, stall_s=1.0, max_wait_s=30.0, peer_poll_s=0.1)
     server = _server("decode", shared, policy)
     httpx.post(f"{server.http_url}/v1/chat/completions", json=_chat("warm", max_tokens=2), timeout=300)
     try:
@@ -354,9 +351,9 @@ def test_grpc_carries_the_bootstrap_fields(replicas):
 
 
 def test_a_short_prompt_is_decoded_at_once_without_waiting_for_the_prefill_replica(replicas, tmp_path):
-    """A chat turn of a few dozen tokens (``--handoff-local-tokens``, default 64): a decode
-    replica computes it at once (``local``) instead of waiting out its 30 s deadline with no
-    prefill replica answering, and the answer is a lone replica's."""
+    """A chat turn of a few dozen tokens (``--handoff-local-tokens 64``): a decode replica
+    computes it at once (``local``) instead of waiting out its 30 s deadline with no prefill
+    replica answering, and the answer is a lone replica's."""
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Name a colour."}],
@@ -365,7 +362,7 @@ def test_a_short_prompt_is_decoded_at_once_without_waiting_for_the_prefill_repli
     }
     want = httpx.post(f"{replicas['alone'].http_url}/v1/chat/completions", json=body, timeout=120).json()
     assert 16 < want["usage"]["prompt_tokens"] <= 64  # a full page or more, all of it short
-    decode = _server("decode", tmp_path, HandoffPolicy(base_s=30.0, max_wait_s=30.0))
+    decode = _server("decode", tmp_path, HandoffPolicy(base_s=30.0, max_wait_s=30.0, local_tokens=64))
     try:
         t0 = time.monotonic()
         got = httpx.post(f"{decode.http_url}/v1/chat/completions", json={**body, **_router_fields(41)}, timeout=120)

@@ -61,9 +61,10 @@ class HandoffPolicy:
     peer_poll_s: time between two questions to the prefill replica about the request (when
         the router names it: ``--prefill URL PORT`` with PORT its HTTP port).
     local_tokens: a prompt with at most this many tokens not yet in L3 is computed here at
-        once (a chat turn, a short question): waiting would cost it the prefill replica's
-        queue and a step of its chunks, computing it costs the streams here a few tokens of one
-        step; 0 waits for every prompt.
+        once (a chat turn, a short question), costing the streams here a few tokens of one
+        step; it pays only behind a router that streams this replica's answer without waiting
+        for the prefill replica's (sglang-router 0.3.2 waits: docs/serving.md); 0 waits for
+        every prompt.
     """
 
     base_s: float = 2.0
@@ -72,7 +73,7 @@ class HandoffPolicy:
     max_wait_s: float = 60.0
     poll_s: float = 0.02
     peer_poll_s: float = 0.25
-    local_tokens: int = 64
+    local_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.local_tokens, int) or isinstance(self.local_tokens, bool) or self.local_tokens < 0:
