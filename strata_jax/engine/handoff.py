@@ -29,9 +29,9 @@ caller asks it over HTTP, ``serving/disaggregation.py``) moves these ends:
   in a row (it died): ``prefill_lost`` at once;
 * ``unknown`` (it never got the request, or forgot it): the deadline as without it.
 
-A prompt with at most ``HandoffPolicy.local_tokens`` tokens not in L3 when the wait begins
-(a chat turn over a cached conversation, a short question) is not waited for: ``local``, the
-replica computes it at once.
+With ``HandoffPolicy.local_tokens`` set (off by default), a prompt with at most that many
+tokens not in L3 when the wait begins (a chat turn over a cached conversation, a short
+question) is not waited for: ``local``, the replica computes it at once.
 
 The deadline comes from the cost model (``HandoffPolicy.deadline``): a fixed allowance for
 the router's dispatch and the prefill replica's queue, plus a multiple of this replica's own
