@@ -79,6 +79,13 @@ def test_bench_on_the_tiny_model(tmp_path, capsys):
     assert r["attention"]["causal_flops"] == attention_flops_tiny(0, 32) + attention_flops_tiny(32, 8)
 
 
+def test_a_prompt_past_the_models_context_is_one_line():
+    """The tiny model's 16,384 tokens: a 16,384-token prompt and its first token do not fit."""
+    argv = ["--tokens", "16384", "--chunk", "32", "--max-batch-size", "4", "--repeats", "1"]
+    with pytest.raises(SystemExit, match=r"--tokens 16384: the prompt and its first token need 16385 .*16384"):
+        run_benchmark("prefill", argv)
+
+
 def projection_flops_tiny(tokens: int) -> float:
     from strata_jax.models.loader import tiny_config
 

@@ -169,23 +169,26 @@ def _measure_engine(args: argparse.Namespace, chunk: int) -> tuple[dict, Engine]
     """Cold prefills of fresh prompts through one engine; returns (numbers, the engine)."""
     import numpy as np
 
-    from strata_jax.api import SamplingParams
+    from strata_jax.api import InvalidRequestError, SamplingParams
     from strata_jax.engine import Engine, EngineConfig
 
     device_tokens = args.device_tokens or max(8192, 4 * (args.tokens + chunk))
-    engine = Engine(
-        EngineConfig(
-            model=args.model,
-            show_progress=False,
-            tiers="L1",
-            max_batch_tokens=chunk,
-            max_batch_size=args.max_batch_size,
-            device_tokens=device_tokens,
-            # the prompt and its one sampled token, past the CPU's default cap of 16K (the
-            # engine refuses more than the model's limit, naming it)
-            max_context_tokens=args.tokens + 1,
-        )
+    config = EngineConfig(
+        model=args.model,
+        show_progress=False,
+        tiers="L1",
+        max_batch_tokens=chunk,
+        max_batch_size=args.max_batch_size,
+        device_tokens=device_tokens,
+        # the prompt and its one sampled token, past the CPU's default cap of 16K
+        max_context_tokens=args.tokens + 1,
     )
+    try:
+        engine = Engine(config)
+    except InvalidRequestError as exc:  # past the model's limit: one line, not a traceback
+        raise SystemExit(
+            f"--tokens {args.tokens}: the prompt and its first token need {args.tokens + 1} tokens of context ({exc})"
+        ) from None
     if args.tokens + 1 > engine.max_context_tokens:
         engine.shutdown()
         raise SystemExit(f"--tokens {args.tokens} exceeds the engine's context ({engine.max_context_tokens})")
