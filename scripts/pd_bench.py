@@ -279,7 +279,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print("| | " + " | ".join(r["label"] for r in runs) + " | ratio (first / each) |")
     print("|---|" + "---|" * (len(runs) + 1))
     for name, key, fmt in rows:
-        ratios = [f"{base[key] / r[key]:.2f}x" if base.get(key) and r.get(key) else "-" for r in runs[1:]]
+        # no ratio of a value under a millisecond (a p50 of 0 ms where a router delivers tokens in bursts)
+        ratios = [
+            f"{base[key] / r[key]:.2f}x" if min(base.get(key) or 0, r.get(key) or 0) >= 1e-3 else "-" for r in runs[1:]
+        ]
         print(f"| {name} | " + " | ".join(fmt(r.get(key)) for r in runs) + f" | {', '.join(ratios)} |")
     ok = True
     for r in runs[1:]:
