@@ -366,9 +366,7 @@ class Frontend:
         self.metrics.pd_handoffs.labels(result.outcome).inc()
         self.metrics.pd_pages_received.inc(result.landed_pages)
         self.metrics.pd_wait.observe(result.waited_s)
-        if result.outcome == "local":  # short: computed here at once, by design
-            return None
-        if result.gave_up:
+        if result.gave_up:  # (a short prompt computed at once, ``local``, is by design: not logged)
             log.warning(
                 "prefill/decode handoff %s after %.2f s: %d of the prompt's %d pages in L3; computing the rest here",
                 result.outcome,
@@ -376,8 +374,7 @@ class Frontend:
                 result.landed_pages,
                 result.wanted_pages,
             )
-            return None
-        return time.perf_counter()
+        return None if result.fell_back else time.perf_counter()
 
     @staticmethod
     async def _ask_peer(wait: HandoffWait, url: str, every_s: float) -> None:
