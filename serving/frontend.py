@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from serving.disaggregation import Handoff, RoomBook
+from serving.disaggregation import Handoff, RoomBook, prefill_only
 from serving.metrics import ServingMetrics
 from strata_jax.api import (
     EngineUnavailableError,
@@ -203,6 +203,12 @@ class Frontend:
         """The LoRA adapters the engine holds (``model`` names one of them)."""
         adapters = getattr(self._engine, "adapters", None)
         return [e.adapter.name for e in adapters.listing()] if adapters is not None else []
+
+    def play_prefill(self, params: SamplingParams) -> SamplingParams:
+        """A prefill replica's part of a disaggregated request (either face): the prompt and one
+        token, counted in ``strata_pd_prefills_total``."""
+        self.metrics.pd_prefills.inc()
+        return prefill_only(params)
 
     def lora_name(self, model: object) -> str | None:
         """The adapter a request's ``model`` selects: None for the base model (checked first)."""

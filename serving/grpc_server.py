@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from serving import auth
 from serving.config import ServerConfig
-from serving.disaggregation import BootstrapFields, handoff_for, prefill_only
+from serving.disaggregation import BootstrapFields, handoff_for
 from serving.frontend import TIERS, Frontend
 from serving.protos import strata_pb2, strata_pb2_grpc
 from strata_jax.api import (
@@ -179,8 +179,7 @@ class StrataServicer(strata_pb2_grpc.StrataServicer):
             lora_name = self._frontend.lora_name(request.lora_name) if request.lora_name else None
             handoff = handoff_for(self._config.role, bootstrap_fields(request))
             if handoff is not None and handoff.role == "prefill":
-                params = prefill_only(params)
-                self._frontend.metrics.pd_prefills.inc()
+                params = self._frontend.play_prefill(params)
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
             self._frontend.count_rejected("grpc", exc)
             await self._fail(context, exc)

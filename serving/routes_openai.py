@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from serving import openai_logprobs as olp
 from serving import openai_protocol as oai
 from serving import tool_calls
-from serving.disaggregation import Handoff, handoff_for, prefill_only
+from serving.disaggregation import Handoff, handoff_for
 from serving.frontend import TIERS, EngineLike
 from serving.http_common import ADMIN_AUTH, INFERENCE_AUTH, HttpContext, http_context, map_error, until_disconnect
 from serving.openai_streams import ChoiceTotals, ChunkStream, collect_all, first_item, merged, sse_response
@@ -275,8 +275,7 @@ def _play_role(ctx: HttpContext, job: _Job) -> _Job:
     prompts = len(job.prompts) if isinstance(job, _Completion) else 1
     job.handoffs = [handoff_for(ctx.config.role, job.req, i) for i in range(prompts)]
     if any(h is not None and h.role == "prefill" for h in job.handoffs):
-        job.params = prefill_only(job.params)
-        ctx.frontend.metrics.pd_prefills.inc()
+        job.params = ctx.frontend.play_prefill(job.params)
     return job
 
 
