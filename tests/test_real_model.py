@@ -155,3 +155,35 @@ def test_convert_gives_a_folder_transformers_loads_with_the_same_model(smollm2_g
     with torch.no_grad():
         ours, ref = model(torch.tensor([ids])).logits, hf_model(torch.tensor([ids])).logits
     assert (ours - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.slow  # ~1 min: a second engine on the same GGUF and transformers on a 1,100-token prompt
+def test_mixed_steps_keep_greedy_tokens_equal_to_transformers(smollm2_gguf, hf_model):
+    """Two short prompts decode inside the 256-token chunks of a long one (mixed steps, issue 41)."""
+    engine = Engine(
+        EngineConfig(
+            model=smollm2_gguf,
+            warmup=False,
+            show_progress=False,
+            page_size=16,
+            device_tokens=4096,
+            max_batch_tokens=256,
+            max_batch_size=4,
+            max_context_tokens=2048,
+            mixed_steps=True,
+        )
+    )
+    try:
+        tok = engine.tokenizer
+        long_ids = tok.encode((REPO / "docs" / "design.md").read_text())[:LONG_PROMPT_TOKENS]
+        prompts = [
+            tok.encode(tok.apply_chat_template(QUESTION), add_special_tokens=False),
+            tok.encode("Gravity is the force by which a planet or other body draws objects toward its center."),
+            long_ids,
+        ]
+        outs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert engine.counters["mixed_steps"] >= 3  # the short ones' decodes rode in the long one's chunks
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == _hf_greedy(hf_model, prompt), tok.decode(prompt)[:60]
+    finally:
+        engine.shutdown()

@@ -418,3 +418,56 @@ def test_without_wait_for_prefetch_the_progress_is_never_asked() -> None:
     cache.prefetches["a"] = (0, 2000, 0.0)
     assert sched.schedule(cache).prefill_ids == ("a",)
     assert sched.stats().prefetch_waits == 0 and sched.stats().prefetch_not_waited == 0
+
+
+# ---------------------------------------------------------------- mixed steps
+
+
+def test_mixed_step_leaves_a_token_per_decode_row_and_carries_them() -> None:
+    sched, cache = Scheduler(SchedulerConfig(max_batch_tokens=256, enable_mixed_steps=True)), FakeCache()
+    decoding_request(sched, cache, "d1")
+    decoding_request(sched, cache, "d2")  # (a mixed round already: d2's prompt beside d1's decode)
+    before = sched.stats().mixed_rounds
+    sched.submit("p", doc(1, 4000))
+    plan = sched.schedule(cache)
+    assert plan.prefill_ids == ("p",) and set(plan.decode_ids) == {"d1", "d2"}
+    assert plan.mixed and not plan.decode_first
+    assert plan.prefill[0].new_tokens == 256 - 2  # the chunk and the two rows fill the 256-token program
+    assert sched.stats().mixed_rounds == before + 1
+
+
+@pytest.mark.parametrize(
+    "config",
+    [SchedulerConfig(max_batch_tokens=256), SchedulerConfig(max_batch_tokens=256, policy="fifo")],
+)
+def test_without_mixed_steps_the_chunk_takes_the_whole_budget(config: SchedulerConfig) -> None:
+    assert not resolve_stages(config).mixed_steps
+    sched, cache = Scheduler(config), FakeCache()
+    decoding_request(sched, cache)
+    sched.submit("p", doc(1, 4000))
+    plan = sched.schedule(cache)
+    assert not plan.mixed and plan.prefill[0].new_tokens == 256
+    assert sched.stats().mixed_rounds == 0
+
+
+def test_mixed_only_when_the_cost_model_says_one_program_is_cheaper() -> None:
+    # A device where a decode row is nearly free and a prompt token is dear: the rows would cost
+    # more as tokens of the extend than the whole decode program, so the step stays two programs.
+    prior = CostPrior(extend_coeffs=(1e-3, 1e-2, 0.0), decode_coeffs=(1e-4, 1e-6, 0.0))
+    sched = Scheduler(SchedulerConfig(max_batch_tokens=256, enable_mixed_steps=True), CostModel(prior))
+    cache = FakeCache()
+    decoding_request(sched, cache)
+    sched.submit("p", doc(1, 4000))
+    plan = sched.schedule(cache)
+    est_mixed = sched.cost.batch_extend_seconds([(255, 0), (1, sched.get("d").seq_len)])
+    assert est_mixed > plan.est_prefill_s + plan.est_decode_s
+    assert not plan.mixed and plan.decode_ids == ("d",)
+
+
+def test_a_decode_first_round_is_never_mixed() -> None:
+    sched, cache = Scheduler(SchedulerConfig(enable_mixed_steps=True)), FakeCache()
+    decoding_request(sched, cache)
+    cache.add_ready(doc(1, 4000), "host")  # a load that outlasts a decode step: bubble filling
+    sched.submit("p", doc(1, 4000) + q(1, 10))
+    plan = sched.schedule(cache)
+    assert plan.decode_first and not plan.mixed

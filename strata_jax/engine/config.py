@@ -65,6 +65,10 @@ class EngineConfig:
         whose time per token is within 10% of the cheapest bucket's
         (strata_jax/runtime/chunk_tuning.py; needs warmup).
     max_batch_size: sequences per prefill or decode step.
+    mixed_steps: a step that prefills and decodes runs both as one program (each decode row
+        a one-token row of the prompt chunk's extend; the chunk leaves them a token each)
+        when the scheduler's fitted step times say one costs less than the two; False runs
+        an extend and then a decode (docs/scheduler.md, "Mixed steps").
     max_running_requests: requests running (prefilling or decoding) at once, each holding a
         row of per-sequence state on the device; more wait in the queue.  None = 4 *
         max_batch_size (decodes beyond max_batch_size take turns).
@@ -182,6 +186,7 @@ class EngineConfig:
     max_batch_tokens: int = 512
     prefill_chunk: str = "max"
     max_batch_size: int = 16
+    mixed_steps: bool = False
     max_waiting: int = 1024
     max_running_requests: int | None = None
     max_context_tokens: int | None = None
@@ -358,4 +363,5 @@ class EngineConfig:
             max_running_requests=self.resolved_max_running_requests,
             wait_for_prefetch=(self.cache.prefetch_policy if self.cache is not None else self.prefetch_policy)
             == "cost",
+            enable_mixed_steps=self.mixed_steps,
         )

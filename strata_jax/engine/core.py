@@ -60,6 +60,7 @@ class PlanRecord:
     deferred: tuple[str, ...]
     set_aside: tuple[str, ...]
     decode_first: bool
+    mixed: bool = False  # the decode rows rode in the extend's program
 
 
 @dataclass
@@ -72,6 +73,9 @@ class InflightStep:
     decode: Any = None
     decode_rows: list[TrackedRequest] = field(default_factory=list)
     decode_context: int = 0
+    # a mixed step: the decode rows ride in ``extend`` (after its prompt chunks; ``decode`` is None)
+    decode_in_extend: bool = False
+    decode_lengths: list[int] = field(default_factory=list)  # (mixed) each row's KV length at dispatch
     verify: Any = None  # speculating rows' verification (an extend of their last token + proposals)
     verify_rows: list[tuple[TrackedRequest, list[int]]] = field(default_factory=list)  # (row, its proposal)
     holds_rows: bool = False  # a row waits for its token here before its next step (a grammar's mask, a proposal)
@@ -129,6 +133,7 @@ class EngineCore:
             "pipeline_drains": 0,
             "held_row_drains": 0,
             "overlapped_steps": 0,
+            "mixed_steps": 0,  # prefill steps that carried the decode rows' tokens too
         }
         self.plan_log: list[PlanRecord] | None = None  # set to [] to record every step's decisions
         self.kv_event_recorder: KVEventRecorder | None = None  # set by the engine when KV events are published
@@ -369,13 +374,16 @@ class EngineCore:
                 prefill, no_pages = self._load_prefixes(prefill, loads)
             dropped |= no_pages
             prefill = [item for item in prefill if item.request_id not in dropped]
-            self._dispatch_extend(prefill, loads, step)
-            self._dispatch_decode(decode, step)
+            if plan.mixed and prefill and decode:  # one program: the chunks and a token per decode row
+                self._dispatch_extend(prefill, loads, step, decode)
+            else:
+                self._dispatch_extend(prefill, loads, step)
+                self._dispatch_decode(decode, step)
         # Last, so the extra pages its proposals need come after every page the plan budgeted.
         self._dispatch_verify(verify, step)
         if self.plan_log is not None:
             decoded = [t.request_id for t in step.decode_rows] + [t.request_id for t, _ in step.verify_rows]
-            self.plan_log.append(_record(plan, prefill, decoded))
+            self.plan_log.append(_record(plan, prefill, decoded, step.decode_in_extend))
         for rid in dropped:  # aborted before dispatch: clear the scheduler's in-flight mark
             if any(item.request_id == rid for item in plan.prefill):
                 self.scheduler.on_prefill_dispatched(rid)
@@ -383,7 +391,15 @@ class EngineCore:
                 self.scheduler.on_decode_dispatched(rid)
         return step if step.extend is not None or step.decode is not None or step.verify is not None else None
 
-    def _dispatch_extend(self, prefill: list[PrefillItem], loads: list[TransferHandle], step: InflightStep) -> None:
+    def _dispatch_extend(
+        self,
+        prefill: list[PrefillItem],
+        loads: list[TransferHandle],
+        step: InflightStep,
+        decode: list[TrackedRequest] | None = None,
+    ) -> None:
+        """The plan's prompt chunks as one extend; with ``decode`` (a mixed step), those rows'
+        next tokens in the same program, after the chunks (one token each, read on the device)."""
         if not prefill:
             return
         with self.executor.span("extend"):
@@ -396,6 +412,9 @@ class EngineCore:
                 targets = t.prompt_logprob_targets(t.computed, item.end)
                 work.append(ExtendChunk(t, tokens, t.computed, item.is_last_chunk, targets))
                 step.extend_items.append((item, t))
+            if decode:
+                step.decode_lengths = [t.computed for t in decode]
+                work.extend(ExtendChunk(t, (0,), n, device_token=True) for t, n in zip(decode, step.decode_lengths))
             step.extend_landed = all(self.ctl.is_ready(h) for h in loads)  # else its time includes the link's
             step.extend = self.executor.dispatch_extend(work, loads)
             for item, t in step.extend_items:
@@ -419,6 +438,10 @@ class EngineCore:
                     step.holds_rows = True
                 if t.params.max_tokens == 0 or self.rules.by_length(t.params, len(t.prompt_ids), t.generated):
                     self._last_token_dispatched(t)
+            if decode:
+                step.decode_in_extend = True
+                self._decode_dispatched(decode, step)
+                self.counters["mixed_steps"] += 1
         self.counters["prefill_steps"] += 1
 
     def _dispatch_decode(self, rows: list[TrackedRequest], step: InflightStep) -> None:
@@ -426,22 +449,26 @@ class EngineCore:
             return
         with self.executor.span("decode"):
             step.decode = self.executor.dispatch_decode(rows)
-            step.decode_rows = rows
-            by_length = self.rules.by_length
-            on_done = self.scheduler.on_decode_dispatched
-            context = 0
-            for t in rows:
-                on_done(t.request_id)
-                req = t.req  # read directly: this loop runs once per row per step
-                assert req is not None  # (admitted)
-                context += req.computed
-                if self._needs_token_on_host(t):
-                    self.scheduler.hold(t.request_id, True)
-                    step.holds_rows = True
-                if by_length(t.params, len(t.prompt_ids), req.generated):
-                    self._last_token_dispatched(t)
-            step.decode_context = context
+            self._decode_dispatched(rows, step)
         self.counters["decode_steps"] += 1
+
+    def _decode_dispatched(self, rows: list[TrackedRequest], step: InflightStep) -> None:
+        """The scheduler's and the stop rules' side of dispatching a token for each row."""
+        step.decode_rows = rows
+        by_length = self.rules.by_length
+        on_done = self.scheduler.on_decode_dispatched
+        context = 0
+        for t in rows:
+            on_done(t.request_id)
+            req = t.req  # read directly: this loop runs once per row per step
+            assert req is not None  # (admitted)
+            context += req.computed
+            if self._needs_token_on_host(t):
+                self.scheduler.hold(t.request_id, True)
+                step.holds_rows = True
+            if by_length(t.params, len(t.prompt_ids), req.generated):
+                self._last_token_dispatched(t)
+        step.decode_context = context
 
     # ------------------------------------------------------------------ speculation
     def _needs_token_on_host(self, t: TrackedRequest) -> bool:
@@ -577,8 +604,10 @@ class EngineCore:
             if step.extend_landed and out.seconds is not None:
                 # A step that waited for its loads timed the link as much as the compute: fitting
                 # it would teach the extend model that compute is dear and tokens are cheap.
+                # (A mixed step's decode rows are what they cost there: a token on their context.)
                 self.scheduler.cost.observe_extend(
-                    [(it.new_tokens, it.start) for it, _ in step.extend_items], out.seconds
+                    [(it.new_tokens, it.start) for it, _ in step.extend_items] + [(1, n) for n in step.decode_lengths],
+                    out.seconds,
                 )
             now = self.executor.now()
             for i, (item, t) in enumerate(step.extend_items):
@@ -589,6 +618,11 @@ class EngineCore:
                     t.prompt_logprobs = (t.prompt_logprobs or []) + lps
                 if item.is_last_chunk:
                     self._accept(t, out.tokens[i], out.logprobs.get(i), now, events)
+            if step.decode_in_extend:  # the decode rows' tokens follow the chunks'
+                first = len(step.extend_items)
+                for i, t in enumerate(step.decode_rows, first):
+                    if self._tracked.get(t.request_id) is t:
+                        self._accept(t, out.tokens[i], out.logprobs.get(i), now, events)
         if step.decode is not None:
             out = self.executor.collect(step.decode)
             if out.seconds is not None:
@@ -802,7 +836,7 @@ def _step_requests(step: InflightStep | None) -> set[str]:
     )
 
 
-def _record(plan: StepPlan, prefill: list[PrefillItem], decode: list[str]) -> PlanRecord:
+def _record(plan: StepPlan, prefill: list[PrefillItem], decode: list[str], mixed: bool) -> PlanRecord:
     return PlanRecord(
         round=plan.round,
         prefill=tuple((it.request_id, it.start, it.end) for it in prefill),
@@ -810,4 +844,5 @@ def _record(plan: StepPlan, prefill: list[PrefillItem], decode: list[str]) -> Pl
         deferred=tuple(plan.deferred),
         set_aside=tuple(plan.set_aside),
         decode_first=plan.decode_first,
+        mixed=mixed,
     )

@@ -97,6 +97,9 @@ class ExtendChunk(Generic[RowRef]):
     target's token after every position comes back (``StepOutput.picks``), not one sample,
     each picked as decoding would have picked it (greedy, or drawn with the row's
     processors and its PRNG key for that token's number); never split across steps.
+    ``device_token``: a decoding row's step in a prompt chunk's program (a mixed step):
+    one token, the row's last sample at its KV length, both as the device holds them
+    (``token_ids`` and ``start`` are placeholders: the host may not have read that sample).
     """
 
     row: RowRef
@@ -105,6 +108,7 @@ class ExtendChunk(Generic[RowRef]):
     keep_sample: bool = True
     prompt_logprob_targets: Sequence[int] | None = None
     verify: bool = False
+    device_token: bool = False
 
 
 @dataclass

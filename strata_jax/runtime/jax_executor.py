@@ -255,7 +255,9 @@ class JaxExecutor:
                 elif w.prompt_logprob_targets is not None:
                     first = start - w.start
                     targets = list(w.prompt_logprob_targets[first : first + len(piece)])
-                pieces.append(ExtendChunk(slot, piece, start, w.keep_sample and last_piece, targets, w.verify))
+                pieces.append(
+                    ExtendChunk(slot, piece, start, w.keep_sample and last_piece, targets, w.verify, w.device_token)
+                )
             want_lp = any(
                 w.row.params.logprobs is not None and p.keep_sample for (_, w, _, _, _), p in zip(batch, pieces)
             )

@@ -43,6 +43,9 @@ from strata_jax.runtime.buckets import power_of_two_buckets
 COUNT_SAMPLE = 2  # the sampled token is kept (not a prompt chunk that is not the last)
 VERIFY = 4  # extend rows: a speculative verification (the target's token after every position)
 HOST_TOKEN = 8  # decode rows: the input token is ``input_ids[row]``, not the slot's last sample
+# extend rows: a decode row riding in a prompt chunk's program (a mixed step): its one token is the
+# slot's last sample, at the slot's KV length, as a decode program would take them
+DEVICE_TOKEN = 16
 
 
 @jax.tree_util.register_dataclass

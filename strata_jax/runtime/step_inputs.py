@@ -15,6 +15,10 @@ extend (ragged prompt chunks; positions ``start[i] ..``)::
     slots [B]  input_ids [T]  query_start [B + 1]  start [B]  row_bits [B]
     pt_updates [T // page_size + 2B, 3]  targets [T]   (prompt-logprob targets, -1: none)
 
+An extend row with ``DEVICE_TOKEN`` is a decode row in a mixed step: one token, whose id
+(``input_ids``) and position (``start``) the program takes from the slot's last sample and
+KV length instead, as a decode program does (the host may not have read that sample yet).
+
 A pool with layer groups whose local pages have ids of their own adds ``local_map``
 (int32 ``[num_pages]``, global -> local page, -1 for none; a device array the runner
 copies only when it changed).
@@ -36,6 +40,7 @@ from strata_jax.models.llama import AttentionMetadata
 from strata_jax.runtime import sampling_step
 from strata_jax.runtime.seq_state import (
     COUNT_SAMPLE,
+    DEVICE_TOKEN,
     HOST_TOKEN,
     VERIFY,
     SeqTables,
@@ -87,6 +92,10 @@ def pack_extend(x: dict[str, np.ndarray], rows: Sequence[ExtendChunk[int]]) -> i
         ids[offset : offset + n] = r.token_ids
         start[i] = r.start
         bits[i] = (COUNT_SAMPLE if r.keep_sample else 0) | (VERIFY if r.verify else 0)
+        if r.device_token:
+            if n != 1 or r.verify or r.prompt_logprob_targets is not None:
+                raise ValueError("a decode row in an extend step carries exactly one token and nothing else")
+            bits[i] |= DEVICE_TOKEN
         if r.prompt_logprob_targets is not None:
             if len(r.prompt_logprob_targets) != n:
                 raise ValueError(f"{len(r.prompt_logprob_targets)} prompt logprob targets for {n} tokens")
@@ -134,10 +143,12 @@ def model_inputs(
         ends = jnp.zeros(num_tokens, jnp.int32).at[query_start[1:]].add(1, mode="drop")
         row_of_token = jnp.minimum(jnp.cumsum(ends), num_rows - 1)
         token_valid = t < query_start[num_rows]
-        positions = jnp.where(token_valid, x["start"][row_of_token] + t - query_start[row_of_token], 0)
-        input_ids = x["input_ids"]
+        device_row = valid & ((bits & DEVICE_TOKEN) != 0)  # a decode row of a mixed step
+        start = jnp.where(device_row, rows["seq_lens"], x["start"])
+        positions = jnp.where(token_valid, start[row_of_token] + t - query_start[row_of_token], 0)
+        input_ids = jnp.where(token_valid & device_row[row_of_token], rows["last_token"][row_of_token], x["input_ids"])
         lengths = query_start[1:] - query_start[:-1]
-        new_lens = jnp.where(valid & (lengths > 0), x["start"] + lengths, 0)
+        new_lens = jnp.where(valid & (lengths > 0), start + lengths, 0)
         last_index = jnp.maximum(query_start[1:] - 1, 0)
         targets = x["targets"]
         token_offset = t - query_start[row_of_token]

@@ -62,6 +62,13 @@ class SchedulerConfig:
         ``max_batch_tokens``, and the continuing chunks keep a batch slot each and the
         first claim on device pages, so a long prompt still advances every step.  0
         turns it off (continuing chunks first, then the queue).
+    enable_mixed_steps: a step with both prompt chunks and decode rows runs them as one
+        program (each decode row a one-token row of the extend) instead of an extend and a
+        decode, when the cost model's fitted times say one costs less than the two; the
+        prefill's token budget leaves a token per decode row (at most a quarter of it) so
+        the rows fit the chunk's program.  Saves the decode program's fixed cost (reading
+        every weight once more) on each step a prompt is prefilling; vLLM's chunked prefill
+        and SGLang's ``--enable-mixed-chunk`` do the same.
     """
 
     policy: str = "strata"
@@ -79,6 +86,7 @@ class SchedulerConfig:
     max_lookahead: int = 1024
     short_prefill_tokens: int = 64
     wait_for_prefetch: bool = False
+    enable_mixed_steps: bool = False
 
     def __post_init__(self) -> None:
         from strata_jax.scheduler.policy import available_policies  # no cycle at import time
@@ -109,6 +117,7 @@ class SchedulerConfig:
             "enable_bubble_filling",
             "enable_load_or_recompute",
             "wait_for_prefetch",
+            "enable_mixed_steps",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise SchedulerConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")

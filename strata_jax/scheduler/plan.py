@@ -7,6 +7,7 @@ The engine executes a ``StepPlan`` in this order (docs/design.md §4):
        ``plan.evict_device_tokens`` cold device tokens to L2 (never locked ones)
     3. issue the loads of ``plan.loads`` (L2->L1, L3->L2->L1) for those prefixes
     4. if plan.decode_first: run decode, then wait for loads, run extend
+       elif plan.mixed:      wait for loads, run extend with a token of each decode row in it
        else:                 wait for loads, run extend, then run decode
     5. report back: on_prefill_dispatched / on_decode_dispatched per request
 
@@ -71,6 +72,7 @@ class StepPlan:
     prefill: tuple[PrefillItem, ...] = ()
     decode: tuple[ScheduledRequest, ...] = ()
     decode_first: bool = False
+    mixed: bool = False  # the decode rows' tokens ride in the extend's program (one step, not two)
     evict_device_tokens: int = 0
     retract: tuple[ScheduledRequest, ...] = ()
     deferred: tuple[str, ...] = ()
@@ -115,6 +117,7 @@ class SchedulerStats:
     bundle_hits: int
     retractions: int
     decode_first_rounds: int
+    mixed_rounds: int  # rounds whose decode rows rode in the prefill's program
     recomputed_prompt_tokens: int  # prompt tokens computed (not taken from any tier)
     load_or_recompute_recomputed: int  # first chunks that recomputed a cached prefix instead of loading it
     load_or_recompute_tokens: int  # cached (L2/L3) tokens recomputed by that choice

@@ -46,6 +46,7 @@ class Stages:
     bubble_filling: bool
     load_or_recompute: bool = False
     short_first: bool = False  # short prefills that load nothing share continuing chunks' steps
+    mixed_steps: bool = False  # decode rows ride in the prefill chunk's program when the cost model says so
 
 
 def _strata(config: SchedulerConfig) -> Stages:
@@ -55,6 +56,7 @@ def _strata(config: SchedulerConfig) -> Stages:
         config.enable_bubble_filling,
         config.enable_load_or_recompute,
         short_first=config.short_prefill_tokens > 0,
+        mixed_steps=config.enable_mixed_steps,
     )
 
 

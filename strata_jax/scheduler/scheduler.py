@@ -75,6 +75,7 @@ class Scheduler:
             bundle_hits=0,
             retractions=0,
             decode_first_rounds=0,
+            mixed_rounds=0,
             recomputed_prompt_tokens=0,
             load_or_recompute_recomputed=0,
             load_or_recompute_tokens=0,
@@ -144,8 +145,10 @@ class Scheduler:
             retracted.append(victim)
 
         # 2. prefill batch: continuing chunks (leaving room for short prefills), the short ones, then the queue.
+        # Mixed steps leave a token per decode row in the budget, so the rows fit the chunk's program.
+        mix_room = len(decodes) if self.stages.mixed_steps and 0 < len(decodes) <= cfg.max_batch_tokens // 4 else 0
         batch = BatchBuilder(
-            token_budget=cfg.max_batch_tokens,
+            token_budget=cfg.max_batch_tokens - mix_room,
             max_size=cfg.max_prefill_batch_size,
             device_capacity=max(0, capacity - decode_need),
             page_size=ps,
@@ -209,11 +212,20 @@ class Scheduler:
             self.stages.bubble_filling and decodes and batch.items and unlanded and est_load > est_decode
         )
         self._c["decode_first_rounds"] += decode_first
+        # 5. mixed step: the decode rows as one-token rows of the extend, when the cost model says
+        # one program costs less than the two (on every device so far: a decode program's fixed
+        # cost, reading the weights, is saved; the rows add a token each to the chunk's matmuls).
+        mixed = False
+        if mix_room and batch.items and not decode_first:
+            est_mixed = self.cost.batch_extend_seconds(batch.extend_items() + [(1, r.seq_len) for r in decodes])
+            mixed = est_mixed <= est_prefill + est_decode
+        self._c["mixed_rounds"] += mixed
         return StepPlan(
             round=self._round,
             prefill=tuple(batch.items),
             decode=tuple(decodes),
             decode_first=decode_first,
+            mixed=mixed,
             evict_device_tokens=max(0, batch.need_tokens + decode_need - free),
             retract=tuple(retracted),
             deferred=tuple(queue.deferred),
