@@ -105,3 +105,28 @@ def test_a_prefix_cached_beyond_the_plan_is_not_loaded():
     assert ctl.free_device_tokens() // page == free - 4
     after = ctl.match_prefix(prompt, touch=False)  # the other 4 stay in L2 only
     assert (after.device_tokens, after.host_tokens) == (4 * page, 4 * page)
+
+
+def test_mixed_steps_run_through_the_simulator_with_the_same_hits():
+    """The simulator executes a mixed plan as the engine does (one extend program carrying the
+    decode rows as one-token items): every request finishes, rounds are mixed, and what the
+    cache served does not change."""
+    args = argparse.Namespace(
+        num_requests=16, docs=4, doc_tokens=1024, output_tokens=16, distance="max", seed=0, data_dir=None
+    )
+    setup = SimSetup(
+        model=load_model_spec("llama-3.1-8b"),
+        profile=load_profile("h200"),
+        page_size=16,
+        device_tokens=8192,
+        host_tokens=16384,
+        max_batch_tokens=512,
+    )
+    system = dataclasses.replace(SYSTEMS["strata"], tiers="L1+L2", layerwise=False)
+    runs = {
+        mixed: simulate(trace(args, 2.0), system, setup, 2.0, scheduler_overrides={"enable_mixed_steps": mixed})
+        for mixed in (False, True)
+    }
+    assert all(r.finished == args.num_requests for r in runs.values())
+    assert runs[False].extra["mixed_rounds"] == 0 < runs[True].extra["mixed_rounds"]
+    assert runs[True].extra["hit_tokens"] == runs[False].extra["hit_tokens"]

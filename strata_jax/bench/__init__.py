@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "structured": "strata_jax.bench.structured",
     "events": "strata_jax.bench.events",
     "prefill": "strata_jax.bench.prefill",
+    "mixed": "strata_jax.bench.mixed",
     "prefill-hf": "strata_jax.bench.prefill_hf",
     "roofline": "strata_jax.bench.roofline",
     "twin": "strata_jax.bench.twin",

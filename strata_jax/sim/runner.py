@@ -300,6 +300,7 @@ def simulate(
             "set_asides": c.set_asides,
             "bundle_hits": c.bundle_hits,
             "decode_first_rounds": c.decode_first_rounds,
+            "mixed_rounds": c.mixed_rounds,
             "load_or_recompute_requests": c.load_or_recompute_requests,
             "load_or_recompute_tokens": c.load_or_recompute_tokens,
             "prefill_busy_s": c.prefill_s,
@@ -327,6 +328,7 @@ class _Counters:
     set_asides: int
     bundle_hits: int
     decode_first_rounds: int
+    mixed_rounds: int
     load_or_recompute_requests: int
     load_or_recompute_tokens: int
     prefill_s: float
@@ -345,6 +347,7 @@ class _Counters:
             set_asides=s.set_asides,
             bundle_hits=s.bundle_hits,
             decode_first_rounds=s.decode_first_rounds,
+            mixed_rounds=s.mixed_rounds,
             load_or_recompute_requests=s.load_or_recompute_recomputed,
             load_or_recompute_tokens=s.load_or_recompute_tokens,
             prefill_s=st.prefill_s,
