@@ -199,3 +199,22 @@ def test_min_tokens_holds_a_stop_id_back_until_its_own_position_inside_a_run(eng
     # the stop was picked at a verification's later position, the ones before it were not
     assert any(stop in picks and picks.index(stop) > 0 for picks in verified), verified
     _clean(spec)
+
+
+def test_speculating_rows_beside_mixed_steps_keep_every_token(engines, monkeypatch):
+    """Verifying rows run their own program while plain decode rows ride in the prefill chunks'
+    (mixed steps): the tokens are those of the plain engine."""
+    plain = engines[0]
+    mixed_spec = _engine(SPEC, mixed_steps=True)
+    try:
+        _always_verify(monkeypatch, mixed_spec)
+        rng = np.random.default_rng(21)
+        prompts = _prompts(5, 2) + [rng.integers(0, 256, size=n).tolist() for n in (7, 700)]
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        want = plain.generate(prompts, params)
+        got = mixed_spec.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert mixed_spec.counters["mixed_steps"] > 0 and _spent(mixed_spec)[0] > 0
+        _clean(mixed_spec)
+    finally:
+        mixed_spec.shutdown()
