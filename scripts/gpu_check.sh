@@ -22,13 +22,14 @@
 #                          jax arrays; per-page copies; the engine's pipelined load) against
 #                          the link's peak (a contiguous 1 GiB copy, pageable and pinned)
 #                                                                            -> transfer.json
-#   roofline   2.0 / 2.83  bench roofline: Llama-3.1-8B width (32 layers, random bf16
+#   roofline   2.1 / 2.83  bench roofline: Llama-3.1-8B width (32 layers, random bf16
 #                          weights), 16K-token document: TTFT cold/L1/L2, prefill MFU,
 #                          decode step ms + HBM utilisation at batch 1/64/256 (1K-token
 #                          contexts), a speculative verification of 8 tokens per row at
-#                          batch 1/64 against its decode (the break-even acceptance), against
-#                          the device's memory bandwidth and matmul rate measured in the same
-#                          run
+#                          batch 1/64 against its decode (the break-even acceptance), a mixed
+#                          step (the 8K chunk with the decode rows of batch 1/64 in its program)
+#                          against the two programs, against the device's memory bandwidth
+#                          and matmul rate measured in the same run
 #                                                                            -> roofline.json
 #   calibrate  0.4 / 0.75  strata-jax simulate --calibrate (a profile of this device)
 #                                                                -> calibrated_profile.json

@@ -151,6 +151,14 @@ def test_roofline_results_have_ttft_per_tier_decode_per_batch_and_mfu(dry_run) -
     for batch in verified:
         _finite_positive(r, f"decode.batches.{batch}.verify_step_s", f"decode.batches.{batch}.verify_over_decode")
         assert r["decode"]["batches"][batch]["verify_tokens"] == 8
+    # the mixed step (a chunk with the decode rows in its program) against the two programs, at every batch
+    # whose rows fit beside the chunk in its program (the largest batch is the engine's max_batch_size)
+    mixed = {b for b, row in r["decode"]["batches"].items() if "mixed_step_s" in row}
+    assert mixed == {"1", "2"}
+    for batch in mixed:
+        row = f"decode.batches.{batch}."
+        _finite_positive(r, *(row + k for k in ("mixed_step_s", "chunk_alone_s", "mixed_over_separate")))
+        assert r["decode"]["batches"][batch]["mixed_chunk_tokens"] == 256 - int(batch)
 
 
 def test_calibrated_profile_is_a_profile_the_simulator_loads(dry_run) -> None:

@@ -27,6 +27,11 @@ of a checkpoint, so nothing is written to disk):
   step of that many rows x N tokens with the logits of every position (a speculative
   verification of N - 1 proposed tokens), its time over the decode step's: speculative
   decoding pays where the accepted tokens per verification exceed that ratio less one.
+* **mixed step**: at each batch whose rows fit beside the prefill chunk in its program (at
+  most a quarter of the chunk, and fewer than the engine's ``max_batch_size``, the largest
+  batch), one step of the chunk less a token per row plus that many
+  one-token decode rows (``EngineConfig.mixed_steps``), over the same chunk alone plus the
+  decode step: below 1, one program is cheaper than the two.
 
 The engine is built with ``warmup=False`` and no compilation cache; the step programs
 the run uses (the prefill chunk's and a page's extend, each batch's decode and
@@ -332,6 +337,27 @@ def _decode_batch(runner, config, batch: int, context: int, page_size: int, reps
     return {"first_step_s": first_s, "step_s": step_s, "pipelined_step_s": pipelined}
 
 
+def _mixed_batch(runner, config, batch: int, chunk: int, context: int, page_size: int, reps: int, rng) -> dict:
+    """Median seconds of one prompt chunk of ``chunk - batch`` tokens alone and with ``batch``
+    one-token decode rows at ``context`` in the same program (a mixed step)."""
+    from strata_jax.runtime.model_runner import SeqInput
+
+    rows = _sequences(config, batch, 1, context, page_size, rng, every_position=False)
+    first_page = max(p for s in rows for p in s.page_ids) + 1
+    tokens = chunk - batch
+    high = max(4, min(config.vocab_size, 32000) - 1)
+    prompt = SeqInput(
+        [int(t) for t in rng.integers(3, high, size=tokens)],
+        0,
+        list(range(first_page, first_page + -(-tokens // page_size))),
+    )
+    runner.step([prompt])
+    alone = _median_step(runner, [prompt], reps)
+    runner.step([prompt, *rows])
+    together = _median_step(runner, [prompt, *rows], reps)
+    return {"mixed_chunk_tokens": tokens, "chunk_alone_s": alone, "mixed_step_s": together}
+
+
 def run(args: argparse.Namespace) -> int:
     import jax
     import jax.numpy as jnp
@@ -367,7 +393,8 @@ def run(args: argparse.Namespace) -> int:
     ctx_limit = -(-(max(args.doc_tokens + ps, 2 * chunk, row_tokens)) // ps) * ps
     config = model_config(args.width, layers, max(131072, ctx_limit))
     pages_per_seq = -(-row_tokens // ps)
-    device_tokens = max(max(batches) * pages_per_seq * ps, 4 * (args.doc_tokens + ps))
+    # (the decode rows, and a prompt chunk beside them for the mixed step)
+    device_tokens = max(max(batches) * pages_per_seq * ps + chunk + ps, 4 * (args.doc_tokens + ps))
     host_tokens = 4 * (args.doc_tokens + ps)  # L2: the warm-up and the timed documents, with room
     report = _Report(args.json)
     r = report.data
@@ -515,6 +542,10 @@ def run(args: argparse.Namespace) -> int:
                         runner, config, batch, args.verify_tokens, args.decode_context, ps, args.step_reps, rng
                     )
                     row["verify_over_decode"] = row["verify_step_s"] / row["step_s"]
+                chunk_rows = min(s for s in runner.extend_shapes if s[0] >= chunk)[1]  # the precompiled program's
+                if 4 * batch <= chunk and batch + 1 <= chunk_rows:
+                    row.update(_mixed_batch(runner, config, batch, chunk, args.decode_context, ps, args.step_reps, rng))
+                    row["mixed_over_separate"] = row["mixed_step_s"] / (row["chunk_alone_s"] + row["step_s"])
                 r["decode"]["batches"][str(batch)] = row
     print(format_report(r))
     report.save()
@@ -565,6 +596,12 @@ def format_report(r: dict) -> str:
                 f"  verification of {batch} x {row['verify_tokens']} tokens: {row['verify_step_s'] * 1e3:.2f} ms = "
                 f"{row['verify_over_decode']:.2f}x the decode step (speculation pays above "
                 f"{max(0.0, row['verify_over_decode'] - 1):.2f} accepted tokens per verification)"
+            )
+        if "mixed_step_s" in row:
+            lines.append(
+                f"  mixed step, {row['mixed_chunk_tokens']}-token chunk + {batch} decode rows: "
+                f"{row['mixed_step_s'] * 1e3:.2f} ms vs {row['chunk_alone_s'] * 1e3:.2f} + "
+                f"{row['step_s'] * 1e3:.2f} ms as two programs = {row['mixed_over_separate']:.2f}x"
             )
     for name, err in r.get("errors", {}).items():
         lines.append(f"ERROR in {name}: {err}")
