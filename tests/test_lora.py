@@ -276,6 +276,31 @@ def test_batch_of_base_and_four_adapters_gives_every_row_its_own_tokens(gqa, tmp
         engine.shutdown()
 
 
+def test_adapter_rows_decoding_inside_mixed_steps_keep_peft_tokens(gqa, tmp_path):
+    """Rows of different adapters decode inside other prompts' 16-token chunks (mixed steps):
+    each one's tokens are its adapter's, as peft gives them."""
+    from strata_jax.engine.output import collect
+    from strata_jax.engine.sinks import CollectingSink
+
+    root, base, refs = gqa
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 96, size=n).tolist() for n in (5, 7, 60, 48)]
+    names = ["a8rs", "a4", None, "a4"]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    engine = _engine(
+        root, tmp_path / "l3", tiers="L1", start=False, max_batch_tokens=16, max_batch_size=8, mixed_steps=True
+    )
+    try:
+        sinks = [CollectingSink() for _ in prompts]
+        ids = [engine.submit(p, params, lora_name=n, sink=k) for p, n, k in zip(prompts, names, sinks)]
+        engine.run_until_idle()
+        for rid, sink, p, n in zip(ids, sinks, prompts, names):
+            assert collect(rid, sink.chunks).token_ids == _hf_greedy(base if n is None else refs[n], p, 6), n
+        assert engine.counters["mixed_steps"] > 0
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def long_gqa(tmp_path_factory):
     """A random GQA model with room for a 1,500-token prompt, and two adapters on it."""
