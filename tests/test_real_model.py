@@ -157,7 +157,8 @@ def test_convert_gives_a_folder_transformers_loads_with_the_same_model(smollm2_g
     assert (ours - ref).abs().max() <= 1e-4
 
 
-@pytest.mark.slow  # ~1 min: a second engine on the same GGUF and transformers on a 1,100-token prompt
+@pytest.mark.slow
+@pytest.mark.heavy  # ~1 min: a second engine on the same GGUF and transformers on a 1,100-token prompt
 def test_mixed_steps_keep_greedy_tokens_equal_to_transformers(smollm2_gguf, hf_model):
     """Two short prompts decode inside the 256-token chunks of a long one (mixed steps, issue 41)."""
     engine = Engine(

@@ -258,12 +258,16 @@ def measure_steps(engine: Any, chunk: int, first_id: int) -> dict[str, tuple[flo
     """The engine's step costs on this machine, measured through its own requests:
 
     * extend: TTFT of ``chunk`` new tokens on a cached prefix of 0, ``chunk`` and 2 ``chunk``
-      tokens (the prefix computed just before, so it is in L1), and of a short cold prompt;
+      tokens (the prefix computed just before, so it is in L1), and of short prompts (16 and
+      64 tokens cold, 16 on a ``chunk``-token prefix: a question's shape, whose time is mostly
+      the intercept ``a``; with the long points alone ``a`` came out 0.05 s in one calibration
+      and 0.10 s in the next, and the simulated TTFT of every question moved with it);
       least squares of ``a + b new + c pairs`` (``pairs`` = ``new (ctx + new / 2)``);
     * decode: per-token time after the first of 1 and 8 requests decoding together;
       ``a + b rows``.
 
-    Token ids are fresh runs from ``first_id`` (never cached before).  Best of two runs each.
+    Token ids are fresh runs from ``first_id`` (never cached before).  Best of three runs each
+    (two for the ``chunk``-token points).
     """
     import numpy as np
 
@@ -281,9 +285,10 @@ def measure_steps(engine: Any, chunk: int, first_id: int) -> dict[str, tuple[flo
 
     pool = engine.limits.kv_pages
     room = min(engine.max_context_tokens, pool * engine.page_size if pool else 1 << 30) - 2 * engine.page_size
-    points = [(min(64, chunk), 0), (chunk, 0), (chunk, chunk), (chunk, 2 * chunk)]
+    short = min(16, chunk)
+    points = [(short, 0), (min(64, chunk), 0), (short, chunk), (chunk, 0), (chunk, chunk), (chunk, 2 * chunk)]
     points = [(new, ctx) for new, ctx in points if new + ctx <= room]
-    if len(points) < 3:
+    if (chunk, chunk) not in points:  # (c, the attention term, needs a chunk on a chunk of context)
         raise SystemExit(
             f"calibration needs 2 x --max-batch-tokens ({2 * chunk}) tokens of context; L1 and the "
             f"context limit leave {room}"
@@ -291,7 +296,7 @@ def measure_steps(engine: Any, chunk: int, first_id: int) -> dict[str, tuple[flo
     rows, times = [], []
     for new, ctx in points:
         best = math.inf
-        for _ in range(2):
+        for _ in range(2 if new == chunk else 3):
             prefix = fresh(ctx)
             if ctx:
                 ttft(prefix)  # now cached in L1
