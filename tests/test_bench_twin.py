@@ -48,9 +48,19 @@ def test_twin_with_kv_layer_groups_turns_on_windows_on_both_sides(tmp_path):
     argv += ["--tolerance", "1e9", "--json", str(out)]
     assert run_benchmark("twin", argv) == 0
     doc = json.loads(out.read_text())
-    assert doc["windows"] == {"engine_moves_windows": True, "sim_window_loads": True, "sim_cached_share": 1.0}
+    assert doc["windows"] == {
+        "engine_moves_windows": True,
+        "sim_window_loads": True,
+        "sim_storage_window_reads": False,  # the engine's L3 objects hold every layer
+        "sim_cached_share": 1.0,
+    }
     (row,) = doc["rows"]
     engine, sim = row["engine"], row["sim"]
     assert engine["finished"] == sim["finished"] == 6
+    # each measured question on both sides, in arrival order: its TTFT and what each tier gave it
+    assert len(engine["per_request"]) == len(sim["per_request"]) == 6
+    for side in (engine, sim):
+        for r in side["per_request"]:
+            assert r["ttft_s"] > 0 and set(r["cached_tokens"]) >= {"device", "host", "storage"}
     hits_engine, hits_sim = sum(engine["hit_tokens"].values()), sum(sim["hit_tokens"].values())
     assert hits_engine > 0 and abs(hits_sim - hits_engine) <= 0.2 * hits_engine, (engine, sim)

@@ -63,6 +63,10 @@ def test_window_loads_move_fewer_bytes_only_when_asked():
         assert window.link_seconds(700, path) < 0.3 * full.link_seconds(700, path)
         assert window.link_seconds(10, path) == pytest.approx(full.link_seconds(10, path))  # inside every window
     assert window.storage_read_seconds(700) < 0.3 * full.storage_read_seconds(700)
+    # the engine's L3 objects hold every layer: its storage reads move whole pages, its loads the windows
+    engine_like = SimCostModel(profile, spec, 32, window_loads=True, storage_window_reads=False)
+    assert engine_like.storage_read_seconds(700) == pytest.approx(full.storage_read_seconds(700))
+    assert engine_like.link_seconds(700, "coalesced") == pytest.approx(window.link_seconds(700, "coalesced"))
     llama = load_model_spec("llama-3.1-8b")
     assert SimCostModel(profile, llama, 32, window_loads=True).link_seconds(700, "coalesced") == pytest.approx(
         SimCostModel(profile, llama, 32).link_seconds(700, "coalesced")

@@ -136,6 +136,11 @@ def run_engine(engine: Any, requests: list[Any], timeout_s: float = 1800.0) -> d
         "deferrals": after["deferrals"] - before["deferrals"],
         "finished": len(done),
         "late_submits": sum(1 for d in done if d["late_s"] > 0.05),
+        # each measured question in arrival order: its TTFT and what each tier gave it
+        "per_request": [
+            {"arrival_s": d["arrival_s"], "ttft_s": d["ttft_s"], "cached_tokens": d["cached_tokens"]}
+            for d in sorted(done, key=lambda d: d["arrival_s"])
+        ],
     }
 
 
@@ -161,6 +166,7 @@ def _submit_all(engine: Any, requests: list[Any], *, timed: bool, timeout_s: flo
                             "latency_s": chunk.latency_s,
                             "tokens": chunk.completion_tokens,
                             "finished_s": time.perf_counter() - t0,
+                            "cached_tokens": dict(chunk.cached_tokens),
                         }
                     )
                     if len(done) + len(errors) == len(requests):
@@ -228,6 +234,9 @@ def engine_sim_setup(engine: Any, profile: Any) -> tuple[Any, Any, dict[str, Any
         # load moves only the windows a reuse needs
         window_loads=settings.layer_groups is not None,
         cached_share=1.0 if settings.layer_groups is not None else None,
+        # but an L3 read moves whole pages: the engine's L3 objects hold every layer (docs/models.md);
+        # charging the window's share of their bytes made each Gemma question's L3 read ~2x too fast
+        storage_window_reads=False,
     )
     # The engine loads a step's pages before it computes (no layer-wise overlap on this path).
     system = dataclasses.replace(SYSTEMS["strata"], name="engine", tiers=cache.tiers, layerwise=False)
@@ -251,6 +260,7 @@ def run_sim(requests: list[Any], setup: Any, system: Any, overrides: dict[str, A
         "hit_tokens": {t: r.extra["hit_tokens"].get(t, 0) for t in TIERS},
         "deferrals": r.extra["deferrals"],
         "finished": r.finished,
+        "per_request": r.extra["per_request"],
     }
 
 
@@ -454,6 +464,7 @@ def run(args: argparse.Namespace) -> int:
             windows = {  # what --kv-layer-groups turned on, on each side
                 "engine_moves_windows": engine.ctl.windows.moves,
                 "sim_window_loads": setup.window_loads,
+                "sim_storage_window_reads": setup.storage_window_reads,
                 "sim_cached_share": setup.cached_share,
             }
             if args.profile:

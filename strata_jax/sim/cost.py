@@ -30,7 +30,10 @@
   pages for full-attention layers, the window's last pages for the others (what a
   window-aware hierarchy moves: the engine's with ``kv_layer_groups``, every layer without).
   Attention of a windowed layer counts at most ``window`` keys per query either way (the
-  kernels skip older blocks).
+  kernels skip older blocks).  ``storage_window_reads`` (default: as ``window_loads``) says
+  whether storage reads shrink too: False for the engine as it is, whose L3 objects hold
+  every layer of a page (docs/models.md), so an L3 read moves whole pages while the L2->L1
+  load after it moves only the windows.
 * ``cached_share`` (window-aware capacity, with ``window_loads`` in the simulator): a cached
   page costs that share of a full page in L1 and L2 (``ModelSpec.cached_share``: every
   page's global layers, the windowed layers' pages only in the window before a cached
@@ -57,6 +60,7 @@ class SimCostModel:
         tier_format: str = "full",
         window_loads: bool = False,
         cached_share: float = 1.0,
+        storage_window_reads: bool | None = None,
     ) -> None:
         if not 0.0 < cached_share <= 1.0:
             raise ValueError(f"cached_share must be in (0, 1], got {cached_share!r}")
@@ -65,6 +69,7 @@ class SimCostModel:
         self.page_size = page_size
         self.tier_format = tier_format
         self.window_loads = window_loads
+        self.storage_window_reads = window_loads if storage_window_reads is None else storage_window_reads
         self.cached_share = cached_share
         self.tier_page_bytes = model.tier_page_bytes(page_size, tier_format)
         self._tier_share = self.tier_page_bytes / model.page_bytes(page_size)  # of a full-width page
@@ -126,7 +131,8 @@ class SimCostModel:
         return 0.0 if t == 0 else moved / t / self.profile.link_peak_bytes_per_s
 
     def storage_read_seconds(self, num_pages: int) -> float:
-        return num_pages * self.tier_page_bytes * self._load_share(num_pages) / self.profile.storage_read_bytes_per_s
+        share = self._load_share(num_pages) if self.storage_window_reads else 1.0
+        return num_pages * self.tier_page_bytes * share / self.profile.storage_read_bytes_per_s
 
     def _load_share(self, num_pages: int) -> float:
         return self.model.load_share(num_pages, self.page_size) if self.window_loads else 1.0

@@ -59,6 +59,9 @@ class SimSetup:
     # are taken as they are (tokens of cached sequences, whatever their bytes).
     window_loads: bool = False
     cached_share: float | None = None
+    # storage reads window-sized too (None: as window_loads); False mirrors the engine, whose L3
+    # objects hold every layer of a page (sim/cost.py)
+    storage_window_reads: bool | None = None
 
 
 @dataclass
@@ -120,7 +123,15 @@ def build_core(
 ) -> tuple[EngineCore, SimExecutor, SimTimer]:
     clock = SimClock()
     share = 1.0 if setup.cached_share is None else setup.cached_share
-    cost = SimCostModel(setup.profile, setup.model, setup.page_size, setup.tier_format, setup.window_loads, share)
+    cost = SimCostModel(
+        setup.profile,
+        setup.model,
+        setup.page_size,
+        setup.tier_format,
+        setup.window_loads,
+        share,
+        storage_window_reads=setup.storage_window_reads,
+    )
     timer = SimTimer(clock, cost, system.io_path)
     page_bytes = cost.tier_page_bytes  # what L2 holds and a load moves per page
     device_tokens = setup.device_tokens or cost.device_kv_tokens()
@@ -205,6 +216,7 @@ def simulate(
     heap: list[tuple[float, int]] = [(0.0, i) for i, r in enumerate(requests) if r.warmup]
     offset = 0.0  # when the measured stream starts on the virtual clock
     ttft: list[float] = []
+    per_request: list[dict[str, Any]] = []  # each measured request: arrival, TTFT, what each tier gave it
     finished_at: list[float] = []
     out_tokens = 0
     prompt_tokens = 0
@@ -233,6 +245,9 @@ def simulate(
             return
         assert chunk.ttft_s is not None  # set on every last chunk
         ttft.append(chunk.ttft_s)
+        per_request.append(
+            {"arrival_s": requests[i].arrival_s, "ttft_s": chunk.ttft_s, "cached_tokens": dict(chunk.cached_tokens)}
+        )
         for tier, n in chunk.cached_tokens.items():
             reported[tier] = reported.get(tier, 0) + n
         finished_at.append(clock.t)
@@ -296,6 +311,7 @@ def simulate(
             else 0.0,
             "hit_tokens": dict(c.hit_tokens),
             "reported_cached_tokens": reported,
+            "per_request": sorted(per_request, key=lambda r: r["arrival_s"]),
             "deferrals": c.deferrals,
             "set_asides": c.set_asides,
             "bundle_hits": c.bundle_hits,
