@@ -75,7 +75,8 @@ def test_namespaces_never_share_cache(tiered_engine):
     assert a.token_ids == b.token_ids == a2.token_ids
 
 
-def test_engine_matches_hf_greedy_with_concurrent_requests(tmp_path):
+@pytest.mark.parametrize("mixed_steps", [False, True])  # True: decode rows ride in the chunks' program
+def test_engine_matches_hf_greedy_with_concurrent_requests(tmp_path, mixed_steps):
     hf = make_hf_model("qwen3", tmp_path / "m", seed=3)
     engine = Engine(
         EngineConfig(
@@ -87,6 +88,7 @@ def test_engine_matches_hf_greedy_with_concurrent_requests(tmp_path):
             max_batch_tokens=32,
             max_batch_size=4,
             max_context_tokens=256,
+            mixed_steps=mixed_steps,
         )
     )
     rng = np.random.default_rng(4)
@@ -102,6 +104,8 @@ def test_engine_matches_hf_greedy_with_concurrent_requests(tmp_path):
                 torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
             )
         assert out.token_ids == ref[0, len(prompt) :].tolist()
+    assert (engine.counters["mixed_steps"] > 0) is mixed_steps
+    assert engine.scheduler.stats().mixed_rounds == engine.counters["mixed_steps"]
     # again, now with the shared prefix cached
     again = engine.generate(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]

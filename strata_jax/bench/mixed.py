@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from strata_jax.api import SamplingParams, StreamChunk
+from strata_jax.bench.serve import percentile
 from strata_jax.engine.sinks import OutputSink
 
 DEMO_DOCUMENT = Path(__file__).resolve().parents[1] / "demo_data" / "loogle_picardo.json"
@@ -88,11 +89,6 @@ def _prompts(tokenizer, args: argparse.Namespace) -> tuple[list[list[int]], list
     return streams, docs
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def run_once(args: argparse.Namespace, mixed: bool) -> RunResult:
     from strata_jax.engine import Engine, EngineConfig
 
@@ -139,7 +135,7 @@ def run_once(args: argparse.Namespace, mixed: bool) -> RunResult:
         return RunResult(
             mixed=mixed,
             itl_mean_ms=1e3 * statistics.fmean(gaps),
-            itl_p99_ms=1e3 * _percentile(gaps, 0.99),
+            itl_p99_ms=1e3 * percentile(gaps, 99),
             doc_ttft_mean_s=statistics.fmean(t - arrived for t in first),
             doc_ttft_last_s=window_end - arrived,
             output_tok_s=outputs / (end - start),

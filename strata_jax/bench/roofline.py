@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -340,17 +341,11 @@ def _decode_batch(runner, config, batch: int, context: int, page_size: int, reps
 def _mixed_batch(runner, config, batch: int, chunk: int, context: int, page_size: int, reps: int, rng) -> dict:
     """Median seconds of one prompt chunk of ``chunk - batch`` tokens alone and with ``batch``
     one-token decode rows at ``context`` in the same program (a mixed step)."""
-    from strata_jax.runtime.model_runner import SeqInput
-
     rows = _sequences(config, batch, 1, context, page_size, rng, every_position=False)
     first_page = max(p for s in rows for p in s.page_ids) + 1
     tokens = chunk - batch
-    high = max(4, min(config.vocab_size, 32000) - 1)
-    prompt = SeqInput(
-        [int(t) for t in rng.integers(3, high, size=tokens)],
-        0,
-        list(range(first_page, first_page + -(-tokens // page_size))),
-    )
+    (prompt,) = _sequences(config, 1, tokens, 0, page_size, rng, every_position=False)
+    prompt = dataclasses.replace(prompt, page_ids=[first_page + p for p in prompt.page_ids])  # after the rows'
     runner.step([prompt])
     alone = _median_step(runner, [prompt], reps)
     runner.step([prompt, *rows])

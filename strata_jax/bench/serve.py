@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, nearest rank; NaN for none."""
     if not values:
         return float("nan")
     ordered = sorted(values)
@@ -233,9 +234,9 @@ def run_one(args: argparse.Namespace, policy: str, tiers: Tiers, rate: float, ca
         "errors": run.errors,
         "makespan_s": makespan,
         "ttft_mean": statistics.fmean(ttfts) if ttfts else float("nan"),
-        "ttft_p50": _percentile(ttfts, 50),
-        "ttft_p90": _percentile(ttfts, 90),
-        "ttft_p99": _percentile(ttfts, 99),
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p90": percentile(ttfts, 90),
+        "ttft_p99": percentile(ttfts, 99),
         "output_tps": out_tokens / makespan,
         "input_tps": in_tokens / makespan,
         "recomputed_tokens": stats["recomputed_tokens"],

@@ -78,6 +78,9 @@ class RunResult:
     simulated_s: float = 0.0
     wall_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    # each measured request in arrival order: arrival, TTFT, what each tier gave it (kept out of
+    # ``row()``: a study's JSON need not carry a record per request)
+    per_request: list[dict[str, Any]] = field(default_factory=list)
 
     def row(self) -> dict:
         keys = (
@@ -215,7 +218,6 @@ def simulate(
     outputs: dict[int, list[int]] = {}
     heap: list[tuple[float, int]] = [(0.0, i) for i, r in enumerate(requests) if r.warmup]
     offset = 0.0  # when the measured stream starts on the virtual clock
-    ttft: list[float] = []
     per_request: list[dict[str, Any]] = []  # each measured request: arrival, TTFT, what each tier gave it
     finished_at: list[float] = []
     out_tokens = 0
@@ -244,7 +246,6 @@ def simulate(
         if requests[i].warmup:
             return
         assert chunk.ttft_s is not None  # set on every last chunk
-        ttft.append(chunk.ttft_s)
         per_request.append(
             {"arrival_s": requests[i].arrival_s, "ttft_s": chunk.ttft_s, "cached_tokens": dict(chunk.cached_tokens)}
         )
@@ -290,6 +291,7 @@ def simulate(
     c = _Counters.read(core, executor).minus(before)
     first = min((requests[i].arrival_s for i in measured), default=0.0) + offset
     span = max(1e-9, (max(finished_at) if finished_at else first) - first)
+    ttft = [r["ttft_s"] for r in per_request]
     ttft_sorted = sorted(ttft)
     p99 = ttft_sorted[min(len(ttft_sorted) - 1, math.ceil(0.99 * len(ttft_sorted)) - 1)] if ttft_sorted else 0.0
     hits = sum(c.hit_tokens.values())
@@ -311,7 +313,6 @@ def simulate(
             else 0.0,
             "hit_tokens": dict(c.hit_tokens),
             "reported_cached_tokens": reported,
-            "per_request": sorted(per_request, key=lambda r: r["arrival_s"]),
             "deferrals": c.deferrals,
             "set_asides": c.set_asides,
             "bundle_hits": c.bundle_hits,
@@ -332,6 +333,7 @@ def simulate(
             "l1_tokens": core.ctl.device_alloc.num_pages * setup.page_size,
             "l2_tokens": core.ctl.host_alloc.num_pages * setup.page_size,
         },
+        per_request=sorted(per_request, key=lambda r: r["arrival_s"]),
     )
 
 
